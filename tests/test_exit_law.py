@@ -1,0 +1,184 @@
+"""The canonical exit law against brute-force enumeration and its structural identities."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from tevjax.exit_law import exit_law
+from tevjax.tree import DraftTree
+from treegen import (
+    assign_tokens,
+    brute_force_law,
+    chain,
+    exact_joint,
+    insert_padding,
+    random_parents,
+    softmax,
+    star,
+)
+
+TOL = 2e-6
+
+
+@jax.jit(static_argnums=3)
+def _law(tokens, parents, logits, temperature):
+    return exit_law(DraftTree.from_parents(tokens, parents), logits, temperature)
+
+
+def _law_np(tokens, parents, logits, temperature):
+    return jax.tree.map(np.asarray, _law(tokens, parents, logits, float(temperature)))
+
+
+@pytest.mark.parametrize("shape", ["chain", "star", "random", "deep"])
+@pytest.mark.parametrize("temperature", [1.0, 0.6, 0.0])
+def test_matches_brute_force_enumeration(shape, temperature):
+    rng = np.random.default_rng(hash((shape, temperature)) % 2**32)
+    vocab = 3
+    n = {"chain": 4, "star": 4, "random": 6, "deep": 6}[shape]
+    parents = {
+        "chain": lambda: chain(n),
+        "star": lambda: star(n),
+        "random": lambda: random_parents(n, rng, max_children=vocab),
+        "deep": lambda: random_parents(n, rng, max_children=2, bias=4.0),
+    }[shape]()
+    tokens = assign_tokens(parents, vocab, rng)
+    logits = rng.normal(size=(n, vocab)).astype(np.float32) * 1.5
+    joint, reach, rho = brute_force_law(tokens, parents, logits, temperature)
+    law = _law_np(tokens, parents, logits, temperature)
+    np.testing.assert_allclose(law.prefix_prob, reach, atol=TOL)
+    np.testing.assert_allclose(law.exit_prob, joint.sum(axis=1), atol=TOL)
+    mask = reach > 1e-9
+    np.testing.assert_allclose(law.local_exit[mask], rho[mask], atol=1e-5)
+    depth = np.asarray(DraftTree.from_parents(tokens, parents).depth)
+    np.testing.assert_allclose(law.coverage, (joint.sum(axis=1) * depth).sum(), atol=TOL)
+
+
+def _random_case(rng, n, vocab, pad=0):
+    parents = random_parents(n, rng, max_children=min(vocab, 4), bias=rng.uniform(0, 4))
+    tokens = assign_tokens(parents, vocab, rng, root_token=int(rng.integers(vocab)))
+    logits = rng.normal(size=(n, vocab)).astype(np.float32) * 2.0
+    return tokens, parents, logits
+
+
+N_MAX, V_MAX = 24, 9
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(n=st.integers(1, N_MAX), vocab=st.integers(2, V_MAX), seed=st.integers(0, 2**31 - 1))
+def test_identities_hold_on_random_trees(n, vocab, seed):
+    rng = np.random.default_rng(seed)
+    tokens, parents, logits = _random_case(rng, n, vocab)
+    # One static shape for every example (one compile): trailing padding slots, and tokens beyond
+    # the drawn vocabulary at -inf, which gives them probability 0 and so changes nothing.
+    tokens = np.pad(tokens, (0, N_MAX - n))
+    parents = np.pad(parents, (0, N_MAX - n), constant_values=-1)
+    logits = np.pad(logits, ((0, N_MAX - n), (0, V_MAX - vocab)), constant_values=-np.inf)
+    law = _law_np(tokens, parents, logits, 1.0)
+    tree = DraftTree.from_parents(tokens, parents)
+    depth = np.asarray(tree.depth)
+    anc = np.asarray(tree.ancestors)
+    assert np.all(law.exit_prob >= 0) and np.all(law.local_exit >= 0)
+    np.testing.assert_allclose(law.exit_prob.sum(), 1.0, atol=1e-5)
+    # C_p = sum_{v != r} P(v) = sum_v w(v) depth(v)   (paper Eq. 6)
+    np.testing.assert_allclose(law.coverage, law.prefix_prob[1:].sum(), atol=1e-5)
+    np.testing.assert_allclose(law.coverage, (law.exit_prob * depth).sum(), atol=1e-5)
+    # P(u) = sum of w over the subtree of u (probability conservation, paper Eq. 26)
+    np.testing.assert_allclose(law.prefix_prob, (anc * law.exit_prob[:, None]).sum(axis=0), atol=1e-5)
+    # closed form of the joint law
+    np.testing.assert_allclose(
+        law.exit_prob, exact_joint(tokens, parents, np.nan_to_num(logits, neginf=-1e30), 1.0).sum(1), atol=1e-5
+    )
+
+
+def test_padding_is_invisible():
+    rng = np.random.default_rng(7)
+    tokens, parents, logits = _random_case(rng, 10, 6)
+    law = _law_np(tokens, parents, logits, 0.8)
+    p_par, p_tok, new_index = insert_padding(parents, tokens, [1, 4, 4, 9, 10, 10])
+    p_logits = np.full((len(p_par), 6), np.nan, np.float32)  # padding rows may hold anything
+    p_logits[new_index] = logits
+    padded = _law_np(p_tok, p_par, p_logits, 0.8)
+    for field in ("prefix_prob", "local_exit", "exit_prob"):
+        got = getattr(padded, field)
+        np.testing.assert_allclose(got[new_index], getattr(law, field), atol=1e-7)
+        pad = np.setdiff1d(np.arange(len(p_par)), new_index)
+        assert np.all(got[pad] == 0.0)
+    np.testing.assert_allclose(padded.coverage, law.coverage, atol=1e-7)
+    assert not np.isnan(padded.exit_prob).any()
+
+
+def test_minus_inf_logits_give_zero_probability_and_no_nan():
+    tokens = np.array([0, 1, 2, 3], np.int32)
+    parents = np.array([-1, 0, 0, 1], np.int32)
+    logits = np.array(
+        [[0.0, -np.inf, 1.0, 0.5], [-np.inf, -np.inf, 2.0, -np.inf], [0.0, 0.0, 0.0, 0.0], [1.0, 2.0, 3.0, 4.0]],
+        np.float32,
+    )
+    law = _law_np(tokens, parents, logits, 1.0)
+    assert not np.isnan(law.exit_prob).any()
+    assert law.prefix_prob[1] == 0.0 and law.prefix_prob[3] == 0.0  # token 1 has -inf at the root
+    p_root = softmax(logits[0])
+    np.testing.assert_allclose(law.prefix_prob[2], p_root[2], rtol=1e-6)
+    np.testing.assert_allclose(law.exit_prob.sum(), 1.0, atol=1e-6)
+
+
+def test_children_covering_all_mass_clamp_to_zero_exit():
+    vocab = 5
+    parents = star(vocab + 1)
+    tokens = np.arange(vocab + 1, dtype=np.int32) - 1
+    tokens[0] = 0
+    # Large logits make 1 - sum(child probs) round to a tiny negative or positive number.
+    logits = np.tile(np.array([[30.0, 29.0, 28.0, 27.9, 27.7]], np.float32), (vocab + 1, 1))
+    law = _law_np(tokens, parents, logits, 1.0)
+    assert law.local_exit[0] == 0.0 or abs(law.local_exit[0]) < 1e-6
+    assert law.local_exit[0] >= 0 and np.all(law.exit_prob >= 0)
+    np.testing.assert_allclose(law.exit_prob.sum(), 1.0, atol=1e-5)
+
+
+def test_temperature_scales_logits():
+    rng = np.random.default_rng(3)
+    tokens, parents, logits = _random_case(rng, 12, 7)
+    hot = _law_np(tokens, parents, logits, 0.5)
+    scaled = _law_np(tokens, parents, logits / 0.5, 1.0)
+    np.testing.assert_allclose(hot.exit_prob, scaled.exit_prob, atol=1e-6)
+    cold = _law_np(tokens, parents, logits, 1e-4)
+    greedy = _law_np(tokens, parents, logits, 0.0)
+    np.testing.assert_allclose(cold.exit_prob, greedy.exit_prob, atol=1e-4)
+
+
+def test_greedy_law_is_point_mass_on_argmax_path():
+    vocab = 4
+    tokens = np.array([0, 2, 1, 3, 0], np.int32)
+    parents = np.array([-1, 0, 0, 1, 1], np.int32)
+    logits = np.zeros((5, vocab), np.float32)
+    logits[0, 2] = 5  # root -> node 1 (token 2)
+    logits[1, 3] = 5  # node 1 -> node 3 (token 3)
+    logits[3, 1] = 5  # node 3 is a leaf
+    law = _law_np(tokens, parents, logits, 0.0)
+    np.testing.assert_array_equal(law.exit_prob, [0, 0, 0, 1, 0])
+    np.testing.assert_array_equal(law.prefix_prob, [1, 1, 0, 1, 0])
+    assert law.coverage == 2.0
+
+
+def test_vmap_over_different_trees_equals_one_by_one_and_jit_equals_eager():
+    rng = np.random.default_rng(11)
+    cases = [_random_case(rng, 9, 6) for _ in range(5)]
+    tok = np.stack([c[0] for c in cases])
+    par = np.stack([c[1] for c in cases])
+    lg = np.stack([c[2] for c in cases])
+    temps = np.array([1.0, 0.7, 0.0, 1.3, 0.2], np.float32)
+
+    @jax.jit
+    @jax.vmap
+    def batched(t, p, l, temp):
+        return exit_law(DraftTree.from_parents(t, p), l, temp)
+
+    out = batched(tok, par, lg, temps)
+    for i, (t, p, l) in enumerate(cases):
+        one = _law_np(t, p, l, float(temps[i]))
+        eager = exit_law(DraftTree.from_parents(t, p), jnp.asarray(l), float(temps[i]))
+        for ref in (one, eager):
+            np.testing.assert_allclose(np.asarray(out.exit_prob[i]), np.asarray(ref.exit_prob), atol=1e-6)
+            np.testing.assert_allclose(np.asarray(out.coverage[i]), np.asarray(ref.coverage), atol=1e-6)

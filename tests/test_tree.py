@@ -1,0 +1,129 @@
+"""DraftTree construction and validation of untrusted trees."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from tevjax.tree import DraftTree, TreeValidationError, validate_tree
+from treegen import assign_tokens, random_parents
+
+
+def test_docstring_example():
+    tree = DraftTree.from_parents([7, 11, 12, 99, 13], [-1, 0, 0, -1, 1])
+    np.testing.assert_array_equal(tree.depth, [0, 1, 1, 0, 2])
+    np.testing.assert_array_equal(tree.valid, [True, True, True, False, True])
+    np.testing.assert_array_equal(tree.tokens, [7, 11, 12, 0, 13])  # padding token canonicalised
+    np.testing.assert_array_equal(
+        tree.ancestors.astype(int),
+        [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [0, 0, 0, 1, 0], [1, 1, 0, 0, 1]],
+    )
+    assert int(tree.size) == 4 and tree.num_nodes == 5 and tree.max_depth == 4
+
+
+def _reference_ancestors(parents):
+    n = len(parents)
+    anc = np.zeros((n, n), bool)
+    for i in range(n):
+        j = i
+        path = []
+        while j >= 0:
+            path.append(j)
+            if j == 0:
+                break
+            j = int(parents[j])
+        if path[-1] == 0:  # reaches the root: a real node
+            anc[i, path] = True
+        else:
+            anc[i, i] = True
+    return anc
+
+
+_from_parents = jax.jit(DraftTree.from_parents)
+
+
+@settings(max_examples=50, deadline=None, derandomize=True)
+@given(n=st.integers(1, 40), seed=st.integers(0, 2**31 - 1), pad_frac=st.sampled_from([0.0, 0.2, 0.5]))
+def test_structure_matches_reference(n, seed, pad_frac):
+    rng = np.random.default_rng(seed)
+    parents = random_parents(n, rng, max_children=3, bias=rng.uniform(-2, 8))
+    # Turn some nodes into padding: they and their whole subtrees must come out as padding.
+    parents[1:][rng.random(n - 1) < pad_frac] = -1
+    tokens = assign_tokens(np.where(parents >= 0, parents, 0), 50, rng)
+    tree = _from_parents(jnp.asarray(np.pad(tokens, (0, 40 - n))), jnp.asarray(np.pad(parents, (0, 40 - n), constant_values=-1)))
+    ref = _reference_ancestors(np.pad(parents, (0, 40 - n), constant_values=-1))
+    np.testing.assert_array_equal(np.asarray(tree.ancestors), ref)
+    valid = ref[:, 0]
+    np.testing.assert_array_equal(np.asarray(tree.valid), valid)
+    np.testing.assert_array_equal(np.asarray(tree.depth), np.where(valid, ref.sum(1) - 1, 0))
+    padded_parents = np.pad(parents, (0, 40 - n), constant_values=-1)
+    expected_children = (padded_parents[None, :] == np.arange(40)[:, None]) & valid[None, :]
+    np.testing.assert_array_equal(np.asarray(jax.jit(lambda t: t.children)(tree)), expected_children)
+
+
+def test_vmap_matches_single_and_chain_depth():
+    n = 65
+    chain = DraftTree.from_parents(np.arange(n), np.arange(n) - 1)
+    np.testing.assert_array_equal(chain.depth, np.arange(n))
+    assert bool(jnp.all(chain.ancestors == jnp.tril(jnp.ones((n, n), bool))))
+    rng = np.random.default_rng(0)
+    par = np.stack([random_parents(12, rng, 3) for _ in range(4)])
+    tok = np.stack([assign_tokens(p, 20, rng) for p in par])
+    batched = jax.vmap(DraftTree.from_parents)(tok, par)
+    for i in range(4):
+        one = DraftTree.from_parents(tok[i], par[i])
+        for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(batched)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b)[i])
+
+
+def test_wrong_rank_is_rejected():
+    with pytest.raises(ValueError, match="1-D tokens and parents"):
+        DraftTree.from_parents(np.zeros((2, 3), np.int32), np.zeros((2, 3), np.int32))
+
+
+GOOD_TOKENS = np.array([5, 1, 2, 3], np.int32)
+GOOD_PARENTS = np.array([-1, 0, 0, 1], np.int32)
+
+
+def test_valid_tree_passes():
+    validate_tree(GOOD_TOKENS, GOOD_PARENTS, logits=np.zeros((4, 8)), temperature=0.7)
+
+
+@pytest.mark.parametrize(
+    "tokens, parents, kwargs, message",
+    [
+        ([5, 1, 2], [0, 0, 0], {}, "node 0 is the root and must have parent -1"),
+        ([5, 1, 2], [-1, 0, 7], {}, r"node 2: parent index 7 is out of range \[0, 3\)"),
+        ([5, 1, 2], [-1, 0, -3], {}, r"node 2: parent index -3 is out of range"),
+        ([5, 1, 2], [-1, 2, 0], {}, "node 1: parent 2 is not earlier than the node"),
+        ([5, 1, 2], [-1, 1, 0], {}, "node 1: parent 1 is not earlier than the node"),
+        ([5, 1, 2, 4], [-1, -1, 0, 1], {}, "node 3 has padding node 1 as its parent"),
+        ([5, 1, 1], [-1, 0, 0], {}, "nodes 1 and 2 are siblings \\(parent 0\\) with the same token 1"),
+        ([5, 1, 9], [-1, 0, 0], {"vocab_size": 8}, r"node 2: token 9 is outside the vocabulary \[0, 8\)"),
+        ([5, -1, 2], [-1, 0, 0], {"vocab_size": 8}, r"node 1: token -1 is outside the vocabulary"),
+        ([5, 1, 2], [-1, 0, 0], {"logits": np.zeros((4, 8))}, r"logits must have shape \[N, V\] = \[3, V\]"),
+        ([5, 1, 2], [-1, 0, 0], {"logits": np.zeros(8)}, r"logits must have shape"),
+        ([5, 1, 2], [-1, 0, 0], {"temperature": -0.5}, "temperature must be a finite number >= 0"),
+        ([5, 1, 2], [-1, 0, 0], {"temperature": float("nan")}, "temperature must be a finite number >= 0"),
+        ([5, 1, 2], [-1, 0], {}, "equal length"),
+        ([], [], {}, "at least the root"),
+        ([5.0, 1.0], [-1, 0], {}, "tokens must be integers"),
+    ],
+)
+def test_validation_errors_name_the_culprit(tokens, parents, kwargs, message):
+    with pytest.raises(TreeValidationError, match=message):
+        validate_tree(np.asarray(tokens), np.asarray(parents), **kwargs)
+
+
+def test_logits_rows_are_checked_only_for_real_nodes():
+    logits = np.zeros((4, 8), np.float32)
+    logits[2] = np.nan
+    with pytest.raises(TreeValidationError, match="logits row of node 2 contains NaN"):
+        validate_tree(GOOD_TOKENS, GOOD_PARENTS, logits=logits)
+    logits[2] = -np.inf
+    with pytest.raises(TreeValidationError, match="logits row of node 2 is entirely -inf"):
+        validate_tree(GOOD_TOKENS, GOOD_PARENTS, logits=logits)
+    # the same garbage in a padding row is fine
+    logits[2] = np.nan
+    validate_tree(np.array([5, 1, 0, 3]), np.array([-1, 0, -1, 1]), logits=logits)

@@ -1,0 +1,290 @@
+"""Statistical conformance of the three exact verifiers to the canonical (exit node, bonus) law.
+
+False-alarm budget: every statistical assertion in this file uses a per-test significance level
+ALPHA = 1e-6 / NUM_STAT_TESTS (Bonferroni), so a correct implementation fails the whole file with
+probability below 1e-6. Seeds are fixed, so a given build passes or fails deterministically.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+from scipy import stats as sps
+
+from tevjax import verify as verify_mod
+from tevjax.exit_law import exit_law
+from tevjax.tree import DraftTree
+from tevjax.verify import verify
+from treegen import assign_tokens, chain, exact_joint, insert_padding, random_parents, star
+
+N_SLOTS, VOCAB, SAMPLES = 16, 6, 40_000
+METHODS = ("tev", "predraw", "sequential")
+TEMPS = (1.0, 0.6)
+
+
+def _case(name: str):
+    """A named tree (padded to N_SLOTS) with logits; deterministic per name."""
+    rng = np.random.default_rng(sum(map(ord, name)))
+    logits = None
+    if name == "chain":
+        parents = chain(7)
+    elif name == "star":
+        parents = star(6)
+    elif name == "deep":
+        parents = random_parents(12, rng, max_children=2, bias=6.0)
+    elif name == "wide":
+        parents = random_parents(14, rng, max_children=VOCAB, bias=-3.0)
+    elif name == "single_root":
+        parents = np.array([-1], np.int32)
+    elif name == "random":
+        parents = random_parents(16, rng, max_children=4)
+    elif name == "padded":
+        parents = random_parents(10, rng, max_children=3)
+    elif name == "minus_inf":
+        parents = random_parents(12, rng, max_children=3)
+    elif name == "argmax_chain":  # drafter == target: the chain follows each row's argmax
+        parents = chain(8)
+    elif name == "full_cover":  # root's children hold every token: rho(root) = 0
+        parents = star(VOCAB + 1)
+    else:
+        raise KeyError(name)
+    tokens = assign_tokens(parents, VOCAB, rng, root_token=3)
+    n = len(parents)
+    logits = (rng.normal(size=(n, VOCAB)) * 1.5).astype(np.float32)
+    if name == "minus_inf":
+        logits[rng.random(size=logits.shape) < 0.3] = -np.inf
+        logits[np.arange(n), rng.integers(VOCAB, size=n)] = 0.0  # keep every row proper
+    if name == "argmax_chain":
+        for i in range(1, n):
+            logits[i - 1, tokens[i]] = logits[i - 1].max() + 1.0
+    if name == "full_cover":
+        tokens[1:] = np.arange(VOCAB)
+    if name == "padded":
+        parents, tokens, idx = insert_padding(parents, tokens, [2, 5, 5, 9])
+        full = np.full((len(parents), VOCAB), np.nan, np.float32)
+        full[idx] = logits
+        logits = full
+        n = len(parents)
+    pad = N_SLOTS - n
+    tokens = np.pad(tokens, (0, pad))
+    parents = np.pad(parents, (0, pad), constant_values=-1)
+    logits = np.pad(logits, ((0, pad), (0, 0)), constant_values=7.0)
+    return tokens.astype(np.int32), parents.astype(np.int32), logits
+
+
+CASES = ("chain", "star", "deep", "wide", "single_root", "random", "padded", "minus_inf", "argmax_chain", "full_cover")
+NUM_STAT_TESTS = 2 * len(CASES) * len(METHODS) * len(TEMPS) + 3  # joint + mean tests, + power checks
+ALPHA = 1e-6 / NUM_STAT_TESTS
+
+
+@functools.partial(jax.jit, static_argnames=("method", "temperature"))
+def _sample(keys, tokens, parents, logits, method, temperature):
+    tree = DraftTree.from_parents(tokens, parents)
+    return jax.vmap(lambda k: verify(k, tree, logits, temperature, method))(keys)
+
+
+def _chi2_pvalue(exit_nodes, bonus, joint):
+    """Pearson chi-square of observed (exit, bonus) pairs against `joint`; cells with expected
+    count < 5 are pooled. An outcome of exact probability 0 is a hard failure (p = 0)."""
+    n_samples = len(exit_nodes)
+    counts = np.zeros(joint.shape)
+    np.add.at(counts, (exit_nodes, bonus), 1)
+    if np.any(counts[joint <= 0] > 0):
+        return 0.0
+    expected = joint.ravel() * n_samples
+    obs = counts.ravel()
+    keep = expected >= 5
+    o = np.append(obs[keep], obs[~keep].sum())
+    e = np.append(expected[keep], expected[~keep].sum())
+    if e[-1] == 0:
+        o, e = o[:-1], e[:-1]
+    if len(e) < 2:
+        return 1.0
+    stat = np.sum((o - e) ** 2 / e)
+    return float(sps.chi2.sf(stat, len(e) - 1))
+
+
+@pytest.mark.parametrize("temperature", TEMPS)
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("case", CASES)
+def test_joint_law_and_mean_block_length(case, method, temperature):
+    tokens, parents, logits = _case(case)
+    keys = jax.random.split(jax.random.key(hash((case, method, temperature)) % 2**31), SAMPLES)
+    out = _sample(keys, tokens, parents, logits, method, temperature)
+    exit_nodes = np.asarray(out.exit_node)
+    bonus = np.asarray(out.bonus_token)
+    clean = np.where(np.isnan(logits), 0.0, logits)
+    joint = exact_joint(tokens, parents, clean, temperature)
+    p = _chi2_pvalue(exit_nodes, bonus, joint)
+    assert p > ALPHA, f"{case}/{method}/T={temperature}: joint law rejected, p={p:.3g}"
+
+    law = exit_law(DraftTree.from_parents(tokens, parents), jnp.asarray(logits), temperature)
+    depth = np.asarray(DraftTree.from_parents(tokens, parents).depth)
+    w = np.asarray(law.exit_prob, np.float64)
+    mean_d, var_d = (w * depth).sum(), (w * depth**2).sum() - (w * depth).sum() ** 2
+    lengths = np.asarray(out.num_tokens)
+    np.testing.assert_allclose(mean_d, float(law.coverage), atol=1e-5)
+    if var_d > 1e-9:
+        z = (lengths.mean() - (1.0 + mean_d)) / np.sqrt(var_d / SAMPLES)
+        assert abs(z) < sps.norm.isf(ALPHA / 2), f"mean block length {lengths.mean():.4f} vs 1 + C_p = {1 + mean_d:.4f}"
+    else:  # a deterministic block length (e.g. a single-root tree)
+        assert np.all(lengths == round(1 + mean_d))
+
+
+# --- power: deliberately broken verifiers must be rejected by the same test --------------------
+
+
+def _broken_bonus_not_residual(key, tree, logits, temperature):
+    """TEV whose bonus is drawn from p_v itself instead of the residual (a classic bug)."""
+    stats = verify_mod._sample_stats(tree, logits, temperature)
+    law = verify_mod.law_from_edges(tree, stats.edge_prob)
+    k1, k2 = jax.random.split(key)
+    exit_node = jax.random.categorical(k1, jnp.log(law.exit_prob)).astype(jnp.int32)
+    return verify_mod._assemble(tree, exit_node, jax.random.categorical(k2, stats.scaled_logits[exit_node]))
+
+
+def _broken_sequential_no_renormalisation(key, tree, logits, temperature):
+    """Sequential verification that accepts child j with p(x_j) instead of p(x_j) / (1 - M)."""
+    stats = verify_mod._sample_stats(tree, logits, temperature)
+    is_edge = tree.valid & (tree.parents >= 0)
+    idx = jnp.arange(tree.num_nodes)
+    k1, k2 = jax.random.split(key)
+    u = jax.random.uniform(k1, (tree.num_nodes,))
+    earlier = (tree.parents[:, None] == tree.parents[None, :]) & is_edge[None, :] & (idx[None, :] < idx[:, None])
+    passes = is_edge & (u < stats.edge_prob)
+    chosen = passes & ~jnp.any(earlier & passes[None, :], axis=-1)
+    exit_node = verify_mod._deepest(tree, verify_mod._reached(tree, chosen))
+    return verify_mod._assemble(tree, exit_node, verify_mod._residual_draw(k2, tree, stats, exit_node))
+
+
+def _broken_predraw_fresh_bonus(key, tree, logits, temperature):
+    """Predraw whose bonus is a fresh draw instead of the node's own pre-drawn token."""
+    k1, k2 = jax.random.split(key)
+    out = verify_mod._predraw(k1, tree, logits, temperature)
+    z = logits[out.exit_node] / temperature
+    return verify_mod._assemble(tree, out.exit_node, jax.random.categorical(k2, z))
+
+
+@pytest.mark.parametrize(
+    "broken", [_broken_bonus_not_residual, _broken_sequential_no_renormalisation, _broken_predraw_fresh_bonus]
+)
+def test_broken_verifiers_are_rejected(broken):
+    tokens, parents, logits = _case("star")
+    tree = DraftTree.from_parents(tokens, parents)
+    keys = jax.random.split(jax.random.key(5), SAMPLES)
+    out = jax.jit(jax.vmap(lambda k: broken(k, tree, jnp.asarray(logits), jnp.float32(1.0))))(keys)
+    joint = exact_joint(tokens, parents, logits, 1.0)
+    p = _chi2_pvalue(np.asarray(out.exit_node), np.asarray(out.bonus_token), joint)
+    assert p < 1e-12, f"the conformance test failed to reject {broken.__name__} (p={p:.3g})"
+
+
+# --- greedy, structure, batching, compilation --------------------------------------------------
+
+
+def _greedy_reference(tokens, parents, logits):
+    v, path = 0, []
+    while True:
+        top = int(np.argmax(logits[v]))
+        nxt = [u for u in range(1, len(parents)) if parents[u] == v and tokens[u] == top]
+        if not nxt:
+            return path, top
+        v = nxt[0]
+        path.append(v)
+
+
+@pytest.mark.parametrize("case", ["chain", "argmax_chain", "random", "padded", "minus_inf"])
+def test_greedy_follows_argmax_path_for_every_method(case):
+    tokens, parents, logits = _case(case)
+    tree = DraftTree.from_parents(tokens, parents)
+    real = np.asarray(tree.valid)
+    path, bonus = _greedy_reference(tokens, np.where(real, parents, -1), np.where(np.isnan(logits), 0, logits))
+    for method in METHODS:
+        out = verify(jax.random.key(0), tree, jnp.asarray(logits), 0.0, method)
+        assert int(out.num_accepted) == len(path)
+        assert list(np.asarray(out.path)[: len(path)]) == path
+        assert int(out.bonus_token) == bonus
+        expected = [int(tokens[v]) for v in path] + [bonus]
+        assert list(np.asarray(out.tokens)[: len(expected)]) == expected
+    if case == "argmax_chain":
+        assert len(path) == 7  # drafter == target accepts the whole greedy chain
+
+
+def test_traced_temperature_matches_static():
+    tokens, parents, logits = _case("random")
+    tree = DraftTree.from_parents(tokens, parents)
+    key = jax.random.key(3)
+    for method in METHODS:
+        traced_fn = jax.jit(lambda temp, m=method: verify(key, tree, jnp.asarray(logits), temp, m))
+        static_fn = jax.jit(lambda m=method, t=0.0: verify(key, tree, jnp.asarray(logits), t, m), static_argnums=(0, 1))
+        for t in (0.0, 0.6):
+            chex_equal(static_fn(method, t), traced_fn(jnp.float32(t)))
+
+
+def chex_equal(a, b):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_vmap_over_trees_equals_one_by_one_and_jit_equals_eager():
+    names = ["chain", "deep", "random", "padded", "minus_inf", "single_root"]
+    cases = [_case(n) for n in names]
+    tok = jnp.asarray(np.stack([c[0] for c in cases]))
+    par = jnp.asarray(np.stack([c[1] for c in cases]))
+    lg = jnp.asarray(np.stack([c[2] for c in cases]))
+    keys = jax.random.split(jax.random.key(9), len(cases))
+    for method in METHODS:
+        for t in (0.0, 0.8):
+            batched = jax.jit(
+                jax.vmap(lambda k, a, b, c: verify(k, DraftTree.from_parents(a, b), c, t, method))
+            )(keys, tok, par, lg)
+            for i in (1, 3):  # eager dispatch is slow on CPU: spot-check two rows, incl. the padded one
+                eager = verify(keys[i], DraftTree.from_parents(tok[i], par[i]), lg[i], t, method)
+                chex_equal(jax.tree.map(lambda x: x[i], batched), eager)
+
+
+N_PROP, V_PROP = 20, 8
+
+
+@functools.partial(jax.jit, static_argnames=("method",))
+def _verify_one(key, tokens, parents, logits, temperature, method):
+    tree = DraftTree.from_parents(tokens, parents)
+    return verify(key, tree, logits, temperature, method), exit_law(tree, logits, temperature)
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(
+    n=st.integers(1, N_PROP),
+    seed=st.integers(0, 2**31 - 1),
+    method=st.sampled_from(METHODS),
+    temperature=st.sampled_from([0.0, 0.3, 1.0, 2.0]),
+    neg_inf_frac=st.sampled_from([0.0, 0.5]),
+)
+def test_output_structure_properties(n, seed, method, temperature, neg_inf_frac):
+    rng = np.random.default_rng(seed)
+    parents = random_parents(n, rng, max_children=V_PROP, bias=rng.uniform(-3, 6))
+    tokens = assign_tokens(parents, V_PROP, rng, root_token=int(rng.integers(V_PROP)))
+    logits = rng.normal(size=(n, V_PROP)).astype(np.float32) * 3
+    logits[rng.random(size=logits.shape) < neg_inf_frac] = -np.inf
+    logits[np.arange(n), rng.integers(V_PROP, size=n)] = 1.0
+    pad = N_PROP - n
+    tokens = np.pad(tokens, (0, pad))
+    parents = np.pad(parents, (0, pad), constant_values=-1)
+    logits = np.pad(logits, ((0, pad), (0, 0)), constant_values=np.nan)  # garbage padding rows
+    out, law = _verify_one(jax.random.key(seed), tokens, parents, logits, jnp.float32(temperature), method)
+    out, law = jax.tree.map(np.asarray, (out, law))
+    d, v, y = int(out.num_accepted), int(out.exit_node), int(out.bonus_token)
+    assert out.num_tokens == d + 1
+    path = list(out.path[:d])
+    assert all(p >= 0 for p in path) and all(p == -1 for p in out.path[d:])
+    chain_ = [0] + path
+    assert all(parents[chain_[i + 1]] == chain_[i] for i in range(d))  # a root path
+    assert (path[-1] if path else 0) == v
+    assert list(out.tokens[:d]) == [tokens[p] for p in path] and out.tokens[d] == y
+    assert all(t == -1 for t in out.tokens[d + 1 :])
+    assert law.exit_prob[v] > 0, "exited at a node of zero exit probability"
+    assert np.isfinite(logits[v, y]), "bonus token has zero target probability"
+    children_tokens = {int(tokens[u]) for u in range(1, N_PROP) if parents[u] == v}
+    assert y not in children_tokens, "bonus token repeats a drafted child of the exit node"

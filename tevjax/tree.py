@@ -1,0 +1,217 @@
+"""Padded, static-shape draft trees.
+
+A draft tree of static size N is four arrays plus one derived mask (letter legend: N tree nodes,
+V vocabulary). Node 0 is the root: its token is the last committed token and its logits row is the
+target's next-token distribution after the committed prefix. Every real node i > 0 has a parent
+0 <= parents[i] < i, so parents always come before children and one left-to-right pass is a valid
+topological order. A node i > 0 with parents[i] == -1 is padding: it takes no part in any law,
+and a padded tree behaves exactly like the same tree without the padding.
+
+Worked example (N = 5; node 3 is padding)::
+
+    tokens   = [ 7, 11, 12,  0, 13]      root "7"
+    parents  = [-1,  0,  0, -1,  1]      ├── 11 (node 1)
+    depth    = [ 0,  1,  1,  0,  2]      │   └── 13 (node 4)
+    valid    = [ T,  T,  T,  F,  T]      └── 12 (node 2)
+
+    ancestors[i, j] = "j is an ancestor of i, or i itself"   (rows: query i, columns: key j)
+        j:  0  1  2  3  4
+    i=0  [  1  0  0  0  0 ]
+    i=1  [  1  1  0  0  0 ]
+    i=2  [  1  0  1  0  0 ]
+    i=3  [  0  0  0  1  0 ]   padding sees only itself, so attention rows never go empty
+    i=4  [  1  1  0  0  1 ]
+
+`ancestors` is the tree-attention mask of the target's one-pass tree forward and also the matrix
+that turns per-edge probabilities into prefix probabilities (see `tevjax.exit_law`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["DraftTree", "TreeValidationError", "validate_tree"]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DraftTree:
+    """A padded draft tree; see the module docstring for the layout and a worked example.
+
+    Build it with `DraftTree.from_parents`, which derives `depth`, `valid` and `ancestors` and
+    canonicalises padding (padding tokens become 0, so they are always valid embedding ids).
+    All fields may carry leading batch axes (e.g. under `jax.vmap`).
+    """
+
+    tokens: jax.Array  # [N] int32 token of each node (root: last committed token; padding: 0)
+    parents: jax.Array  # [N] int32 parent index; -1 for the root and for padding
+    depth: jax.Array  # [N] int32 number of edges from the root; 0 for the root and padding
+    valid: jax.Array  # [N] bool   True for the root and every real node
+    ancestors: jax.Array  # [N, N] bool ancestors[i, j]: j is an ancestor-or-self of i
+
+    @property
+    def num_nodes(self) -> int:
+        """Static slot count N (root + real nodes + padding)."""
+        return self.tokens.shape[-1]
+
+    @property
+    def max_depth(self) -> int:
+        """Static upper bound on the depth of any node: N - 1 (a chain)."""
+        return self.tokens.shape[-1] - 1
+
+    @property
+    def size(self) -> jax.Array:
+        """Traced count of real nodes, root included."""
+        return jnp.sum(self.valid, axis=-1)
+
+    @property
+    def children(self) -> jax.Array:
+        """[N, N] bool: children[v, u] is True when u is a real child of v."""
+        idx = jnp.arange(self.num_nodes)
+        return (self.parents[..., None, :] == idx[:, None]) & self.valid[..., None, :]
+
+    @classmethod
+    def from_parents(cls, tokens: Any, parents: Any) -> "DraftTree":
+        """Builds a tree from `tokens[N]` and `parents[N]`; jittable, no branching on values.
+
+        Structure is derived by pointer doubling: after k rounds every node knows its ancestors up
+        to distance 2**k, so ceil(log2(N - 1)) static rounds of row gathers give the full
+        ancestor-or-self mask in O(N^2 log N) work with no loop over nodes.
+
+        Nodes that cannot reach the root (padding, children of padding, or a parent index that is
+        not earlier than the node) come out as padding. `validate_tree` reports such inputs as
+        errors before they reach jitted code.
+        """
+        tokens = jnp.asarray(tokens, jnp.int32)
+        parents = jnp.asarray(parents, jnp.int32)
+        if tokens.ndim != 1 or parents.shape != tokens.shape:
+            raise ValueError(
+                "DraftTree.from_parents expects 1-D tokens and parents of equal length, got "
+                f"tokens {tokens.shape} and parents {parents.shape}; use jax.vmap for batches"
+            )
+        n = tokens.shape[0]
+        idx = jnp.arange(n, dtype=jnp.int32)
+        # Root and padding point at themselves; so does any node whose parent index is not
+        # strictly earlier (that would not be a tree, and a self-loop cannot reach the root).
+        jump = jnp.where((parents >= 0) & (parents < idx), parents, idx)
+        anc = (idx[:, None] == idx[None, :]) | (jump[:, None] == idx[None, :])
+        for _ in range(max(1, math.ceil(math.log2(max(n - 1, 1))))):
+            anc = anc | anc[jump]
+            jump = jump[jump]
+        valid = anc[:, 0]
+        eye = idx[:, None] == idx[None, :]
+        ancestors = jnp.where(valid[:, None], anc & valid[None, :], eye)
+        depth = jnp.where(valid, jnp.sum(ancestors, axis=1) - 1, 0).astype(jnp.int32)
+        return cls(
+            tokens=jnp.where(valid, tokens, 0),
+            parents=jnp.where(valid & (idx > 0), parents, -1),
+            depth=depth,
+            valid=valid,
+            ancestors=ancestors,
+        )
+
+
+class TreeValidationError(ValueError):
+    """An untrusted tree, logits array or temperature is malformed; the message names the culprit."""
+
+
+def validate_tree(
+    tokens: Any,
+    parents: Any,
+    *,
+    logits: Any | None = None,
+    vocab_size: int | None = None,
+    temperature: float | None = None,
+) -> None:
+    """Checks an untrusted tree (and optionally its logits and temperature) outside `jit`.
+
+    Raises `TreeValidationError` naming the first offending node, tensor or value. Checks:
+    1-D equal-length tokens/parents; node 0 is a root (parent -1); every parent index is -1 or
+    earlier than its node; no real node hangs below a padding node; sibling tokens are distinct;
+    tokens lie in [0, V); logits are [N, V] and every real row is NaN-free with some finite
+    entry; temperature is a finite number >= 0.
+    """
+    tok = np.asarray(tokens)
+    par = np.asarray(parents)
+    if tok.ndim != 1 or par.ndim != 1 or tok.shape != par.shape:
+        raise TreeValidationError(
+            f"tokens and parents must be 1-D arrays of equal length; got tokens {tok.shape} and "
+            f"parents {par.shape}"
+        )
+    n = tok.shape[0]
+    if n == 0:
+        raise TreeValidationError("a tree needs at least the root node; got 0 nodes")
+    for name, arr in (("tokens", tok), ("parents", par)):
+        if not np.issubdtype(arr.dtype, np.integer):
+            raise TreeValidationError(f"{name} must be integers, got dtype {arr.dtype}")
+    if par[0] != -1:
+        raise TreeValidationError(f"node 0 is the root and must have parent -1, got {par[0]}")
+    real = np.zeros(n, bool)
+    real[0] = True
+    for i in range(1, n):
+        p = int(par[i])
+        if p == -1:
+            continue
+        if p < 0 or p >= n:
+            raise TreeValidationError(f"node {i}: parent index {p} is out of range [0, {n})")
+        if p >= i:
+            raise TreeValidationError(
+                f"node {i}: parent {p} is not earlier than the node (parents must precede children)"
+            )
+        if not real[p]:
+            raise TreeValidationError(
+                f"node {i} has padding node {p} as its parent (a padding node cannot have real children)"
+            )
+        real[i] = True
+    seen: dict[tuple[int, int], int] = {}
+    for i in range(1, n):
+        if real[i]:
+            key = (int(par[i]), int(tok[i]))
+            if key in seen:
+                raise TreeValidationError(
+                    f"nodes {seen[key]} and {i} are siblings (parent {key[0]}) with the same token "
+                    f"{key[1]}; sibling tokens must be distinct"
+                )
+            seen[key] = i
+
+    if logits is not None:
+        lg = np.asarray(logits)
+        if lg.ndim != 2 or lg.shape[0] != n:
+            raise TreeValidationError(
+                f"logits must have shape [N, V] = [{n}, V] for a tree of {n} nodes; got {lg.shape}"
+            )
+        if vocab_size is not None and lg.shape[1] != vocab_size:
+            raise TreeValidationError(
+                f"logits have vocabulary {lg.shape[1]} but vocab_size={vocab_size}"
+            )
+        vocab_size = lg.shape[1]
+        rows = lg[real].astype(np.float32)
+        bad_nan = np.isnan(rows).any(axis=1)
+        if bad_nan.any():
+            node = int(np.flatnonzero(real)[np.argmax(bad_nan)])
+            raise TreeValidationError(f"logits row of node {node} contains NaN")
+        bad_empty = ~(rows > -np.inf).any(axis=1)
+        if bad_empty.any():
+            node = int(np.flatnonzero(real)[np.argmax(bad_empty)])
+            raise TreeValidationError(
+                f"logits row of node {node} is entirely -inf: no token has positive probability"
+            )
+        if np.isposinf(rows).any():
+            node = int(np.flatnonzero(real)[np.argmax(np.isposinf(rows).any(axis=1))])
+            raise TreeValidationError(f"logits row of node {node} contains +inf")
+    if vocab_size is not None:
+        for i in np.flatnonzero(real):
+            if not 0 <= int(tok[i]) < vocab_size:
+                raise TreeValidationError(
+                    f"node {i}: token {int(tok[i])} is outside the vocabulary [0, {vocab_size})"
+                )
+    if temperature is not None:
+        t = float(temperature)
+        if math.isnan(t) or t < 0 or math.isinf(t):
+            raise TreeValidationError(f"temperature must be a finite number >= 0, got {temperature!r}")
