@@ -14,10 +14,10 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from scipy import stats as sps
 
-from tevjax import verify as verify_mod
-from tevjax.exit_law import exit_law
+from tevjax import verifiers as verify_mod
+from tevjax.law import exit_law
 from tevjax.tree import DraftTree
-from tevjax.verify import verify
+from tevjax.verifiers import verify
 from treegen import assign_tokens, chain, exact_joint, insert_padding, random_parents, star
 
 N_SLOTS, VOCAB, SAMPLES = 16, 6, 40_000
@@ -143,7 +143,7 @@ def _broken_bonus_not_residual(key, tree, logits, temperature):
     law = verify_mod.law_from_edges(tree, stats.edge_prob)
     k1, k2 = jax.random.split(key)
     exit_node = jax.random.categorical(k1, jnp.log(law.exit_prob)).astype(jnp.int32)
-    return verify_mod._assemble(tree, exit_node, jax.random.categorical(k2, stats.scaled_logits[exit_node]))
+    return verify_mod._assemble(tree, exit_node, jax.random.categorical(k2, stats.scaled_row(exit_node)))
 
 
 def _broken_sequential_no_renormalisation(key, tree, logits, temperature):

@@ -7,8 +7,8 @@ For target next-token distributions p_v at every node v (after temperature):
     w(v)    = P(v) * rho(v)                                exit probability, sum_v w(v) = 1
     C_p     = sum_{v != root} P(v)                         target coverage; E[block] <= 1 + C_p
 
-Everything is level-parallel: per-edge probabilities come from one log-sum-exp pass over the
-[N, V] logits plus a gather, and the products along root paths are a masked product over the
+Everything is level-parallel: per-edge probabilities come from one log-sum-exp over the [N, V]
+logits plus a gather, and the products along root paths are a masked product over the
 tree's ancestor-or-self matrix, so there is no loop over nodes or depths. Reductions over nodes use
 `where` + `sum`/`prod` rather than matmuls, because float32 matmuls may run in TF32 on GPUs.
 """
@@ -21,6 +21,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from tevjax import sampling
 from tevjax.tree import DraftTree
 
 __all__ = ["ExitLaw", "exit_law", "is_greedy"]
@@ -40,11 +41,19 @@ class ExitLaw:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class EdgeStats:
-    """What the exit law and every verifier share: scaled logits and per-edge target probabilities."""
+    """What the exit law and every verifier share: per-edge target probabilities.
 
-    scaled_logits: jax.Array  # [N, V] float32 logits / T (padding rows zeroed); raw logits if greedy
-    log_norm: jax.Array  # [N] float32 log-sum-exp of each scaled row (0 when greedy)
+    The scaled logits are never materialised as an [N, V] array (that would cost a full extra
+    write and read of the largest tensor); `scaled_row` rescales the one row a verifier needs.
+    """
+
+    logits: jax.Array  # [N, V] raw target logits as given (padding rows may hold anything)
+    inv_temperature: jax.Array  # [] float32 1 / T (1 when greedy)
     edge_prob: jax.Array  # [N] float32 p_pa(u)(x_u) for real non-root u, else 0
+
+    def scaled_row(self, node: jax.Array) -> jax.Array:
+        """[V] float32 logits / T of one real node."""
+        return self.logits[node].astype(jnp.float32) * self.inv_temperature
 
 
 def is_greedy(temperature: Any) -> bool | None:
@@ -56,25 +65,24 @@ def is_greedy(temperature: Any) -> bool | None:
 
 
 def _sample_stats(tree: DraftTree, logits: jax.Array, temperature: jax.Array) -> EdgeStats:
-    # Padding rows may hold anything, NaN included: zero them before any reduction.
-    safe_t = jnp.where(temperature > 0, temperature, 1.0).astype(jnp.float32)
-    z = jnp.where(tree.valid[:, None], logits.astype(jnp.float32), 0.0) / safe_t
-    log_norm = jax.nn.logsumexp(z, axis=-1)
+    inv_t = 1.0 / jnp.where(temperature > 0, temperature, 1.0).astype(jnp.float32)
+    # One fused pass pair over the raw [N, V] logits (no scaled or masked copy of them). Padding
+    # rows may hold anything, NaN included: their normalisers are discarded here, on [N] values.
+    log_norm = jnp.where(tree.valid, sampling.scaled_logsumexp(logits, inv_t), 0.0)
     parent = jnp.maximum(tree.parents, 0)
-    edge_logit = z[parent, tree.tokens]
+    edge_logit = logits[parent, tree.tokens].astype(jnp.float32) * inv_t
     is_edge = tree.valid & (tree.parents >= 0)
     edge_prob = jnp.where(is_edge, jnp.exp(edge_logit - log_norm[parent]), 0.0)
-    return EdgeStats(z, log_norm, edge_prob)
+    return EdgeStats(logits, inv_t, edge_prob)
 
 
 def _greedy_stats(tree: DraftTree, logits: jax.Array) -> EdgeStats:
     # T = 0: p_v is the point mass on argmax (first index on ties, as jnp.argmax).
-    z = jnp.where(tree.valid[:, None], logits.astype(jnp.float32), 0.0)
-    top = jnp.argmax(z, axis=-1)
+    top = jnp.argmax(jnp.where(tree.valid[:, None], logits, 0), axis=-1)
     parent = jnp.maximum(tree.parents, 0)
     is_edge = tree.valid & (tree.parents >= 0)
     edge_prob = jnp.where(is_edge & (tree.tokens == top[parent]), 1.0, 0.0)
-    return EdgeStats(z, jnp.zeros(z.shape[:1], jnp.float32), edge_prob)
+    return EdgeStats(logits, jnp.float32(1.0), edge_prob)
 
 
 def edge_stats(tree: DraftTree, logits: jax.Array, temperature: Any) -> EdgeStats:

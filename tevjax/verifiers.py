@@ -6,7 +6,9 @@ canonical (exit node, bonus token) law of paper Theorem 1, so each attains E[blo
 - ``tev``: one categorical draw of the exit node from w, one residual draw of the bonus token at
   that node (p_v with the drafted child tokens removed; p_v itself at a leaf). Cost: one
   log-sum-exp pass over [N, V], O(N^2) elementwise tree work, one [V] row draw.
-- ``predraw``: one target draw R_v ~ p_v at every node (N x V Gumbel noise), then follow the child
+  Every categorical draw uses `tevjax.sampling.categorical` (exact two-stage Gumbel-max), so that
+  no verifier pays for V random numbers per draw.
+- ``predraw``: one target draw R_v ~ p_v at every node, then follow the child
   whose token equals R_v from the root; the bonus is R at the first node without a match. The
   following is done for all nodes at once: a node is reached iff every edge on its root path matched.
 - ``sequential``: at every node its children are tested in index order; child j is accepted with
@@ -25,7 +27,8 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from tevjax.exit_law import EdgeStats, _greedy_stats, _sample_stats, is_greedy, law_from_edges
+from tevjax import sampling
+from tevjax.law import EdgeStats, _greedy_stats, _sample_stats, is_greedy, law_from_edges
 from tevjax.tree import DraftTree
 
 __all__ = ["VerifyOutput", "verify", "VERIFIERS"]
@@ -78,14 +81,14 @@ def _reached(tree: DraftTree, edge_taken: jax.Array) -> jax.Array:
 
 def _residual_draw(key: jax.Array, tree: DraftTree, stats: EdgeStats, node: jax.Array) -> jax.Array:
     """Bonus token ~ p_node with the node's drafted child tokens removed (p_node at a leaf)."""
-    row = stats.scaled_logits[node]
+    row = stats.scaled_row(node)
     vocab = row.shape[-1]
     child_tokens = jnp.where(tree.children[node], tree.tokens, vocab)
     residual = row.at[child_tokens].set(-jnp.inf, mode="drop")
     # If rounding made rho(node) > 0 although the children hold every token of nonzero mass, the
     # residual is empty; such an exit has probability ~1e-7 and we fall back to p_node itself.
     residual = jnp.where(jnp.any(residual > -jnp.inf), residual, row)
-    return jax.random.categorical(key, residual)
+    return sampling.categorical(key, residual)
 
 
 def _greedy(key: jax.Array, tree: DraftTree, logits: jax.Array) -> VerifyOutput:
@@ -93,7 +96,7 @@ def _greedy(key: jax.Array, tree: DraftTree, logits: jax.Array) -> VerifyOutput:
     stats = _greedy_stats(tree, logits)
     # Edges matching the parent's argmax; the exit node is the deepest node reached through them.
     exit_node = _deepest(tree, _reached(tree, stats.edge_prob > 0))
-    bonus = jnp.argmax(stats.scaled_logits[exit_node])
+    bonus = jnp.argmax(stats.logits[exit_node])
     return _assemble(tree, exit_node, bonus)
 
 
@@ -106,9 +109,10 @@ def _tev(key, tree, logits, temperature) -> VerifyOutput:
 
 
 def _predraw(key, tree, logits, temperature) -> VerifyOutput:
-    safe_t = jnp.where(temperature > 0, temperature, 1.0).astype(jnp.float32)
-    z = jnp.where(tree.valid[:, None], logits.astype(jnp.float32), 0.0) / safe_t
-    draws = jax.random.categorical(key, z, axis=-1).astype(jnp.int32)  # R_v ~ p_v at every node
+    inv_t = 1.0 / jnp.where(temperature > 0, temperature, 1.0).astype(jnp.float32)
+    # R_v ~ p_v at every node, independently. Padding rows may hold garbage: their draws are
+    # in-range indices that no real node ever reads (a real node's parent is real).
+    draws = sampling.categorical(key, logits, inv_t)
     parent = jnp.maximum(tree.parents, 0)
     matched = tree.valid & (tree.parents >= 0) & (tree.tokens == draws[parent])
     exit_node = _deepest(tree, _reached(tree, matched))
