@@ -1,0 +1,303 @@
+"""Tests for the on-device DDTree builder against a host best-first heap reference."""
+
+from __future__ import annotations
+
+import heapq
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tevjax.builder import build_ddtree
+from tevjax.tree import validate_tree
+
+# One compiled builder per (L, V, B): budget is static.
+_build_jit = jax.jit(build_ddtree, static_argnums=2)
+_build_batch = jax.jit(jax.vmap(build_ddtree, in_axes=(0, 0, None)), static_argnums=2)
+
+# float32 accumulation vs the float64 reference: scores agree to this, and two prefixes whose
+# reference scores differ by less than this count as tied.
+TOL = 1e-4
+
+
+def heap_reference(log_marginals: np.ndarray, budget: int) -> list[tuple[tuple[int, ...], float]]:
+    """Best-first DDTree construction on the host, in float64: [(token path, score)] in pop order.
+
+    Like DDTree's `build_ddtree_tree`: keep the top K = min(B, V) tokens of each depth; the heap
+    starts with the best depth-1 token; popping a prefix pushes its next sibling (same parent, next
+    rank) and its first child (best token of the next depth, if below the depth cap). Ties pop the
+    smaller rank tuple first, i.e. a parent before its child. Unlike DDTree, it stops at the first
+    -inf score, so only finite-score prefixes become nodes.
+    """
+    lm = np.asarray(log_marginals, np.float64)
+    depth_cap, vocab = lm.shape
+    k = min(budget, vocab)
+    order = np.argsort(-lm, axis=1, kind="stable")[:, :k]
+    vals = np.take_along_axis(lm, order, axis=1)
+    out: list[tuple[tuple[int, ...], float]] = []
+    if budget == 0 or depth_cap == 0:
+        return out
+    # entries: (-score, rank path, parent score, parent token path)
+    heap = [(-vals[0, 0], (0,), 0.0, ())]
+    while heap and len(out) < budget:
+        neg, ranks, parent_score, parent_path = heapq.heappop(heap)
+        if neg == math.inf:
+            break
+        depth, rank = len(ranks), ranks[-1]
+        path = parent_path + (int(order[depth - 1, rank]),)
+        out.append((path, -neg))
+        if rank + 1 < k:
+            sib = parent_score + vals[depth - 1, rank + 1]
+            heapq.heappush(heap, (-sib, ranks[:-1] + (rank + 1,), parent_score, parent_path))
+        if depth < depth_cap:
+            heapq.heappush(heap, (-(-neg + vals[depth, 0]), ranks + (0,), -neg, path))
+    return out
+
+
+def tree_paths(tokens, parents, scores) -> list[tuple[tuple[int, ...], float]]:
+    """Token paths and scores of the real non-root nodes of a built tree, in node order."""
+    tokens, parents, scores = np.asarray(tokens), np.asarray(parents), np.asarray(scores)
+    paths: dict[int, tuple[int, ...]] = {0: ()}
+    out = []
+    for i in range(1, len(tokens)):
+        if parents[i] >= 0:
+            paths[i] = paths[int(parents[i])] + (int(tokens[i]),)
+            out.append((paths[i], float(scores[i])))
+    return out
+
+
+def random_log_marginals(rng, depth_cap, vocab, *, scale=2.0, p_inf=0.0, p_dead_row=0.0):
+    """Continuous random log-probabilities (ties have probability zero), optionally with -inf."""
+    logits = rng.normal(size=(depth_cap, vocab)) * scale
+    lm = logits - np.logaddexp.reduce(logits, axis=1, keepdims=True)
+    lm[rng.random(lm.shape) < p_inf] = -np.inf
+    lm[rng.random(depth_cap) < p_dead_row] = -np.inf
+    return lm.astype(np.float32)
+
+
+def finite_prefix_count(lm: np.ndarray) -> int:
+    counts = np.cumprod(np.isfinite(lm).sum(axis=1).astype(np.int64))
+    return int(counts.sum())
+
+
+def check_tree(tokens, parents, scores, depth, valid, lm, budget, root_token):
+    """Structural properties every build must have, whatever the ties."""
+    tokens, parents, scores = np.asarray(tokens), np.asarray(parents), np.asarray(scores)
+    depth, valid = np.asarray(depth), np.asarray(valid)
+    lm32 = np.asarray(lm, np.float32)
+    depth_cap, vocab = lm32.shape
+    n = budget + 1
+    assert tokens.shape == parents.shape == scores.shape == (n,)
+    assert scores.dtype == np.float32
+    validate_tree(tokens, parents, vocab_size=vocab)  # parents precede children, siblings distinct
+    assert tokens[0] == root_token and parents[0] == -1 and scores[0] == 0.0
+    real = parents >= 0
+    real[0] = True
+    np.testing.assert_array_equal(valid, real)
+    n_real = int(real.sum()) - 1
+    assert n_real == min(budget, finite_prefix_count(lm32))
+    # Real nodes first, then padding; padding is canonical (token 0, score -inf).
+    assert real[: n_real + 1].all() and not real[n_real + 1 :].any()
+    assert np.all(tokens[~real] == 0) and np.all(scores[~real] == -np.inf)
+    # Depth cap and score bookkeeping: each score is the parent's score plus the edge log-prob,
+    # so scores never increase along a root path.
+    assert np.all(depth[real] <= depth_cap)
+    for i in range(1, n_real + 1):
+        p = parents[i]
+        assert depth[i] == depth[p] + 1
+        edge = lm32[depth[i] - 1, tokens[i]]
+        assert np.isfinite(scores[i])
+        np.testing.assert_allclose(scores[i], scores[p] + edge, rtol=0, atol=1e-5)
+        assert scores[i] <= scores[p]
+    # Node order is descending score; equal scores go to the shallower node.
+    s = scores[1 : n_real + 1]
+    d = depth[1 : n_real + 1]
+    assert np.all(s[:-1] >= s[1:])
+    assert np.all((s[:-1] > s[1:]) | (d[:-1] <= d[1:]))
+    # Optimality certificate: the chosen set is prefix-closed (validate_tree) and no child of a
+    # chosen node or of the root that was left out scores above the worst chosen node. Every
+    # unchosen prefix has such a frontier ancestor with at least its score, so the set is a top-B.
+    if n_real < budget:
+        return  # every finite prefix was taken (count checked above)
+    worst = s[-1]
+    chosen = {path for path, _ in tree_paths(tokens, parents, scores)}
+    for path, score in [((), 0.0)] + tree_paths(tokens, parents, scores):
+        if len(path) == depth_cap:
+            continue
+        for tok in range(vocab):
+            if path + (tok,) not in chosen:
+                assert score + lm32[len(path), tok] <= worst + 1e-5
+
+
+def assert_same_as_reference(tokens, parents, scores, lm, budget):
+    """Same node set (as token paths) and order as the heap, up to near-ties in float32."""
+    ours = tree_paths(tokens, parents, scores)
+    ref = heap_reference(lm, budget)
+    assert len(ours) == len(ref)
+    if not ref:
+        return
+    np.testing.assert_allclose([s for _, s in ours], [s for _, s in ref], rtol=0, atol=TOL)
+    cutoff = ref[-1][1]
+    ref_score = dict(ref)
+    our_score = dict(ours)
+    for path in set(ref_score) ^ set(our_score):
+        # A differing prefix is only acceptable as a tie at the budget boundary.
+        score = ref_score.get(path, our_score.get(path))
+        assert abs(score - cutoff) < TOL, (path, score, cutoff)
+    ref_scores = np.array([s for _, s in ref])
+    if len(ref) < 2 or np.min(ref_scores[:-1] - ref_scores[1:]) > TOL:
+        assert [p for p, _ in ours] == [p for p, _ in ref]  # pop order == node numbering
+
+
+# (L, V, B, batch): budgets below, at and above the number of prefixes; K < V, K = V, V = 1.
+REFERENCE_CASES = [
+    (1, 5, 3, 8),
+    (3, 2, 20, 8),  # 14 prefixes exist: 6 padding slots
+    (4, 3, 17, 8),
+    (4, 6, 2, 8),  # K = B < V
+    (2, 40, 32, 6),
+    (5, 1, 8, 4),  # a chain capped at depth 5
+    (6, 8, 64, 4),
+]
+
+
+@pytest.mark.parametrize("depth_cap,vocab,budget,batch", REFERENCE_CASES)
+def test_matches_heap_reference(depth_cap, vocab, budget, batch):
+    rng = np.random.default_rng(1000 * depth_cap + 10 * vocab + budget)
+    lm = np.stack([random_log_marginals(rng, depth_cap, vocab) for _ in range(batch)])
+    roots = rng.integers(0, vocab, size=batch).astype(np.int32)
+    tree, scores = jax.device_get(_build_batch(lm, roots, budget))
+    for b in range(batch):
+        check_tree(tree.tokens[b], tree.parents[b], scores[b], tree.depth[b], tree.valid[b],
+                   lm[b], budget, roots[b])
+        assert_same_as_reference(tree.tokens[b], tree.parents[b], scores[b], lm[b], budget)
+
+
+@pytest.mark.parametrize("depth_cap,vocab,budget", [(3, 4, 10), (5, 6, 30)])
+def test_neg_inf_entries_match_reference(depth_cap, vocab, budget):
+    # Random -inf tokens and whole -inf rows (nothing can be drafted at or below such a depth);
+    # budgets often exceed the number of finite prefixes, so the tail must be padding.
+    rng = np.random.default_rng(7 + depth_cap * vocab + budget)
+    batch = 12
+    lm = np.stack([
+        random_log_marginals(rng, depth_cap, vocab, p_inf=0.4, p_dead_row=0.15)
+        for _ in range(batch)
+    ])
+    lm[0, 0] = -np.inf  # nothing at depth 1: root only
+    roots = np.arange(batch, dtype=np.int32) % vocab
+    tree, scores = jax.device_get(_build_batch(lm, roots, budget))
+    saw_padding = False
+    for b in range(batch):
+        check_tree(tree.tokens[b], tree.parents[b], scores[b], tree.depth[b], tree.valid[b],
+                   lm[b], budget, roots[b])
+        assert_same_as_reference(tree.tokens[b], tree.parents[b], scores[b], lm[b], budget)
+        saw_padding |= bool((~tree.valid[b]).any())
+    assert int(tree.valid[0].sum()) == 1
+    assert saw_padding
+
+
+def test_vmap_equals_one_by_one_and_jit_equals_eager():
+    rng = np.random.default_rng(3)
+    depth_cap, vocab, budget, batch = 4, 6, 24, 5
+    lm = np.stack([random_log_marginals(rng, depth_cap, vocab, p_inf=0.1) for _ in range(batch)])
+    roots = rng.integers(0, vocab, size=batch).astype(np.int32)
+    leaves_b = jax.tree_util.tree_leaves(_build_batch(lm, roots, budget))
+    for b in range(batch):
+        # Eager (op by op) is slow to dispatch; once is enough to compare it with jit.
+        runs = [_build_jit(lm[b], roots[b], budget)]
+        if b == 0:
+            runs.append(build_ddtree(lm[b], roots[b], budget))
+        for one in runs:
+            for x, y in zip(jax.tree_util.tree_leaves(one), leaves_b):
+                np.testing.assert_array_equal(np.asarray(x), np.asarray(y)[b])
+
+
+def test_bf16_input_scores_in_float32():
+    # bf16 -> f32 is exact, so a bf16 input must build exactly the tree of its f32 upcast, with
+    # float32 scores (summing in bf16 would round the scores to ~3 significant digits).
+    rng = np.random.default_rng(11)
+    lm = random_log_marginals(rng, 4, 50, scale=3.0)
+    lm_bf16 = jnp.asarray(lm, jnp.bfloat16)
+    tree16, scores16 = _build_jit(lm_bf16, 3, 24)
+    tree32, scores32 = _build_jit(lm_bf16.astype(jnp.float32), 3, 24)
+    assert scores16.dtype == jnp.float32
+    for x, y in zip(jax.tree_util.tree_leaves((tree16, scores16)),
+                    jax.tree_util.tree_leaves((tree32, scores32))):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    lm_up = np.asarray(lm_bf16.astype(jnp.float32))
+    check_tree(tree16.tokens, tree16.parents, scores16, tree16.depth, tree16.valid, lm_up, 24, 3)
+    assert_same_as_reference(tree16.tokens, tree16.parents, scores16, lm_up, 24)
+
+
+def test_ties_prefer_shallower_and_stay_prefix_closed():
+    # Uniform marginals: every prefix of depth d scores -d log V, so ties are everywhere. The set
+    # must still be prefix-closed and breadth-first: all depth-1 nodes before any depth-2 node.
+    vocab, depth_cap, budget = 3, 4, 20
+    lm = np.full((depth_cap, vocab), -np.log(vocab), np.float32)
+    tree, scores = _build_jit(lm, 0, budget)
+    check_tree(tree.tokens, tree.parents, scores, tree.depth, tree.valid, lm, budget, 0)
+    np.testing.assert_array_equal(np.asarray(tree.depth[1:]), [1] * 3 + [2] * 9 + [3] * 8)
+    # Probability-one tokens (log q = 0) tie a child with its parent: the parent comes first and
+    # the whole chain of zeros is taken before anything of lower score.
+    lm = np.array([[0.0, -np.inf, -np.inf],
+                   [-np.inf, 0.0, -np.inf],
+                   [-0.5, -1.0, -np.inf]], np.float32)
+    tree, scores = _build_jit(lm, 2, 4)
+    check_tree(tree.tokens, tree.parents, scores, tree.depth, tree.valid, lm, 4, 2)
+    np.testing.assert_array_equal(np.asarray(tree.tokens), [2, 0, 1, 0, 1])
+    np.testing.assert_array_equal(np.asarray(tree.parents), [-1, 0, 1, 2, 2])
+    np.testing.assert_array_equal(np.asarray(scores), np.array([0, 0, 0, -0.5, -1.0], np.float32))
+
+
+def test_degenerate_inputs_give_root_only():
+    for lm, budget in [(np.zeros((3, 4), np.float32), 0),
+                       (np.zeros((0, 4), np.float32), 5),
+                       (np.full((3, 4), -np.inf, np.float32), 5)]:
+        tree, scores = _build_jit(lm, 9, budget)
+        assert tree.num_nodes == budget + 1
+        np.testing.assert_array_equal(np.asarray(tree.valid), [True] + [False] * budget)
+        np.testing.assert_array_equal(np.asarray(tree.tokens), [9] + [0] * budget)
+        np.testing.assert_array_equal(np.asarray(scores), [0.0] + [-np.inf] * budget)
+    with pytest.raises(ValueError, match="budget"):
+        build_ddtree(np.zeros((2, 3), np.float32), 0, -1)
+    with pytest.raises(ValueError, match=r"\[L, V\]"):
+        build_ddtree(np.zeros((2, 2, 3), np.float32), 0, 4)
+    with pytest.raises(ValueError, match="floating"):
+        build_ddtree(np.zeros((2, 3), np.int32), 0, 4)
+
+
+def test_full_size_shapes_trace():
+    # The GPU configuration (B = 128 batch of V = 151,936, L = 15, budget 128) traces and keeps
+    # static shapes, without allocating it on this machine.
+    lm = jax.ShapeDtypeStruct((128, 15, 151_936), jnp.bfloat16)
+    roots = jax.ShapeDtypeStruct((128,), jnp.int32)
+    tree, scores = jax.eval_shape(jax.vmap(lambda x, r: build_ddtree(x, r, 128)), lm, roots)
+    assert tree.tokens.shape == tree.parents.shape == scores.shape == (128, 129)
+    assert tree.ancestors.shape == (128, 129, 129)
+    assert scores.dtype == jnp.float32
+
+
+# Hypothesis varies the effective depth and vocabulary inside one physical [4, 6] shape (-inf
+# columns shrink the vocabulary, a -inf row caps the depth), so examples share a few compilations.
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(
+    depth_eff=st.integers(1, 4),
+    vocab_eff=st.integers(1, 6),
+    budget=st.sampled_from([1, 5, 24]),
+    p_inf=st.sampled_from([0.0, 0.3]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_tree_properties(depth_eff, vocab_eff, budget, p_inf, seed):
+    rng = np.random.default_rng(seed)
+    lm = random_log_marginals(rng, 4, 6, p_inf=p_inf)
+    lm[:, vocab_eff:] = -np.inf
+    lm[depth_eff:] = -np.inf
+    root = int(rng.integers(0, vocab_eff))
+    tree, scores = _build_jit(lm, root, budget)
+    check_tree(tree.tokens, tree.parents, scores, tree.depth, tree.valid, lm, budget, root)
+    assert_same_as_reference(tree.tokens, tree.parents, scores, lm, budget)
+    assert int(np.max(np.asarray(tree.depth))) <= depth_eff
