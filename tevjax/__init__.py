@@ -8,9 +8,9 @@ The core is model-free: `DraftTree` (a padded static-shape tree), `exit_law` (th
 law P, rho, w and coverage C_p) and `verify` (TEV, predraw-and-follow, sequential residual, greedy).
 """
 
-from tevjax.exit_law import ExitLaw, exit_law
+from tevjax.law import ExitLaw, exit_law
 from tevjax.tree import DraftTree, TreeValidationError, validate_tree
-from tevjax.verify import VerifyOutput, verify
+from tevjax.verifiers import VerifyOutput, verify
 
 __all__ = [
     "DraftTree",

@@ -23,7 +23,7 @@ Worked example (N = 5; node 3 is padding)::
     i=4  [  1  1  0  0  1 ]
 
 `ancestors` is the tree-attention mask of the target's one-pass tree forward and also the matrix
-that turns per-edge probabilities into prefix probabilities (see `tevjax.exit_law`).
+that turns per-edge probabilities into prefix probabilities (see `tevjax.law`).
 """
 
 from __future__ import annotations
