@@ -1,0 +1,308 @@
+"""HF safetensors loading and saving: round trips, shards, bf16, and clear errors for every kind
+of broken checkpoint (each message must name the file and/or tensor)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors.numpy import load_file, save_file
+
+from tevjax.convert import (
+    CheckpointError,
+    load_hf_target,
+    load_target_params,
+    read_safetensors_dir,
+    save_hf_target,
+    target_weight_rules,
+)
+from tevjax.models import PRESETS, KVCache, ModelConfig, Transformer, causal_mask, random_model, tiny_config
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+
+def _params(model) -> dict[str, np.ndarray]:
+    return {"/".join(map(str, p)): np.asarray(v.get_value()) for p, v in nnx.iter_graph(model)
+            if isinstance(v, nnx.Param)}
+
+
+def _logits(model, tokens):
+    b, t = tokens.shape
+    return np.asarray(model(jnp.asarray(tokens), jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)),
+                            KVCache.init(model.cfg, b, t), jnp.zeros((b,), jnp.int32),
+                            jnp.broadcast_to(causal_mask(t), (b, t, t))).logits)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A float32 Llama checkpoint written by tevjax; tests copy it before breaking it."""
+    model = random_model(tiny_config("llama", intermediate_size=96), seed=0)
+    path = tmp_path_factory.mktemp("ckpt")
+    save_hf_target(model, path)
+    return model, path
+
+
+def _copy(saved, tmp_path):
+    dst = tmp_path / "ckpt"
+    shutil.copytree(saved[1], dst)
+    return dst
+
+
+# --------------------------------------------------------------------------------- round trips
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_save_load_roundtrip_and_transformers_reads_it(arch, tmp_path):
+    model = random_model(tiny_config(arch, attention_bias=arch == "llama"), seed=1)
+    save_hf_target(model, tmp_path)
+    assert sorted(os.listdir(tmp_path)) == ["config.json", "model.safetensors"]
+    cfg, loaded = load_hf_target(tmp_path)
+    assert cfg == model.cfg
+    a, b = _params(model), _params(loaded)
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+    hf, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 9)).astype(np.int32)
+    with torch.no_grad():
+        ref = hf.float().eval()(torch.from_numpy(tokens.astype(np.int64))).logits.numpy()
+    np.testing.assert_allclose(_logits(loaded, tokens), ref, atol=1e-4, rtol=0)
+
+
+def test_sharded_checkpoint_matches_state_dict(tmp_path):
+    config = transformers.Qwen3Config(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                      tie_word_embeddings=False, max_position_embeddings=128)
+    torch.manual_seed(0)
+    hf = transformers.Qwen3ForCausalLM(config)
+    hf.save_pretrained(tmp_path, max_shard_size="40KB")
+    assert os.path.isfile(tmp_path / "model.safetensors.index.json")
+    assert len([n for n in os.listdir(tmp_path) if n.endswith(".safetensors")]) > 2
+    tensors = read_safetensors_dir(tmp_path)
+    sd = {k: v.numpy() for k, v in hf.state_dict().items()}
+    assert tensors.keys() == sd.keys()
+    cfg, model = load_hf_target(tmp_path)
+    np.testing.assert_array_equal(np.asarray(model.layers.mlp.down_proj.kernel.get_value()[1]),
+                                  sd["model.layers.1.mlp.down_proj.weight"].T)
+    np.testing.assert_array_equal(np.asarray(model.lm_head.kernel.get_value()), sd["lm_head.weight"].T)
+
+
+def test_bf16_checkpoint(tmp_path):
+    config = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                      initializer_range=0.1)
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+    hf.save_pretrained(tmp_path)
+    tensors = read_safetensors_dir(tmp_path)
+    assert tensors["model.embed_tokens.weight"].dtype == ml_dtypes.bfloat16
+    want = hf.model.layers[1].self_attn.q_proj.weight.detach().float().numpy().T
+
+    cfg, model = load_hf_target(tmp_path)
+    assert cfg.dtype == "bfloat16" and cfg.param_dtype == "bfloat16"
+    q = model.layers.self_attn.q_proj.kernel.get_value()
+    assert q.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(q[1], np.float32), want)  # bit-exact
+    cfg32, model32 = load_hf_target(tmp_path, dtype="float32")
+    assert cfg32.dtype == "float32"
+    np.testing.assert_array_equal(np.asarray(model32.layers.self_attn.q_proj.kernel.get_value()[1]), want)
+
+    # bf16 compute stays finite and close to float32 compute on the same weights. 0.1 is about
+    # ten bf16 ulps at the logit scale here (|logits| ~ 1): a fixed a-priori budget.
+    tokens = np.random.default_rng(0).integers(0, 300, (1, 8)).astype(np.int32)
+    lo16, lo32 = _logits(model, tokens), _logits(model32, tokens)
+    assert lo16.dtype == np.float32 and np.isfinite(lo16).all()
+    np.testing.assert_allclose(lo16, lo32, atol=0.1, rtol=0)
+
+
+def test_tied_checkpoint_with_redundant_lm_head(tmp_path):
+    model = random_model(tiny_config("qwen3"), seed=2)
+    save_hf_target(model, tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    assert "lm_head.weight" not in tensors
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].copy()
+    save_file(tensors, tmp_path / "model.safetensors")
+    load_hf_target(tmp_path)  # equal copy: accepted knowingly
+    tensors["lm_head.weight"] = tensors["lm_head.weight"] + 1.0
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"lm_head\.weight.*differs.*tie_word_embeddings"):
+        load_hf_target(tmp_path)
+
+
+def test_rule_table_asserts_source_shapes():
+    cfg = tiny_config("qwen3")
+    rules = {r.hf_name: r for r in target_weight_rules(cfg)}
+    r = rules["model.layers.{i}.self_attn.k_proj.weight"]
+    assert r.hf_shape == (cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size) and r.transform == "transpose"
+    with pytest.raises(CheckpointError, match=r"model\.layers\.0\.self_attn\.k_proj\.weight.*\(32, 64\).*\(64, 32\)"):
+        r.to_param("model.layers.0.self_attn.k_proj.weight", np.zeros((64, 32), np.float32))
+    assert "lm_head.weight" not in rules  # tied
+
+
+# -------------------------------------------------------------------------------------- errors
+
+
+def test_missing_directory(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope"):
+        load_hf_target(tmp_path / "nope")
+    with pytest.raises(FileNotFoundError, match="nope"):
+        read_safetensors_dir(tmp_path / "nope")
+
+
+def test_missing_config(saved, tmp_path):
+    path = _copy(saved, tmp_path)
+    os.remove(path / "config.json")
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_hf_target(path)
+
+
+def test_missing_weights_file(saved, tmp_path):
+    path = _copy(saved, tmp_path)
+    os.remove(path / "model.safetensors")
+    with pytest.raises(FileNotFoundError, match=r"model\.safetensors"):
+        load_hf_target(path)
+
+
+def test_truncated_safetensors(saved, tmp_path):
+    path = _copy(saved, tmp_path)
+    data = (path / "model.safetensors").read_bytes()
+    (path / "model.safetensors").write_bytes(data[: len(data) - 1000])
+    with pytest.raises(CheckpointError, match=r"model\.safetensors.*truncated"):
+        load_hf_target(path)
+
+
+def _write_shards(path, tensors, weight_map_extra=None):
+    names = sorted(tensors)
+    half = len(names) // 2
+    shards = {"model-00001-of-00002.safetensors": names[:half], "model-00002-of-00002.safetensors": names[half:]}
+    weight_map = {}
+    for shard, keys in shards.items():
+        save_file({k: tensors[k] for k in keys}, path / shard)
+        weight_map.update({k: shard for k in keys})
+    weight_map.update(weight_map_extra or {})
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return shards
+
+
+def test_missing_shard_and_index_mismatch(saved, tmp_path):
+    path = _copy(saved, tmp_path)
+    tensors = load_file(path / "model.safetensors")
+    os.remove(path / "model.safetensors")
+    shards = _write_shards(path, tensors)
+    cfg, model = load_hf_target(path)  # a well-formed sharded copy loads
+    np.testing.assert_array_equal(_params(model)["norm/scale"], tensors["model.norm.weight"])
+
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        **{k: s for s, ks in shards.items() for k in ks}, "model.ghost.weight": "model-00002-of-00002.safetensors"}}))
+    with pytest.raises(CheckpointError, match="model.ghost.weight"):
+        read_safetensors_dir(path)
+    _write_shards(path, tensors)
+    os.remove(path / "model-00002-of-00002.safetensors")
+    with pytest.raises(FileNotFoundError, match="model-00002-of-00002.safetensors"):
+        load_hf_target(path)
+
+
+def test_wrong_shape_names_tensor_and_shapes(saved, tmp_path):
+    path = _copy(saved, tmp_path)
+    config = json.loads((path / "config.json").read_text())
+    config["intermediate_size"] = 80  # checkpoint has 96
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"mlp\.(down|gate|up)_proj\.weight.*expected shape \((80, 64|64, 80)\), got \((96, 64|64, 96)\)"):
+        load_hf_target(path)
+
+
+def test_missing_and_unmapped_tensors_reported_together(saved, tmp_path):
+    path = _copy(saved, tmp_path)
+    tensors = load_file(path / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    del tensors["lm_head.weight"]
+    tensors["model.layers.1.mlp.extra.weight"] = np.zeros((3,), np.float32)
+    tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = np.zeros((8,), np.float32)  # ignorable buffer
+    save_file(tensors, path / "model.safetensors")
+    with pytest.raises(CheckpointError) as e:
+        load_hf_target(path)
+    msg = str(e.value)
+    assert str(path) in msg
+    assert "missing tensor(s): lm_head.weight, model.layers.1.mlp.up_proj.weight" in msg
+    assert "unmapped tensor(s): model.layers.1.mlp.extra.weight" in msg
+    assert "inv_freq" not in msg
+
+
+def test_unknown_architecture(saved, tmp_path):
+    path = _copy(saved, tmp_path)
+    config = json.loads((path / "config.json").read_text())
+    config["model_type"] = "gpt2"
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"config\.json.*'gpt2'.*llama, qwen3"):
+        load_hf_target(path)
+
+
+def test_load_target_params_direct_errors():
+    cfg = tiny_config("llama")
+    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    good = {}
+    for rule in target_weight_rules(cfg):
+        for name in rule.names(cfg.num_layers):
+            good[name] = np.zeros(rule.hf_shape, np.float32)
+    bad = dict(good)
+    bad["model.norm.weight"] = np.zeros((63,), np.float32)
+    with pytest.raises(CheckpointError, match=r"'model\.norm\.weight': expected shape \(64,\), got \(63,\)"):
+        load_target_params(model, bad)
+    bad = dict(good)
+    bad["model.embed_tokens.weight"] = np.zeros((300, 64), np.int32)
+    with pytest.raises(CheckpointError, match="model.embed_tokens.weight.*non-float"):
+        load_target_params(model, bad)
+    load_target_params(model, good)
+    # Every parameter was replaced (the eval_shape skeleton held no arrays) and holds the zeros.
+    assert all(isinstance(v.get_value(), jax.Array) for _, v in nnx.iter_graph(model) if isinstance(v, nnx.Param))
+    assert all(np.all(v == 0) for v in _params(model).values())
+
+
+# -------------------------------------------------------------------------------------- config
+
+
+def test_config_roundtrip_and_v5_rope_parameters():
+    for name, cfg in PRESETS.items():
+        assert ModelConfig.from_hf_config(cfg.to_hf_config()) == cfg, name
+    llama = PRESETS["llama-3.1-8b"]
+    v5 = {k: v for k, v in llama.to_hf_config().items() if k not in ("rope_theta", "rope_scaling")}
+    v5["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                             "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                             "original_max_position_embeddings": 8192}
+    assert ModelConfig.from_hf_config(v5) == llama
+    # transformers builds the same model from our dict (its own parsing of the fields).
+    hf_cfg = transformers.LlamaConfig(**llama.to_hf_config())
+    assert hf_cfg.rope_parameters["rope_type"] == "llama3" and hf_cfg.rope_parameters["factor"] == 8.0
+    assert ModelConfig.from_hf_config(hf_cfg.to_dict()) == llama
+    qwen = PRESETS["qwen3-8b"]
+    assert ModelConfig.from_hf_config(transformers.Qwen3Config(**qwen.to_hf_config()).to_dict()) == qwen
+    assert ModelConfig.from_hf_config(qwen.to_hf_config(), dtype="float32").dtype == "float32"
+
+
+def test_config_rejects_unsupported():
+    base = tiny_config("qwen3").to_hf_config()
+    for patch, match in [({"use_sliding_window": True}, "use_sliding_window"),
+                         ({"hidden_act": "gelu"}, "hidden_act"),
+                         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
+                         ({"model_type": "mistral"}, "mistral.*supported: llama, qwen3"),
+                         ({"layer_types": ["full_attention", "sliding_attention"]}, "sliding_attention"),
+                         ({"num_key_value_heads": 3}, "num_heads=4 must be a multiple of num_kv_heads=3")]:
+        with pytest.raises(ValueError, match=match):
+            ModelConfig.from_hf_config({**base, **patch})
+    with pytest.raises(ValueError, match="'hidden_size' is missing"):
+        ModelConfig.from_hf_config({k: v for k, v in base.items() if k != "hidden_size"})
+    with pytest.raises(TypeError, match="bogus"):
+        ModelConfig.from_hf_config(base, bogus=1)
+    with pytest.raises(ValueError, match="dtype"):
+        dataclasses.replace(tiny_config(), dtype="int8")

@@ -1,0 +1,218 @@
+"""tevjax target model vs transformers (torch CPU, float32) on tiny random checkpoints.
+
+Each HF model is built locally from a config, its norm weights randomised (HF initialises them
+to ones, which would hide a mis-mapped norm), saved with `save_pretrained` (safetensors) and
+loaded back through `tevjax.convert.load_hf_target`. Tolerances are fixed: 1e-4 whole model,
+1e-5 per module.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from flax import nnx  # noqa: E402
+
+from tevjax.convert import load_hf_target  # noqa: E402
+from tevjax.models import (  # noqa: E402
+    NEG_INF,
+    KVCache,
+    RMSNorm,
+    RopeScaling,
+    apply_rope,
+    attention,
+    causal_mask,
+    forward,
+    rope_inv_freq,
+)
+
+FWD = jax.jit(forward, static_argnames=("graphdef", "hidden_layers", "compute_logits"))
+
+BASE = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
+            max_position_embeddings=256, initializer_range=0.1, bos_token_id=1, eos_token_id=2)
+
+VARIANTS = {
+    # Plain Llama, untied head.
+    "llama": ("LlamaConfig", "LlamaForCausalLM",
+              dict(tie_word_embeddings=False, rope_theta=10000.0)),
+    # Llama-3 rope scaling (original length 64 puts the 16-dim head's frequencies in all three
+    # bands: kept, interpolated and divided), attention biases, untied head.
+    "llama3-rope": ("LlamaConfig", "LlamaForCausalLM",
+                    dict(tie_word_embeddings=False, rope_theta=10000.0, attention_bias=True,
+                         rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                           high_freq_factor=4.0, original_max_position_embeddings=64))),
+    # Qwen3: q/k norm, tied embeddings, head_dim (32) != hidden / heads (16).
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM",
+              dict(tie_word_embeddings=True, head_dim=32, rope_theta=1_000_000.0)),
+}
+
+
+def build_hf(variant: str, seed: int = 0):
+    cfg_cls, model_cls, extra = VARIANTS[variant]
+    config = getattr(transformers, cfg_cls)(**BASE, **extra)
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif name.endswith(".bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+    return model
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def hf_pair(request, tmp_path_factory):
+    hf = build_hf(request.param)
+    path = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(path, safe_serialization=True)
+    cfg, model = load_hf_target(path)
+    return request.param, hf, cfg, model
+
+
+def test_config_translation(hf_pair):
+    variant, hf, cfg, _ = hf_pair
+    assert cfg.architecture == ("qwen3" if variant == "qwen3" else "llama")
+    assert cfg.num_layers == 3 and cfg.num_kv_heads == 2 and cfg.vocab_size == 300
+    assert cfg.head_dim == (32 if variant == "qwen3" else 16)
+    assert cfg.qk_norm == (variant == "qwen3")
+    assert cfg.tie_word_embeddings == (variant == "qwen3")
+    assert cfg.attention_bias == (variant == "llama3-rope")
+    assert (cfg.rope_scaling is not None) == (variant == "llama3-rope")
+    assert cfg.eos_token_ids == (2,) and cfg.bos_token_id == 1
+
+
+def test_whole_model_parity(hf_pair):
+    """Every decoder layer's output and the logits match HF within 1e-4 (two rows, 13 tokens)."""
+    _, hf, cfg, model = hf_pair
+    rng = np.random.default_rng(0)
+    b, t = 2, 13
+    tokens = rng.integers(0, cfg.vocab_size, (b, t)).astype(np.int32)
+    with torch.no_grad():
+        ref = hf(torch.from_numpy(tokens.astype(np.int64)), output_hidden_states=True)
+    ref_hidden = [h.numpy() for h in ref.hidden_states]
+    ref_logits = ref.logits.numpy()
+
+    graphdef, state = nnx.split(model)
+    out = FWD(graphdef, state, jnp.asarray(tokens), jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)),
+              KVCache.init(cfg, b, 16), jnp.zeros((b,), jnp.int32), jnp.broadcast_to(causal_mask(t), (b, t, t)),
+              hidden_layers=tuple(range(cfg.num_layers)))
+    assert out.logits.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(out.logits), ref_logits, atol=1e-4, rtol=0)
+    for i in range(cfg.num_layers - 1):
+        np.testing.assert_allclose(np.asarray(out.hidden[:, :, i]), ref_hidden[i + 1], atol=1e-4, rtol=0,
+                                   err_msg=f"decoder layer {i}")
+    # transformers reports the last entry after the final norm; tevjax's final_hidden is that.
+    np.testing.assert_allclose(np.asarray(out.final_hidden), ref_hidden[-1], atol=1e-4, rtol=0)
+    # ... and the raw last-layer output, normed, is the same thing.
+    np.testing.assert_allclose(np.asarray(jax.jit(model.norm)(out.hidden[:, :, -1])), ref_hidden[-1],
+                               atol=1e-4, rtol=0)
+    # Embedding output (HF hidden_states[0]).
+    np.testing.assert_allclose(np.asarray(jax.jit(model.embed)(jnp.asarray(tokens))), ref_hidden[0], atol=1e-6, rtol=0)
+
+
+def test_jit_matches_eager():
+    """The split/merge jitted form gives the same logits as the eager module call."""
+    from tevjax.models import random_model, tiny_config
+
+    cfg = tiny_config("qwen3")
+    model = random_model(cfg, seed=7)
+    b, t = 1, 7
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, cfg.vocab_size, (b, t)), jnp.int32)
+    args = (tokens, jnp.arange(t, dtype=jnp.int32)[None], KVCache.init(cfg, b, 8),
+            jnp.zeros((1,), jnp.int32), causal_mask(t)[None])
+    eager = model(*args).logits
+    graphdef, state = nnx.split(model)
+    out = FWD(graphdef, state, *args)
+    np.testing.assert_allclose(np.asarray(out.logits), np.asarray(eager), atol=1e-5, rtol=0)
+
+
+# ------------------------------------------------------------------------- per-module, 1e-5
+
+
+def test_rmsnorm_matches_hf():
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(3, 5, 24)).astype(np.float32) * 3
+    w = (1 + 0.3 * rng.normal(size=(24,))).astype(np.float32)
+    ref_mod = Qwen3RMSNorm(24, eps=1e-6)
+    with torch.no_grad():
+        ref_mod.weight.copy_(torch.from_numpy(w))
+        ref = ref_mod(torch.from_numpy(x)).numpy()
+    ours = RMSNorm(24, eps=1e-6, dtype="float32", param_dtype="float32")
+    ours.scale[...] = jnp.asarray(w)
+    np.testing.assert_allclose(np.asarray(ours(jnp.asarray(x))), ref, atol=1e-5, rtol=0)
+    # bf16 in, bf16 out (statistics are still float32).
+    assert ours(jnp.asarray(x, jnp.bfloat16)).dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("scaled", [False, True])
+def test_rope_matches_hf(scaled):
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    extra = {}
+    scaling = None
+    if scaled:
+        scaling = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                              original_max_position_embeddings=64)
+        extra = dict(rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                       high_freq_factor=4.0, original_max_position_embeddings=64))
+    config = transformers.LlamaConfig(**{**BASE, "num_hidden_layers": 1}, rope_theta=10000.0, **extra)
+    emb = LlamaRotaryEmbedding(config)
+    inv = rope_inv_freq(16, 10000.0, scaling)
+    np.testing.assert_allclose(inv, emb.inv_freq.numpy(), rtol=1e-6, atol=0)
+    if scaled:  # the scaling really changed the low frequencies
+        assert not np.allclose(inv, rope_inv_freq(16, 10000.0, None))
+
+    rng = np.random.default_rng(3)
+    b, t, h, dh = 2, 9, 4, 16
+    q = rng.normal(size=(b, t, h, dh)).astype(np.float32)
+    pos = rng.integers(0, 250, (b, t))
+    with torch.no_grad():
+        cos, sin = emb(torch.from_numpy(q), torch.from_numpy(pos))
+        # HF layout is [B, H, T, Dh]; unsqueeze_dim=1 broadcasts cos over heads.
+        ref, _ = apply_rotary_pos_emb(torch.from_numpy(q).transpose(1, 2), torch.from_numpy(q).transpose(1, 2),
+                                      cos, sin)
+    ours = apply_rope(jnp.asarray(q), jnp.asarray(pos, jnp.int32), inv)
+    np.testing.assert_allclose(np.asarray(ours), ref.transpose(1, 2).numpy(), atol=1e-5, rtol=0)
+
+
+def test_attention_matches_torch_sdpa():
+    rng = np.random.default_rng(4)
+    b, t, s, h, k, dh = 2, 5, 11, 6, 2, 8
+    q = rng.normal(size=(b, t, h, dh)).astype(np.float32)
+    kk = rng.normal(size=(b, s, k, dh)).astype(np.float32)
+    v = rng.normal(size=(b, s, k, dh)).astype(np.float32)
+    mask = rng.random((b, t, s)) < 0.6
+    mask[..., 0] = True  # torch SDPA returns NaN for fully masked rows; keep one key per row
+    rep = h // k  # HF repeat_kv: query head j reads kv head j // rep
+    with torch.no_grad():
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            torch.from_numpy(q).transpose(1, 2),
+            torch.from_numpy(kk).transpose(1, 2).repeat_interleave(rep, dim=1),
+            torch.from_numpy(v).transpose(1, 2).repeat_interleave(rep, dim=1),
+            attn_mask=torch.from_numpy(mask)[:, None],
+        ).transpose(1, 2).numpy()
+    ours = attention(jnp.asarray(q), jnp.asarray(kk), jnp.asarray(v), jnp.asarray(mask))
+    np.testing.assert_allclose(np.asarray(ours), ref, atol=1e-5, rtol=0)
+
+
+def test_attention_fully_masked_row_is_finite():
+    """A padding row with no visible key gives a finite (uniform) average, never NaN."""
+    rng = np.random.default_rng(5)
+    q = jnp.asarray(rng.normal(size=(1, 2, 2, 4)), jnp.bfloat16)
+    kv = jnp.asarray(rng.normal(size=(1, 3, 1, 4)), jnp.bfloat16)
+    mask = jnp.asarray([[[True, False, True], [False, False, False]]])
+    out = attention(q, kv, kv, mask)
+    assert out.dtype == jnp.bfloat16
+    assert np.isfinite(np.asarray(out, np.float32)).all()
+    np.testing.assert_allclose(np.asarray(out[0, 1], np.float32),
+                               np.broadcast_to(np.asarray(kv, np.float32)[0].mean(0), (2, 4)), atol=2e-2)
+    assert NEG_INF > float(jnp.finfo(jnp.float32).min) / 2 and NEG_INF < -1e20

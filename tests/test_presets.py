@@ -1,0 +1,58 @@
+"""Full-size presets build abstractly (`nnx.eval_shape`, no weights allocated), have the published
+parameter counts, and trace a forward pass with the expected output shapes."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+from tevjax.models import PRESETS, KVCache, Transformer, forward
+
+# Published totals (model cards / safetensors metadata of the HF checkpoints).
+PUBLISHED = {
+    "qwen3-4b": 4.0e9,  # Qwen/Qwen3-4B: "Number of Parameters: 4.0B"
+    "qwen3-8b": 8.2e9,  # Qwen/Qwen3-8B: "Number of Parameters: 8.2B"
+    "llama-3.1-8b": 8.03e9,  # meta-llama/Llama-3.1-8B: 8.03B
+    "smollm2-135m": 134.5e6,  # HuggingFaceTB/SmolLM2-135M: 134.5M (card rounds to 135M)
+}
+
+
+def test_presets_listed():
+    assert set(PRESETS) == set(PUBLISHED)
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_preset_parameter_count(name):
+    cfg = PRESETS[name]
+    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    leaves = [v.get_value() for _, v in nnx.iter_graph(abstract) if isinstance(v, nnx.Param)]
+    assert all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves), "eval_shape must not allocate"
+    assert all(x.dtype == jnp.dtype(cfg.param_dtype) for x in leaves)
+    count = sum(x.size for x in leaves)
+    assert count == cfg.num_params
+    assert abs(count - PUBLISHED[name]) / PUBLISHED[name] < 0.01, (name, count)
+    if cfg.tie_word_embeddings:
+        assert abstract.lm_head is None
+    # Layers are stacked for the scan: one leading axis of size L on every layer parameter.
+    assert abstract.layers.self_attn.q_proj.kernel.get_value().shape == (
+        cfg.num_layers, cfg.hidden_size, cfg.num_heads * cfg.head_dim)
+
+
+@pytest.mark.parametrize("name,layers", [("qwen3-8b", (1, 9, 17, 25, 33)), ("llama-3.1-8b", (1, 8, 15, 22, 29))])
+def test_preset_forward_traces(name, layers):
+    """A 64-node tree pass over a 4096-slot cache, traced only (DFlash target layer ids)."""
+    cfg = PRESETS[name]
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
+    b, t, s = 2, 64, 4096
+    cache = jax.eval_shape(lambda: KVCache.init(cfg, b, s))
+    out = jax.eval_shape(
+        lambda st, c: forward(graphdef, st, jnp.zeros((b, t), jnp.int32), jnp.zeros((b, t), jnp.int32), c,
+                              jnp.zeros((b,), jnp.int32), jnp.ones((b, t, t), bool), hidden_layers=layers),
+        state, cache)
+    assert out.logits.shape == (b, t, cfg.vocab_size) and out.logits.dtype == jnp.float32
+    assert out.hidden.shape == (b, t, len(layers), cfg.hidden_size) and out.hidden.dtype == jnp.bfloat16
+    assert out.final_hidden.shape == (b, t, cfg.hidden_size)
+    assert out.cache.k.shape == (cfg.num_layers, b, s, cfg.num_kv_heads, cfg.head_dim)
+    assert out.cache.k.dtype == jnp.bfloat16

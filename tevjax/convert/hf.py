@@ -1,0 +1,304 @@
+"""Hugging Face safetensors <-> tevjax target model, as one declarative table.
+
+Each `WeightRule` maps one HF tensor name pattern (with `{i}` for the layer index) to a parameter
+path of `Transformer` plus a transform, and records the HF source shape that is asserted before
+the transform runs. Per-layer rules are stacked on the leading layer axis of the scanned layers.
+Loading reports every unmapped and every missing tensor by name in one error, and checks that the
+table covers every parameter of the model, so no parameter can stay at its random init.
+
+HF stores `nn.Linear` weights as [out, in]; flax kernels are [in, out], hence the transposes.
+The reader is torch-free (`safetensors` numpy backend; bf16 arrives as an `ml_dtypes` array).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from tevjax.models.config import ModelConfig
+from tevjax.models.transformer import Transformer
+
+__all__ = [
+    "CheckpointError",
+    "WeightRule",
+    "load_hf_target",
+    "load_target_params",
+    "read_safetensors_dir",
+    "save_hf_target",
+    "target_weight_rules",
+]
+
+SAFETENSORS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+CONFIG_FILE = "config.json"
+# Non-parameter buffers some older checkpoints carry; they are recomputed, so skipping is safe.
+_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, truncated, incomplete or shaped unlike the config; the message
+    names the file and/or tensor."""
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightRule:
+    """One row of the conversion table."""
+
+    hf_name: str  # HF tensor name; "{i}" is replaced by the layer index for per-layer rules
+    param: tuple[str, ...]  # attribute path of the nnx.Param inside `Transformer`
+    transform: str  # "identity" | "transpose" (2-D [out, in] -> [in, out])
+    hf_shape: tuple[int, ...]  # expected HF source shape, asserted before the transform
+    per_layer: bool = False  # stacked over the L layers on a new leading axis
+
+    def names(self, num_layers: int) -> list[str]:
+        """Concrete HF names this rule consumes, in layer order."""
+        if self.per_layer:
+            return [self.hf_name.format(i=i) for i in range(num_layers)]
+        return [self.hf_name]
+
+    def to_param(self, name: str, x: np.ndarray) -> np.ndarray:
+        """HF tensor -> tevjax layout, after checking the source shape."""
+        if tuple(x.shape) != self.hf_shape:
+            raise CheckpointError(
+                f"tensor {name!r}: expected shape {self.hf_shape}, got {tuple(x.shape)}"
+            )
+        return _TRANSFORMS[self.transform][0](x)
+
+    def to_hf(self, x: np.ndarray) -> np.ndarray:
+        """tevjax layout -> HF tensor (inverse transform), checking the result's shape."""
+        y = _TRANSFORMS[self.transform][1](x)
+        if tuple(y.shape) != self.hf_shape:
+            raise CheckpointError(f"{self.hf_name}: would save shape {tuple(y.shape)}, "
+                                  f"expected {self.hf_shape}")
+        return y
+
+
+_TRANSFORMS = {
+    "identity": (lambda x: x, lambda x: x),
+    "transpose": (lambda x: np.ascontiguousarray(x.T), lambda x: np.ascontiguousarray(x.T)),
+}
+
+
+def target_weight_rules(cfg: ModelConfig) -> list[WeightRule]:
+    """The conversion table for a Llama / Qwen3 target with this config."""
+    d, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    qd, kd, dh = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.head_dim
+    pre = "model.layers.{i}."
+
+    def layer(hf, param, transform, shape):
+        return WeightRule(pre + hf, ("layers",) + param, transform, shape, per_layer=True)
+
+    rules = [
+        WeightRule("model.embed_tokens.weight", ("embed_tokens", "embedding"), "identity", (v, d)),
+        WeightRule("model.norm.weight", ("norm", "scale"), "identity", (d,)),
+        layer("input_layernorm.weight", ("input_layernorm", "scale"), "identity", (d,)),
+        layer("post_attention_layernorm.weight", ("post_attention_layernorm", "scale"), "identity", (d,)),
+        layer("self_attn.q_proj.weight", ("self_attn", "q_proj", "kernel"), "transpose", (qd, d)),
+        layer("self_attn.k_proj.weight", ("self_attn", "k_proj", "kernel"), "transpose", (kd, d)),
+        layer("self_attn.v_proj.weight", ("self_attn", "v_proj", "kernel"), "transpose", (kd, d)),
+        layer("self_attn.o_proj.weight", ("self_attn", "o_proj", "kernel"), "transpose", (d, qd)),
+        layer("mlp.gate_proj.weight", ("mlp", "gate_proj", "kernel"), "transpose", (f, d)),
+        layer("mlp.up_proj.weight", ("mlp", "up_proj", "kernel"), "transpose", (f, d)),
+        layer("mlp.down_proj.weight", ("mlp", "down_proj", "kernel"), "transpose", (d, f)),
+    ]
+    if cfg.attention_bias:
+        rules += [
+            layer("self_attn.q_proj.bias", ("self_attn", "q_proj", "bias"), "identity", (qd,)),
+            layer("self_attn.k_proj.bias", ("self_attn", "k_proj", "bias"), "identity", (kd,)),
+            layer("self_attn.v_proj.bias", ("self_attn", "v_proj", "bias"), "identity", (kd,)),
+            layer("self_attn.o_proj.bias", ("self_attn", "o_proj", "bias"), "identity", (d,)),
+        ]
+    if cfg.qk_norm:
+        rules += [
+            layer("self_attn.q_norm.weight", ("self_attn", "q_norm", "scale"), "identity", (dh,)),
+            layer("self_attn.k_norm.weight", ("self_attn", "k_norm", "scale"), "identity", (dh,)),
+        ]
+    if not cfg.tie_word_embeddings:
+        rules.append(WeightRule("lm_head.weight", ("lm_head", "kernel"), "transpose", (v, d)))
+    return rules
+
+
+# ----------------------------------------------------------------------------------- reading
+
+
+def _read_safetensors_file(path: str) -> dict[str, np.ndarray]:
+    from safetensors import SafetensorError, safe_open
+
+    out: dict[str, np.ndarray] = {}
+    try:
+        with safe_open(path, framework="numpy") as f:
+            for name in f.keys():
+                try:
+                    out[name] = f.get_tensor(name)
+                except (TypeError, ValueError):
+                    # Older safetensors numpy backends cannot represent bf16; read that tensor
+                    # through the flax backend, which yields an ml_dtypes-backed array.
+                    with safe_open(path, framework="flax") as g:
+                        out[name] = np.asarray(g.get_tensor(name))
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{path}: cannot read safetensors file ({e}); is it truncated or corrupt?") from e
+    return out
+
+
+def read_safetensors_dir(path: str | os.PathLike) -> dict[str, np.ndarray]:
+    """All tensors of an HF checkpoint directory (single `model.safetensors` or sharded with
+    `model.safetensors.index.json`), as numpy arrays keyed by HF name.
+
+    Raises FileNotFoundError for a missing directory, weights file or shard, and `CheckpointError`
+    for unreadable files or an index that disagrees with its shards; messages name the file.
+    """
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"checkpoint directory not found: {path}")
+    index_path = os.path.join(path, INDEX_FILE)
+    single_path = os.path.join(path, SAFETENSORS_FILE)
+    if os.path.isfile(index_path):
+        try:
+            with open(index_path, encoding="utf-8") as f:
+                weight_map = json.load(f)["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index_path}: not a valid safetensors index ({e!r})") from e
+        shards = sorted(set(weight_map.values()))
+        missing = [s for s in shards if not os.path.isfile(os.path.join(path, s))]
+        if missing:
+            raise FileNotFoundError(f"{index_path} lists shard file(s) that do not exist in {path}: "
+                                    f"{', '.join(missing)}")
+        tensors: dict[str, np.ndarray] = {}
+        for shard in shards:
+            shard_path = os.path.join(path, shard)
+            for name, x in _read_safetensors_file(shard_path).items():
+                if name in tensors:
+                    raise CheckpointError(f"{shard_path}: tensor {name!r} appears in more than one shard")
+                tensors[name] = x
+        absent = [n for n, s in weight_map.items() if n not in tensors]
+        if absent:
+            raise CheckpointError(f"{index_path} lists tensor(s) not found in their shard: "
+                                  f"{', '.join(sorted(absent)[:20])}")
+        return tensors
+    if os.path.isfile(single_path):
+        return _read_safetensors_file(single_path)
+    present = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
+    raise FileNotFoundError(
+        f"no weights in {path}: expected {SAFETENSORS_FILE} or {INDEX_FILE}"
+        + (f" (found {', '.join(present)})" if present else "")
+    )
+
+
+# ----------------------------------------------------------------------------------- loading
+
+
+def _param(model: nnx.Module, path: tuple[str, ...]) -> nnx.Variable:
+    obj: Any = model
+    for p in path:
+        obj = getattr(obj, p, None)
+        if obj is None:
+            raise CheckpointError(f"model has no parameter {'.'.join(path)}")
+    return obj
+
+
+def _model_param_paths(model: nnx.Module) -> set[tuple[str, ...]]:
+    return {tuple(str(p) for p in path) for path, v in nnx.iter_graph(model) if isinstance(v, nnx.Param)}
+
+
+def load_target_params(model: Transformer, state: Mapping[str, np.ndarray]) -> None:
+    """Fills every parameter of `model` from HF-named tensors (in place, cast to param_dtype).
+
+    Unmapped and missing tensors are reported together by name; a wrong source shape raises
+    naming the tensor with expected and actual shapes. With tied embeddings an `lm_head.weight`
+    is accepted only if it equals the embedding (some exporters write the tied copy).
+    """
+    cfg: ModelConfig = model.cfg
+    rules = target_weight_rules(cfg)
+    covered = {r.param for r in rules}
+    params = _model_param_paths(model)
+    if covered != params:  # the table itself is wrong for this model: a library bug
+        raise AssertionError(f"conversion table out of sync with the model: table-only "
+                             f"{sorted(covered - params)}, model-only {sorted(params - covered)}")
+
+    expected = {n for r in rules for n in r.names(cfg.num_layers)}
+    extra = {n for n in state if n not in expected and not n.endswith(_IGNORED_SUFFIXES)}
+    if cfg.tie_word_embeddings and "lm_head.weight" in extra:
+        extra.discard("lm_head.weight")
+        head = np.asarray(state["lm_head.weight"])
+        emb = state.get("model.embed_tokens.weight")
+        if emb is not None and (head.shape != np.shape(emb) or not np.array_equal(head, np.asarray(emb))):
+            raise CheckpointError("tensor 'lm_head.weight' differs from 'model.embed_tokens.weight' but "
+                                  "the config says tie_word_embeddings=True")
+    missing = sorted(expected - set(state))
+    if extra or missing:
+        parts = []
+        if missing:
+            parts.append(f"missing tensor(s): {', '.join(missing)}")
+        if extra:
+            parts.append(f"unmapped tensor(s): {', '.join(sorted(extra))}")
+        raise CheckpointError(f"checkpoint does not match a {cfg.architecture} model with "
+                              f"{cfg.num_layers} layers; " + "; ".join(parts))
+
+    dtype = jnp.dtype(cfg.param_dtype)
+    for rule in rules:
+        converted = []
+        for name in rule.names(cfg.num_layers):
+            x = np.asarray(state[name])
+            if not np.issubdtype(x.dtype, np.floating) and x.dtype != jnp.bfloat16:
+                raise CheckpointError(f"tensor {name!r} has non-float dtype {x.dtype}")
+            converted.append(rule.to_param(name, x))
+        value = np.stack(converted) if rule.per_layer else converted[0]
+        var = _param(model, rule.param)
+        want = tuple(var.get_value().shape)
+        if tuple(value.shape) != want:  # a table bug rather than a checkpoint bug
+            raise AssertionError(f"{rule.hf_name} -> {'.'.join(rule.param)}: converted shape "
+                                 f"{value.shape} != parameter shape {want}")
+        var.set_value(jnp.asarray(value, dtype=dtype))
+
+
+def load_hf_target(path: str | os.PathLike, *, dtype: str | None = None) -> tuple[ModelConfig, Transformer]:
+    """Loads an HF Llama / Qwen3 checkpoint directory into a `Transformer`.
+
+    `dtype` sets both compute and storage dtypes (default: the checkpoint's `torch_dtype`).
+    The model skeleton is built with `nnx.eval_shape`, so no random weights are materialised.
+    """
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"checkpoint directory not found: {path}")
+    config_path = os.path.join(path, CONFIG_FILE)
+    if not os.path.isfile(config_path):
+        raise FileNotFoundError(f"{config_path} not found: an HF checkpoint needs its config.json")
+    overrides = {} if dtype is None else {"dtype": dtype, "param_dtype": dtype}
+    cfg = ModelConfig.from_hf_config(config_path, **overrides)
+    state = read_safetensors_dir(path)
+    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    try:
+        load_target_params(model, state)
+    except CheckpointError as e:
+        raise CheckpointError(f"{path}: {e}") from e
+    return cfg, model
+
+
+# ------------------------------------------------------------------------------------ saving
+
+
+def save_hf_target(model: Transformer, path: str | os.PathLike) -> None:
+    """Writes `config.json` and `model.safetensors` with HF names (single file, param dtype)."""
+    from safetensors.numpy import save_file
+
+    path = os.fspath(path)
+    os.makedirs(path, exist_ok=True)
+    cfg: ModelConfig = model.cfg
+    tensors: dict[str, np.ndarray] = {}
+    for rule in target_weight_rules(cfg):
+        value = np.asarray(jax.device_get(_param(model, rule.param).get_value()))
+        names = rule.names(cfg.num_layers)
+        slices = list(value) if rule.per_layer else [value]
+        for name, x in zip(names, slices, strict=True):
+            tensors[name] = rule.to_hf(x)
+    with open(os.path.join(path, CONFIG_FILE), "w", encoding="utf-8") as f:
+        json.dump(cfg.to_hf_config(), f, indent=2)
+    save_file(tensors, os.path.join(path, SAFETENSORS_FILE), metadata={"format": "pt"})

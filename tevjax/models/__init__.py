@@ -1,0 +1,33 @@
+"""Target models (Llama, Qwen3) and the primitives the drafter shares with them."""
+
+from tevjax.models.cache import KVCache
+from tevjax.models.config import PRESETS, ModelConfig, RopeScaling
+from tevjax.models.layers import NEG_INF, RMSNorm, SwiGLU, apply_rope, attention, causal_mask, rope_inv_freq
+from tevjax.models.transformer import (
+    ForwardOutput,
+    Transformer,
+    forward,
+    full_mask,
+    random_model,
+    tiny_config,
+)
+
+__all__ = [
+    "NEG_INF",
+    "PRESETS",
+    "ForwardOutput",
+    "KVCache",
+    "ModelConfig",
+    "RMSNorm",
+    "RopeScaling",
+    "SwiGLU",
+    "Transformer",
+    "apply_rope",
+    "attention",
+    "causal_mask",
+    "forward",
+    "full_mask",
+    "random_model",
+    "rope_inv_freq",
+    "tiny_config",
+]

@@ -1,0 +1,67 @@
+"""Per-layer key/value cache of the target model.
+
+The cache is only storage: it holds no lengths. Callers (the decode engine) track each row's
+committed length and pass write positions to `Transformer.__call__`, which writes the K/V of new
+tokens at `write_pos[b] + t` and lets queries see every slot below `write_pos[b]`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from tevjax.models.config import ModelConfig
+
+__all__ = ["KVCache"]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    """Stacked K/V for all layers (L layers, B rows, S slots, K kv heads, Dh head dim)."""
+
+    k: jax.Array  # [L, B, S, K, Dh] keys after RoPE, compute dtype
+    v: jax.Array  # [L, B, S, K, Dh] values, compute dtype
+
+    @classmethod
+    def init(cls, cfg: ModelConfig, batch: int, capacity: int) -> "KVCache":
+        """Zero cache with `capacity` slots per row, in the config's compute dtype."""
+        if batch <= 0 or capacity <= 0:
+            raise ValueError(f"KVCache.init: batch={batch} and capacity={capacity} must be positive")
+        shape = (cfg.num_layers, batch, capacity, cfg.num_kv_heads, cfg.head_dim)
+        return cls(k=jnp.zeros(shape, cfg.dtype), v=jnp.zeros(shape, cfg.dtype))
+
+    @property
+    def capacity(self) -> int:
+        """Static slot count S per row."""
+        return self.k.shape[2]
+
+    @property
+    def batch(self) -> int:
+        """Static row count B."""
+        return self.k.shape[1]
+
+    def move_slots(self, src: jax.Array, dst_start: jax.Array) -> "KVCache":
+        """Copies slot `src[b, m]` to slot `dst_start[b] + m` in every layer (jittable).
+
+        This is the commit step after tree verification: `src[b]` lists the cache slots of the
+        accepted path (e.g. `prefix_len + accepted_node_index`), `dst_start[b]` the row's
+        committed length. Entries with `src[b, m] < 0` (unused, for paths shorter than M) are
+        skipped. Reads happen before writes, so overlapping source and destination ranges
+        are safe. src: [B, M] int32; dst_start: [B] int32.
+        """
+        b, m = src.shape
+        if b != self.batch:
+            raise ValueError(f"KVCache.move_slots: src has {b} rows, cache has {self.batch}")
+        rows = jnp.arange(b)[:, None]
+        take = jnp.clip(src, 0, self.capacity - 1)
+        dst = dst_start[:, None] + jnp.arange(m)[None, :]
+        # Skipped or out-of-range destinations get index S, which `mode="drop"` ignores.
+        dst = jnp.where((src >= 0) & (dst >= 0) & (dst < self.capacity), dst, self.capacity)
+
+        def move(x):  # x: [L, B, S, K, Dh]
+            return x.at[:, rows, dst].set(x[:, rows, take], mode="drop")
+
+        return KVCache(k=move(self.k), v=move(self.v))

@@ -1,0 +1,283 @@
+"""Target-model configuration: one frozen dataclass for the Llama and Qwen3 families.
+
+Variants are made with `dataclasses.replace`; `from_hf_config` / `to_hf_config` translate to and
+from a Hugging Face `config.json` (both the legacy `rope_theta` + `rope_scaling` keys and the
+transformers>=5 `rope_parameters` dict are read; the legacy form is written because every
+published checkpoint and every transformers version understands it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["ModelConfig", "RopeScaling", "PRESETS", "SUPPORTED_ARCHITECTURES"]
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen3")
+_DTYPES = ("float32", "bfloat16", "float16")
+_HF_CLASS = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RopeScaling:
+    """Llama-3 style frequency-dependent RoPE scaling (HF `rope_type: "llama3"`)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Static shape and numerics of a decoder-only target model.
+
+    `dtype` is the compute dtype (activations, KV cache); `param_dtype` the storage dtype of the
+    weights. Norm statistics, softmax and logits are always computed in float32.
+    """
+
+    architecture: str  # "llama" | "qwen3"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: RopeScaling | None = None
+    tie_word_embeddings: bool
+    qk_norm: bool  # qwen3: per-head RMSNorm on q and k (over head_dim) before RoPE
+    attention_bias: bool = False
+    max_position_embeddings: int
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+
+    def __post_init__(self):
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"ModelConfig.architecture={self.architecture!r} is not supported; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"ModelConfig.num_heads={self.num_heads} must be a multiple of "
+                f"num_kv_heads={self.num_kv_heads} (grouped-query attention)"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"ModelConfig.head_dim={self.head_dim} must be even for RoPE")
+        for name in ("dtype", "param_dtype"):
+            if getattr(self, name) not in _DTYPES:
+                raise ValueError(
+                    f"ModelConfig.{name}={getattr(self, name)!r} is not one of {', '.join(_DTYPES)}"
+                )
+        # Tuples keep the config hashable (it is a static argument of jitted functions).
+        object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
+
+    @property
+    def num_params(self) -> int:
+        """Parameter count implied by the shapes (embedding counted once when tied)."""
+        d, h, k, dh, f = (self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim,
+                          self.intermediate_size)
+        attn = d * h * dh + 2 * d * k * dh + h * dh * d
+        if self.attention_bias:
+            attn += h * dh + 2 * k * dh
+        if self.qk_norm:
+            attn += 2 * dh
+        layer = attn + 3 * d * f + 2 * d
+        embed = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * layer + embed + d
+
+    @classmethod
+    def from_hf_config(cls, config: Mapping[str, Any] | str | os.PathLike, **overrides) -> "ModelConfig":
+        """Builds a config from an HF config dict, a `config.json` path or a checkpoint directory.
+
+        `overrides` replace fields after translation (e.g. `dtype="bfloat16"`). Features this
+        model does not implement (sliding windows, MLP biases, other RoPE types, non-SiLU MLPs)
+        raise `ValueError` rather than producing a silently different model.
+        """
+        source = "config dict"
+        if not isinstance(config, Mapping):
+            path = os.fspath(config)
+            if os.path.isdir(path):
+                path = os.path.join(path, "config.json")
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"HF config file not found: {path}")
+            source = path
+            try:
+                with open(path, encoding="utf-8") as f:
+                    config = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path} is not valid JSON: {e}") from e
+            if not isinstance(config, Mapping):
+                raise ValueError(f"{path} must hold a JSON object, got {type(config).__name__}")
+        c = dict(config)
+        model_type = c.get("model_type")
+        if model_type not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"{source}: model_type {model_type!r} is not supported; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+
+        def need(key):
+            if c.get(key) is None:
+                raise ValueError(f"{source}: required field {key!r} is missing")
+            return c[key]
+
+        act = c.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"{source}: hidden_act={act!r} is not supported (only 'silu')")
+        if c.get("mlp_bias", False):
+            raise ValueError(f"{source}: mlp_bias=True is not supported")
+        if c.get("use_sliding_window", False):
+            raise ValueError(f"{source}: use_sliding_window=True is not supported")
+        odd_layers = sorted({t for t in (c.get("layer_types") or []) if t != "full_attention"})
+        if odd_layers:
+            raise ValueError(f"{source}: layer_types {odd_layers} are not supported (only full_attention)")
+        if c.get("pretraining_tp", 1) not in (1, None):
+            raise ValueError(f"{source}: pretraining_tp={c['pretraining_tp']} is not supported")
+
+        # transformers>=5 nests theta and scaling into `rope_parameters`; older files use
+        # top-level `rope_theta` and `rope_scaling`. Read whichever is present.
+        rope = dict(c.get("rope_parameters") or {})
+        scaling_src = c.get("rope_scaling") or rope
+        theta = c.get("rope_theta", rope.get("rope_theta", 10000.0))
+        rope_type = scaling_src.get("rope_type", scaling_src.get("type", "default")) if scaling_src else "default"
+        if rope_type == "default":
+            scaling = None
+        elif rope_type == "llama3":
+            try:
+                scaling = RopeScaling(
+                    factor=float(scaling_src["factor"]),
+                    low_freq_factor=float(scaling_src["low_freq_factor"]),
+                    high_freq_factor=float(scaling_src["high_freq_factor"]),
+                    original_max_position_embeddings=int(scaling_src["original_max_position_embeddings"]),
+                )
+            except KeyError as e:
+                raise ValueError(f"{source}: llama3 rope scaling is missing field {e.args[0]!r}") from e
+        else:
+            raise ValueError(
+                f"{source}: rope_type {rope_type!r} is not supported (only 'default' and 'llama3')"
+            )
+
+        heads = int(need("num_attention_heads"))
+        hidden = int(need("hidden_size"))
+        eos = c.get("eos_token_id")
+        eos_ids = () if eos is None else (tuple(eos) if isinstance(eos, (list, tuple)) else (eos,))
+        hf_dtype = c.get("torch_dtype") or c.get("dtype")
+        dtype = hf_dtype if hf_dtype in _DTYPES else "float32"
+        fields = dict(
+            architecture=model_type,
+            vocab_size=int(need("vocab_size")),
+            hidden_size=hidden,
+            intermediate_size=int(need("intermediate_size")),
+            num_layers=int(need("num_hidden_layers")),
+            num_heads=heads,
+            num_kv_heads=int(c.get("num_key_value_heads") or heads),
+            head_dim=int(c.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(theta),
+            rope_scaling=scaling,
+            # HF's default for both families is tie_word_embeddings=False when the key is absent.
+            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+            qk_norm=model_type == "qwen3",
+            attention_bias=bool(c.get("attention_bias", False)),
+            max_position_embeddings=int(c.get("max_position_embeddings", 2048)),
+            eos_token_ids=eos_ids,
+            bos_token_id=c.get("bos_token_id"),
+            dtype=dtype,
+            param_dtype=dtype,
+        )
+        unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise TypeError(f"from_hf_config: unknown override(s) {sorted(unknown)}")
+        fields.update(overrides)
+        return cls(**fields)
+
+    def to_hf_config(self) -> dict[str, Any]:
+        """An HF `config.json` dict that `from_hf_config` maps back to this config (and that
+        transformers can build the matching `*ForCausalLM` from)."""
+        eos: Any = None
+        if len(self.eos_token_ids) == 1:
+            eos = self.eos_token_ids[0]
+        elif self.eos_token_ids:
+            eos = list(self.eos_token_ids)
+        out: dict[str, Any] = {
+            "architectures": [_HF_CLASS[self.architecture]],
+            "model_type": self.architecture,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": None,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": self.attention_bias,
+            "attention_dropout": 0.0,
+            "mlp_bias": False,
+            "max_position_embeddings": self.max_position_embeddings,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": eos,
+            "torch_dtype": self.param_dtype,
+        }
+        if self.rope_scaling is not None:
+            out["rope_scaling"] = {"rope_type": "llama3", **dataclasses.asdict(self.rope_scaling)}
+        if self.architecture == "qwen3":
+            out["use_sliding_window"] = False
+        return out
+
+
+# Published numbers (Hugging Face config.json of each checkpoint). Large models store bf16.
+PRESETS: dict[str, ModelConfig] = {
+    # Qwen/Qwen3-4B: 4.0B parameters (tied embeddings).
+    "qwen3-4b": ModelConfig(
+        architecture="qwen3", vocab_size=151936, hidden_size=2560, intermediate_size=9728,
+        num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6,
+        rope_theta=1_000_000.0, tie_word_embeddings=True, qk_norm=True,
+        max_position_embeddings=40960, eos_token_ids=(151645, 151643), bos_token_id=151643,
+        dtype="bfloat16", param_dtype="bfloat16",
+    ),
+    # Qwen/Qwen3-8B: 8.2B parameters.
+    "qwen3-8b": ModelConfig(
+        architecture="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+        num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6,
+        rope_theta=1_000_000.0, tie_word_embeddings=False, qk_norm=True,
+        max_position_embeddings=40960, eos_token_ids=(151645, 151643), bos_token_id=151643,
+        dtype="bfloat16", param_dtype="bfloat16",
+    ),
+    # meta-llama/Llama-3.1-8B(-Instruct): 8.03B parameters; eos ids of the Instruct model.
+    "llama-3.1-8b": ModelConfig(
+        architecture="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+        num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5,
+        rope_theta=500_000.0,
+        rope_scaling=RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                 original_max_position_embeddings=8192),
+        tie_word_embeddings=False, qk_norm=False, max_position_embeddings=131072,
+        eos_token_ids=(128001, 128008, 128009), bos_token_id=128000,
+        dtype="bfloat16", param_dtype="bfloat16",
+    ),
+    # HuggingFaceTB/SmolLM2-135M: 134.5M parameters (tied embeddings); small enough for CPU.
+    "smollm2-135m": ModelConfig(
+        architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+        num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5,
+        rope_theta=100_000.0, tie_word_embeddings=True, qk_norm=False,
+        max_position_embeddings=8192, eos_token_ids=(0,), bos_token_id=0,
+        dtype="float32", param_dtype="float32",
+    ),
+}

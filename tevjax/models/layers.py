@@ -1,0 +1,136 @@
+"""Shared transformer primitives (target model and DFlash drafter).
+
+Letter legend: B batch, T query tokens, S key/value slots, H query heads, K key/value heads,
+Dh head dimension, D model width, F MLP width.
+
+Numerics: every reduction that decides a probability (RMS statistics, attention scores, softmax)
+runs in float32 whatever the compute dtype; masking uses the finite `NEG_INF` so a fully masked
+row (padding) gives a uniform softmax instead of NaN.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from tevjax.models.config import RopeScaling
+
+__all__ = [
+    "NEG_INF",
+    "RMSNorm",
+    "SwiGLU",
+    "apply_rope",
+    "attention",
+    "causal_mask",
+    "rope_inv_freq",
+]
+
+# Finite stand-in for -inf in float32 scores. exp(NEG_INF - max) underflows to exactly 0 next to
+# any real score, while a row with no visible key stays finite (uniform weights, no NaN), and it
+# is far from float32's limit so subtracting a row maximum never overflows to -inf.
+NEG_INF: float = -1e30
+
+
+class RMSNorm(nnx.Module):
+    """y = x / sqrt(mean(x^2) + eps) * scale over the last axis; statistics in float32."""
+
+    def __init__(self, dim: int, *, eps: float, dtype, param_dtype, rngs: nnx.Rngs | None = None):
+        del rngs  # deterministic init; kept so every layer has the same constructor shape
+        self.eps = float(eps)
+        self.dtype = jnp.dtype(dtype)  # unused by the math (output keeps the input dtype); recorded for introspection
+        self.scale = nnx.Param(jnp.ones((dim,), jnp.dtype(param_dtype)))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        inv = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (x32 * inv * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
+    """[head_dim // 2] float32 inverse frequencies theta^(-2i/head_dim), with Llama-3 scaling.
+
+    Llama-3 scaling keeps high frequencies (wavelength < original_len / high_freq_factor),
+    divides low frequencies (wavelength > original_len / low_freq_factor) by `factor`, and
+    interpolates smoothly in between. Computed in float64 on the host (a static constant).
+    """
+    inv = 1.0 / (float(theta) ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    if scaling is not None:
+        old = float(scaling.original_max_position_embeddings)
+        low_wavelen = old / scaling.low_freq_factor
+        high_wavelen = old / scaling.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        scaled = np.where(wavelen > low_wavelen, inv / scaling.factor, inv)
+        smooth = (old / wavelen - scaling.low_freq_factor) / (
+            scaling.high_freq_factor - scaling.low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv = np.where(medium, smoothed, scaled)
+    return inv.astype(np.float32)
+
+
+def _rotate_half(x: jax.Array) -> jax.Array:
+    half = x.shape[-1] // 2
+    return jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq) -> jax.Array:
+    """Rotary embedding, HF "rotate_half" layout (first and second half of Dh form the pairs).
+
+    x: [..., T, H, Dh]; positions: [..., T] int; inv_freq: [Dh // 2]. Angles and the rotation
+    are computed in float32; the result has x's dtype.
+    """
+    inv_freq = jnp.asarray(inv_freq, jnp.float32)
+    if x.shape[-1] != 2 * inv_freq.shape[-1]:
+        raise ValueError(f"apply_rope: head_dim {x.shape[-1]} != 2 * len(inv_freq) {inv_freq.shape[-1]}")
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [..., T, Dh/2]
+    angles = jnp.concatenate([angles, angles], axis=-1)[..., None, :]  # [..., T, 1, Dh]
+    x32 = x.astype(jnp.float32)
+    out = x32 * jnp.cos(angles) + _rotate_half(x32) * jnp.sin(angles)
+    return out.astype(x.dtype)
+
+
+class SwiGLU(nnx.Module):
+    """down(silu(gate(x)) * up(x)); no biases (Llama / Qwen3 MLP)."""
+
+    def __init__(self, dim: int, hidden: int, *, dtype, param_dtype, rngs: nnx.Rngs):
+        kw = dict(use_bias=False, dtype=jnp.dtype(dtype), param_dtype=jnp.dtype(param_dtype), rngs=rngs)
+        self.gate_proj = nnx.Linear(dim, hidden, **kw)
+        self.up_proj = nnx.Linear(dim, hidden, **kw)
+        self.down_proj = nnx.Linear(hidden, dim, **kw)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Masked grouped-query dot-product attention.
+
+    q: [B, T, H, Dh]; k, v: [B, S, K, Dh] with H % K == 0 (query head h reads kv head h // (H/K),
+    the HF `repeat_kv` order); mask: [B, T, S] bool, True = visible. Returns [B, T, H, Dh] in
+    q's dtype. Scores (scale 1/sqrt(Dh)) and softmax are float32; masked scores are NEG_INF, so
+    a row with nothing visible averages v uniformly instead of producing NaN.
+    """
+    b, t, h, dh = q.shape
+    kh = k.shape[2]
+    if h % kh:
+        raise ValueError(f"attention: {h} query heads is not a multiple of {kh} kv heads")
+    if mask.shape != (b, t, k.shape[1]):
+        raise ValueError(f"attention: mask shape {mask.shape} != (B, T, S) = {(b, t, k.shape[1])}")
+    qg = q.reshape(b, t, kh, h // kh, dh)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
+    scores = scores * (1.0 / math.sqrt(dh))
+    scores = jnp.where(mask[:, None, None, :, :], scores, NEG_INF)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v,
+                     preferred_element_type=jnp.float32)
+    return out.reshape(b, t, h, dh).astype(q.dtype)
+
+
+def causal_mask(t: int) -> jax.Array:
+    """[t, t] bool lower-triangular: query i sees keys 0..i."""
+    return jnp.tril(jnp.ones((t, t), dtype=bool))

@@ -1,0 +1,286 @@
+"""Decoder-only target model (Llama and Qwen3 families) with a per-row KV cache.
+
+One call handles prefill, single-token decode and the one-pass tree verification:
+
+    out = model(tokens_BxT, positions_BxT, cache, write_pos_B, block_mask_BxTxT)
+
+The K/V of the T new tokens go to cache slots `write_pos[b] + t`; query t sees every slot below
+`write_pos[b]` (the committed prefix) and new slot `write_pos[b] + t'` iff `block_mask[b, t, t']`.
+Prefill passes a causal block mask; a tree pass passes `tree.ancestors` with positions
+`prefix_len + tree.depth`. Worked example of the combined [T, S] mask for one row with
+write_pos = 2, T = 3, S = 6 and the tree block mask of a root with two children::
+
+    block_mask        combined mask (slots 0-1 prefix, 2-4 new, 5 empty)
+    [1 0 0]           [1 1 | 1 0 0 | 0]
+    [1 1 0]     ->    [1 1 | 1 1 0 | 0]
+    [1 0 1]           [1 1 | 1 0 1 | 0]
+
+Layers are stacked along a leading axis (created with `nnx.vmap`) and run under `jax.lax.scan`,
+so a 36-layer model compiles one layer body. Letter legend: B batch, T new tokens, S cache slots,
+L layers, R requested hidden layers, D width, V vocabulary, H heads, K kv heads, Dh head dim.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from tevjax.models.cache import KVCache
+from tevjax.models.config import ModelConfig
+from tevjax.models.layers import RMSNorm, SwiGLU, apply_rope, attention, rope_inv_freq
+
+__all__ = [
+    "Attention",
+    "DecoderLayer",
+    "ForwardOutput",
+    "Transformer",
+    "forward",
+    "full_mask",
+    "random_model",
+    "tiny_config",
+]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ForwardOutput:
+    """Result of one `Transformer` call."""
+
+    logits: jax.Array | None  # [B, T, V] float32, None when compute_logits=False
+    hidden: jax.Array  # [B, T, R, D] output of decoder layer hidden_layers[r] (HF hidden_states[i+1])
+    final_hidden: jax.Array  # [B, T, D] last layer output after the final norm
+    cache: KVCache  # updated cache (new K/V written at write_pos + t)
+
+
+class Attention(nnx.Module):
+    """Grouped-query self-attention projections; Qwen3 adds per-head q/k RMSNorm before RoPE."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        d, h, k, dh = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        kw = dict(dtype=jnp.dtype(cfg.dtype), param_dtype=jnp.dtype(cfg.param_dtype), rngs=rngs)
+        self.num_heads, self.num_kv_heads, self.head_dim = h, k, dh
+        self.q_proj = nnx.Linear(d, h * dh, use_bias=cfg.attention_bias, **kw)
+        self.k_proj = nnx.Linear(d, k * dh, use_bias=cfg.attention_bias, **kw)
+        self.v_proj = nnx.Linear(d, k * dh, use_bias=cfg.attention_bias, **kw)
+        self.o_proj = nnx.Linear(h * dh, d, use_bias=cfg.attention_bias, **kw)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(dh, eps=cfg.rms_norm_eps, **kw)
+            self.k_norm = RMSNorm(dh, eps=cfg.rms_norm_eps, **kw)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def qkv(self, x: jax.Array, positions: jax.Array, inv_freq) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """x [B, T, D] -> q [B, T, H, Dh], k and v [B, T, K, Dh]; q and k rotated."""
+        b, t, _ = x.shape
+        q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+
+    def out(self, a: jax.Array) -> jax.Array:
+        """a [B, T, H, Dh] -> [B, T, D]."""
+        b, t = a.shape[:2]
+        return self.o_proj(a.reshape(b, t, self.num_heads * self.head_dim))
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        kw = dict(dtype=jnp.dtype(cfg.dtype), param_dtype=jnp.dtype(cfg.param_dtype), rngs=rngs)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, **kw)
+        self.self_attn = Attention(cfg, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, **kw)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, **kw)
+
+    def __call__(self, x, *, positions, inv_freq, mask, cache_k, cache_v, layer, write_idx):
+        """One layer over the new tokens.
+
+        x [B, T, D]; mask [B, T, S]; cache_k/v: the full [L, B, S, K, Dh] stacks (scan carry,
+        so the write is an in-place scatter of T entries, not a copy of the layer's slab);
+        layer: traced layer index; write_idx [B, T] slot of each new token (S = dropped).
+        """
+        q, k, v = self.self_attn.qkv(self.input_layernorm(x), positions, inv_freq)
+        rows = jnp.arange(x.shape[0])[:, None]
+        cache_k = cache_k.at[layer, rows, write_idx].set(k.astype(cache_k.dtype), mode="drop")
+        cache_v = cache_v.at[layer, rows, write_idx].set(v.astype(cache_v.dtype), mode="drop")
+        k_all = jax.lax.dynamic_index_in_dim(cache_k, layer, 0, keepdims=False)  # [B, S, K, Dh]
+        v_all = jax.lax.dynamic_index_in_dim(cache_v, layer, 0, keepdims=False)
+        x = x + self.self_attn.out(attention(q, k_all.astype(q.dtype), v_all.astype(q.dtype), mask))
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, cache_k, cache_v
+
+
+def full_mask(block_mask: jax.Array, write_pos: jax.Array, capacity: int) -> jax.Array:
+    """[B, T, S] visibility: the committed prefix (slots < write_pos) plus the block mask placed
+    at slots write_pos .. write_pos + T - 1; every other slot (stale or empty) is hidden."""
+    b, t, _ = block_mask.shape
+    rel = jnp.arange(capacity)[None, :] - write_pos[:, None]  # [B, S] slot - write_pos
+    in_block = (rel >= 0) & (rel < t)
+    cols = jnp.broadcast_to(jnp.clip(rel, 0, t - 1)[:, None, :], (b, t, capacity))
+    block = jnp.take_along_axis(block_mask, cols, axis=2)
+    return (rel < 0)[:, None, :] | (in_block[:, None, :] & block)
+
+
+class Transformer(nnx.Module):
+    """Llama / Qwen3 decoder with stacked layers; see the module docstring for the call protocol."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
+        self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype,
+                                      param_dtype=param_dtype, rngs=rngs)
+
+        # One set of parameters per layer, stacked on a leading axis of size L.
+        @nnx.split_rngs(splits=cfg.num_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make_layers(r: nnx.Rngs) -> DecoderLayer:
+            return DecoderLayer(cfg, rngs=r)
+
+        self.layers = make_layers(rngs)
+        self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
+        if cfg.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = nnx.Linear(cfg.hidden_size, cfg.vocab_size, use_bias=False, dtype=dtype,
+                                      param_dtype=param_dtype, rngs=rngs)
+
+    def embed(self, tokens: jax.Array) -> jax.Array:
+        """tokens [...] int -> [..., D] in the compute dtype."""
+        return self.embed_tokens(tokens).astype(self.cfg.dtype)
+
+    def logits(self, final_hidden: jax.Array) -> jax.Array:
+        """[..., D] -> [..., V] float32 (lm_head, or the tied embedding matrix).
+
+        Inputs stay in the compute dtype (bf16 tensor cores on GPU) with float32 accumulation,
+        so no float32 copy of the V x D matrix is made.
+        """
+        dt = jnp.dtype(self.cfg.dtype)
+        if self.lm_head is None:
+            w = self.embed_tokens.embedding[...]
+            return jnp.einsum("...d,vd->...v", final_hidden.astype(dt), w.astype(dt),
+                              preferred_element_type=jnp.float32)
+        w = self.lm_head.kernel[...]
+        return jnp.einsum("...d,dv->...v", final_hidden.astype(dt), w.astype(dt),
+                          preferred_element_type=jnp.float32)
+
+    def __call__(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array,
+        cache: KVCache,
+        write_pos: jax.Array,
+        block_mask: jax.Array,
+        *,
+        hidden_layers: tuple[int, ...] = (),
+        compute_logits: bool = True,
+    ) -> ForwardOutput:
+        """tokens, positions [B, T] int32; write_pos [B] int32; block_mask [B, T, T] bool."""
+        cfg = self.cfg
+        b, t = tokens.shape
+        checks = {
+            "positions": (positions.shape, (b, t)),
+            "write_pos": (write_pos.shape, (b,)),
+            "block_mask": (block_mask.shape, (b, t, t)),
+            "cache.k": (cache.k.shape, (cfg.num_layers, b, cache.capacity, cfg.num_kv_heads, cfg.head_dim)),
+            "cache.v": (cache.v.shape, cache.k.shape),
+        }
+        for name, (got, want) in checks.items():
+            if tuple(got) != tuple(want):
+                raise ValueError(f"Transformer: {name} has shape {tuple(got)}, expected {tuple(want)}")
+        if not jnp.issubdtype(tokens.dtype, jnp.integer) or not jnp.issubdtype(positions.dtype, jnp.integer):
+            raise ValueError(f"Transformer: tokens and positions must be integer arrays, got "
+                             f"{tokens.dtype} and {positions.dtype}")
+        hidden_layers = tuple(int(i) for i in hidden_layers)
+        for i in hidden_layers:
+            if not 0 <= i < cfg.num_layers:
+                raise ValueError(f"Transformer: hidden_layers entry {i} is outside [0, {cfg.num_layers})")
+
+        s = cache.capacity
+        write_pos = write_pos.astype(jnp.int32)
+        mask = full_mask(block_mask.astype(bool), write_pos, s)
+        write_idx = write_pos[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+        write_idx = jnp.where((write_idx >= 0) & (write_idx < s), write_idx, s)  # S: dropped
+        inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        wanted = np.asarray(hidden_layers, np.int32)  # [R] static
+
+        x = self.embed(tokens)
+        graphdef, layer_state = nnx.split(self.layers)
+
+        def body(carry, xs):
+            x, ck, cv, buf = carry
+            state, layer = xs
+            x, ck, cv = nnx.merge(graphdef, state)(
+                x, positions=positions, inv_freq=inv_freq, mask=mask, cache_k=ck, cache_v=cv,
+                layer=layer, write_idx=write_idx)
+            if wanted.size:
+                # Buffer of R slots written only where the layer index matches: O(R), not O(L).
+                hit = jnp.asarray(wanted) == layer
+                buf = jnp.where(hit[None, None, :, None], x[:, :, None, :], buf)
+            return (x, ck, cv, buf), None
+
+        buf = jnp.zeros((b, t, len(hidden_layers), cfg.hidden_size), x.dtype)
+        layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+        (x, ck, cv, buf), _ = jax.lax.scan(body, (x, cache.k, cache.v, buf), (layer_state, layer_ids))
+        final_hidden = self.norm(x)
+        return ForwardOutput(
+            logits=self.logits(final_hidden) if compute_logits else None,
+            hidden=buf,
+            final_hidden=final_hidden,
+            cache=KVCache(k=ck, v=cv),
+        )
+
+
+def forward(graphdef, state, tokens, positions, cache, write_pos, block_mask, *,
+            hidden_layers: tuple[int, ...] = (), compute_logits: bool = True) -> ForwardOutput:
+    """Pure-function form of `Transformer.__call__` over `nnx.split(model)`.
+
+    Jit it with `static_argnames=("graphdef", "hidden_layers", "compute_logits")` (a GraphDef is
+    hashable), splitting the model once outside the loop as in the flax gemma sampler.
+    """
+    return nnx.merge(graphdef, state)(tokens, positions, cache, write_pos, block_mask,
+                                      hidden_layers=hidden_layers, compute_logits=compute_logits)
+
+
+def tiny_config(architecture: str = "llama", **overrides) -> ModelConfig:
+    """A few-layer float32 config for tests (GQA 4/2 heads, vocab 300)."""
+    fields = dict(
+        architecture=architecture, vocab_size=300, hidden_size=64, intermediate_size=128,
+        num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6,
+        rope_theta=10000.0, tie_word_embeddings=architecture == "qwen3",
+        qk_norm=architecture == "qwen3", max_position_embeddings=256, eos_token_ids=(2,),
+        bos_token_id=1,
+    )
+    fields.update(overrides)
+    return ModelConfig(**fields)
+
+
+def random_model(cfg: ModelConfig, seed: int = 0) -> Transformer:
+    """A randomly initialised model for tests, filled from numpy (no per-op XLA compiles).
+
+    Kernels ~ N(0, 1/fan_in), embeddings ~ N(0, 1/D) (so tied logits are O(1)), biases ~ N(0, 0.1^2), and norm scales
+    ~ 1 + N(0, 0.1^2) rather than ones, so a mis-mapped norm or q/k norm cannot go unnoticed.
+    """
+    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    rng = np.random.default_rng(seed)
+    dtype = jnp.dtype(cfg.param_dtype)
+    for path, var in sorted(((tuple(map(str, p)), v) for p, v in nnx.iter_graph(model)
+                             if isinstance(v, nnx.Param)), key=lambda pv: pv[0]):
+        shape = var.get_value().shape
+        name = path[-1]
+        if name == "scale":
+            x = 1.0 + 0.1 * rng.standard_normal(shape)
+        elif name == "embedding":
+            x = rng.standard_normal(shape) / np.sqrt(shape[-1])
+        elif name == "bias":
+            x = 0.1 * rng.standard_normal(shape)
+        else:  # kernel [..., in, out]
+            x = rng.standard_normal(shape) / np.sqrt(shape[-2])
+        var.set_value(jnp.asarray(x, dtype))
+    return model
