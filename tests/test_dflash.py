@@ -1,0 +1,569 @@
+"""DFlash drafter: public checkpoint format, the inference/training paths and their properties.
+
+The fixture drafter reads a tiny Qwen3 target (6 layers, width 64) at target layers (1, 3), with
+block size 4, through a checkpoint the test writes in the public format: the tensor names, [out,
+in] layouts, bf16 storage and config keys of the released z-lab drafters.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors.numpy import save_file
+
+from tevjax.convert.dflash_ckpt import dflash_weight_rules, load_dflash, save_dflash
+from tevjax.convert.hf import CheckpointError, read_safetensors_dir
+from tevjax.models.cache import KVCache
+from tevjax.models.config import PRESETS
+from tevjax.models.dflash import (
+    DFlashConfig,
+    DFlashDrafter,
+    DrafterCache,
+    default_target_layer_ids,
+    features_from_hidden,
+    features_from_output,
+)
+from tevjax.models.transformer import ForwardOutput, random_model, tiny_config
+
+BS = 4  # block size of the fixture drafter
+IDS = (1, 3)  # tapped target layers
+MASK = 299  # last row of the tiny target's 300-token vocabulary
+T = 12  # sequence length of the fixture context
+
+# config.json of the released z-lab/Qwen3-4B-DFlash-b16 drafter (keys and values as published).
+QWEN3_4B_DFLASH_CONFIG = {
+    "architectures": ["DFlashDraftModel"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+    "block_size": 16,
+    "bos_token_id": 151643,
+    "dflash_config": {"mask_token_id": 151669, "target_layer_ids": [1, 9, 17, 25, 33]},
+    "dtype": "bfloat16",
+    "eos_token_id": 151645,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 2560,
+    "initializer_range": 0.02,
+    "intermediate_size": 9728,
+    "layer_types": ["full_attention"] * 5,
+    "max_position_embeddings": 40960,
+    "max_window_layers": 5,
+    "model_type": "qwen3",
+    "num_attention_heads": 32,
+    "num_hidden_layers": 5,
+    "num_key_value_heads": 8,
+    "num_target_layers": 36,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 1000000,
+    "sliding_window": None,
+    "tie_word_embeddings": True,
+    "transformers_version": "4.57.3",
+    "use_cache": True,
+    "use_sliding_window": False,
+    "vocab_size": 151936,
+}
+
+
+def _tiny_public_config() -> dict:
+    """A tiny drafter config.json with the released layout (the test's 'public checkpoint')."""
+    c = dict(QWEN3_4B_DFLASH_CONFIG)
+    c.update(
+        block_size=BS, dflash_config={"mask_token_id": MASK, "target_layer_ids": list(IDS)},
+        head_dim=16, hidden_size=64, intermediate_size=96, layer_types=["full_attention"] * 2,
+        max_position_embeddings=256, num_attention_heads=4, num_hidden_layers=2, num_key_value_heads=2,
+        num_target_layers=6, rope_theta=10000, vocab_size=300,
+    )
+    return c
+
+
+def _tiny_public_tensors(cfg: dict, seed: int = 0) -> dict:
+    """Random bf16 tensors under the public names ([out, in] Linear weights)."""
+    rng = np.random.default_rng(seed)
+    d, f, dh = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
+    qd, kd = cfg["num_attention_heads"] * dh, cfg["num_key_value_heads"] * dh
+    n = len(cfg["dflash_config"]["target_layer_ids"])
+
+    def w(*shape, scale=0.1):
+        return (rng.standard_normal(shape) * scale).astype(ml_dtypes.bfloat16)
+
+    def norm(dim):  # not all-ones, so a norm that is skipped or misplaced cannot go unnoticed
+        return (1.0 + 0.2 * rng.standard_normal(dim)).astype(ml_dtypes.bfloat16)
+
+    out = {"fc.weight": w(d, n * d), "hidden_norm.weight": norm(d), "norm.weight": norm(d)}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"layers.{i}."
+        out.update({
+            p + "input_layernorm.weight": norm(d),
+            p + "post_attention_layernorm.weight": norm(d),
+            p + "self_attn.q_proj.weight": w(qd, d),
+            p + "self_attn.k_proj.weight": w(kd, d),
+            p + "self_attn.v_proj.weight": w(kd, d),
+            p + "self_attn.o_proj.weight": w(d, qd),
+            p + "self_attn.q_norm.weight": norm(dh),
+            p + "self_attn.k_norm.weight": norm(dh),
+            p + "mlp.gate_proj.weight": w(f, d),
+            p + "mlp.up_proj.weight": w(f, d),
+            p + "mlp.down_proj.weight": w(d, f),
+        })
+    return out
+
+
+def _write_checkpoint(path, cfg: dict, tensors: dict) -> str:
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as fh:
+        json.dump(cfg, fh, indent=2)
+    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return random_model(tiny_config("qwen3", num_layers=6), seed=3)
+
+
+@pytest.fixture(scope="module")
+def public_ckpt(tmp_path_factory):
+    cfg = _tiny_public_config()
+    tensors = _tiny_public_tensors(cfg)
+    path = _write_checkpoint(tmp_path_factory.mktemp("dflash") / "public", cfg, tensors)
+    return path, cfg, tensors
+
+
+@pytest.fixture(scope="module")
+def drafter(public_ckpt, target):
+    cfg, d = load_dflash(public_ckpt[0], target.cfg, dtype="float32", param_dtype="float32")
+    return d
+
+
+@pytest.fixture(scope="module")
+def seq(target):
+    """Target features of one random 2-row sequence: tokens [2, T], features [2, T, 2*64]."""
+    tokens = jax.random.randint(jax.random.key(7), (2, T), 0, 290, dtype=jnp.int32)
+
+    @nnx.jit
+    def prefill(model, tokens):
+        positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (2, T))
+        causal = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (2, T, T))
+        out = model(tokens, positions, KVCache.init(model.cfg, 2, T), jnp.zeros(2, jnp.int32), causal,
+                    hidden_layers=IDS, compute_logits=False)
+        return features_from_hidden(out.hidden)  # layer 1 then layer 3, as the reference concatenates
+
+    return tokens, prefill(target, tokens)
+
+
+@nnx.jit(static_argnames=("anchor_chunk",))
+def _train_logits(drafter, target, features, tokens, anchors, anchor_chunk=None):
+    # Tests call the drafter through a few jitted entry points: compiled once, reused across tests
+    # (eager calls would retrace the anchor scan on every call).
+    return drafter.train_logits(target, features, tokens, anchors, anchor_chunk=anchor_chunk)
+
+
+@nnx.jit
+def _infer_at(drafter, target, tokens, features, anchors):
+    """Inference path at per-row anchors: context appended in two chunks (as decoding appends
+    it), then one block call."""
+    return _infer_at_eager(drafter, target, tokens, features, anchors)
+
+
+@nnx.jit
+def _context_cache(drafter, features, write_pos=None):
+    """All T context tokens (positions 0..T-1) appended at slots write_pos..write_pos+T-1
+    (default 0) of a 16-slot cache."""
+    b = features.shape[0]
+    pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (b, T))
+    write_pos = jnp.zeros(b, jnp.int32) if write_pos is None else write_pos
+    return drafter.append_context(DrafterCache.init(drafter.cfg, b, 16), features, pos, write_pos)
+
+
+@nnx.jit
+def _call(drafter, target, block, positions, cache, ctx_len):
+    return drafter(target, block, positions, cache, ctx_len)
+
+
+def _infer_at_eager(drafter, target, tokens, features, anchors, *, chunks=((0, 5), (5, T))):
+    b = tokens.shape[0]
+    cache = DrafterCache.init(drafter.cfg, b, 16)
+    for lo, hi in chunks:  # incremental appends, as decoding does them
+        pos = jnp.broadcast_to(jnp.arange(lo, hi, dtype=jnp.int32), (b, hi - lo))
+        cache = drafter.append_context(cache, features[:, lo:hi], pos, jnp.full((b,), lo, jnp.int32))
+    rows = jnp.arange(b)
+    block = drafter.block_tokens(tokens[rows, anchors])
+    positions = anchors[:, None] + jnp.arange(BS, dtype=jnp.int32)
+    return drafter(target, block, positions, cache, anchors)
+
+
+# ----------------------------------------------------------------------------- config
+
+
+def test_default_target_layer_ids_match_released_drafters():
+    assert default_target_layer_ids(36, 5) == (1, 9, 17, 25, 33)  # Qwen3-4B/8B drafters
+    assert default_target_layer_ids(32, 5) == (1, 8, 15, 22, 29)  # Llama-3.1-8B drafter
+    assert default_target_layer_ids(24, 1) == (12,)
+    assert default_target_layer_ids(64, 2) == (1, 61)
+
+
+def test_public_config_parses_and_round_trips():
+    cfg = DFlashConfig.from_hf_config(QWEN3_4B_DFLASH_CONFIG)
+    assert (cfg.hidden_size, cfg.intermediate_size, cfg.num_layers) == (2560, 9728, 5)
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size) == (32, 8, 128, 151936)
+    assert cfg.target_layer_ids == (1, 9, 17, 25, 33) and cfg.mask_token_id == 151669
+    assert (cfg.block_size, cfg.num_target_layers, cfg.rope_theta) == (16, 36, 1e6)
+    assert cfg.dtype == cfg.param_dtype == "bfloat16"
+    hf = cfg.to_hf_config()
+    assert DFlashConfig.from_hf_config(hf) == cfg
+    for key in ("architectures", "auto_map", "block_size", "dflash_config", "num_target_layers", "layer_types"):
+        assert hf[key] == QWEN3_4B_DFLASH_CONFIG[key], key
+    cfg.check_target(PRESETS["qwen3-4b"])
+    # Drafting keys may also sit at the top level, as the reference's fallback reads them.
+    flat = {k: v for k, v in QWEN3_4B_DFLASH_CONFIG.items() if k != "dflash_config"}
+    flat.update(mask_token_id=151669, target_layer_ids=[1, 9, 17, 25, 33])
+    assert DFlashConfig.from_hf_config(flat) == cfg
+
+
+def test_for_target_defaults():
+    q = DFlashConfig.for_target(PRESETS["qwen3-8b"])
+    assert q.target_layer_ids == (1, 9, 17, 25, 33) and q.num_layers == 5 and q.block_size == 16
+    assert q.mask_token_id == 151935 and q.hidden_size == 4096 and q.num_target_layers == 36
+    q.check_target(PRESETS["qwen3-8b"])
+    ll = DFlashConfig.for_target(PRESETS["llama-3.1-8b"], block_size=10)
+    assert ll.target_layer_ids == (1, 8, 15, 22, 29) and ll.rope_scaling == PRESETS["llama-3.1-8b"].rope_scaling
+    assert DFlashConfig.from_hf_config(ll.to_hf_config()) == ll
+    with pytest.raises(ValueError, match="hidden_size"):
+        q.check_target(PRESETS["qwen3-4b"])
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda c: c.pop("hidden_size"), "'hidden_size'"),
+        (lambda c: c["dflash_config"].pop("target_layer_ids"), "dflash_config.target_layer_ids"),
+        (lambda c: c["dflash_config"].pop("mask_token_id"), "dflash_config.mask_token_id"),
+        (lambda c: c.update(layer_types=["sliding_attention"] * 2), "sliding_attention"),
+        (lambda c: c["dflash_config"].update(mask_token_id=300), "mask_token_id"),
+    ],
+)
+def test_bad_config_is_rejected_by_name(edit, message):
+    c = json.loads(json.dumps(_tiny_public_config()))
+    edit(c)
+    with pytest.raises(ValueError, match=message):
+        DFlashConfig.from_hf_config(c)
+
+
+def test_context_features_layout_and_last_layer_tap():
+    tcfg = tiny_config("qwen3", num_layers=6)
+    hidden = jax.random.normal(jax.random.key(0), (2, 3, 2, 64))  # [B, T, R, D], R = taps
+    final = jax.random.normal(jax.random.key(1), (2, 3, 64))
+    out = ForwardOutput(logits=None, hidden=hidden, final_hidden=final, cache=None)
+    feats = features_from_output(out, DFlashConfig.for_target(tcfg, num_layers=2, target_layer_ids=(1, 3)), tcfg)
+    # Concatenated in tap order along the feature axis (the reference's torch.cat(dim=-1)).
+    np.testing.assert_array_equal(np.asarray(feats), np.concatenate([hidden[:, :, 0], hidden[:, :, 1]], -1))
+    np.testing.assert_array_equal(np.asarray(features_from_hidden(hidden)), np.asarray(feats))
+    # HF's hidden_states[L] is the final-normed output, so a tap of the last layer reads it.
+    last = features_from_output(out, DFlashConfig.for_target(tcfg, num_layers=2, target_layer_ids=(1, 5)), tcfg)
+    np.testing.assert_array_equal(np.asarray(last[..., 64:]), np.asarray(final))
+    np.testing.assert_array_equal(np.asarray(last[..., :64]), np.asarray(hidden[:, :, 0]))
+
+
+# ----------------------------------------------------------------------------- checkpoint
+
+
+def test_public_checkpoint_loads_runs_and_round_trips(public_ckpt, target, seq, tmp_path):
+    path, hf_cfg, tensors = public_ckpt
+    cfg, d = load_dflash(path, target.cfg)
+    assert cfg.dtype == cfg.param_dtype == "bfloat16" and cfg.target_layer_ids == IDS
+    # Loaded values are the file's values (transposed where the table says so).
+    np.testing.assert_array_equal(np.asarray(d.fc.kernel[...]), tensors["fc.weight"].T)
+    np.testing.assert_array_equal(np.asarray(d.layers[1].self_attn.k_norm.scale[...]),
+                                  tensors["layers.1.self_attn.k_norm.weight"])
+    tokens, feats = seq
+    logits = _infer_at(d, target, tokens, feats.astype(jnp.bfloat16), jnp.array([6, 9], jnp.int32))
+    assert logits.shape == (2, BS - 1, 300) and logits.dtype == jnp.float32
+    assert bool(jnp.all(jnp.isfinite(logits)))
+
+    # Save in the stored dtype: every tensor and every public config key comes back unchanged.
+    save_dflash(d, cfg, tmp_path / "resaved")
+    written = read_safetensors_dir(tmp_path / "resaved")
+    assert set(written) == set(tensors)
+    for name, x in tensors.items():
+        assert written[name].dtype == x.dtype
+        np.testing.assert_array_equal(written[name].view(np.uint16), x.view(np.uint16))  # bit for bit
+    with open(tmp_path / "resaved" / "config.json") as fh:
+        saved_cfg = json.load(fh)
+    for key in ("architectures", "block_size", "dflash_config", "num_target_layers", "hidden_size",
+                "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+                "intermediate_size", "rms_norm_eps", "vocab_size", "dtype"):
+        assert saved_cfg[key] == hf_cfg[key], key
+    cfg2, d2 = load_dflash(tmp_path / "resaved", target.cfg)
+    assert cfg2 == cfg
+    for (p1, a), (p2, b) in zip(nnx.to_flat_state(nnx.state(d, nnx.Param)),
+                                nnx.to_flat_state(nnx.state(d2, nnx.Param)), strict=True):
+        assert p1 == p2
+        np.testing.assert_array_equal(np.asarray(a.get_value()), np.asarray(b.get_value()))
+
+    # float32 parameters round-trip bit-exactly through an overwrite of an existing directory.
+    cfg32, d32 = load_dflash(path, dtype="float32", param_dtype="float32")
+    kernel = d32.layers[0].mlp.up_proj.kernel
+    kernel[...] = kernel[...] + 1e-3 * jax.random.normal(jax.random.key(0), kernel[...].shape)
+    save_dflash(d32, cfg32, tmp_path / "resaved")
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".resaved.tmp")]
+    cfg3, d3 = load_dflash(tmp_path / "resaved")
+    assert cfg3 == cfg32
+    np.testing.assert_array_equal(np.asarray(d3.layers[0].mlp.up_proj.kernel[...]), np.asarray(kernel[...]))
+
+
+def test_model_prefix_is_accepted(public_ckpt, tmp_path):
+    _, hf_cfg, tensors = public_ckpt
+    path = _write_checkpoint(tmp_path / "prefixed", hf_cfg, {"model." + k: v for k, v in tensors.items()})
+    _, d = load_dflash(path)
+    np.testing.assert_array_equal(np.asarray(d.norm.scale[...]), tensors["norm.weight"])
+
+
+def test_bad_checkpoints_fail_by_name(public_ckpt, target, tmp_path):
+    _, hf_cfg, tensors = public_ckpt
+    missing = dict(tensors)
+    del missing["layers.1.self_attn.o_proj.weight"]
+    with pytest.raises(CheckpointError, match=r"missing tensor\(s\): layers\.1\.self_attn\.o_proj\.weight"):
+        load_dflash(_write_checkpoint(tmp_path / "missing", hf_cfg, missing))
+
+    wrong = dict(tensors)
+    wrong["fc.weight"] = np.ascontiguousarray(wrong["fc.weight"][:, :64])  # one tapped layer instead of two
+    with pytest.raises(CheckpointError, match=r"'fc\.weight': expected shape \(64, 128\), got \(64, 64\)"):
+        load_dflash(_write_checkpoint(tmp_path / "shape", hf_cfg, wrong))
+
+    extra = dict(tensors)
+    extra["embed_tokens.weight"] = np.zeros((300, 64), ml_dtypes.bfloat16)
+    extra_path = _write_checkpoint(tmp_path / "extra", hf_cfg, extra)
+    with pytest.raises(CheckpointError, match=r"unexpected tensor\(s\): embed_tokens\.weight"):
+        load_dflash(extra_path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load_dflash(extra_path, strict=False)
+    assert any("embed_tokens.weight" in str(w.message) for w in caught)
+
+    no_key = dict(hf_cfg)
+    del no_key["num_hidden_layers"]
+    with pytest.raises(ValueError, match="'num_hidden_layers'"):
+        load_dflash(_write_checkpoint(tmp_path / "nokey", no_key, tensors))
+
+    with pytest.raises(ValueError, match="target_layer_ids"):
+        load_dflash(public_ckpt[0], tiny_config("qwen3", num_layers=3))  # layer 3 does not exist
+    with pytest.raises(FileNotFoundError):
+        load_dflash(tmp_path / "nowhere")
+
+
+def test_weight_table_covers_the_module():
+    cfg = DFlashConfig.from_hf_config(_tiny_public_config())
+    d = nnx.eval_shape(lambda: DFlashDrafter(cfg, rngs=nnx.Rngs(0)))
+    table = {r.param for r in dflash_weight_rules(cfg)}
+    params = {tuple(str(p) for p in path) for path, v in nnx.iter_graph(d) if isinstance(v, nnx.Param)}
+    assert table == params and len(table) == 3 + 11 * cfg.num_layers
+
+
+# ----------------------------------------------------------------------------- reference parity
+
+
+def _rms(x, w, eps):
+    return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
+
+
+def _rope(x, pos, theta):
+    """x [T, heads, Dh] rotated at positions pos [T] (first/second half pairs)."""
+    dh = x.shape[-1]
+    inv = 1.0 / theta ** (np.arange(0, dh, 2) / dh)
+    ang = np.concatenate([pos[:, None] * inv, pos[:, None] * inv], -1)[:, None, :]
+    rot = np.concatenate([-x[..., dh // 2:], x[..., : dh // 2]], -1)
+    return x * np.cos(ang) + rot * np.sin(ang)
+
+
+def _reference_logits(w, cfg, ctx_feat, block_emb, ctx_pos, blk_pos, head):
+    """Independent float64 numpy DFlash forward written from the published description: one
+    shot over the whole context (no cache, no mask: block queries see every context token and
+    the whole block); context K/V through k_norm and RoPE at the context positions; no layer
+    norm on the context, which is shared by all layers."""
+    eps, h, k, dh = cfg["rms_norm_eps"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    theta = float(cfg["rope_theta"])
+    ctx = _rms(ctx_feat @ w["fc.weight"].T, w["hidden_norm.weight"], eps)
+    x = block_emb
+    c, t = ctx.shape[0], x.shape[0]
+    for i in range(cfg["num_hidden_layers"]):
+        p = {n[len(f"layers.{i}."):]: v for n, v in w.items() if n.startswith(f"layers.{i}.")}
+        hs = _rms(x, p["input_layernorm.weight"], eps)
+        q = _rms((hs @ p["self_attn.q_proj.weight"].T).reshape(t, h, dh), p["self_attn.q_norm.weight"], eps)
+        both = np.concatenate([ctx, hs], 0)
+        kk = _rms((both @ p["self_attn.k_proj.weight"].T).reshape(c + t, k, dh), p["self_attn.k_norm.weight"], eps)
+        vv = (both @ p["self_attn.v_proj.weight"].T).reshape(c + t, k, dh)
+        q = _rope(q, blk_pos, theta)
+        kk = _rope(kk, np.concatenate([ctx_pos, blk_pos]), theta)
+        kk, vv = np.repeat(kk, h // k, axis=1), np.repeat(vv, h // k, axis=1)  # query head j reads kv head j // (h/k)
+        s = np.einsum("thd,shd->hts", q, kk) / np.sqrt(dh)
+        att = np.exp(s - s.max(-1, keepdims=True))
+        att /= att.sum(-1, keepdims=True)
+        x = x + np.einsum("hts,shd->thd", att, vv).reshape(t, h * dh) @ p["self_attn.o_proj.weight"].T
+        hs = _rms(x, p["post_attention_layernorm.weight"], eps)
+        gate, up = hs @ p["mlp.gate_proj.weight"].T, hs @ p["mlp.up_proj.weight"].T
+        x = x + (gate / (1.0 + np.exp(-gate)) * up) @ p["mlp.down_proj.weight"].T
+    x = _rms(x, w["norm.weight"], eps)
+    return x[1:] @ head.T
+
+
+def test_parity_with_independent_reference(public_ckpt, drafter, target, seq):
+    path, hf_cfg, tensors = public_ckpt
+    w = {n: x.astype(np.float64) for n, x in tensors.items()}
+    tokens, feats = seq
+    emb = np.asarray(target.embed_tokens.embedding[...], np.float64)  # tied: also the LM head
+    for row, anchor in ((0, 7), (1, 11)):
+        block = np.array([int(tokens[row, anchor])] + [MASK] * (BS - 1))
+        ref = _reference_logits(w, hf_cfg, np.asarray(feats[row, :anchor], np.float64), emb[block],
+                                np.arange(anchor, dtype=np.float64), np.arange(anchor, anchor + BS, dtype=np.float64),
+                                emb)
+        got = _infer_at(drafter, target, tokens, feats, jnp.array([anchor, anchor], jnp.int32))[row]
+        np.testing.assert_allclose(np.asarray(got), ref, rtol=0, atol=1e-4)  # whole-model tolerance
+
+
+# ----------------------------------------------------------------------------- properties
+
+
+# Anchors of the property tests: 0 (no context at all), interior ones, and T-1 (the block runs
+# past the sequence end). Every test uses this one shape, so each jitted path compiles once.
+ANCHORS = jnp.array([[0, 3, 7, 11], [0, 5, 6, 10]], jnp.int32)
+
+
+def test_train_logits_equal_inference_path(drafter, target, seq):
+    tokens, feats = seq
+    train = _train_logits(drafter, target, feats, tokens, ANCHORS)
+    assert train.shape == (2, 4, BS - 1, 300) and train.dtype == jnp.float32
+    for m in range(ANCHORS.shape[1]):
+        infer = _infer_at(drafter, target, tokens, feats, ANCHORS[:, m])
+        np.testing.assert_allclose(np.asarray(train[:, m]), np.asarray(infer), rtol=1e-5, atol=1e-5)
+
+
+def test_context_at_or_after_anchor_has_no_influence(drafter, target, seq):
+    tokens, feats = seq
+    m, a = 2, ANCHORS[:, 2]  # anchors 7 and 6
+    at_or_after = (jnp.arange(T)[None, :] >= a[:, None])[..., None]  # [2, T, 1]
+    base = _train_logits(drafter, target, feats, tokens, ANCHORS)[:, m]
+    later = jnp.where(at_or_after, feats + 5.0 * jax.random.normal(jax.random.key(1), feats.shape), feats)
+    np.testing.assert_array_equal(np.asarray(_train_logits(drafter, target, later, tokens, ANCHORS)[:, m]),
+                                  np.asarray(base))
+    earlier = feats.at[jnp.arange(2), a - 1].add(1.0)  # the token just before the anchor does matter
+    changed = _train_logits(drafter, target, earlier, tokens, ANCHORS)[:, m]
+    assert bool(jnp.all(jnp.abs(changed - base).max(axis=(1, 2)) > 1e-3))
+
+    # Inference path: stale cache slots at or beyond ctx_len are ignored.
+    cache = _context_cache(drafter, feats, jnp.zeros(2, jnp.int32))
+    stale = (jnp.arange(16)[None, :] >= a[:, None])[None, :, :, None, None]  # [1, 2, S, 1, 1]
+    noisy = DrafterCache(k=jnp.where(stale, 7.0, cache.k), v=jnp.where(stale, -7.0, cache.v))
+    block = drafter.block_tokens(tokens[jnp.arange(2), a])
+    bpos = a[:, None] + jnp.arange(BS, dtype=jnp.int32)
+    np.testing.assert_array_equal(np.asarray(_call(drafter, target, block, bpos, noisy, a)),
+                                  np.asarray(_call(drafter, target, block, bpos, cache, a)))
+
+
+def test_append_context_writes_its_slots_and_drops_overflow(drafter, seq):
+    _, feats = seq
+    base = _context_cache(drafter, feats, jnp.zeros(2, jnp.int32))
+    # Row 0 starts at slot 14 of 16: tokens 0 and 1 land in slots 14 and 15, the rest is dropped
+    # (never wrapped around); row 1 starts at slot 3 and fills slots 3..14.
+    moved = _context_cache(drafter, feats, jnp.array([14, 3], jnp.int32))
+    for got, want in ((moved.k, base.k), (moved.v, base.v)):
+        np.testing.assert_array_equal(np.asarray(got[:, 0, 14:]), np.asarray(want[:, 0, :2]))
+        np.testing.assert_array_equal(np.asarray(got[:, 1, 3:15]), np.asarray(want[:, 1, :12]))
+        assert not np.asarray(got[:, 0, :14]).any() and not np.asarray(got[:, 1, :3]).any()
+        assert not np.asarray(got[:, 1, 15:]).any()
+
+
+def test_block_attention_is_not_causal(drafter, target, seq):
+    tokens, feats = seq
+    cache = _context_cache(drafter, feats, jnp.zeros(2, jnp.int32))
+    a = jnp.full((2,), 8, jnp.int32)
+    bpos = a[:, None] + jnp.arange(BS, dtype=jnp.int32)
+    block = drafter.block_tokens(tokens[:, 8])
+    base = _call(drafter, target, block, bpos, cache, a)
+    # A different token in the LAST block slot changes the FIRST draft row: keys of later block
+    # positions are visible to earlier queries.
+    changed = _call(drafter, target, block.at[:, -1].set(5), bpos, cache, a)
+    assert bool(jnp.all(jnp.abs(changed[:, 0] - base[:, 0]).max(axis=-1) > 1e-4))
+    # The anchor token conditions every draft row.
+    first = _call(drafter, target, block.at[:, 0].set(6), bpos, cache, a)
+    assert bool(jnp.all(jnp.abs(first - base).max(axis=-1) > 1e-4))
+
+
+def test_jit_and_vmap_match_eager(drafter, target, seq):
+    tokens, feats = seq
+    a = jnp.array([4, 9], jnp.int32)
+    # Op-by-op reference (no jit anywhere), one append of the whole context.
+    eager = _infer_at_eager(drafter, target, tokens, feats, a, chunks=((0, T),))
+
+    # The inference step over split state, jitted once (the decode loop's form), and vmapped
+    # over rows (each row a batch of one), equal the eager call.
+    graphdef, state = nnx.split(drafter)
+
+    @jax.jit
+    def step(state, feats, block, bpos, ctx_len):
+        d = nnx.merge(graphdef, state)
+        b = feats.shape[0]
+        pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (b, T))
+        cache = d.append_context(DrafterCache.init(d.cfg, b, 16), feats, pos, jnp.zeros(b, jnp.int32))
+        return d(target, block, bpos, cache, ctx_len)
+
+    block = drafter.block_tokens(tokens[jnp.arange(2), a])
+    bpos = a[:, None] + jnp.arange(BS, dtype=jnp.int32)
+    batched = step(state, feats, block, bpos, a)
+    np.testing.assert_allclose(np.asarray(batched), np.asarray(eager), rtol=1e-5, atol=1e-5)
+    rows = jax.vmap(lambda f, b, p, c: step(state, f[None], b[None], p[None], c[None])[0])(feats, block, bpos, a)
+    np.testing.assert_allclose(np.asarray(rows), np.asarray(eager), rtol=1e-5, atol=1e-5)
+
+
+def test_gradients_reach_every_drafter_parameter_and_only_past_context(drafter, target, seq):
+    tokens, feats = seq
+    labels = jnp.take_along_axis(tokens, jnp.clip(ANCHORS[..., None] + jnp.arange(1, BS), 0, T - 1).reshape(2, -1),
+                                 axis=1).reshape(2, 4, BS - 1)
+
+    def cross_entropy(logits):
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), labels[..., None], axis=-1))
+
+    def loss(d, f):
+        # anchor_chunk=2: the anchors run as a scan over vmapped chunks, as memory-bound training does.
+        return cross_entropy(d.train_logits(target, f, tokens, ANCHORS, anchor_chunk=2))
+
+    value, (grads, feat_grad) = nnx.jit(nnx.value_and_grad(loss, argnums=(0, 1)))(drafter, feats)
+    # Chunking is a memory knob only: the same loss as all anchors at once.
+    np.testing.assert_allclose(float(value), float(cross_entropy(_train_logits(drafter, target, feats, tokens, ANCHORS))),
+                               rtol=1e-5)
+    for path, g in nnx.to_flat_state(grads):
+        arr = np.asarray(g.get_value())
+        assert np.all(np.isfinite(arr)), path
+        assert np.abs(arr).max() > 0, f"no gradient reaches {path}"
+    # The features of token j influence the loss iff some anchor lies after j (anchors < T).
+    seen = (jnp.arange(T)[None, :] < ANCHORS.max(axis=1)[:, None])
+    influence = jnp.abs(feat_grad).max(axis=-1)  # [2, T]
+    assert bool(jnp.all(jnp.where(seen, influence, 1.0) > 0))
+    assert float(jnp.where(seen, 0.0, influence).max()) == 0.0
+
+
+def test_bf16_drafter_and_empty_context(public_ckpt, drafter, target, seq):
+    tokens, feats = seq
+    _, d16 = load_dflash(public_ckpt[0], target.cfg)  # bf16 compute and storage, as published
+    a = jnp.array([5, 10], jnp.int32)
+    lo = _infer_at(d16, target, tokens, feats.astype(jnp.bfloat16), a)
+    hi = _infer_at(drafter, target, tokens, feats, a)
+    assert lo.dtype == jnp.float32
+    # bf16 activations and features, the same (bf16-exact) weights: the logits stay close.
+    assert float(jnp.abs(lo - hi).max()) < 0.1 * float(jnp.abs(hi).max())
+    # Anchor 0 sees no context at all: the softmax still has the block, so no NaN, and two rows
+    # with the same anchor token but different sequences draft the same block.
+    empty = _train_logits(drafter, target, feats, tokens, ANCHORS)[:, 0]
+    assert bool(jnp.all(jnp.isfinite(empty)))
+    same_token = tokens.at[1, 0].set(tokens[0, 0])
+    again = _train_logits(drafter, target, feats[::-1], same_token, ANCHORS)[:, 0]
+    np.testing.assert_allclose(np.asarray(again[0]), np.asarray(again[1]), rtol=1e-6, atol=1e-6)

@@ -1,0 +1,665 @@
+"""DFlash block-diffusion drafter (Chen, Liang, Liu 2026; public repo z-lab/dflash).
+
+Letter legend: B batch, C context tokens appended in one call, S context cache slots, T sequence
+length (training), M anchors per sequence, bs block size, D model width, n number of tapped target
+layers, H query heads, K key/value heads, Dh head dimension, V vocabulary, L drafter layers.
+
+How the drafter reads the target (all as in the public implementation):
+
+* Context features. For every committed token the target's hidden states after the decoder layers
+  `target_layer_ids` (0-based layer index `i` = HF `hidden_states[i + 1]`, i.e. the output of
+  decoder layer `i`, which is `Transformer(..., hidden_layers=ids).hidden`; see
+  `features_from_output` for the one exception, the last layer) are concatenated in that order
+  to `[.., n*D]`, projected by `fc` (no bias) and normalised by `hidden_norm`.
+  Every drafter layer turns these projected features into keys/values with its own `k_proj`,
+  `k_norm` and `v_proj`, and RoPE at the context token's absolute position. The context stream
+  has no residual stream of its own: it is not updated from layer to layer.
+* Block. `[last committed token, MASK x (bs-1)]` at positions `a, .., a+bs-1` (a = the anchor,
+  the position of the last committed token), embedded with the TARGET's embedding. Queries come
+  from the block only; keys/values are the cached context (positions < a: the anchor's own hidden
+  state is not known yet, the target has not run on it) plus the block itself, with no causal
+  mask inside the block. A final `norm` precedes the TARGET's LM head, and block positions
+  `1..bs-1` give the draft distributions for tokens `a+1 .. a+bs-1`.
+
+Worked example (bs = 4, committed tokens t0..t5, anchor a = 5 so t5 is the last committed token)::
+
+    cache slots     0   1   2   3   4   5   6  ...      ctx_len = 5
+    holds ctx of   t0  t1  t2  t3  t4   -   -           (features of t0..t4, RoPE at 0..4)
+    block          [t5, M, M, M]  at positions 5, 6, 7, 8
+    visible keys   slots 0..4 and all 4 block tokens, for every block query
+    logits rows    positions 6, 7, 8 -> draft marginals q_1, q_2, q_3 of tokens 6, 7, 8
+
+Training (`train_logits`) runs the same computation for M anchors of one sequence at once: the
+context cache is the whole sequence's features and anchor a sees context indices `< a`, so it
+equals the inference path at the same anchor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from tevjax.models.config import ModelConfig, RopeScaling
+from tevjax.models.layers import NEG_INF, RMSNorm, SwiGLU, apply_rope, rope_inv_freq
+
+__all__ = [
+    "DFlashConfig",
+    "DFlashDrafter",
+    "DrafterCache",
+    "default_target_layer_ids",
+    "features_from_hidden",
+    "features_from_output",
+]
+
+_DTYPES = ("float32", "bfloat16", "float16")
+HF_ARCHITECTURE = "DFlashDraftModel"
+
+
+def features_from_hidden(hidden: jax.Array) -> jax.Array:
+    """[..., R, D] target hidden states (e.g. `ForwardOutput.hidden` requested with
+    `hidden_layers=cfg.target_layer_ids`) -> [..., R*D] context features, concatenated in
+    `target_layer_ids` order as the reference does (`cat(..., dim=-1)`)."""
+    return hidden.reshape(hidden.shape[:-2] + (hidden.shape[-2] * hidden.shape[-1],))
+
+
+def features_from_output(out, cfg: "DFlashConfig", target_cfg: ModelConfig) -> jax.Array:
+    """Context features [B, T, n*D] from a target `ForwardOutput` computed with
+    `hidden_layers=cfg.target_layer_ids`.
+
+    The reference taps HF `hidden_states[i + 1]`, which is decoder layer i's output except for
+    the last layer: transformers replaces `hidden_states[L]` with the final-normed hidden state.
+    A tap of layer L-1 (no released Qwen3/Llama drafter has one) therefore reads
+    `out.final_hidden`, so such drafters see what they were trained on.
+    """
+    hidden = out.hidden
+    if hidden.shape[-2] != cfg.num_features:
+        raise ValueError(f"target output holds {hidden.shape[-2]} hidden layers, the drafter taps {cfg.num_features}")
+    last = target_cfg.num_layers - 1
+    for r, layer in enumerate(cfg.target_layer_ids):
+        if layer == last:
+            hidden = hidden.at[..., r, :].set(out.final_hidden.astype(hidden.dtype))
+    return features_from_hidden(hidden)
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
+    """The public default tap points: one per drafter layer, evenly spaced from 1 to L-3.
+
+    A single drafter layer taps the middle layer L // 2. Rounding is Python's `round`, which
+    reproduces the released configs: L=36, 5 layers -> (1, 9, 17, 25, 33); L=32 -> (1, 8, 15, 22, 29).
+    """
+    if num_draft_layers < 1:
+        raise ValueError(f"num_draft_layers must be >= 1, got {num_draft_layers}")
+    if num_draft_layers == 1:
+        return (num_target_layers // 2,)
+    if num_target_layers < 4:
+        raise ValueError(f"default target_layer_ids need a target with >= 4 layers, got {num_target_layers}")
+    span = num_target_layers - 4  # from layer 1 to layer L-3
+    return tuple(int(round(1 + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DFlashConfig:
+    """Static shape, numerics and drafting fields of a DFlash drafter.
+
+    Layer sizes are Qwen3-style (per-head q/k RMSNorm, SwiGLU, no biases). `hidden_size` and
+    `vocab_size` must equal the target's: the drafter reuses the target's embedding and LM head.
+    `dtype` is the compute dtype, `param_dtype` the weight storage dtype (strings, as in
+    `ModelConfig`); norms, attention scores, softmax and logits are float32 regardless.
+    """
+
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    rope_scaling: RopeScaling | None = None
+    max_position_embeddings: int = 40960
+    block_size: int = 16
+    target_layer_ids: tuple[int, ...]
+    mask_token_id: int
+    num_target_layers: int | None = None  # recorded in config.json; not needed by the math
+    # Optional public `dflash_config` knobs (1.0 / None in every released Qwen3/Llama drafter):
+    # block embeddings are multiplied by `input_embedding_scale`; logits by `output_multiplier`,
+    # then soft-capped as cap * tanh(logits / cap) when `final_logit_softcapping` is set.
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+
+    def __post_init__(self):
+        for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                     "head_dim", "vocab_size", "max_position_embeddings", "block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"DFlashConfig.{name} must be a positive int, got {value!r}")
+        if self.block_size < 2:
+            raise ValueError(f"DFlashConfig.block_size must be >= 2 (one anchor + drafts), got {self.block_size}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"DFlashConfig.num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"DFlashConfig.head_dim={self.head_dim} must be even for RoPE")
+        ids = tuple(int(i) for i in self.target_layer_ids)
+        if not ids or any(i < 0 for i in ids):
+            raise ValueError(f"DFlashConfig.target_layer_ids must be non-empty and >= 0, got {self.target_layer_ids!r}")
+        if self.num_target_layers is not None and max(ids) >= self.num_target_layers:
+            raise ValueError(
+                f"DFlashConfig.target_layer_ids={ids} reach past num_target_layers={self.num_target_layers}"
+            )
+        if not 0 <= int(self.mask_token_id) < self.vocab_size:
+            raise ValueError(f"DFlashConfig.mask_token_id={self.mask_token_id} is outside [0, vocab_size={self.vocab_size})")
+        for name in ("dtype", "param_dtype"):
+            if getattr(self, name) not in _DTYPES:
+                raise ValueError(f"DFlashConfig.{name}={getattr(self, name)!r} is not one of {', '.join(_DTYPES)}")
+        # Tuples/ints keep the config hashable: it is a static argument of jitted functions.
+        object.__setattr__(self, "target_layer_ids", ids)
+        object.__setattr__(self, "mask_token_id", int(self.mask_token_id))
+
+    @property
+    def num_features(self) -> int:
+        """n: how many target layers are concatenated into one context feature."""
+        return len(self.target_layer_ids)
+
+    @property
+    def feature_dim(self) -> int:
+        """n * D: width of the concatenated context feature that `fc` projects."""
+        return self.num_features * self.hidden_size
+
+    # ------------------------------------------------------------------ constructors
+
+    @classmethod
+    def for_target(
+        cls,
+        target_cfg: ModelConfig,
+        *,
+        num_layers: int = 5,
+        block_size: int = 16,
+        mask_token_id: int | None = None,
+        target_layer_ids: Sequence[int] | None = None,
+        intermediate_size: int | None = None,
+        dtype: str | None = None,
+        param_dtype: str | None = None,
+    ) -> "DFlashConfig":
+        """A fresh drafter for `target_cfg`, with the target's layer sizes (as the public training
+        recipe builds a draft config from the target's).
+
+        * `target_layer_ids`: default `default_target_layer_ids(L, num_layers)` (one tap per
+          drafter layer, evenly from 1 to L-3), the rule behind every released drafter.
+        * `mask_token_id`: default `vocab_size - 1`, the target's last embedding row. For the
+          targets tevjax ships that id is never produced by the tokenizer: Qwen3 has 151936 rows
+          but its tokenizer stops at 151668 (the released Qwen3 drafters use 151669, the first
+          spare row; either works for a fresh drafter), and Llama-3's last id is
+          `<|reserved_special_token_247|>`. For a vocabulary without spare rows pass an explicit
+          id; a collision with a real token is harmless except when the anchor token itself
+          equals the mask id, since only block position 0 ever carries a real token.
+        """
+        ids = (default_target_layer_ids(target_cfg.num_layers, num_layers)
+               if target_layer_ids is None else tuple(int(i) for i in target_layer_ids))
+        return cls(
+            hidden_size=target_cfg.hidden_size,
+            intermediate_size=intermediate_size or target_cfg.intermediate_size,
+            num_layers=num_layers,
+            num_heads=target_cfg.num_heads,
+            num_kv_heads=target_cfg.num_kv_heads,
+            head_dim=target_cfg.head_dim,
+            vocab_size=target_cfg.vocab_size,
+            rms_norm_eps=target_cfg.rms_norm_eps,
+            rope_theta=target_cfg.rope_theta,
+            rope_scaling=target_cfg.rope_scaling,
+            max_position_embeddings=target_cfg.max_position_embeddings,
+            block_size=block_size,
+            target_layer_ids=ids,
+            mask_token_id=target_cfg.vocab_size - 1 if mask_token_id is None else mask_token_id,
+            num_target_layers=target_cfg.num_layers,
+            dtype=dtype or target_cfg.dtype,
+            param_dtype=param_dtype or target_cfg.param_dtype,
+        )
+
+    def check_target(self, target_cfg: ModelConfig) -> None:
+        """Raises ValueError when this drafter cannot read `target_cfg`'s embedding, LM head and
+        hidden states."""
+        problems = []
+        if self.hidden_size != target_cfg.hidden_size:
+            problems.append(f"hidden_size {self.hidden_size} != target hidden_size {target_cfg.hidden_size}")
+        if self.vocab_size != target_cfg.vocab_size:
+            problems.append(f"vocab_size {self.vocab_size} != target vocab_size {target_cfg.vocab_size}")
+        if max(self.target_layer_ids) >= target_cfg.num_layers:
+            problems.append(f"target_layer_ids {self.target_layer_ids} reach past the target's {target_cfg.num_layers} layers")
+        if self.num_target_layers is not None and self.num_target_layers != target_cfg.num_layers:
+            problems.append(f"num_target_layers {self.num_target_layers} != target num_layers {target_cfg.num_layers}")
+        if problems:
+            raise ValueError("DFlash drafter does not fit the target: " + "; ".join(problems))
+
+    @classmethod
+    def from_hf_config(cls, config: Mapping[str, Any] | str | os.PathLike, **overrides) -> "DFlashConfig":
+        """Reads the public DFlash `config.json` (a dict, a file path or a checkpoint directory).
+
+        Public layout: a Qwen3 config (`hidden_size`, `num_hidden_layers`, `num_attention_heads`,
+        ...) plus `block_size` (top level, or inside `dflash_config`; default 16),
+        `num_target_layers`, and `dflash_config: {"mask_token_id", "target_layer_ids"}` (the two
+        drafting keys are also accepted at the top level). Unsupported variants (sliding-window
+        or causal drafter layers, attention biases) raise ValueError.
+        """
+        source = "DFlash config"
+        if not isinstance(config, Mapping):
+            path = os.fspath(config)
+            if os.path.isdir(path):
+                path = os.path.join(path, "config.json")
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"DFlash config file not found: {path}")
+            source = path
+            try:
+                with open(path, encoding="utf-8") as f:
+                    config = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path} is not valid JSON: {e}") from e
+            if not isinstance(config, Mapping):
+                raise ValueError(f"{path} must hold a JSON object, got {type(config).__name__}")
+        c = dict(config)
+        dcfg = c.get("dflash_config") or {}
+        if not isinstance(dcfg, Mapping):
+            raise ValueError(f"{source}: 'dflash_config' must be an object, got {type(dcfg).__name__}")
+
+        def drafting(key, default=None, required=False):
+            # The reference reads dflash_config first and falls back to the top level.
+            value = dcfg.get(key, c.get(key))
+            if value is None:
+                if required:
+                    raise ValueError(f"{source}: required field 'dflash_config.{key}' is missing")
+                return default
+            return value
+
+        layer_types = c.get("layer_types")
+        if layer_types is not None and any(t != "full_attention" for t in layer_types):
+            raise ValueError(
+                f"{source}: layer_types {list(layer_types)} are not supported "
+                "(only non-causal 'full_attention' drafter layers)"
+            )
+        if c.get("is_causal"):
+            raise ValueError(f"{source}: is_causal=True drafters are not supported")
+        if c.get("attention_bias", False):
+            raise ValueError(f"{source}: attention_bias=True is not supported")
+        for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
+            if c.get(key) is None:
+                raise ValueError(f"{source}: required field {key!r} is missing")
+        # The layer fields are a Qwen3 config: reuse the target parser (RoPE dict forms, head_dim
+        # default, activation checks) rather than a second copy of it.
+        try:
+            base = ModelConfig.from_hf_config({**c, "model_type": "qwen3"})
+        except ValueError as e:
+            raise ValueError(f"{source}: {e}") from e
+        ids = drafting("target_layer_ids", required=True)
+        if not isinstance(ids, (list, tuple)) or not all(isinstance(i, int) for i in ids):
+            raise ValueError(f"{source}: dflash_config.target_layer_ids must be a list of ints, got {ids!r}")
+        mask = drafting("mask_token_id", required=True)
+        if not isinstance(mask, int) or isinstance(mask, bool):
+            raise ValueError(f"{source}: dflash_config.mask_token_id must be an int, got {mask!r}")
+        softcap = drafting("final_logit_softcapping")
+        fields = dict(
+            hidden_size=base.hidden_size,
+            intermediate_size=base.intermediate_size,
+            num_layers=base.num_layers,
+            num_heads=base.num_heads,
+            num_kv_heads=base.num_kv_heads,
+            head_dim=base.head_dim,
+            vocab_size=base.vocab_size,
+            rms_norm_eps=base.rms_norm_eps,
+            rope_theta=base.rope_theta,
+            rope_scaling=base.rope_scaling,
+            max_position_embeddings=base.max_position_embeddings,
+            block_size=int(drafting("block_size", 16)),
+            target_layer_ids=tuple(ids),
+            mask_token_id=mask,
+            num_target_layers=None if c.get("num_target_layers") is None else int(c["num_target_layers"]),
+            input_embedding_scale=float(drafting("input_embedding_scale", 1.0)),
+            output_multiplier=float(drafting("output_multiplier", 1.0)),
+            final_logit_softcapping=None if softcap is None or float(softcap) <= 0 else float(softcap),
+            dtype=base.dtype,
+            param_dtype=base.param_dtype,
+        )
+        unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise TypeError(f"from_hf_config: unknown override(s) {sorted(unknown)}")
+        fields.update(overrides)
+        return cls(**fields)
+
+    def to_hf_config(self) -> dict[str, Any]:
+        """The public DFlash `config.json` dict (loadable by z-lab's `DFlashDraftModel`, which
+        is a `Qwen3Config` with `block_size`, `num_target_layers` and `dflash_config`)."""
+        dcfg: dict[str, Any] = {
+            "mask_token_id": self.mask_token_id,
+            "target_layer_ids": list(self.target_layer_ids),
+        }
+        # Only written when they differ from the reference defaults, so a Qwen3/Llama drafter's
+        # config carries exactly the released keys.
+        if self.input_embedding_scale != 1.0:
+            dcfg["input_embedding_scale"] = self.input_embedding_scale
+        if self.output_multiplier != 1.0:
+            dcfg["output_multiplier"] = self.output_multiplier
+        if self.final_logit_softcapping is not None:
+            dcfg["final_logit_softcapping"] = self.final_logit_softcapping
+        out: dict[str, Any] = {
+            "architectures": [HF_ARCHITECTURE],
+            "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+            "model_type": "qwen3",
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "block_size": self.block_size,
+            "dflash_config": dcfg,
+            "dtype": self.param_dtype,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "hidden_size": self.hidden_size,
+            "initializer_range": 0.02,
+            "intermediate_size": self.intermediate_size,
+            "layer_types": ["full_attention"] * self.num_layers,
+            "max_position_embeddings": self.max_position_embeddings,
+            "num_attention_heads": self.num_heads,
+            "num_hidden_layers": self.num_layers,
+            "num_key_value_heads": self.num_kv_heads,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_scaling": None,
+            "rope_theta": self.rope_theta,
+            "sliding_window": None,
+            "tie_word_embeddings": False,
+            "use_sliding_window": False,
+            "vocab_size": self.vocab_size,
+        }
+        if self.num_target_layers is not None:
+            out["num_target_layers"] = self.num_target_layers
+        if self.rope_scaling is not None:
+            out["rope_scaling"] = {"rope_type": "llama3", **dataclasses.asdict(self.rope_scaling)}
+        return out
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DrafterCache:
+    """Per-layer keys/values of the projected context (never of block tokens).
+
+    Slot s holds the context token written there by `append_context`; slots at or beyond a
+    sequence's `ctx_len` are ignored by the drafter, so stale entries need no clearing.
+    """
+
+    k: jax.Array  # [L, B, S, K, Dh] context keys after k_norm and RoPE, compute dtype
+    v: jax.Array  # [L, B, S, K, Dh] context values, compute dtype
+
+    @classmethod
+    def init(cls, cfg: DFlashConfig, batch: int, capacity: int) -> "DrafterCache":
+        """Zero cache with `capacity` context slots per row, in the config's compute dtype."""
+        if batch <= 0 or capacity <= 0:
+            raise ValueError(f"DrafterCache.init: batch={batch} and capacity={capacity} must be positive")
+        shape = (cfg.num_layers, batch, capacity, cfg.num_kv_heads, cfg.head_dim)
+        return cls(k=jnp.zeros(shape, cfg.dtype), v=jnp.zeros(shape, cfg.dtype))
+
+    @property
+    def capacity(self) -> int:
+        """Static slot count S per row."""
+        return self.k.shape[2]
+
+    @property
+    def batch(self) -> int:
+        """Static row count B."""
+        return self.k.shape[1]
+
+
+def _context_block_attention(q, k_ctx, v_ctx, ctx_visible, k_blk, v_blk):
+    """Attention of block queries over [visible context | whole block], one joint softmax.
+
+    q: [B, bs, H, Dh]; k_ctx, v_ctx: [B, S, K, Dh]; ctx_visible: [B, S] bool (the same for every
+    query of a block); k_blk, v_blk: [B, bs, K, Dh], all visible (no causal mask in the block).
+    Same numerics as `tevjax.models.layers.attention` (float32 scores and softmax, finite NEG_INF),
+    but the context and block keys stay separate instead of being concatenated: under the
+    training vmap over anchors the context is shared by every anchor, and a concatenation would
+    copy it once per anchor. A block row always sees its own block, so no row is ever empty.
+    """
+    b, t, h, dh = q.shape
+    kh = k_ctx.shape[2]
+    qg = q.reshape(b, t, kh, h // kh, dh)
+    scale = 1.0 / math.sqrt(dh)
+    s_ctx = jnp.einsum("btkgd,bskd->bkgts", qg, k_ctx, preferred_element_type=jnp.float32) * scale
+    s_ctx = jnp.where(ctx_visible[:, None, None, None, :], s_ctx, NEG_INF)
+    s_blk = jnp.einsum("btkgd,bukd->bkgtu", qg, k_blk, preferred_element_type=jnp.float32) * scale
+    probs = jax.nn.softmax(jnp.concatenate([s_ctx, s_blk], axis=-1), axis=-1)
+    p_ctx, p_blk = probs[..., : k_ctx.shape[1]], probs[..., k_ctx.shape[1]:]
+    out = jnp.einsum("bkgts,bskd->btkgd", p_ctx.astype(v_ctx.dtype), v_ctx, preferred_element_type=jnp.float32)
+    out = out + jnp.einsum("bkgtu,bukd->btkgd", p_blk.astype(v_blk.dtype), v_blk, preferred_element_type=jnp.float32)
+    return out.reshape(b, t, h, dh).astype(q.dtype)
+
+
+class DFlashAttention(nnx.Module):
+    """q/k/v/o projections and per-head q/k RMSNorm (Qwen3 style, no biases)."""
+
+    def __init__(self, cfg: DFlashConfig, *, rngs: nnx.Rngs):
+        kw = dict(use_bias=False, dtype=jnp.dtype(cfg.dtype), param_dtype=jnp.dtype(cfg.param_dtype),
+                  kernel_init=nnx.initializers.normal(0.02), rngs=rngs)
+        d, h, k, dh = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = nnx.Linear(d, h * dh, **kw)
+        self.k_proj = nnx.Linear(d, k * dh, **kw)
+        self.v_proj = nnx.Linear(d, k * dh, **kw)
+        self.o_proj = nnx.Linear(h * dh, d, **kw)
+        nkw = dict(eps=cfg.rms_norm_eps, dtype=cfg.dtype, param_dtype=cfg.param_dtype, rngs=rngs)
+        self.q_norm = RMSNorm(dh, **nkw)
+        self.k_norm = RMSNorm(dh, **nkw)
+        self.num_heads, self.num_kv_heads, self.head_dim = h, k, dh
+
+    def context_kv(self, ctx, positions, inv_freq):
+        """ctx [B, C, D] projected features, positions [B, C] -> keys, values [B, C, K, Dh]."""
+        b, c, _ = ctx.shape
+        k = self.k_norm(self.k_proj(ctx).reshape(b, c, self.num_kv_heads, self.head_dim))
+        k = apply_rope(k, positions, inv_freq)
+        v = self.v_proj(ctx).reshape(b, c, self.num_kv_heads, self.head_dim)
+        return k, v
+
+    def __call__(self, x, positions, inv_freq, k_ctx, v_ctx, ctx_visible):
+        """x [B, bs, D] normed block stream -> attention output [B, bs, D]."""
+        b, t, _ = x.shape
+        q = self.q_norm(self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim))
+        k = self.k_norm(self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+        q = apply_rope(q, positions, inv_freq)
+        k = apply_rope(k, positions, inv_freq)
+        out = _context_block_attention(q, k_ctx, v_ctx, ctx_visible, k, v)
+        return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim))
+
+
+class DFlashLayer(nnx.Module):
+    """Pre-norm decoder layer; only the block stream has a residual (the context is read-only)."""
+
+    def __init__(self, cfg: DFlashConfig, *, rngs: nnx.Rngs):
+        nkw = dict(eps=cfg.rms_norm_eps, dtype=cfg.dtype, param_dtype=cfg.param_dtype, rngs=rngs)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, **nkw)
+        self.self_attn = DFlashAttention(cfg, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, **nkw)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, dtype=cfg.dtype,
+                          param_dtype=cfg.param_dtype, rngs=rngs)
+
+    def __call__(self, x, positions, inv_freq, k_ctx, v_ctx, ctx_visible):
+        x = x + self.self_attn(self.input_layernorm(x), positions, inv_freq, k_ctx, v_ctx, ctx_visible)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDrafter(nnx.Module):
+    """The DFlash drafter: `fc`, `hidden_norm`, `layers[i]`, `norm` (the public tensor names).
+
+    It owns no embedding or LM head: every entry point takes the target model (anything with
+    `embed(tokens) -> [.., D]` and `logits(final_hidden) -> [.., V] float32`, e.g.
+    `tevjax.models.transformer.Transformer`) and reads those from it. All methods are pure reads
+    of the parameters, so they can be jitted, vmapped and differentiated w.r.t. the drafter alone
+    (the target is then a constant).
+    """
+
+    def __init__(self, cfg: DFlashConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.fc = nnx.Linear(cfg.feature_dim, cfg.hidden_size, use_bias=False, dtype=jnp.dtype(cfg.dtype),
+                             param_dtype=jnp.dtype(cfg.param_dtype),
+                             kernel_init=nnx.initializers.normal(0.02), rngs=rngs)
+        nkw = dict(eps=cfg.rms_norm_eps, dtype=cfg.dtype, param_dtype=cfg.param_dtype, rngs=rngs)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, **nkw)
+        self.layers = nnx.List([DFlashLayer(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, **nkw)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _inv_freq(self):
+        # A host constant recomputed per trace (cheap) instead of a module attribute, so the
+        # module's state is exactly the checkpoint's tensors.
+        return rope_inv_freq(self.cfg.head_dim, self.cfg.rope_theta, self.cfg.rope_scaling)
+
+    def _check_features(self, features):
+        if features.shape[-1] != self.cfg.feature_dim:
+            raise ValueError(
+                f"context features have width {features.shape[-1]}, expected "
+                f"{self.cfg.num_features} tapped layers x {self.cfg.hidden_size} = {self.cfg.feature_dim}"
+            )
+
+    def _embed_block(self, target, block_tokens):
+        x = target.embed(block_tokens).astype(self.cfg.dtype)
+        if self.cfg.input_embedding_scale != 1.0:
+            x = x * jnp.asarray(self.cfg.input_embedding_scale, x.dtype)
+        return x
+
+    def _logits(self, target, hidden):
+        logits = target.logits(hidden).astype(jnp.float32)
+        if self.cfg.output_multiplier != 1.0:
+            logits = logits * self.cfg.output_multiplier
+        if self.cfg.final_logit_softcapping is not None:
+            cap = self.cfg.final_logit_softcapping
+            logits = cap * jnp.tanh(logits / cap)
+        return logits
+
+    def _context_kv(self, ctx, positions):
+        """ctx [B, C, D] -> stacked keys, values [L, B, C, K, Dh] of every layer."""
+        inv_freq = self._inv_freq()
+        kv = [layer.self_attn.context_kv(ctx, positions, inv_freq) for layer in self.layers]
+        return jnp.stack([k for k, _ in kv]), jnp.stack([v for _, v in kv])
+
+    def _block_hidden(self, x, positions, k_ctx, v_ctx, ctx_visible):
+        """Block stream [B, bs, D] through every layer and the final norm -> [B, bs, D]."""
+        inv_freq = self._inv_freq()
+        for i, layer in enumerate(self.layers):
+            x = layer(x, positions, inv_freq, k_ctx[i], v_ctx[i], ctx_visible)
+        return self.norm(x)
+
+    def block_tokens(self, anchor_tokens: jax.Array) -> jax.Array:
+        """[...] last committed tokens -> [..., bs] block inputs [token, MASK, ..., MASK]."""
+        anchor_tokens = jnp.asarray(anchor_tokens, jnp.int32)
+        masks = jnp.full(anchor_tokens.shape + (self.cfg.block_size - 1,), self.cfg.mask_token_id, jnp.int32)
+        return jnp.concatenate([anchor_tokens[..., None], masks], axis=-1)
+
+    # ------------------------------------------------------------------ inference
+
+    def project_context(self, features: jax.Array) -> jax.Array:
+        """[B, C, n*D] concatenated target hidden states -> [B, C, D] = hidden_norm(fc(features))."""
+        self._check_features(features)
+        return self.hidden_norm(self.fc(features.astype(self.cfg.dtype)))
+
+    def append_context(self, cache: DrafterCache, features: jax.Array, positions: jax.Array,
+                       write_pos: jax.Array) -> DrafterCache:
+        """Writes the context K/V of C new tokens at slots write_pos[b] + c of every layer.
+
+        features [B, C, n*D]; positions [B, C] absolute positions (RoPE); write_pos [B] int.
+        Writes past the cache capacity are dropped. C is static, so a caller with fewer real
+        tokens in some rows pads them: padded entries land at slots >= that row's new ctx_len,
+        where they are invisible and the next append overwrites them.
+        """
+        k, v = self._context_kv(self.project_context(features), jnp.asarray(positions, jnp.int32))
+        b, c = features.shape[:2]
+        slots = jnp.asarray(write_pos, jnp.int32)[:, None] + jnp.arange(c, dtype=jnp.int32)  # [B, C]
+        # Out-of-range slots become S, which mode="drop" ignores (a negative index would wrap).
+        slots = jnp.where((slots >= 0) & (slots < cache.capacity), slots, cache.capacity)
+        rows = jnp.arange(b, dtype=jnp.int32)[:, None]
+        return DrafterCache(
+            k=cache.k.at[:, rows, slots].set(k.astype(cache.k.dtype), mode="drop"),
+            v=cache.v.at[:, rows, slots].set(v.astype(cache.v.dtype), mode="drop"),
+        )
+
+    def hidden(self, target, block_tokens: jax.Array, positions: jax.Array, cache: DrafterCache,
+               ctx_len: jax.Array) -> jax.Array:
+        """[B, bs-1, D] final-normed hidden states of block positions 1..bs-1 (see `__call__`)."""
+        if block_tokens.shape[-1] != self.cfg.block_size:
+            raise ValueError(f"block of {block_tokens.shape[-1]} tokens, expected block_size={self.cfg.block_size}")
+        visible = jnp.arange(cache.capacity)[None, :] < jnp.asarray(ctx_len, jnp.int32)[:, None]  # [B, S]
+        x = self._embed_block(target, block_tokens)
+        h = self._block_hidden(x, jnp.asarray(positions, jnp.int32), cache.k, cache.v, visible)
+        return h[:, 1:]
+
+    def __call__(self, target, block_tokens: jax.Array, positions: jax.Array, cache: DrafterCache,
+                 ctx_len: jax.Array) -> jax.Array:
+        """Draft logits [B, bs-1, V] float32 for block positions 1..bs-1.
+
+        block_tokens [B, bs] (normally `block_tokens(last_committed)`); positions [B, bs]
+        (normally anchor + arange(bs)); cache slots < ctx_len[b] are the visible context.
+        Row j of the result is the drafter's distribution of the token at positions[:, j + 1].
+        """
+        return self._logits(target, self.hidden(target, block_tokens, positions, cache, ctx_len))
+
+    # ------------------------------------------------------------------ training
+
+    def train_hidden(self, target, features: jax.Array, tokens: jax.Array, anchors: jax.Array, *,
+                     positions: jax.Array | None = None, context_mask: jax.Array | None = None,
+                     anchor_chunk: int | None = None) -> jax.Array:
+        """Block-parallel forward at M anchors per sequence -> [B, M, bs-1, D] final hidden states.
+
+        features [B, T, n*D]: target hidden states of the whole sequence; tokens [B, T];
+        anchors [B, M] indices in [0, T). Anchor a's block is [tokens[a], MASK x (bs-1)] at
+        positions positions[a] + 0..bs-1 (positions default: arange(T)); it sees context indices
+        < a (and where `context_mask` [B, T] is True) and its whole block. This is the
+        inference computation at each anchor (`append_context` of the first a tokens, then
+        `__call__` with ctx_len = a), run for all anchors against one shared context K/V.
+
+        `anchor_chunk` bounds memory: anchors are processed `anchor_chunk` at a time (a
+        `lax.map` over vmapped chunks); None processes all M at once.
+        """
+        self._check_features(features)
+        b, t = tokens.shape
+        m = anchors.shape[1]
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        positions = jnp.asarray(positions, jnp.int32)
+        anchors = jnp.clip(jnp.asarray(anchors, jnp.int32), 0, t - 1)
+        k_ctx, v_ctx = self._context_kv(self.project_context(features), positions)  # [L, B, T, K, Dh]
+        anchor_tok = jnp.take_along_axis(jnp.asarray(tokens, jnp.int32), anchors, axis=1)  # [B, M]
+        anchor_pos = jnp.take_along_axis(positions, anchors, axis=1)  # [B, M]
+        blk_tok = self.block_tokens(anchor_tok)  # [B, M, bs]
+        blk_pos = anchor_pos[..., None] + jnp.arange(self.cfg.block_size, dtype=jnp.int32)  # [B, M, bs]
+        idx = jnp.arange(t, dtype=jnp.int32)
+
+        def one_anchor(args):
+            tok, pos, a = args  # [B, bs], [B, bs], [B]
+            visible = idx[None, :] < a[:, None]
+            if context_mask is not None:
+                visible = visible & context_mask
+            x = self._embed_block(target, tok)
+            return self._block_hidden(x, pos, k_ctx, v_ctx, visible)[:, 1:]
+
+        xs = (jnp.moveaxis(blk_tok, 1, 0), jnp.moveaxis(blk_pos, 1, 0), anchors.T)
+        h = jax.lax.map(one_anchor, xs, batch_size=min(anchor_chunk or m, m))  # [M, B, bs-1, D]
+        return jnp.moveaxis(h, 0, 1)
+
+    def train_logits(self, target, features: jax.Array, tokens: jax.Array, anchors: jax.Array, *,
+                     positions: jax.Array | None = None, context_mask: jax.Array | None = None,
+                     anchor_chunk: int | None = None) -> jax.Array:
+        """`train_hidden` through the target's LM head -> [B, M, bs-1, V] float32.
+
+        Row k-1 of anchor a is the draft distribution of tokens[a + k] (the public training
+        label). This materialises B*M*(bs-1)*V floats; losses that only need a few logsumexps
+        per row can apply the LM head to `train_hidden` in chunks instead.
+        """
+        h = self.train_hidden(target, features, tokens, anchors, positions=positions,
+                              context_mask=context_mask, anchor_chunk=anchor_chunk)
+        return self._logits(target, h)
