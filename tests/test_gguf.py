@@ -1,0 +1,469 @@
+"""GGUF -> HF conversion on tiny GGUF files written here with `gguf.GGUFWriter`.
+
+The files are written the way llama.cpp's converter writes them: llama.cpp tensor names, q/k rows
+permuted per head for llama.cpp's rope (`llamacpp_permute`, written here from that converter's
+published formula, independently of the inverse in `tevjax.convert.gguf`), and a mix of
+F32/F16/BF16/Q8_0/Q4_0/Q4_1 tensors. `read_gguf` must return the original HF layout: exactly the
+float32 dequantization of each quantized HF tensor, within the quantizer's error bound of the
+original. transformers' own GGUF loader is a second, independent reader of the same files.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import gguf
+
+from gguf import GGMLQuantizationType as Q  # noqa: E402
+
+from tevjax.convert.gguf import (  # noqa: E402
+    CONVERSION_MARKER,
+    GGUFError,
+    gguf_to_hf_dir,
+    read_gguf,
+)
+
+TINY = dict(vocab_size=272, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+            rms_norm_eps=1e-5, rope_theta=10000.0)
+HEAD_DIM = TINY["hidden_size"] // TINY["num_attention_heads"]
+
+# A byte-level BPE vocabulary: 3 control tokens, the 256 byte-alphabet symbols, then merges.
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+MERGES = ["h e", "l l", "he ll", "hell o", "Ġ Ġ", "Ġ w", "o r", "Ġw or", "Ġwor l", "Ġworl d",
+          "1 2", "Ġ 1", "ĠĠ Ġ"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content']"
+    " + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+def byte_alphabet() -> list[str]:
+    """GPT-2's byte alphabet in byte order (printable latin-1 bytes stand for themselves)."""
+    keep = set(range(33, 127)) | set(range(161, 173)) | set(range(174, 256))
+    out, extra = [], 0
+    for b in range(256):
+        if b in keep:
+            out.append(chr(b))
+        else:
+            out.append(chr(256 + extra))
+            extra += 1
+    return out
+
+
+def tiny_vocab() -> list[str]:
+    merged = [m.replace(" ", "") for m in MERGES]
+    tokens = SPECIALS + byte_alphabet() + merged
+    assert len(tokens) == TINY["vocab_size"]
+    return tokens
+
+
+def llamacpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp convert_hf_to_gguf `permute`: per head, rows [first half | second half] become
+    interleaved pairs, for llama.cpp's adjacent-pair rope."""
+    return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
+
+
+def tiny_state(seed: int = 0, tied: bool = False) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    c = TINY
+    d, f, v = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
+    qd, kvd = c["num_attention_heads"] * HEAD_DIM, c["num_key_value_heads"] * HEAD_DIM
+
+    def mat(*shape):
+        return (rng.standard_normal(shape) * 0.2).astype(np.float32)
+
+    state = {"model.embed_tokens.weight": mat(v, d),
+             "model.norm.weight": 1.0 + mat(d)}
+    if not tied:
+        state["lm_head.weight"] = mat(v, d)
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        state.update({
+            p + "input_layernorm.weight": 1.0 + mat(d),
+            p + "post_attention_layernorm.weight": 1.0 + mat(d),
+            p + "self_attn.q_proj.weight": mat(qd, d),
+            p + "self_attn.k_proj.weight": mat(kvd, d),
+            p + "self_attn.v_proj.weight": mat(kvd, d),
+            p + "self_attn.o_proj.weight": mat(d, qd),
+            p + "mlp.gate_proj.weight": mat(f, d),
+            p + "mlp.up_proj.weight": mat(f, d),
+            p + "mlp.down_proj.weight": mat(d, f),
+        })
+    return state
+
+
+# HF name suffix -> llama.cpp name suffix
+HF_TO_GGUF = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+
+# Every supported storage type appears at least once; norms stay F32 as llama.cpp keeps them.
+TYPES = {
+    "model.embed_tokens.weight": Q.Q8_0,
+    "lm_head.weight": Q.Q4_0,
+    "model.layers.0.self_attn.q_proj.weight": Q.Q4_1,
+    "model.layers.0.self_attn.k_proj.weight": Q.Q4_0,
+    "model.layers.0.self_attn.v_proj.weight": Q.Q8_0,
+    "model.layers.0.self_attn.o_proj.weight": Q.F16,
+    "model.layers.0.mlp.gate_proj.weight": Q.BF16,
+    "model.layers.0.mlp.up_proj.weight": Q.Q4_1,
+    "model.layers.0.mlp.down_proj.weight": Q.Q8_0,
+    "model.layers.1.self_attn.q_proj.weight": Q.Q8_0,
+    "model.layers.1.self_attn.k_proj.weight": Q.Q4_1,
+    "model.layers.1.self_attn.v_proj.weight": Q.F32,
+    "model.layers.1.self_attn.o_proj.weight": Q.Q4_0,
+    "model.layers.1.mlp.gate_proj.weight": Q.F16,
+    "model.layers.1.mlp.up_proj.weight": Q.BF16,
+    "model.layers.1.mlp.down_proj.weight": Q.Q4_1,
+}
+
+
+def gguf_name(hf: str) -> str:
+    if hf in HF_TO_GGUF:
+        return HF_TO_GGUF[hf]
+    _, _, layer, rest = hf.split(".", 3)
+    return f"blk.{layer}.{HF_TO_GGUF[rest]}"
+
+
+def encode_tensor(w: np.ndarray, t: Q) -> tuple[np.ndarray, Q | None]:
+    if t == Q.F32:
+        return w, None
+    if t == Q.F16:
+        return w.astype(np.float16), None
+    return gguf.quants.quantize(w, t), t
+
+
+def write_gguf(path: Path, state: dict[str, np.ndarray], *, arch: str = "llama",
+               types: dict[str, Q] | None = None, meta_overrides: dict | None = None,
+               extra_tensors: dict[str, np.ndarray] | None = None, tokenizer: bool = True,
+               pre: str = "smollm", omit: tuple[str, ...] = ()) -> Path:
+    """Writes `state` (HF layout and names) as llama.cpp would: renamed, q/k permuted, quantized."""
+    types = TYPES if types is None else types
+    c = dict(TINY, **(meta_overrides or {}))
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(c["num_hidden_layers"])
+    w.add_context_length(c["max_position_embeddings"])
+    if "hidden_size" not in omit:
+        w.add_embedding_length(c["hidden_size"])
+    w.add_feed_forward_length(c["intermediate_size"])
+    w.add_head_count(c["num_attention_heads"])
+    w.add_head_count_kv(c["num_key_value_heads"])
+    w.add_rope_freq_base(c["rope_theta"])
+    w.add_layer_norm_rms_eps(c["rms_norm_eps"])
+    w.add_rope_dimension_count(HEAD_DIM)
+    w.add_vocab_size(c["vocab_size"])
+    if "rope_scaling_type" in c:
+        w.add_string(f"{arch}.rope.scaling.type", c["rope_scaling_type"])
+    if tokenizer:
+        tokens = tiny_vocab()
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre(pre)
+        w.add_token_list(tokens)
+        w.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
+        w.add_token_merges(MERGES)
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
+        w.add_unk_token_id(0)
+        w.add_pad_token_id(2)
+        w.add_chat_template(CHAT_TEMPLATE)
+    for hf, value in state.items():
+        if hf.endswith("q_proj.weight"):
+            value = llamacpp_permute(value, c["num_attention_heads"])
+        elif hf.endswith("k_proj.weight"):
+            value = llamacpp_permute(value, c["num_key_value_heads"])
+        data, raw = encode_tensor(value, types.get(hf, Q.F32))
+        w.add_tensor(gguf_name(hf), data, raw_dtype=raw)
+    for name, value in (extra_tensors or {}).items():
+        w.add_tensor(name, value)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def expected_values(state: dict[str, np.ndarray], types=None) -> dict[str, np.ndarray]:
+    """What an exact reader returns: each HF tensor rounded through its storage type."""
+    types = TYPES if types is None else types
+    out = {}
+    for hf, w in state.items():
+        t = types.get(hf, Q.F32)
+        if t == Q.F32:
+            out[hf] = w
+        elif t == Q.F16:
+            out[hf] = w.astype(np.float16).astype(np.float32)
+        else:
+            out[hf] = gguf.quants.dequantize(gguf.quants.quantize(w, t), t).astype(np.float32)
+    return out
+
+
+def error_bound(w: np.ndarray, t: Q) -> np.ndarray:
+    """Per-element bound on |dequant(quant(w)) - w| from the block formats (32 values per block;
+    fp16 scales add a relative 2^-11 on top of half a quantization step)."""
+    if t == Q.F32:
+        return np.zeros_like(w)
+    if t == Q.F16:
+        return np.abs(w) * 2.0 ** -11 + 1e-7
+    if t == Q.BF16:
+        return np.abs(w) * 2.0 ** -8
+    blocks = w.reshape(w.shape[0], -1, 32)
+    amax = np.abs(blocks).max(-1, keepdims=True)
+    step = {Q.Q8_0: amax / 127, Q.Q4_0: amax / 8,
+            Q.Q4_1: (blocks.max(-1, keepdims=True) - blocks.min(-1, keepdims=True)) / 15}[t]
+    levels = {Q.Q8_0: 127, Q.Q4_0: 8, Q.Q4_1: 15}[t]
+    # Q4_0 maps [-amax, amax] onto 16 levels -8..7, so a value near the side opposite the extreme
+    # is clamped to level 7: up to one full step of error there, half a step elsewhere.
+    steps = 1.0 if t == Q.Q4_0 else 0.5
+    bound = step * (steps + levels * 2.0 ** -10) + 1e-6
+    return np.broadcast_to(bound, blocks.shape).reshape(w.shape)
+
+
+@pytest.fixture(scope="module")
+def tiny_file(tmp_path_factory) -> tuple[Path, dict[str, np.ndarray]]:
+    state = tiny_state(seed=0)
+    path = write_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf", state)
+    return path, state
+
+
+# ------------------------------------------------------------------------------ read_gguf
+
+
+def test_read_gguf_config(tiny_file):
+    path, _ = tiny_file
+    cfg, _ = read_gguf(path)
+    for key, value in TINY.items():
+        assert cfg[key] == value, key
+    assert cfg["model_type"] == "llama"
+    assert cfg["architectures"] == ["LlamaForCausalLM"]
+    assert cfg["head_dim"] == HEAD_DIM
+    assert cfg["tie_word_embeddings"] is False
+    assert (cfg["bos_token_id"], cfg["eos_token_id"], cfg["pad_token_id"]) == (1, 2, 2)
+    # float32 metadata comes back as the decimal it was written from, not 9.99999974e-06
+    assert repr(cfg["rms_norm_eps"]) == "1e-05"
+
+
+def test_read_gguf_restores_hf_layout_exactly(tiny_file):
+    path, state = tiny_file
+    _, got = read_gguf(path)
+    want = expected_values(state)
+    assert set(got) == set(state)
+    for name, value in got.items():
+        assert value.dtype == np.float32, name
+        assert value.shape == state[name].shape, name
+        np.testing.assert_array_equal(value, want[name], err_msg=name)
+
+
+def test_read_gguf_within_quantization_bound(tiny_file):
+    path, state = tiny_file
+    _, got = read_gguf(path)
+    for name, value in got.items():
+        t = TYPES.get(name, Q.F32)
+        err = np.abs(value - state[name])
+        bound = error_bound(state[name], t)
+        assert np.all(err <= bound), (name, t.name, float((err - bound).max()))
+    # The bound is tight enough to catch a layout bug: a q_proj left in llama.cpp's row order
+    # is far outside it.
+    q = "model.layers.1.self_attn.q_proj.weight"
+    wrong = llamacpp_permute(got[q], TINY["num_attention_heads"])
+    assert not np.all(np.abs(wrong - state[q]) <= error_bound(state[q], TYPES[q]))
+
+
+def test_unpermute_worked_example():
+    # One head of 4 rows: GGUF stores HF rows [q0, q1, q2, q3] as [q0, q2, q1, q3].
+    from tevjax.convert.gguf import unpermute_rope_rows
+
+    hf = np.arange(8, dtype=np.float32).reshape(4, 2)
+    stored = llamacpp_permute(hf, 1)
+    np.testing.assert_array_equal(stored[:, 0], [0, 4, 2, 6])
+    np.testing.assert_array_equal(unpermute_rope_rows(stored, 1), hf)
+    # GQA: k_proj uses the KV head count, 2 heads x 6 rows.
+    k = np.random.default_rng(1).standard_normal((12, 3)).astype(np.float32)
+    np.testing.assert_array_equal(unpermute_rope_rows(llamacpp_permute(k, 2), 2), k)
+    assert not np.array_equal(unpermute_rope_rows(llamacpp_permute(k, 2), 1), k)
+
+
+def test_read_gguf_tied_embeddings(tmp_path):
+    state = tiny_state(seed=3, tied=True)
+    path = write_gguf(tmp_path / "tied.gguf", state)
+    cfg, got = read_gguf(path)
+    assert cfg["tie_word_embeddings"] is True
+    assert "lm_head.weight" not in got
+    assert set(got) == set(state)
+
+
+def test_matches_transformers_gguf_loader(tiny_file):
+    """transformers' own GGUF reader (dequantize + its reverse permute) agrees bit for bit."""
+    import torch
+    import transformers  # (gguf_file loading also needs accelerate, a test dependency)
+    path, _ = tiny_file
+    _, got = read_gguf(path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    theirs = {k: v.numpy() for k, v in model.state_dict().items()}
+    assert set(theirs) == set(got)
+    for name, value in got.items():
+        np.testing.assert_array_equal(value, theirs[name], err_msg=name)
+
+
+# ------------------------------------------------------------------------------ bad inputs
+
+
+def test_missing_file(tmp_path):
+    path = tmp_path / "nope.gguf"
+    with pytest.raises(GGUFError, match="not found.*nope.gguf"):
+        read_gguf(path)
+
+
+def test_not_a_gguf(tmp_path):
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"PK\x03\x04 definitely a zip file")
+    with pytest.raises(GGUFError, match="model.gguf is not a GGUF file"):
+        read_gguf(path)
+
+
+@pytest.mark.parametrize("keep", [6, 200, 0.5, -1])
+def test_truncated_file(tiny_file, tmp_path, keep):
+    """Cut inside the header, inside the metadata, halfway and one byte short of the end."""
+    src, _ = tiny_file
+    data = src.read_bytes()
+    n = int(len(data) * keep) if isinstance(keep, float) else (keep if keep > 0 else len(data) + keep)
+    path = tmp_path / "cut.gguf"
+    path.write_bytes(data[:n])
+    with pytest.raises(GGUFError, match="cut.gguf"):
+        read_gguf(path)
+
+
+def test_unsupported_architecture(tmp_path):
+    path = write_gguf(tmp_path / "q.gguf", tiny_state(), arch="qwen2")
+    with pytest.raises(GGUFError, match="architecture 'qwen2' is not supported"):
+        read_gguf(path)
+
+
+def test_unsupported_tensor_type(tmp_path):
+    types = dict(TYPES, **{"model.layers.1.mlp.up_proj.weight": Q.Q5_0})
+    path = write_gguf(tmp_path / "q5.gguf", tiny_state(), types=types)
+    with pytest.raises(GGUFError, match=r"'blk\.1\.ffn_up\.weight' has ggml type Q5_0"):
+        read_gguf(path)
+
+
+def test_unmapped_tensor(tmp_path):
+    extra = {"blk.0.attn_q.bias": np.zeros(64, np.float32)}
+    path = write_gguf(tmp_path / "bias.gguf", tiny_state(), extra_tensors=extra)
+    with pytest.raises(GGUFError, match=r"no Llama mapping: blk\.0\.attn_q\.bias"):
+        read_gguf(path)
+
+
+def test_missing_tensor(tmp_path):
+    state = tiny_state()
+    del state["model.layers.1.mlp.up_proj.weight"]
+    path = write_gguf(tmp_path / "hole.gguf", state)
+    with pytest.raises(GGUFError, match=r"missing tensors for model\.layers\.1\.mlp\.up_proj"):
+        read_gguf(path)
+
+
+def test_shape_disagrees_with_metadata(tmp_path):
+    path = write_gguf(tmp_path / "ff.gguf", tiny_state(),
+                      meta_overrides={"intermediate_size": 128})
+    with pytest.raises(GGUFError, match=r"'blk\.0\.ffn_gate\.weight'.*\(96, 64\), expected \(128, 64\)"):
+        read_gguf(path)
+
+
+def test_missing_metadata(tmp_path):
+    path = write_gguf(tmp_path / "m.gguf", tiny_state(), omit=("hidden_size",))
+    with pytest.raises(GGUFError, match=r"m\.gguf: required metadata llama\.embedding_length"):
+        read_gguf(path)
+
+
+def test_rope_scaling_refused(tmp_path):
+    path = write_gguf(tmp_path / "rs.gguf", tiny_state(), meta_overrides={"rope_scaling_type": "linear"})
+    with pytest.raises(GGUFError, match="rope scaling"):
+        read_gguf(path)
+
+
+# ------------------------------------------------------------------------------ gguf_to_hf_dir
+
+
+def test_gguf_to_hf_dir_contents(tiny_file, tmp_path):
+    from safetensors.numpy import load_file
+
+    path, _ = tiny_file
+    out = gguf_to_hf_dir(path, tmp_path / "hf")
+    assert out == tmp_path / "hf"
+    names = {p.name for p in out.iterdir()}
+    assert names == {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+                     "generation_config.json", CONVERSION_MARKER}
+    assert [p.name for p in tmp_path.iterdir()] == ["hf"]  # no temp directory left behind
+    cfg, state = read_gguf(path)
+    assert json.loads((out / "config.json").read_text()) == cfg
+    saved = load_file(str(out / "model.safetensors"))
+    assert set(saved) == set(state)
+    for k, v in state.items():
+        np.testing.assert_array_equal(saved[k], v, err_msg=k)
+    tok_cfg = json.loads((out / "tokenizer_config.json").read_text())
+    assert tok_cfg["chat_template"] == CHAT_TEMPLATE
+    assert (tok_cfg["bos_token"], tok_cfg["eos_token"], tok_cfg["pad_token"]) == (
+        "<|im_start|>", "<|im_end|>", "<|im_end|>")
+    gen = json.loads((out / "generation_config.json").read_text())
+    assert (gen["bos_token_id"], gen["eos_token_id"]) == (1, 2)
+    marker = json.loads((out / CONVERSION_MARKER).read_text())
+    assert marker["source_size"] == path.stat().st_size
+    modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()}
+    assert modes["model.safetensors"] == modes["config.json"], modes
+
+
+def test_gguf_to_hf_dir_refuses_existing_and_overwrites(tiny_file, tmp_path):
+    path, _ = tiny_file
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "stale.txt").write_text("old")
+    with pytest.raises(FileExistsError, match="hf"):
+        gguf_to_hf_dir(path, out)
+    gguf_to_hf_dir(path, out, overwrite=True)
+    assert not (out / "stale.txt").exists()
+    assert (out / CONVERSION_MARKER).is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
+def test_failed_conversion_leaves_nothing(tmp_path):
+    types = dict(TYPES, **{"model.embed_tokens.weight": Q.Q5_0})
+    path = write_gguf(tmp_path / "bad.gguf", tiny_state(), types=types)
+    with pytest.raises(GGUFError):
+        gguf_to_hf_dir(path, tmp_path / "out" / "hf")
+    # neither the output nor a temporary sibling of it exists
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+def test_hf_dir_loads_in_transformers_like_the_gguf(tiny_file, tmp_path):
+    """transformers reads the converted directory with no missing/unexpected keys, and its logits
+    equal those of transformers' own GGUF load of the same file."""
+    import torch
+    import transformers
+    path, _ = tiny_file
+    out = gguf_to_hf_dir(path, tmp_path / "hf")
+    ours, info = transformers.AutoModelForCausalLM.from_pretrained(
+        str(out), dtype=torch.float32, output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    ids = torch.tensor([[1, 40, 7, 200, 3, 99, 12, 2]])
+    with torch.no_grad():
+        a = ours(ids).logits.numpy()
+        b = theirs(ids).logits.numpy()
+    np.testing.assert_array_equal(a, b)

@@ -1,0 +1,294 @@
+"""GGUF tokenizer metadata -> tokenizer.json, and ChatML prompt ids.
+
+Tiny vocabularies pin the pre-tokenizer rules; the real SmolLM2 GGUF is checked against
+transformers' own GGUF tokenizer conversion on varied strings, and against llama.cpp's "smollm"
+split rule (digits isolated, then the GPT-2 split; regexes from llama.cpp's llama-vocab.cpp) on the
+strings where transformers' conversion, which ignores `tokenizer.ggml.pre = smollm`, differs.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from test_gguf import CHAT_TEMPLATE, MERGES, SPECIALS, tiny_vocab
+from tevjax.convert.tokenizer import (
+    TokenizerConversionError,
+    build_tokenizer,
+    chat_prompt_ids,
+    load_tokenizer,
+    tokenizer_files_from_gguf,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def tiny_meta(pre: str = "smollm") -> dict:
+    tokens = tiny_vocab()
+    return {
+        "general.architecture": "llama",
+        "llama.context_length": 128,
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": pre,
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": [3 if t in SPECIALS else 1 for t in tokens],
+        "tokenizer.ggml.merges": MERGES,
+        "tokenizer.ggml.bos_token_id": 1,
+        "tokenizer.ggml.eos_token_id": 2,
+        "tokenizer.ggml.unknown_token_id": 0,
+        "tokenizer.ggml.padding_token_id": 2,
+        "tokenizer.chat_template": CHAT_TEMPLATE,
+    }
+
+
+def write_tok_dir(meta: dict, path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    for name, content in tokenizer_files_from_gguf(meta).items():
+        (path / name).write_text(json.dumps(content), encoding="utf-8")
+    return path
+
+
+def pieces(tok, ids):
+    vocab = {i: t for t, i in tok.get_vocab().items()}
+    return [vocab[i] for i in ids]
+
+
+# ------------------------------------------------------------------------------ tiny vocabulary
+
+
+def test_tiny_tokenizer_merges_and_specials():
+    tok = build_tokenizer(tiny_meta())
+    assert tok.get_vocab_size() == len(tiny_vocab())
+    enc = tok.encode("<|im_start|>hello world<|im_end|>")
+    assert enc.tokens == ["<|im_start|>", "hello", "Ġworld", "<|im_end|>"]
+    assert enc.ids[0] == 1 and enc.ids[-1] == 2
+    assert tok.decode(enc.ids, skip_special_tokens=False) == "<|im_start|>hello world<|im_end|>"
+    assert tok.decode(enc.ids, skip_special_tokens=True) == "hello world"
+    # UTF-8 text falls back to byte symbols, and round-trips
+    text = "héllo ✓"
+    assert tok.decode(tok.encode(text).ids) == text
+
+
+@pytest.mark.parametrize("pre, text, want", [
+    # smollm isolates every digit, so the learned "12" / "Ġ1" merges can never apply ...
+    ("smollm", "12", ["1", "2"]),
+    ("smollm", "a 12", ["a", "Ġ", "1", "2"]),
+    # ... and whitespace before a digit stays one piece ("ĠĠ" merge applies)
+    ("smollm", "a  1", ["a", "ĠĠ", "1"]),
+    ("smollm", "a   1", ["a", "ĠĠĠ", "1"]),
+    # the plain GPT-2 split keeps digit runs and a leading space together
+    ("gpt-2", "12", ["12"]),
+    # (merge "1 2" ranks before "Ġ 1", so BPE of "Ġ12" ends as Ġ + 12)
+    ("gpt-2", "a 12", ["a", "Ġ", "12"]),
+    ("gpt-2", "a  1", ["a", "Ġ", "Ġ1"]),
+])
+def test_pre_tokenizer_rules(pre, text, want):
+    tok = build_tokenizer(tiny_meta(pre))
+    assert tok.encode(text).tokens == want
+
+
+def test_tokenizer_config_fields(tmp_path):
+    files = tokenizer_files_from_gguf(tiny_meta())
+    cfg = files["tokenizer_config.json"]
+    assert (cfg["bos_token"], cfg["eos_token"], cfg["unk_token"], cfg["pad_token"]) == (
+        "<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|im_end|>")
+    assert cfg["chat_template"] == CHAT_TEMPLATE
+    assert cfg["model_max_length"] == 128
+    tok = load_tokenizer(write_tok_dir(tiny_meta(), tmp_path / "t"))
+    assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (1, 2, 2)
+    # No BOS is added to plain text (see the module docstring of tevjax.convert.tokenizer).
+    assert tok.encode("hello") == [tiny_vocab().index("hello")]
+
+
+def test_chat_prompt_ids_tiny(tmp_path):
+    tok = load_tokenizer(write_tok_dir(tiny_meta(), tmp_path / "t"))
+    ids = chat_prompt_ids(tok, "hello world")
+    text = tok.decode(ids)
+    assert text == "<|im_start|>user\nhello world<|im_end|>\n<|im_start|>assistant\n"
+    msgs = [{"role": "system", "content": "hello"}, {"role": "user", "content": "world"},
+            {"role": "assistant", "content": "hello"}]
+    ids2 = chat_prompt_ids(tok, msgs, add_generation_prompt=False)
+    assert tok.decode(ids2) == ("<|im_start|>system\nhello<|im_end|>\n<|im_start|>user\nworld"
+                                "<|im_end|>\n<|im_start|>assistant\nhello<|im_end|>\n")
+    assert ids2.count(1) == 3 and ids2.count(2) == 3  # specials are single ids, not pieces
+
+
+def test_chat_prompt_ids_bad_messages(tmp_path):
+    tok = load_tokenizer(write_tok_dir(tiny_meta(), tmp_path / "t"))
+    with pytest.raises(ValueError, match=r"messages\[0\]\['role'\] = 'robot'"):
+        chat_prompt_ids(tok, [{"role": "robot", "content": "x"}])
+    with pytest.raises(ValueError, match=r"messages\[1\]\['content'\] must be a string"):
+        chat_prompt_ids(tok, [{"role": "user", "content": "x"}, {"role": "user", "content": 3}])
+    with pytest.raises(ValueError, match="empty"):
+        chat_prompt_ids(tok, [])
+    meta = tiny_meta()
+    del meta["tokenizer.chat_template"]
+    bare = load_tokenizer(write_tok_dir(meta, tmp_path / "bare"))
+    with pytest.raises(ValueError, match="no chat_template"):
+        chat_prompt_ids(bare, "hi")
+
+
+def test_unsupported_tokenizers():
+    with pytest.raises(TokenizerConversionError, match="tokenizer.ggml.model='llama'"):
+        build_tokenizer(dict(tiny_meta(), **{"tokenizer.ggml.model": "llama"}), source="x.gguf")
+    with pytest.raises(TokenizerConversionError, match="x.gguf: tokenizer.ggml.pre='qwen2'"):
+        build_tokenizer(tiny_meta("qwen2"), source="x.gguf")
+    meta = tiny_meta()
+    del meta["tokenizer.ggml.merges"]
+    with pytest.raises(TokenizerConversionError, match="tokenizer.ggml.merges is missing"):
+        build_tokenizer(meta)
+    with pytest.raises(TokenizerConversionError, match="out of|outside"):
+        tokenizer_files_from_gguf(dict(tiny_meta(), **{"tokenizer.ggml.eos_token_id": 999}))
+
+
+def test_load_tokenizer_missing(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no tokenizer.json in"):
+        load_tokenizer(tmp_path)
+
+
+def test_load_tokenizer_is_torch_free(tmp_path):
+    d = write_tok_dir(tiny_meta(), tmp_path / "t")
+    code = (
+        "import sys\n"
+        "from tevjax.convert.tokenizer import load_tokenizer, chat_prompt_ids\n"
+        f"ids = chat_prompt_ids(load_tokenizer({str(d)!r}), 'hello')\n"
+        "assert ids[0] == 1, ids\n"
+        "print('torch' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
+
+
+# ------------------------------------------------------------------------------ real SmolLM2
+
+PARITY_STRINGS = [
+    "Hello, world!",
+    "The capital of France is Paris.",
+    "You are a helpful AI assistant named SmolLM, trained by Hugging Face",
+    "Café déjà vu — naïve résumé, façade.",
+    "日本語のテキストと中文字符，한국어도。",
+    "Ελληνικά и русский текст; עברית ועربي",
+    "emoji 🤖🚀 and a family 👩‍👩‍👧 with ZWJ",
+    "def square(x):\n    return x ** 2  # power\n",
+    "for (int i = 0; i < n; ++i) { sum += a[i]; }",
+    "SELECT name, COUNT(*) FROM users WHERE age >= 18 GROUP BY name;",
+    "   leading spaces",
+    "trailing spaces   ",
+    "tabs\tand\nnewlines\r\nmixed \t \n",
+    "\n\n\n",
+    " ",
+    "",
+    "Hello world! 123",
+    "pi = 3.14159, e=2.71828; 1,000,000 on 2024-06-01",
+    "x1y2z3 v2.0.1 0xFF",
+    "ratios:½⅔²,Ⅻ",
+    "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",
+    "<|endoftext|><repo_name>tevjax<file_sep>setup.py<|im_end|>",
+    "almost special: <|im_start| and |im_end|>",
+    "don't won't it's we're I'll you've he'd",
+]
+# Whitespace right before a Unicode number, where transformers' GGUF tokenizer ignores the smollm
+# rule: with SmolLM2's vocabulary that shows for two or more whitespace characters before an ASCII
+# digit and for any whitespace before a non-ASCII numeral (" ½" -> "ĠÂ" + "½"); llama.cpp and
+# SmolLM2's own tokenizer isolate every number character.
+DIVERGENT_STRINGS = ["a  1", "x =  42", "[\n    1,\n    2,\n]", "total:\t\t3", "v ½ ⅔ ²", "Ⅻ ⅻ"]
+
+
+def llamacpp_smollm_split(text: str) -> list[str]:
+    """llama.cpp's SMOLLM pre-tokenizer: split on `\\p{N}`, then the GPT-2 regex, keeping the
+    unmatched gaps as pieces; special tokens are cut out first."""
+    import regex
+
+    special = regex.compile("(" + "|".join(regex.escape(s) for s in (
+        "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<repo_name>", "<file_sep>")) + ")")
+    gpt2 = regex.compile(r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)")
+
+    def split(rx, s):
+        out, pos = [], 0
+        for m in rx.finditer(s):
+            if m.start() > pos:
+                out.append(s[pos:m.start()])
+            out.append(m.group())
+            pos = m.end()
+        if pos < len(s):
+            out.append(s[pos:])
+        return out
+
+    result = []
+    for part in special.split(text):
+        if not part:
+            continue
+        if special.fullmatch(part):
+            result.append(part)
+            continue
+        for p in split(regex.compile(r"\p{N}"), part):
+            result.extend(split(gpt2, p))
+    return result
+
+
+@pytest.fixture(scope="module")
+def smollm_tokenizers(tmp_path_factory):
+    import transformers
+
+    from tevjax.convert.embedded import smollm2_gguf_path
+    from tevjax.convert.gguf import read_gguf_metadata
+
+    path = smollm2_gguf_path()  # installed by the Makefile; a missing package is a failure
+    ours = load_tokenizer(write_tok_dir(read_gguf_metadata(path), tmp_path_factory.mktemp("smol")))
+    theirs = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return ours, theirs
+
+
+def test_smollm2_parity_with_transformers_gguf(smollm_tokenizers):
+    ours, theirs = smollm_tokenizers
+    assert len(ours) == len(theirs) == 49152
+    for text in PARITY_STRINGS:
+        a = ours.encode(text, add_special_tokens=False)
+        b = theirs.encode(text, add_special_tokens=False)
+        assert a == b, (text, pieces(ours, a), pieces(theirs, b))
+        assert ours.decode(a) == text
+
+
+def test_smollm2_follows_llamacpp_split(smollm_tokenizers):
+    """On every string, our ids equal the BPE of llama.cpp's smollm pieces; on the divergent ones
+    that differs from transformers' GGUF tokenizer."""
+    ours, theirs = smollm_tokenizers
+    for text in PARITY_STRINGS + DIVERGENT_STRINGS:
+        want = [i for p in llamacpp_smollm_split(text)
+                for i in theirs.encode(p, add_special_tokens=False)]
+        assert ours.encode(text, add_special_tokens=False) == want, text
+    for text in DIVERGENT_STRINGS:
+        a = ours.encode(text, add_special_tokens=False)
+        b = theirs.encode(text, add_special_tokens=False)
+        assert a != b, text
+        assert ours.decode(a) == theirs.decode(b) == text
+    assert pieces(ours, ours.encode("a  1")) == ["a", "ĠĠ", "1"]
+
+
+def test_smollm2_chat_prompt(smollm_tokenizers):
+    ours, theirs = smollm_tokenizers
+    convs = [
+        "What is 2+2?",
+        [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi 12"}],
+        [{"role": "user", "content": "def f():\n    pass"},
+         {"role": "assistant", "content": "A function."},
+         {"role": "user", "content": "Explain  2 things."}],
+    ]
+    for conv in convs:
+        msgs = [{"role": "user", "content": conv}] if isinstance(conv, str) else conv
+        ids = chat_prompt_ids(ours, conv)
+        ref = theirs.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True)
+        ref = ref["input_ids"] if hasattr(ref, "keys") else ref
+        # identical unless a message has whitespace before a digit (then the smollm rule wins)
+        if "  2" not in str(conv):
+            assert ids == list(ref), conv
+        assert ours.decode(ids) == theirs.decode(list(ref))
+    assert ours.decode(chat_prompt_ids(ours, "What is 2+2?")) == (
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
+        "<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n")

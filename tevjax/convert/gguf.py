@@ -1,0 +1,450 @@
+"""GGUF (llama.cpp) checkpoints -> Hugging Face layout.
+
+A GGUF file holds a llama.cpp model: hyper-parameters and the tokenizer as key/value metadata, and
+weights as tensors under llama.cpp names, often block-quantized. tevjax does not load GGUF directly:
+`gguf_to_hf_dir` turns one into an ordinary HF checkpoint directory (config.json, float32
+model.safetensors with standard `LlamaForCausalLM` names, tokenizer.json, tokenizer_config.json
+with the file's chat template, generation_config.json), so the HF loader -- and transformers itself,
+in the tests -- treat it like any other checkpoint.
+
+Two layout facts matter (both from llama.cpp's `convert_hf_to_gguf.py`):
+
+* ggml lists dimensions fastest-moving first, so a GGUF tensor of ggml shape [in, out] is the numpy
+  (and HF) matrix (out, in); `gguf.GGUFReader` already reports the numpy order.
+* llama.cpp's rope rotates adjacent pairs (x0, x1), (x2, x3), ... while HF Llama rotates the two
+  halves of each head (x_i, x_{i + d/2}). Its converter therefore permutes the rows of q_proj and
+  k_proj within every head: HF row a * d/2 + b (half a in {0, 1}, b < d/2) is stored as GGUF row
+  2 * b + a, i.e. `W.reshape(n_head, 2, d/2, in).swapaxes(1, 2)`, with n_head = the number of KV
+  heads for k_proj. `read_gguf` applies the inverse. Worked example, one head of d = 4 rows::
+
+      HF rows    [q0, q1, q2, q3]    halves (q0, q1) and (q2, q3)
+      GGUF rows  [q0, q2, q1, q3]    rope pairs (q0, q2) and (q1, q3) made adjacent
+
+Quantized tensors are dequantized to float32 with the `gguf` package; quantization blocks run along
+a row, so the row permutation above commutes with dequantization.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tevjax.convert.tokenizer import tokenizer_files_from_gguf
+
+__all__ = [
+    "GGUFError",
+    "SUPPORTED_ARCHITECTURES",
+    "SUPPORTED_TENSOR_TYPES",
+    "CONVERSION_MARKER",
+    "CONVERTER_VERSION",
+    "read_gguf",
+    "read_gguf_metadata",
+    "gguf_to_hf_dir",
+    "unpermute_rope_rows",
+]
+
+SUPPORTED_ARCHITECTURES = ("llama",)
+# ggml type names accepted by `read_gguf`; each is covered by a round-trip test. Others (K-quants,
+# IQ-quants) are refused by name rather than dequantized untested.
+SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
+# Written last into a converted directory; its presence means the directory is complete.
+CONVERSION_MARKER = "tevjax_conversion.json"
+# Bumped whenever the produced directory would change, so cached conversions are redone.
+CONVERTER_VERSION = 1
+
+
+class GGUFError(ValueError):
+    """A GGUF file that is missing, malformed, or describes something tevjax cannot convert."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Reading the file
+# --------------------------------------------------------------------------------------------------
+
+
+def _gguf():
+    # Imported lazily: `gguf` is only needed by this conversion path.
+    import gguf
+
+    return gguf
+
+
+def _open_reader(path: Path):
+    """A `gguf.GGUFReader` over `path`, with every failure turned into a `GGUFError` naming it."""
+    gguf = _gguf()
+    if not path.is_file():
+        raise GGUFError(f"GGUF file not found: {path}")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise GGUFError(f"{path} is not a GGUF file (starts with {magic!r}, expected b'GGUF')")
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as e:  # the reader raises bare ValueError/IndexError/OverflowError on garbage
+        raise GGUFError(f"{path}: cannot parse the GGUF header/metadata ({type(e).__name__}: {e}); "
+                        "the file is probably truncated or corrupt") from e
+    # The reader memory-maps the file and slices tensor data lazily, so a file cut inside the tensor
+    # data parses fine and only shows short tensors later. Check every tensor's extent up front.
+    size = path.stat().st_size
+    for t in reader.tensors:
+        end = int(t.data_offset) + int(t.n_bytes)
+        if end > size:
+            raise GGUFError(f"{path} is truncated: tensor {t.name!r} needs bytes up to {end}, "
+                            f"but the file has {size}")
+    return reader
+
+
+def _field_value(field) -> Any:
+    """A metadata field as a Python value. float32 scalars become the shortest decimal that rounds
+    to the same float32 (1e-05, not 9.999999747378752e-06): GGUF stores HF's decimal config values
+    as float32, and that decimal is what the original config.json held."""
+    gguf = _gguf()
+    value = field.contents()
+    if field.types and field.types[0] == gguf.GGUFValueType.FLOAT32:
+        value = float(str(np.float32(value)))
+    return value
+
+
+def _metadata(reader) -> dict[str, Any]:
+    return {name: _field_value(field) for name, field in reader.fields.items()
+            if not name.startswith("GGUF.")}
+
+
+def read_gguf_metadata(path: str | os.PathLike) -> dict[str, Any]:
+    """All key/value metadata of a GGUF file (e.g. `llama.block_count`, `tokenizer.ggml.tokens`)."""
+    return _metadata(_open_reader(Path(path)))
+
+
+# --------------------------------------------------------------------------------------------------
+# Config: GGUF metadata -> HF LlamaConfig dict
+# --------------------------------------------------------------------------------------------------
+
+# (GGUF key under "<arch>.", HF config field, value type, default or _REQUIRED)
+_REQUIRED = object()
+_LLAMA_CONFIG_TABLE: tuple[tuple[str, str, type, Any], ...] = (
+    ("block_count", "num_hidden_layers", int, _REQUIRED),
+    ("embedding_length", "hidden_size", int, _REQUIRED),
+    ("feed_forward_length", "intermediate_size", int, _REQUIRED),
+    ("attention.head_count", "num_attention_heads", int, _REQUIRED),
+    ("attention.head_count_kv", "num_key_value_heads", int, None),  # absent: no GQA
+    ("attention.layer_norm_rms_epsilon", "rms_norm_eps", float, _REQUIRED),
+    ("context_length", "max_position_embeddings", int, _REQUIRED),
+    ("rope.freq_base", "rope_theta", float, 10000.0),  # llama.cpp's default when absent
+)
+# Special-token ids, copied into config.json as HF has them.
+_TOKEN_ID_TABLE = (
+    ("tokenizer.ggml.bos_token_id", "bos_token_id"),
+    ("tokenizer.ggml.eos_token_id", "eos_token_id"),
+    ("tokenizer.ggml.padding_token_id", "pad_token_id"),
+)
+
+
+def _uniform_int(path: Path, key: str, value: Any) -> int:
+    # Some files store per-layer arrays (e.g. head_count_kv); a uniform one is a plain Llama.
+    if isinstance(value, list):
+        if not value or len(set(value)) != 1:
+            raise GGUFError(f"{path}: metadata {key} varies per layer ({value[:8]}...), which a "
+                            "Llama config cannot express")
+        value = value[0]
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise GGUFError(f"{path}: metadata {key} should be an integer, got {value!r}")
+    return value
+
+
+def _config_from_metadata(path: Path, meta: Mapping[str, Any], tensor_names: set[str],
+                          embed_rows: int | None) -> dict[str, Any]:
+    arch = meta.get("general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise GGUFError(f"{path}: architecture {arch!r} is not supported "
+                        f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+    cfg: dict[str, Any] = {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}
+    for key, field, kind, default in _LLAMA_CONFIG_TABLE:
+        full = f"{arch}.{key}"
+        if full in meta:
+            value = meta[full]
+            if kind is int:
+                value = _uniform_int(path, full, value)
+            elif not isinstance(value, (int, float)) or isinstance(value, bool):
+                raise GGUFError(f"{path}: metadata {full} should be a number, got {value!r}")
+            value = kind(value)
+        elif default is _REQUIRED:
+            raise GGUFError(f"{path}: required metadata {full} is missing")
+        else:
+            value = default
+        cfg[field] = value
+    if cfg["num_key_value_heads"] is None:
+        cfg["num_key_value_heads"] = cfg["num_attention_heads"]
+    n_head, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    if n_head % n_kv:
+        raise GGUFError(f"{path}: head_count {n_head} is not a multiple of head_count_kv {n_kv}")
+
+    head_dim = meta.get(f"{arch}.attention.key_length", cfg["hidden_size"] // n_head)
+    value_dim = meta.get(f"{arch}.attention.value_length", head_dim)
+    if value_dim != head_dim:
+        raise GGUFError(f"{path}: attention.key_length {head_dim} != attention.value_length "
+                        f"{value_dim}; Llama needs equal key and value head sizes")
+    if head_dim % 2:
+        raise GGUFError(f"{path}: head size {head_dim} is odd, so rope pairs cannot be formed")
+    cfg["head_dim"] = head_dim
+    rope_dims = meta.get(f"{arch}.rope.dimension_count", head_dim)
+    if rope_dims != head_dim:
+        raise GGUFError(f"{path}: rope.dimension_count {rope_dims} != head size {head_dim}; "
+                        "partial rotary embeddings are not supported for llama")
+    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
+    if scaling != "none" or "rope_freqs.weight" in tensor_names:
+        raise GGUFError(f"{path}: rope scaling ({arch}.rope.scaling.type={scaling!r}"
+                        f"{', tensor rope_freqs.weight' if 'rope_freqs.weight' in tensor_names else ''})"
+                        " is not supported")
+
+    vocab = meta.get(f"{arch}.vocab_size")
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if vocab is None:
+        vocab = len(tokens) if tokens is not None else embed_rows
+    if vocab is None:
+        raise GGUFError(f"{path}: cannot tell the vocabulary size (no {arch}.vocab_size, "
+                        "tokenizer.ggml.tokens or token_embd.weight)")
+    if embed_rows is not None and embed_rows != vocab:
+        raise GGUFError(f"{path}: token_embd.weight has {embed_rows} rows but the vocabulary "
+                        f"size is {vocab}")
+    cfg["vocab_size"] = vocab
+    cfg["tie_word_embeddings"] = "output.weight" not in tensor_names
+    cfg.update(hidden_act="silu", attention_bias=False, mlp_bias=False, rope_scaling=None,
+               torch_dtype="float32")
+    for key, field in _TOKEN_ID_TABLE:
+        if key in meta:
+            cfg[field] = int(meta[key])
+    return cfg
+
+
+# --------------------------------------------------------------------------------------------------
+# Tensors: GGUF names -> HF names, with shape checks and the rope un-permutation
+# --------------------------------------------------------------------------------------------------
+
+
+def unpermute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's per-head q/k row interleave (see the module docstring).
+
+    `w` is (n_head * head_dim, in); GGUF row 2 * b + a of each head becomes HF row a * d/2 + b.
+    """
+    rows = w.shape[0]
+    if rows % (2 * n_head):
+        raise GGUFError(f"cannot un-permute {w.shape} for {n_head} heads: rows not a multiple of "
+                        f"2 * heads")
+    half = rows // n_head // 2
+    return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class _TensorRule:
+    """One row of the conversion table: a GGUF name pattern, the HF name template (`{layer}`
+    filled from the pattern's group), the expected HF shape, and an optional transform."""
+
+    pattern: re.Pattern
+    hf_name: str
+    shape: Callable[[dict], tuple[int, ...]]
+    transform: Callable[[np.ndarray, dict], np.ndarray] | None = None
+
+
+def _q_dim(c):
+    return c["num_attention_heads"] * c["head_dim"]
+
+
+def _kv_dim(c):
+    return c["num_key_value_heads"] * c["head_dim"]
+
+
+_TENSOR_TABLE: tuple[_TensorRule, ...] = tuple(
+    _TensorRule(re.compile(p), h, s, t)
+    for p, h, s, t in (
+        (r"token_embd\.weight", "model.embed_tokens.weight",
+         lambda c: (c["vocab_size"], c["hidden_size"]), None),
+        (r"output_norm\.weight", "model.norm.weight", lambda c: (c["hidden_size"],), None),
+        (r"output\.weight", "lm_head.weight", lambda c: (c["vocab_size"], c["hidden_size"]), None),
+        (r"blk\.(\d+)\.attn_norm\.weight", "model.layers.{layer}.input_layernorm.weight",
+         lambda c: (c["hidden_size"],), None),
+        (r"blk\.(\d+)\.ffn_norm\.weight", "model.layers.{layer}.post_attention_layernorm.weight",
+         lambda c: (c["hidden_size"],), None),
+        (r"blk\.(\d+)\.attn_q\.weight", "model.layers.{layer}.self_attn.q_proj.weight",
+         lambda c: (_q_dim(c), c["hidden_size"]),
+         lambda w, c: unpermute_rope_rows(w, c["num_attention_heads"])),
+        (r"blk\.(\d+)\.attn_k\.weight", "model.layers.{layer}.self_attn.k_proj.weight",
+         lambda c: (_kv_dim(c), c["hidden_size"]),
+         lambda w, c: unpermute_rope_rows(w, c["num_key_value_heads"])),
+        (r"blk\.(\d+)\.attn_v\.weight", "model.layers.{layer}.self_attn.v_proj.weight",
+         lambda c: (_kv_dim(c), c["hidden_size"]), None),
+        (r"blk\.(\d+)\.attn_output\.weight", "model.layers.{layer}.self_attn.o_proj.weight",
+         lambda c: (c["hidden_size"], _q_dim(c)), None),
+        (r"blk\.(\d+)\.ffn_gate\.weight", "model.layers.{layer}.mlp.gate_proj.weight",
+         lambda c: (c["intermediate_size"], c["hidden_size"]), None),
+        (r"blk\.(\d+)\.ffn_up\.weight", "model.layers.{layer}.mlp.up_proj.weight",
+         lambda c: (c["intermediate_size"], c["hidden_size"]), None),
+        (r"blk\.(\d+)\.ffn_down\.weight", "model.layers.{layer}.mlp.down_proj.weight",
+         lambda c: (c["hidden_size"], c["intermediate_size"]), None),
+    )
+)
+
+
+def _expected_hf_names(cfg: dict) -> set[str]:
+    names = {"model.embed_tokens.weight", "model.norm.weight"}
+    if not cfg["tie_word_embeddings"]:
+        names.add("lm_head.weight")
+    for rule in _TENSOR_TABLE:
+        if "{layer}" in rule.hf_name:
+            names.update(rule.hf_name.format(layer=i) for i in range(cfg["num_hidden_layers"]))
+    return names
+
+
+def _dequantize(path: Path, tensor) -> np.ndarray:
+    gguf = _gguf()
+    type_name = tensor.tensor_type.name
+    if type_name not in SUPPORTED_TENSOR_TYPES:
+        raise GGUFError(f"{path}: tensor {tensor.name!r} has ggml type {type_name}, which is not "
+                        f"supported (supported: {', '.join(SUPPORTED_TENSOR_TYPES)})")
+    values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    # numpy order of the logical shape: ggml lists dims fastest-first.
+    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    if values.size != int(np.prod(shape)):
+        raise GGUFError(f"{path}: tensor {tensor.name!r} dequantized to {values.size} values, "
+                        f"expected {shape}")
+    return np.ascontiguousarray(values.reshape(shape), dtype=np.float32)
+
+
+def _read(path: Path) -> tuple[dict[str, Any], dict[str, np.ndarray], dict[str, Any]]:
+    """(HF config, HF state dict, raw metadata) of the GGUF file at `path`."""
+    reader = _open_reader(path)
+    meta = _metadata(reader)
+    by_name = {t.name: t for t in reader.tensors}
+    embed = by_name.get("token_embd.weight")
+    embed_rows = int(embed.shape[-1]) if embed is not None and len(embed.shape) == 2 else None
+    cfg = _config_from_metadata(path, meta, set(by_name), embed_rows)
+
+    state: dict[str, np.ndarray] = {}
+    unmapped: list[str] = []
+    for name, tensor in by_name.items():
+        for rule in _TENSOR_TABLE:
+            m = rule.pattern.fullmatch(name)
+            if m:
+                break
+        else:
+            unmapped.append(name)
+            continue
+        layer = int(m.group(1)) if m.groups() else None
+        if layer is not None and layer >= cfg["num_hidden_layers"]:
+            raise GGUFError(f"{path}: tensor {name!r} belongs to layer {layer}, but block_count "
+                            f"is {cfg['num_hidden_layers']}")
+        hf_name = rule.hf_name.format(layer=layer)
+        values = _dequantize(path, tensor)
+        want = rule.shape(cfg)
+        if values.shape != want:
+            raise GGUFError(f"{path}: tensor {name!r} ({hf_name}) has shape {values.shape}, "
+                            f"expected {want} from the metadata")
+        state[hf_name] = rule.transform(values, cfg) if rule.transform else values
+    if unmapped:
+        raise GGUFError(f"{path}: tensors with no Llama mapping: {', '.join(sorted(unmapped))}")
+    missing = _expected_hf_names(cfg) - set(state)
+    if missing:
+        raise GGUFError(f"{path}: missing tensors for {', '.join(sorted(missing))}")
+    return cfg, state, meta
+
+
+def read_gguf(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """Read a llama-architecture GGUF file as an HF Llama config dict and float32 state dict.
+
+    Returns `(config, state)`: `config` holds the `LlamaConfig` fields (sizes, rope_theta,
+    rms_norm_eps, tie_word_embeddings, bos/eos/pad ids, max_position_embeddings, vocab_size);
+    `state` maps standard HF names (`model.layers.0.self_attn.q_proj.weight`, ...) to float32
+    arrays in HF layout (q/k rows un-permuted). With tied embeddings there is no `lm_head.weight`.
+    Raises `GGUFError` naming the file and the offending field or tensor.
+    """
+    cfg, state, _ = _read(Path(path))
+    return cfg, state
+
+
+# --------------------------------------------------------------------------------------------------
+# Writing the HF directory
+# --------------------------------------------------------------------------------------------------
+
+
+def _generation_config(cfg: dict, meta: Mapping[str, Any]) -> dict[str, Any]:
+    gen: dict[str, Any] = {"_from_model_config": True}
+    for field in ("bos_token_id", "pad_token_id"):
+        if field in cfg:
+            gen[field] = cfg[field]
+    # llama.cpp also stops on an end-of-turn token when the file names one (chat models).
+    eos = [cfg[k] for k in ("eos_token_id",) if k in cfg]
+    if "tokenizer.ggml.eot_token_id" in meta and int(meta["tokenizer.ggml.eot_token_id"]) not in eos:
+        eos.append(int(meta["tokenizer.ggml.eot_token_id"]))
+    if eos:
+        gen["eos_token_id"] = eos[0] if len(eos) == 1 else eos
+    return gen
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def gguf_to_hf_dir(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *,
+                   overwrite: bool = False) -> Path:
+    """Convert a GGUF file into an HF checkpoint directory at `out_dir`; returns `out_dir`.
+
+    Writes config.json, model.safetensors (float32, HF names), tokenizer.json,
+    tokenizer_config.json (special tokens, chat template), generation_config.json and, last,
+    `CONVERSION_MARKER` (source, sizes, timing). Everything is written into a temporary sibling
+    directory that is renamed into place, so `out_dir` either does not exist or is complete.
+    An existing `out_dir` raises `FileExistsError` unless `overwrite=True`.
+    """
+    from safetensors.numpy import save_file
+
+    src = Path(gguf_path)
+    out = Path(out_dir)
+    if out.exists() and not overwrite:
+        raise FileExistsError(f"output directory already exists: {out} (pass overwrite=True)")
+    t0 = time.perf_counter()
+    cfg, state, meta = _read(src)
+    tok_files = tokenizer_files_from_gguf(meta, source=str(src))
+    t_read = time.perf_counter() - t0
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Same parent => same filesystem => the final rename is atomic.
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        _write_json(tmp / "config.json", cfg)
+        # "format": "pt" is what transformers checks before loading a safetensors file with torch.
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        # safetensors creates the file owner-only (0600); give it the mode any other file gets
+        # here under the process umask, so a shared cache stays readable like its JSON files.
+        os.chmod(tmp / "model.safetensors", (tmp / "config.json").stat().st_mode & 0o777)
+        for name, content in tok_files.items():
+            _write_json(tmp / name, content)
+        _write_json(tmp / "generation_config.json", _generation_config(cfg, meta))
+        st = src.stat()
+        _write_json(tmp / CONVERSION_MARKER, {
+            "converter_version": CONVERTER_VERSION,
+            "source": str(src.resolve()),
+            "source_size": st.st_size,
+            "source_mtime_ns": st.st_mtime_ns,
+            "read_dequantize_seconds": round(t_read, 3),
+            "total_seconds": round(time.perf_counter() - t0, 3),
+        })
+        if out.exists():  # overwrite: move the old one aside first, then swap in the new one
+            trash = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
+            os.rename(out, trash)
+            os.rename(tmp, out)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out

@@ -1,0 +1,224 @@
+"""Tokenizers for converted checkpoints: GGUF vocabulary -> tokenizer.json, and ChatML prompts.
+
+A GGUF file carries its tokenizer as metadata (`tokenizer.ggml.*`): the token strings, their types
+(1 normal, 3 control, 4 user-defined), the BPE merges, the special-token ids, the pre-tokenizer
+name (`tokenizer.ggml.pre`) and the chat template. `tokenizer_files_from_gguf` rebuilds from them
+the `tokenizer.json` / `tokenizer_config.json` pair of an HF directory, so `load_tokenizer` can open
+it with transformers' `PreTrainedTokenizerFast` (no torch needed).
+
+Only byte-level BPE (`tokenizer.ggml.model == "gpt2"`, the GPT-2/StarCoder/SmolLM family) is
+supported. Its token strings are already spelled in the GPT-2 byte alphabet ("Ġt" for " t").
+
+The pre-tokenizer decides where BPE may not merge across. llama.cpp names it in
+`tokenizer.ggml.pre` and implements each name as a list of split regexes (`llama-vocab.cpp`):
+
+* "gpt-2" (and friends): the GPT-2 split
+  `'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)`.
+* "smollm", "starcoder", "refact", "codeshell": first isolate every digit (`\\p{N}`), then the GPT-2
+  split. This is also what SmolLM2's original `tokenizer.json` does (a `Digits(individual_digits)`
+  pre-tokenizer before `ByteLevel`), so the two agree.
+
+Note: transformers' own GGUF tokenizer conversion (5.x) does not know "smollm" and falls back to
+the plain GPT-2 split, which lets whitespace before a number character join its piece. With
+SmolLM2's vocabulary (no merge involves an ASCII digit) the two differ for two or more whitespace
+characters before an ASCII digit ("a  1": llama.cpp/SmolLM2 -> [a, ĠĠ, 1], transformers' GGUF
+path -> [a, Ġ, Ġ, 1]) and for any whitespace before a non-ASCII numeral (" ½" -> [Ġ, Â½] vs
+[ĠÂ, ½]). tevjax follows llama.cpp and the original tokenizer; `tests/test_tokenizer.py` pins
+both behaviours.
+
+Plain `encode` adds no BOS even though SmolLM2's GGUF sets `tokenizer.ggml.add_bos_token`: the
+original HF tokenizer and transformers' GGUF path add none either, and the ChatML template already
+starts every prompt with `<|im_start|>` (SmolLM2's BOS).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "TokenizerConversionError",
+    "SUPPORTED_PRE_TOKENIZERS",
+    "build_tokenizer",
+    "tokenizer_files_from_gguf",
+    "load_tokenizer",
+    "chat_prompt_ids",
+]
+
+# GGUF token types (llama.cpp `llama_token_type`).
+_NORMAL, _CONTROL, _USER_DEFINED = 1, 3, 4
+
+# tokenizer.ggml.pre -> whether digits are isolated before the GPT-2 split (see module docstring).
+SUPPORTED_PRE_TOKENIZERS: dict[str, bool] = {
+    "gpt-2": False,
+    "smollm": True,
+    "starcoder": True,
+    "refact": True,
+    "codeshell": True,
+}
+
+
+class TokenizerConversionError(ValueError):
+    """GGUF tokenizer metadata that is missing or describes an unsupported tokenizer."""
+
+
+def _byte_alphabet() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character table (bytes that are printable latin-1 map
+    to themselves, the rest to U+0100 onwards in order)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+            *range(ord("®"), ord("ÿ") + 1)]
+    table, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+def build_tokenizer(meta: Mapping[str, Any], *, source: str = "GGUF metadata"):
+    """A `tokenizers.Tokenizer` equivalent to the one described by GGUF `tokenizer.ggml.*` metadata.
+
+    `source` only names the origin in error messages (e.g. the GGUF path).
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+
+    def need(key):
+        if key not in meta:
+            raise TokenizerConversionError(f"{source}: tokenizer metadata {key} is missing")
+        return meta[key]
+
+    kind = need("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise TokenizerConversionError(
+            f"{source}: tokenizer.ggml.model={kind!r} is not supported (only byte-level BPE, 'gpt2')")
+    pre = meta.get("tokenizer.ggml.pre", "gpt-2")
+    if pre not in SUPPORTED_PRE_TOKENIZERS:
+        raise TokenizerConversionError(
+            f"{source}: tokenizer.ggml.pre={pre!r} is not supported "
+            f"(supported: {', '.join(sorted(SUPPORTED_PRE_TOKENIZERS))})")
+    tokens: list[str] = list(need("tokenizer.ggml.tokens"))
+    types: list[int] = list(meta.get("tokenizer.ggml.token_type", [_NORMAL] * len(tokens)))
+    if len(types) != len(tokens):
+        raise TokenizerConversionError(f"{source}: tokenizer.ggml.token_type has {len(types)} "
+                                       f"entries for {len(tokens)} tokens")
+    merges_raw: list[str] = list(need("tokenizer.ggml.merges"))
+
+    alphabet = set(_byte_alphabet().values())
+    spell = _byte_alphabet()
+    vocab: dict[str, int] = {}
+    for i, tok in enumerate(tokens):
+        if types[i] == _NORMAL and not set(tok) <= alphabet:
+            # A normal token written in raw UTF-8 rather than the byte alphabet: respell it so BPE,
+            # which works on byte-alphabet strings, can produce it.
+            tok = "".join(spell[b] for b in tok.encode("utf-8"))
+        if tok in vocab:
+            raise TokenizerConversionError(f"{source}: token {tok!r} appears twice "
+                                           f"(ids {vocab[tok]} and {i})")
+        vocab[tok] = i
+    merges = []
+    for k, m in enumerate(merges_raw):
+        parts = m.split(" ")
+        if len(parts) != 2:
+            raise TokenizerConversionError(f"{source}: tokenizer.ggml.merges[{k}] = {m!r} is not "
+                                           "'left right'")
+        merges.append((parts[0], parts[1]))
+
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if SUPPORTED_PRE_TOKENIZERS[pre]:
+        # `Digits` isolates each Unicode number character, like llama.cpp's `\p{N}` split.
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), byte_level])
+    else:
+        tok.pre_tokenizer = byte_level
+    tok.decoder = decoders.ByteLevel()
+    # Only offsets are affected; no BOS/EOS template (see module docstring).
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    # Control tokens (<|im_start|>, ...) are matched whole in raw text and skipped when decoding
+    # with skip_special_tokens; user-defined ones are matched whole but kept. Both reuse their ids.
+    special = [AddedToken(t, special=True, normalized=False)
+               for t, ty in zip(tokens, types) if ty == _CONTROL]
+    user = [AddedToken(t, special=False, normalized=False)
+            for t, ty in zip(tokens, types) if ty == _USER_DEFINED]
+    tok.add_special_tokens(special)
+    tok.add_tokens(user)
+    if tok.get_vocab_size(with_added_tokens=True) != len(tokens):
+        raise TokenizerConversionError(f"{source}: rebuilt vocabulary has "
+                                       f"{tok.get_vocab_size(with_added_tokens=True)} entries, "
+                                       f"expected {len(tokens)}")
+    return tok
+
+
+def tokenizer_files_from_gguf(meta: Mapping[str, Any], *, source: str = "GGUF metadata"
+                              ) -> dict[str, Any]:
+    """`{"tokenizer.json": ..., "tokenizer_config.json": ...}` (JSON-ready objects) for an HF dir."""
+    tok = build_tokenizer(meta, source=source)
+    tokens = meta["tokenizer.ggml.tokens"]
+    config: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "clean_up_tokenization_spaces": False,
+    }
+    for name, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
+                      ("unk_token", "unknown_token_id"), ("pad_token", "padding_token_id")):
+        full = f"tokenizer.ggml.{key}"
+        if full in meta:
+            idx = int(meta[full])
+            if not 0 <= idx < len(tokens):
+                raise TokenizerConversionError(f"{source}: {full}={idx} is outside the "
+                                               f"vocabulary of {len(tokens)}")
+            config[name] = tokens[idx]
+    arch = meta.get("general.architecture")
+    if f"{arch}.context_length" in meta:
+        config["model_max_length"] = int(meta[f"{arch}.context_length"])
+    if "tokenizer.chat_template" in meta:
+        config["chat_template"] = meta["tokenizer.chat_template"]
+    return {"tokenizer.json": json.loads(tok.to_str()), "tokenizer_config.json": config}
+
+
+def load_tokenizer(hf_dir: str | os.PathLike):
+    """transformers' `PreTrainedTokenizerFast` for an HF directory (needs tokenizer.json)."""
+    from transformers import PreTrainedTokenizerFast
+
+    path = Path(hf_dir)
+    if not (path / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"no tokenizer.json in {path}")
+    return PreTrainedTokenizerFast.from_pretrained(str(path))
+
+
+_ROLES = ("system", "user", "assistant")
+
+
+def _messages(messages: str | Sequence[Mapping[str, str]]) -> list[dict[str, str]]:
+    if isinstance(messages, str):
+        return [{"role": "user", "content": messages}]
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping) or set(m) - {"role", "content"} or "role" not in m:
+            raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content', got {m!r}")
+        if m["role"] not in _ROLES:
+            raise ValueError(f"messages[{i}]['role'] = {m['role']!r}, expected one of {_ROLES}")
+        if not isinstance(m.get("content"), str):
+            raise ValueError(f"messages[{i}]['content'] must be a string, got {m.get('content')!r}")
+        out.append({"role": m["role"], "content": m["content"]})
+    if not out:
+        raise ValueError("messages is empty")
+    return out
+
+
+def chat_prompt_ids(tokenizer, messages: str | Sequence[Mapping[str, str]], *,
+                    add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of a chat rendered with the tokenizer's chat template (ChatML for SmolLM2).
+
+    `messages` is a user text or a list of `{"role", "content"}` dicts. The rendered text is
+    tokenized without added special tokens: the template itself writes `<|im_start|>` etc.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("tokenizer has no chat_template (tokenizer_config.json 'chat_template')")
+    text = tokenizer.apply_chat_template(_messages(messages), tokenize=False,
+                                         add_generation_prompt=add_generation_prompt)
+    return list(tokenizer.encode(text, add_special_tokens=False))
