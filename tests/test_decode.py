@@ -1,0 +1,212 @@
+"""Exactness of the speculative decoding engine on tiny random models.
+
+The drafter is a freshly initialised DFlash drafter: deliberately imperfect, but over a small
+vocabulary its DDTree trees still contain the target's choice often enough that multi-token
+acceptances, commits and bonus tokens are all exercised (asserted below through tau > 1).
+
+False-alarm budget: the four chi-square tests of the sampling law run at ALPHA = 1e-6 / 4 each.
+"""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from scipy import stats as sps
+
+from tevjax import verifiers
+from tevjax.decode import DecodeConfig, Decoder
+from tevjax.models.cache import KVCache
+from tevjax.models.dflash import DFlashConfig, DFlashDrafter
+from tevjax.models.layers import causal_mask
+from tevjax.models.transformer import random_model, tiny_config
+from treegen import softmax
+
+SPECULATIVE = ("tev", "predraw", "sequential")
+PROMPTS = [[1, 5, 7, 9, 11], [1, 3], [1, 4, 4, 4, 4, 4, 8, 9, 10, 12, 14], [6]]
+
+
+@pytest.fixture(scope="module")
+def models():
+    tcfg = tiny_config("llama", vocab_size=24)
+    target = random_model(tcfg, seed=0)
+    dcfg = DFlashConfig.for_target(tcfg, num_layers=1, block_size=6, mask_token_id=23)
+    drafter = DFlashDrafter(dcfg, rngs=nnx.Rngs(1))
+    return target, drafter
+
+
+_DECODERS: dict = {}
+
+
+def _decoder(models, verifier, **kw):
+    """Decoders are cached so that tests sharing a configuration share its compiled functions."""
+    target, drafter = models
+    kw.setdefault("max_new_tokens", 24)
+    kw.setdefault("budget", 8)
+    kw.setdefault("prompt_bucket", 16)
+    kw.setdefault("capacity", 64)
+    key = (id(target), verifier, tuple(sorted(kw.items())))
+    if key not in _DECODERS:
+        _DECODERS[key] = Decoder(target, None if verifier == "ar" else drafter, DecodeConfig(verifier=verifier, **kw))
+    return _DECODERS[key]
+
+
+@pytest.fixture(scope="module")
+def ar_greedy(models):
+    return [g.tokens for g in _decoder(models, "ar").generate(PROMPTS)]
+
+
+@pytest.mark.parametrize("verifier", SPECULATIVE)
+def test_greedy_speculative_equals_autoregressive(models, ar_greedy, verifier):
+    dec = _decoder(models, verifier)
+    batched = dec.generate(PROMPTS)
+    assert [g.tokens for g in batched] == ar_greedy
+    assert max(g.tau for g in batched) > 1.2, "no multi-token acceptance: the commit path went untested"
+    alone = dec.generate(PROMPTS[:1])
+    assert alone[0].tokens == ar_greedy[0]
+
+
+def test_batched_rows_equal_rows_alone(models):
+    dec = _decoder(models, "tev")
+    batched = dec.generate(PROMPTS)
+    for i, prompt in enumerate(PROMPTS):
+        one = dec.generate([prompt])[0]
+        assert one.tokens == batched[i].tokens
+        assert one.rounds == batched[i].rounds
+
+
+def test_eos_cuts_the_output_and_finished_rows_stop(models, ar_greedy):
+    eos = ar_greedy[0][6]  # a token row 0 produces mid-way
+    dec = _decoder(models, "tev", eos_ids=(eos,))
+    out = dec.generate(PROMPTS)
+    for row, ref in zip(out, ar_greedy):
+        cut = ref.index(eos) + 1 if eos in ref else len(ref)
+        assert row.tokens == ref[:cut], "tokens after EOS were emitted (or the output diverged)"
+        assert row.stop == ("eos" if eos in ref else "length")
+    assert out[0].stop == "eos" and len(out[0].tokens) <= 7
+
+
+def test_cache_after_each_round_equals_fresh_prefill(models):
+    target, drafter = models
+    dec = _decoder(models, "tev", temperature=1.0, max_new_tokens=16)
+    fresh = dec
+    prompts = PROMPTS[:3]
+    rounds = 0
+    for _, state in dec.stream(prompts, seed=4):
+        rounds += 1
+        cache_len = np.asarray(state.cache_len)
+        out, num_out = np.asarray(state.out), np.asarray(state.num_out)
+        for i, prompt in enumerate(prompts):
+            committed = list(prompt) + out[i, : num_out[i]].tolist()
+            ref = fresh.prefill([committed])  # caches hold committed[:-1]; the last token is the root
+            n = len(committed) - 1
+            assert cache_len[i] == n and int(ref.cache_len[0]) == n
+            assert int(state.root[i]) == committed[-1]
+            for got, want in ((state.target_cache.k, ref.target_cache.k), (state.target_cache.v, ref.target_cache.v),
+                              (state.drafter_cache.k, ref.drafter_cache.k), (state.drafter_cache.v, ref.drafter_cache.v)):
+                np.testing.assert_allclose(np.asarray(got[:, i, :n]), np.asarray(want[:, 0, :n]), atol=2e-5)
+    assert rounds >= 3
+
+
+# --- the sampling law of the first three tokens ------------------------------------------------
+
+V_SMALL, NUM_ROWS, TEMPERATURE = 8, 6000, 1.0
+SAMPLING_PROMPT = [1, 5, 3]
+ALPHA = 1e-6 / 4
+
+
+@pytest.fixture(scope="module")
+def small_models():
+    tcfg = tiny_config("llama", vocab_size=V_SMALL)
+    target = random_model(tcfg, seed=3)
+    dcfg = DFlashConfig.for_target(tcfg, num_layers=1, block_size=4, mask_token_id=V_SMALL - 1)
+    return target, DFlashDrafter(dcfg, rngs=nnx.Rngs(2))
+
+
+@pytest.fixture(scope="module")
+def exact_first3(small_models):
+    """P(t1, t2, t3 | prompt) by enumerating every (t1, t2) continuation through the target."""
+    target, _ = small_models
+    seqs = np.array([SAMPLING_PROMPT + [a, b] for a, b in itertools.product(range(V_SMALL), repeat=2)], np.int32)
+    n, t = seqs.shape
+    out = target(jnp.asarray(seqs), jnp.broadcast_to(jnp.arange(t), (n, t)), KVCache.init(target.cfg, n, t),
+                 jnp.zeros(n, jnp.int32), jnp.broadcast_to(causal_mask(t), (n, t, t)))
+    p = softmax(np.asarray(out.logits, np.float64)[:, -3:] / TEMPERATURE)  # [V*V, 3, V]
+    p1 = p[0, 0]
+    law = np.zeros((V_SMALL,) * 3)
+    for k, (a, b) in enumerate(itertools.product(range(V_SMALL), repeat=2)):
+        law[a, b] = p1[a] * p[k, 1, b] * p[k, 2]
+    return law
+
+
+def _first3_pvalue(models, verifier, law):
+    target, drafter = models
+    dec = Decoder(target, None if verifier == "ar" else drafter,
+                  DecodeConfig(verifier=verifier, temperature=TEMPERATURE, budget=6, max_new_tokens=3,
+                               prompt_bucket=8))
+    out = dec.run(dec.prefill([SAMPLING_PROMPT] * NUM_ROWS, seed=11))
+    toks = np.asarray(out.out)
+    assert np.all(np.asarray(out.num_out) == 3)
+    counts = np.zeros(law.shape)
+    np.add.at(counts, (toks[:, 0], toks[:, 1], toks[:, 2]), 1)
+    expected = law.ravel() * NUM_ROWS
+    keep = expected >= 5
+    o = np.append(counts.ravel()[keep], counts.ravel()[~keep].sum())
+    e = np.append(expected[keep], expected[~keep].sum())
+    tau = float(np.asarray(out.block_total).sum() / np.asarray(out.rounds).sum())
+    return sps.chi2.sf(np.sum((o - e) ** 2 / e), len(e) - 1), tau
+
+
+@pytest.mark.parametrize("verifier", ("ar",) + SPECULATIVE)
+def test_first_three_tokens_follow_the_target_law(small_models, exact_first3, verifier):
+    p, tau = _first3_pvalue(small_models, verifier, exact_first3)
+    assert p > ALPHA, f"{verifier}: the joint law of the first 3 tokens was rejected (p={p:.3g})"
+    if verifier != "ar":
+        assert tau > 1.3, f"tau {tau:.2f}: too few multi-token rounds for the test to mean anything"
+
+
+def _broken_tev(key, tree, logits, temperature):
+    """TEV drawing the bonus from p_v instead of the residual: outputs are no longer target-distributed."""
+    stats = verifiers._sample_stats(tree, logits, temperature)
+    law = verifiers.law_from_edges(tree, stats.edge_prob)
+    k1, k2 = jax.random.split(key)
+    exit_node = jax.random.categorical(k1, jnp.log(law.exit_prob)).astype(jnp.int32)
+    return verifiers._assemble(tree, exit_node, jax.random.categorical(k2, stats.scaled_row(exit_node)))
+
+
+def test_a_broken_verifier_is_detected(small_models, exact_first3, monkeypatch):
+    monkeypatch.setitem(verifiers.VERIFIERS, "broken", _broken_tev)
+    p, _ = _first3_pvalue(small_models, "broken", exact_first3)
+    assert p < 1e-9, f"the law test has no power against a broken verifier (p={p:.3g})"
+
+
+# --- configuration errors ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"verifier": "nope"}, "unknown verifier 'nope'"),
+        ({"temperature": -1.0}, "temperature must be a finite number >= 0"),
+        ({"temperature": float("nan")}, "temperature must be a finite number >= 0"),
+        ({"budget": 0}, "budget must be >= 1"),
+        ({"max_new_tokens": 0}, "max_new_tokens must be >= 1"),
+    ],
+)
+def test_bad_config_is_rejected(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        DecodeConfig(**kwargs)
+
+
+def test_bad_prompts_and_capacity_are_rejected(models):
+    dec = _decoder(models, "tev")
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        dec.prefill([[1, 2], []])
+    with pytest.raises(ValueError, match="token id 99 outside the vocabulary"):
+        dec.prefill([[1, 99]])
+    with pytest.raises(ValueError, match="capacity 64 is too small"):
+        dec.prefill([list(range(1, 20)) * 3])
+    with pytest.raises(ValueError, match="needs a drafter"):
+        Decoder(models[0], None, DecodeConfig(verifier="tev"))

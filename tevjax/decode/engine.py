@@ -1,0 +1,348 @@
+"""The jitted speculative decoding engine: DFlash draft -> DDTree -> one target pass -> verify -> commit.
+
+One round for every row of the batch at once (B rows, N = budget + 1 tree slots, H = N - 1)::
+
+    block  = [root, MASK x (bs-1)] at positions cache_len .. cache_len + bs - 1
+    q      = drafter(block | context K/V)            [B, bs-1, V]   per-depth draft marginals
+    tree   = build_ddtree(log q, root, budget)        [B, N]        best-first DDTree
+    target(tree.tokens @ cache_len + depth, mask = prefix + tree.ancestors)  -> logits [B, N, V]
+    out    = verify(key, tree, logits, T, method)     accepted path + bonus token
+    commit : K/V of the accepted path moved to contiguous slots after the root, the target
+             hidden states of root + path appended to the drafter context, the block emitted,
+             the bonus becomes the next root.
+
+Invariants of `DecodeState` between rounds, per row: the target cache slots [0, cache_len) hold
+exactly the committed tokens except the last one (`root`), whose K/V the next tree pass writes at
+slot cache_len; the drafter context cache holds the features of the same cache_len tokens. Every
+write of a round lands at slots >= cache_len, so a finished row's committed state is never
+touched and finished rows simply stop changing.
+
+The whole generation is one `lax.while_loop` inside one jit with the state donated; `Decoder.stream`
+is the Python-loop twin over the same jitted round (one host sync per round) for streaming.
+The autoregressive baseline (`verifier="ar"`) runs through the same code with a root-only tree
+and no drafter, so its speed is measured with the same model code, cache and sampler.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from tevjax.builder import build_ddtree
+from tevjax.models.cache import KVCache
+from tevjax.models.dflash import DFlashDrafter, DrafterCache, features_from_output
+from tevjax.models.layers import causal_mask
+from tevjax.models.transformer import Transformer
+from tevjax.tree import DraftTree
+from tevjax.verifiers import VERIFIERS, verify
+
+__all__ = ["DecodeConfig", "DecodeState", "Decoder", "Generation"]
+
+AR = "ar"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DecodeConfig:
+    """Static decoding settings (one compile per distinct config and shape bucket)."""
+
+    budget: int = 16  # B: non-root tree nodes per round
+    verifier: str = "tev"  # "tev" | "predraw" | "sequential" | "ar" (autoregressive baseline)
+    temperature: float = 0.0  # 0 = greedy
+    max_new_tokens: int = 128
+    eos_ids: tuple[int, ...] = ()
+    prompt_bucket: int = 64  # prefill lengths are rounded up to a multiple of this
+    capacity_bucket: int = 128  # cache capacities are rounded up to a multiple of this
+    capacity: int | None = None  # force a cache capacity (must fit prompt + max_new + N)
+
+    def __post_init__(self):
+        if self.verifier != AR and self.verifier not in VERIFIERS:
+            raise ValueError(f"unknown verifier {self.verifier!r}; choose one of {sorted([*VERIFIERS, AR])}")
+        t = float(self.temperature)
+        if not math.isfinite(t) or t < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if self.budget < 0 or (self.verifier != AR and self.budget < 1):
+            raise ValueError(f"budget must be >= 1 for speculative decoding, got {self.budget}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.prompt_bucket < 1 or self.capacity_bucket < 1:
+            raise ValueError("prompt_bucket and capacity_bucket must be >= 1")
+
+    @property
+    def speculative(self) -> bool:
+        return self.verifier != AR
+
+    @property
+    def tree_slots(self) -> int:
+        """N = budget + 1 (1 for the autoregressive baseline)."""
+        return self.budget + 1 if self.speculative else 1
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeState:
+    """Everything a round reads and writes (B rows, S cache slots, O = max_new_tokens)."""
+
+    target_cache: KVCache  # [L, B, S, K, Dh]
+    drafter_cache: DrafterCache | None  # [Ld, B, S, K, Dh] context K/V; None for "ar"
+    cache_len: jax.Array  # [B] int32 committed tokens in the caches (all but the root)
+    root: jax.Array  # [B] int32 last committed token (next tree root)
+    out: jax.Array  # [B, O] int32 generated tokens, -1 beyond num_out
+    num_out: jax.Array  # [B] int32
+    done: jax.Array  # [B] bool
+    keys: jax.Array  # [B] PRNG keys, one stream per row
+    rounds: jax.Array  # [B] int32 rounds while the row was active
+    block_total: jax.Array  # [B] int32 sum of output-block lengths (bonus included) before EOS/length cuts
+
+
+@dataclasses.dataclass
+class Generation:
+    """One row's result."""
+
+    tokens: list[int]
+    rounds: int
+    tau: float  # mean output-block length per round, bonus token included
+    stop: str  # "eos" | "length"
+
+
+def _bucket(n: int, size: int) -> int:
+    return max(size, -(-n // size) * size)
+
+
+# ------------------------------------------------------------------------------------- pure steps
+
+
+def _prefill(tstate, dstate, tokens, lengths, keys, *, tgd, dgd, cfg: DecodeConfig, capacity: int):
+    """Prefill prompt[:-1] (padded to the bucket) into fresh caches; the last prompt token is the root.
+
+    tokens [B, Tp+1] (prompt left-aligned, padded), lengths [B] prompt lengths >= 1.
+    """
+    target: Transformer = nnx.merge(tgd, tstate)
+    b, tp1 = tokens.shape
+    tp = tp1 - 1
+    pre = tokens[:, :tp]
+    positions = jnp.broadcast_to(jnp.arange(tp, dtype=jnp.int32), (b, tp))
+    mask = jnp.broadcast_to(causal_mask(tp), (b, tp, tp))
+    zeros = jnp.zeros((b,), jnp.int32)
+    cache = KVCache.init(target.cfg, b, capacity)
+    drafter = nnx.merge(dgd, dstate) if dgd is not None else None
+    taps = drafter.cfg.target_layer_ids if drafter is not None else ()
+    out = target(pre, positions, cache, zeros, mask, hidden_layers=taps, compute_logits=False)
+    dcache = None
+    if drafter is not None:
+        # Padded prompt positions (>= length - 1) land above the row's context length: invisible.
+        feats = features_from_output(out, drafter.cfg, target.cfg)
+        dcache = drafter.append_context(DrafterCache.init(drafter.cfg, b, capacity), feats, positions, zeros)
+    root = jnp.take_along_axis(tokens, (lengths - 1)[:, None], axis=1)[:, 0]
+    return DecodeState(
+        target_cache=out.cache,
+        drafter_cache=dcache,
+        cache_len=(lengths - 1).astype(jnp.int32),
+        root=root.astype(jnp.int32),
+        out=jnp.full((b, cfg.max_new_tokens), -1, jnp.int32),
+        num_out=zeros,
+        done=jnp.zeros((b,), bool),
+        keys=keys,
+        rounds=zeros,
+        block_total=zeros,
+    )
+
+
+def _round(tstate, dstate, state: DecodeState, *, tgd, dgd, cfg: DecodeConfig) -> DecodeState:
+    """One draft -> build -> tree pass -> verify -> commit round for every row."""
+    target: Transformer = nnx.merge(tgd, tstate)
+    b = state.root.shape[0]
+    active = ~state.done
+    split = jax.vmap(jax.random.split)(state.keys)  # [B, 2]
+    keys, sub = split[:, 0], split[:, 1]
+
+    if cfg.speculative:
+        drafter: DFlashDrafter = nnx.merge(dgd, dstate)
+        bs = drafter.cfg.block_size
+        block = drafter.block_tokens(state.root)
+        positions = state.cache_len[:, None] + jnp.arange(bs, dtype=jnp.int32)
+        draft_logits = drafter(target, block, positions, state.drafter_cache, state.cache_len)
+        log_q = jax.nn.log_softmax(draft_logits, axis=-1)
+        trees, _ = jax.vmap(build_ddtree, in_axes=(0, 0, None))(log_q, state.root, cfg.budget)
+        taps = drafter.cfg.target_layer_ids
+    else:
+        trees = jax.vmap(DraftTree.from_parents)(state.root[:, None], jnp.full((b, 1), -1, jnp.int32))
+        taps = ()
+
+    out = target(trees.tokens, state.cache_len[:, None] + trees.depth, state.target_cache,
+                 state.cache_len, trees.ancestors, hidden_layers=taps)
+    method = cfg.verifier if cfg.speculative else "tev"  # a root-only tree: tev is plain sampling
+    ver = jax.vmap(lambda k, t, l: verify(k, t, l, cfg.temperature, method))(sub, trees, out.logits)
+
+    # Commit: the root already sits at slot cache_len; path node i moves from cache_len + node to
+    # cache_len + i (i = 1..D). move_slots reads before it writes, so overlaps are safe.
+    src = jnp.where(ver.path >= 0, state.cache_len[:, None] + ver.path, -1)
+    target_cache = out.cache.move_slots(src, state.cache_len + 1)
+    drafter_cache = state.drafter_cache
+    if cfg.speculative:
+        feats = features_from_output(out, drafter.cfg, target.cfg)  # [B, N, F]
+        # Root + accepted path (unused tail entries repeat the root: they land above the new
+        # context length, where they are invisible and overwritten next round).
+        nodes = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), jnp.maximum(ver.path, 0)], axis=1)
+        ctx = jnp.take_along_axis(feats, nodes[..., None], axis=1)
+        ctx_pos = state.cache_len[:, None] + jnp.arange(nodes.shape[1], dtype=jnp.int32)
+        drafter_cache = drafter.append_context(state.drafter_cache, ctx, ctx_pos, state.cache_len)
+
+    # Emit the block (accepted tokens + bonus), cut at the first EOS and at max_new_tokens.
+    block_tokens, count = ver.tokens, ver.num_tokens
+    j = jnp.arange(block_tokens.shape[1], dtype=jnp.int32)
+    eos = jnp.isin(block_tokens, jnp.asarray(cfg.eos_ids or (-2,), jnp.int32)) & (j < count[:, None])
+    has_eos = jnp.any(eos, axis=1)
+    count = jnp.where(has_eos, jnp.argmax(eos, axis=1).astype(jnp.int32) + 1, count)
+    count = jnp.minimum(count, cfg.max_new_tokens - state.num_out)
+    count = jnp.where(active, count, 0)
+    cols = jnp.where(j[None, :] < count[:, None], state.num_out[:, None] + j[None, :], cfg.max_new_tokens)
+    out_buf = state.out.at[jnp.arange(b)[:, None], cols].set(block_tokens, mode="drop")
+    num_out = state.num_out + count
+    finished = active & (has_eos | (num_out >= cfg.max_new_tokens))
+
+    return DecodeState(
+        target_cache=target_cache,
+        drafter_cache=drafter_cache,
+        cache_len=jnp.where(active, state.cache_len + ver.num_tokens, state.cache_len),
+        root=jnp.where(active, ver.bonus_token, state.root),
+        out=out_buf,
+        num_out=num_out,
+        done=state.done | finished,
+        keys=keys,
+        rounds=state.rounds + active.astype(jnp.int32),
+        block_total=state.block_total + jnp.where(active, ver.num_tokens, 0),
+    )
+
+
+def _generate(tstate, dstate, state: DecodeState, *, tgd, dgd, cfg: DecodeConfig) -> DecodeState:
+    """All rounds in one `lax.while_loop` (no host round-trip per round)."""
+    body = functools.partial(_round, tstate, dstate, tgd=tgd, dgd=dgd, cfg=cfg)
+    return jax.lax.while_loop(lambda s: jnp.any(~s.done), body, state)
+
+
+# ------------------------------------------------------------------------------------- the engine
+
+
+class Decoder:
+    """Speculative (or autoregressive) generation with a target and, optionally, a DFlash drafter.
+
+    The models are split once into graphdef + state; the states travel as jit arguments (never as
+    closure constants). Compiled functions are cached per (batch, prompt bucket, capacity).
+    """
+
+    def __init__(self, target: Transformer, drafter: DFlashDrafter | None, cfg: DecodeConfig):
+        if cfg.speculative:
+            if drafter is None:
+                raise ValueError(f"verifier {cfg.verifier!r} needs a drafter; use verifier='ar' without one")
+            drafter.cfg.check_target(target.cfg)
+        self.cfg = cfg
+        self.target_cfg = target.cfg
+        self.tgd, self.tstate = nnx.split(target)
+        if cfg.speculative:
+            self.dgd, self.dstate = nnx.split(drafter)
+        else:
+            self.dgd, self.dstate = None, None
+        statics = dict(tgd=self.tgd, dgd=self.dgd, cfg=cfg)
+        # Donating the state is safe: each round's output state replaces its input and nothing
+        # else holds a reference, so XLA can update the caches in place instead of copying them.
+        self._round = jax.jit(functools.partial(_round, **statics), donate_argnums=(2,))
+        self._generate = jax.jit(functools.partial(_generate, **statics), donate_argnums=(2,))
+        self._prefill_fns: dict[int, Any] = {}
+
+    # -- shapes
+    def shapes(self, prompt_lengths: Sequence[int]) -> tuple[int, int]:
+        """(prefill bucket Tp, cache capacity S) for a batch of prompts."""
+        longest = max(prompt_lengths)
+        tp = _bucket(longest - 1, self.cfg.prompt_bucket) if longest > 1 else self.cfg.prompt_bucket
+        need = tp + 1 + self.cfg.max_new_tokens + self.cfg.tree_slots
+        if self.cfg.capacity is not None:
+            if self.cfg.capacity < need:
+                raise ValueError(
+                    f"capacity {self.cfg.capacity} is too small: prompt bucket {tp} + 1 + max_new_tokens "
+                    f"{self.cfg.max_new_tokens} + tree slots {self.cfg.tree_slots} = {need}")
+            capacity = self.cfg.capacity
+        else:
+            capacity = _bucket(need, self.cfg.capacity_bucket)
+        limit = self.target_cfg.max_position_embeddings
+        if longest + self.cfg.max_new_tokens + self.cfg.tree_slots > limit:
+            raise ValueError(
+                f"prompt of {longest} tokens + max_new_tokens {self.cfg.max_new_tokens} exceeds the "
+                f"model's {limit} positions")
+        return tp, capacity
+
+    def _prefill_fn(self, capacity: int):
+        if capacity not in self._prefill_fns:
+            self._prefill_fns[capacity] = jax.jit(functools.partial(
+                _prefill, tgd=self.tgd, dgd=self.dgd, cfg=self.cfg, capacity=capacity))
+        return self._prefill_fns[capacity]
+
+    def prefill(self, prompts: Sequence[Sequence[int]], seed: int = 0) -> DecodeState:
+        """Initial state for a batch of token-id prompts (each of length >= 1)."""
+        if not prompts:
+            raise ValueError("no prompts given")
+        lengths = [len(p) for p in prompts]
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise ValueError(f"prompt {i} is empty")
+            bad = [t for t in p if not 0 <= int(t) < self.target_cfg.vocab_size]
+            if bad:
+                raise ValueError(f"prompt {i} holds token id {bad[0]} outside the vocabulary [0, {self.target_cfg.vocab_size})")
+        tp, capacity = self.shapes(lengths)
+        tokens = np.zeros((len(prompts), tp + 1), np.int32)
+        for i, p in enumerate(prompts):
+            tokens[i, : len(p)] = p
+        keys = jax.vmap(lambda r: jax.random.fold_in(jax.random.key(seed), r))(jnp.arange(len(prompts)))
+        return self._prefill_fn(capacity)(self.tstate, self.dstate, jnp.asarray(tokens),
+                                          jnp.asarray(lengths, jnp.int32), keys)
+
+    def compile(self, prompts: Sequence[Sequence[int]]) -> float:
+        """Compiles prefill and the generation loop for this batch shape; returns seconds spent."""
+        t0 = time.perf_counter()
+        state = self.prefill(prompts)
+        jax.block_until_ready(self._generate.lower(self.tstate, self.dstate, state).compile())
+        return time.perf_counter() - t0
+
+    def run(self, state: DecodeState) -> DecodeState:
+        """Runs the jitted while-loop to completion (consumes `state`)."""
+        return self._generate(self.tstate, self.dstate, state)
+
+    def step(self, state: DecodeState) -> DecodeState:
+        """One jitted round (consumes `state`); the building block of `stream`."""
+        return self._round(self.tstate, self.dstate, state)
+
+    def results(self, state: DecodeState) -> list[Generation]:
+        out, num_out = np.asarray(state.out), np.asarray(state.num_out)
+        rounds, total = np.asarray(state.rounds), np.asarray(state.block_total)
+        gens = []
+        for i in range(out.shape[0]):
+            toks = out[i, : num_out[i]].tolist()
+            stop = "eos" if toks and toks[-1] in self.cfg.eos_ids else "length"
+            gens.append(Generation(tokens=toks, rounds=int(rounds[i]),
+                                   tau=float(total[i] / max(rounds[i], 1)), stop=stop))
+        return gens
+
+    def generate(self, prompts: Sequence[Sequence[int]], seed: int = 0) -> list[Generation]:
+        """Generates for a batch of prompts in one jitted while-loop."""
+        state = self.run(self.prefill(prompts, seed))
+        return self.results(state)
+
+    def stream(self, prompts: Sequence[Sequence[int]], seed: int = 0) -> Iterator[tuple[list[list[int]], DecodeState]]:
+        """Python-loop twin: yields (new tokens per row, state) after every round."""
+        state = self.prefill(prompts, seed)
+        seen = np.zeros(len(prompts), int)
+        while True:
+            state = self.step(state)
+            num_out, out = np.asarray(state.num_out), np.asarray(state.out)
+            yield [out[i, seen[i]: num_out[i]].tolist() for i in range(len(prompts))], state
+            seen = num_out
+            if bool(np.all(np.asarray(state.done))):
+                return
