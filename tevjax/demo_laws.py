@@ -49,7 +49,7 @@ def render_tree(tokens, parents, label) -> list[str]:
     return lines
 
 
-def main(samples: int = 100_000, temperature: float = 1.0, seed: int = 0) -> None:
+def main(samples: int = 50_000, temperature: float = 1.0, seed: int = 0) -> None:
     tokens, parents, logits = synthetic_case(seed)
     tree = DraftTree.from_parents(tokens, parents)
     law = jax.tree.map(np.asarray, exit_law(tree, jnp.asarray(logits), temperature))

