@@ -54,10 +54,17 @@ def _prompt_ids(text):
     return ids
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (the usage text stays available through --help)."""
+
+    def error(self, message):
+        self.exit(EXIT_USAGE, f"tevjax: error: {message}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tevjax", description="Lossless tree speculative decoding in JAX.")
+    parser = _Parser(prog="tevjax", description="Lossless tree speculative decoding in JAX.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks of unexpected errors")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     gen = sub.add_parser("generate", help="generate text with DFlash + DDTree + an exact verifier")
     gen.add_argument("--target", default="smollm2", help="'smollm2' (embedded default) or a Hugging Face model directory")
@@ -142,9 +149,13 @@ def cmd_generate(args) -> int:
     for note in models.notes:
         print(f"tevjax: note: {note}", file=sys.stderr)
     ids = _encode(models, prompts, args.chat)
+    vocab = models.target_cfg.vocab_size
     for i, p in enumerate(ids):
         if not p:
             raise CliError(f"prompt {i} encodes to no tokens")
+        bad = [t for t in p if not 0 <= t < vocab]
+        if bad:
+            raise CliError(f"prompt {i} holds token id {bad[0]} outside the vocabulary [0, {vocab})")
 
     cfg = DecodeConfig(verifier=args.verifier, budget=args.budget, temperature=args.temperature,
                        max_new_tokens=args.max_new_tokens, eos_ids=models.eos_ids)

@@ -55,6 +55,8 @@ def load_models(target: str = EMBEDDED, drafter: str | os.PathLike | None = None
                 dtype: str | None = None, drafter_seed: int = 0) -> LoadedModels:
     """Loads the target (embedded name or HF directory), its tokenizer and a drafter."""
     notes: list[str] = []
+    if drafter is not None and not Path(drafter).is_dir():  # fail before the slow target load
+        raise FileNotFoundError(f"--drafter {str(drafter)!r}: no such checkpoint directory")
     if target == EMBEDDED:
         hf_dir = prepare_smollm2()
     else:
@@ -70,10 +72,7 @@ def load_models(target: str = EMBEDDED, drafter: str | os.PathLike | None = None
 
     trained = True
     if drafter is not None:
-        path = Path(drafter)
-        if not path.is_dir():
-            raise FileNotFoundError(f"--drafter {str(drafter)!r}: no such checkpoint directory")
-        _, draft_model = load_dflash(path, target_cfg, dtype=dtype)
+        _, draft_model = load_dflash(Path(drafter), target_cfg, dtype=dtype)
     elif target == EMBEDDED and (TRAINED_DRAFTERS[EMBEDDED] / "config.json").exists():
         _, draft_model = load_dflash(TRAINED_DRAFTERS[EMBEDDED], target_cfg, dtype=dtype)
         notes.append(f"drafter: the project's trained SmolLM2 drafter ({TRAINED_DRAFTERS[EMBEDDED]})")

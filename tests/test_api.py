@@ -1,0 +1,40 @@
+"""The public API contract: names, the README example, and lazy imports."""
+
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import tevjax
+
+
+def test_contract_names_and_fields():
+    tree = tevjax.DraftTree.from_parents(jnp.array([5, 1, 2, 3]), jnp.array([-1, 0, 0, 1]))
+    logits = jnp.log(jnp.array([[0.1, 0.5, 0.3, 0.1, 0.0], [0.2, 0.2, 0.2, 0.2, 0.2],
+                                [0.5, 0.5, 0.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0, 0.0]]))
+    law = tevjax.exit_law(tree, logits, temperature=1.0)
+    np.testing.assert_allclose(law.prefix_prob, [1.0, 0.5, 0.3, 0.5 * 0.2], rtol=1e-6)
+    np.testing.assert_allclose(law.local_exit, [0.2, 0.8, 1.0, 1.0], rtol=1e-6)
+    np.testing.assert_allclose(law.exit_prob, [0.2, 0.4, 0.3, 0.1], rtol=1e-6)
+    np.testing.assert_allclose(law.coverage, 0.5 + 0.3 + 0.1, rtol=1e-6)
+    for method in ("tev", "predraw", "sequential"):
+        out = tevjax.verify(jax.random.key(0), tree, logits, temperature=1.0, method=method)
+        for field in ("exit_node", "bonus_token", "num_accepted", "path", "tokens", "num_tokens"):
+            assert getattr(out, field).dtype == jnp.int32
+        assert out.exit_node.shape == () and out.path.shape == (3,) and out.tokens.shape == (4,)
+    greedy = tevjax.verify(jax.random.key(0), tree, logits, temperature=0.0)
+    assert int(greedy.exit_node) == 1 and int(greedy.bonus_token) == 0  # node 1 row is uniform: argmax 0
+
+
+def test_import_is_light():
+    code = "import sys, tevjax; print('flax' in sys.modules, 'transformers' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False"]
+
+
+def test_lazy_names_resolve():
+    for name in tevjax.__all__:
+        assert getattr(tevjax, name) is not None
+    assert tevjax.Decoder.__module__ == "tevjax.decode.engine"
