@@ -38,3 +38,15 @@ def test_lazy_names_resolve():
     for name in tevjax.__all__:
         assert getattr(tevjax, name) is not None
     assert tevjax.Decoder.__module__ == "tevjax.decode.engine"
+
+
+def test_readme_core_example_runs():
+    import pathlib
+    import re
+
+    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = re.findall(r"```python\n(.*?)```", readme, flags=re.S)[0]
+    scope: dict = {}
+    exec(compile(block.replace("100_000", "1_000"), "README.md", "exec"), scope)
+    assert scope["outs"].num_tokens.shape == (1_000,)
+    assert abs(float(scope["law"].exit_prob.sum()) - 1.0) < 1e-5
