@@ -82,6 +82,22 @@ def softmax(z: np.ndarray) -> np.ndarray:
     return e / e.sum(axis=-1, keepdims=True)
 
 
+def real_nodes(parents) -> np.ndarray:
+    """[N] bool: the root and every node whose whole root path is real."""
+    real = np.zeros(len(parents), bool)
+    real[0] = True
+    for i in range(1, len(parents)):
+        real[i] = parents[i] >= 0 and real[parents[i]]
+    return real
+
+
+def target_probs(logits, temperature: float) -> np.ndarray:
+    """p_v for every row in float64; point masses on the argmax at temperature 0."""
+    if temperature == 0:
+        return np.eye(logits.shape[-1])[np.argmax(logits, axis=-1)]
+    return softmax(np.asarray(logits, np.float64) / temperature)
+
+
 def brute_force_law(tokens, parents, logits, temperature: float):
     """Enumerates every target continuation Z of length H + 1 over a tiny vocabulary.
 
@@ -94,14 +110,8 @@ def brute_force_law(tokens, parents, logits, temperature: float):
     tokens = np.asarray(tokens)
     parents = np.asarray(parents)
     n, vocab = logits.shape
-    real = np.zeros(n, bool)
-    real[0] = True
-    for i in range(1, n):
-        real[i] = parents[i] >= 0 and real[parents[i]]
-    if temperature == 0:
-        probs = np.eye(vocab)[np.argmax(logits, axis=-1)]
-    else:
-        probs = softmax(np.asarray(logits, np.float64) / temperature)
+    real = real_nodes(parents)
+    probs = target_probs(logits, temperature)
     child = {}
     for i in range(1, n):
         if real[i]:
@@ -147,14 +157,8 @@ def exact_joint(tokens, parents, logits, temperature: float) -> np.ndarray:
     tokens = np.asarray(tokens)
     parents = np.asarray(parents)
     n, vocab = logits.shape
-    real = np.zeros(n, bool)
-    real[0] = True
-    for i in range(1, n):
-        real[i] = parents[i] >= 0 and real[parents[i]]
-    if temperature == 0:
-        probs = np.eye(vocab)[np.argmax(logits, axis=-1)]
-    else:
-        probs = softmax(np.asarray(logits, np.float64) / temperature)
+    real = real_nodes(parents)
+    probs = target_probs(logits, temperature)
     prefix = np.zeros(n)
     prefix[0] = 1.0
     for i in range(1, n):

@@ -27,9 +27,13 @@ class KVCache:
 
     @classmethod
     def init(cls, cfg: ModelConfig, batch: int, capacity: int) -> "KVCache":
-        """Zero cache with `capacity` slots per row, in the config's compute dtype."""
+        """Zero cache with `capacity` slots per row, in the config's compute dtype.
+
+        `cfg` is any config with `num_layers`, `num_kv_heads`, `head_dim` and `dtype` (the target's
+        `ModelConfig`, or a `DFlashConfig` for the drafter's context cache).
+        """
         if batch <= 0 or capacity <= 0:
-            raise ValueError(f"KVCache.init: batch={batch} and capacity={capacity} must be positive")
+            raise ValueError(f"cache init: batch={batch} and capacity={capacity} must be positive")
         shape = (cfg.num_layers, batch, capacity, cfg.num_kv_heads, cfg.head_dim)
         return cls(k=jnp.zeros(shape, cfg.dtype), v=jnp.zeros(shape, cfg.dtype))
 

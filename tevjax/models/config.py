@@ -14,11 +14,33 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["ModelConfig", "RopeScaling", "PRESETS", "SUPPORTED_ARCHITECTURES"]
+__all__ = ["ModelConfig", "RopeScaling", "PRESETS", "SUPPORTED_ARCHITECTURES", "read_config_json"]
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen3")
 _DTYPES = ("float32", "bfloat16", "float16")
 _HF_CLASS = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+def read_config_json(config: Mapping[str, Any] | str | os.PathLike, *, what: str) -> tuple[dict, str]:
+    """A config as a dict, from a dict, a `config.json` path or a checkpoint directory.
+
+    Returns `(config, source)`, where `source` names the file (for error messages).
+    """
+    if isinstance(config, Mapping):
+        return dict(config), f"{what} dict"
+    path = os.fspath(config)
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{what} file not found: {path}")
+    try:
+        with open(path, encoding="utf-8") as f:
+            loaded = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from e
+    if not isinstance(loaded, Mapping):
+        raise ValueError(f"{path} must hold a JSON object, got {type(loaded).__name__}")
+    return dict(loaded), path
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -107,22 +129,7 @@ class ModelConfig:
         model does not implement (sliding windows, MLP biases, other RoPE types, non-SiLU MLPs)
         raise `ValueError` rather than producing a silently different model.
         """
-        source = "config dict"
-        if not isinstance(config, Mapping):
-            path = os.fspath(config)
-            if os.path.isdir(path):
-                path = os.path.join(path, "config.json")
-            if not os.path.isfile(path):
-                raise FileNotFoundError(f"HF config file not found: {path}")
-            source = path
-            try:
-                with open(path, encoding="utf-8") as f:
-                    config = json.load(f)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path} is not valid JSON: {e}") from e
-            if not isinstance(config, Mapping):
-                raise ValueError(f"{path} must hold a JSON object, got {type(config).__name__}")
-        c = dict(config)
+        c, source = read_config_json(config, what="HF config")
         model_type = c.get("model_type")
         if model_type not in SUPPORTED_ARCHITECTURES:
             raise ValueError(

@@ -37,7 +37,6 @@ equals the inference path at the same anchor.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -47,7 +46,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from tevjax.models.config import ModelConfig, RopeScaling
+from tevjax.models.cache import KVCache
+from tevjax.models.config import ModelConfig, RopeScaling, read_config_json
 from tevjax.models.layers import NEG_INF, RMSNorm, SwiGLU, apply_rope, rope_inv_freq
 
 __all__ = [
@@ -254,22 +254,7 @@ class DFlashConfig:
         drafting keys are also accepted at the top level). Unsupported variants (sliding-window
         or causal drafter layers, attention biases) raise ValueError.
         """
-        source = "DFlash config"
-        if not isinstance(config, Mapping):
-            path = os.fspath(config)
-            if os.path.isdir(path):
-                path = os.path.join(path, "config.json")
-            if not os.path.isfile(path):
-                raise FileNotFoundError(f"DFlash config file not found: {path}")
-            source = path
-            try:
-                with open(path, encoding="utf-8") as f:
-                    config = json.load(f)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path} is not valid JSON: {e}") from e
-            if not isinstance(config, Mapping):
-                raise ValueError(f"{path} must hold a JSON object, got {type(config).__name__}")
-        c = dict(config)
+        c, source = read_config_json(config, what="DFlash config")
         dcfg = c.get("dflash_config") or {}
         if not isinstance(dcfg, Mapping):
             raise ValueError(f"{source}: 'dflash_config' must be an object, got {type(dcfg).__name__}")
@@ -386,35 +371,11 @@ class DFlashConfig:
         return out
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class DrafterCache:
-    """Per-layer keys/values of the projected context (never of block tokens).
-
-    Slot s holds the context token written there by `append_context`; slots at or beyond a
-    sequence's `ctx_len` are ignored by the drafter, so stale entries need no clearing.
-    """
-
-    k: jax.Array  # [L, B, S, K, Dh] context keys after k_norm and RoPE, compute dtype
-    v: jax.Array  # [L, B, S, K, Dh] context values, compute dtype
-
-    @classmethod
-    def init(cls, cfg: DFlashConfig, batch: int, capacity: int) -> "DrafterCache":
-        """Zero cache with `capacity` context slots per row, in the config's compute dtype."""
-        if batch <= 0 or capacity <= 0:
-            raise ValueError(f"DrafterCache.init: batch={batch} and capacity={capacity} must be positive")
-        shape = (cfg.num_layers, batch, capacity, cfg.num_kv_heads, cfg.head_dim)
-        return cls(k=jnp.zeros(shape, cfg.dtype), v=jnp.zeros(shape, cfg.dtype))
-
-    @property
-    def capacity(self) -> int:
-        """Static slot count S per row."""
-        return self.k.shape[2]
-
-    @property
-    def batch(self) -> int:
-        """Static row count B."""
-        return self.k.shape[1]
+# The drafter's context cache has the target cache's layout ([Ld, B, S, K, Dh] keys and values,
+# built from the config's num_layers / num_kv_heads / head_dim / dtype), so it is the same type.
+# It holds context K/V only (the block's K/V are recomputed every round); slots at or beyond a
+# row's `ctx_len` are ignored by the drafter, so stale entries need no clearing.
+DrafterCache = KVCache
 
 
 def _context_block_attention(q, k_ctx, v_ctx, ctx_visible, k_blk, v_blk):
