@@ -210,3 +210,14 @@ def test_bad_prompts_and_capacity_are_rejected(models):
         dec.prefill([list(range(1, 20)) * 3])
     with pytest.raises(ValueError, match="needs a drafter"):
         Decoder(models[0], None, DecodeConfig(verifier="tev"))
+
+
+def test_prompt_lengths_share_one_compilation_per_bucket(models):
+    dec = _decoder(models, "tev", max_new_tokens=6, capacity=None)
+    for prompt in ([1, 2], [1, 2, 3, 4, 5], [3] * 9, [4] * 15):  # all within one 16-token bucket
+        dec.generate([prompt])
+    assert dec._generate._cache_size() == 1
+    assert len(dec._prefill_fns) == 1 and next(iter(dec._prefill_fns.values()))._cache_size() == 1
+    dec.generate([[5] * 20])  # the next prompt bucket: one more prefill compile, not one per prompt;
+    prefill = next(iter(dec._prefill_fns.values()))  # the loop's shapes depend on the capacity only
+    assert prefill._cache_size() == 2 and dec._generate._cache_size() == 1
