@@ -45,7 +45,14 @@ class LoadedModels:
 
 def fresh_drafter(target_cfg: ModelConfig, *, seed: int = 0, num_layers: int = 2, block_size: int = 16,
                   mask_token_id: int | None = None) -> DFlashDrafter:
-    """A randomly initialised DFlash drafter for `target_cfg` (fixed seed)."""
+    """A randomly initialised DFlash drafter for `target_cfg` (fixed seed).
+
+    The public tap rule spreads one tap per drafter layer over target layers 1..L-3, which needs
+    L >= 4 for two or more taps; smaller (test-sized) targets get a one-layer drafter that taps
+    layer L // 2.
+    """
+    if target_cfg.num_layers < 4:
+        num_layers = 1
     cfg = DFlashConfig.for_target(target_cfg, num_layers=num_layers, block_size=block_size,
                                   mask_token_id=mask_token_id)
     return DFlashDrafter(cfg, rngs=nnx.Rngs(seed))
