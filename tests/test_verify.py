@@ -288,3 +288,18 @@ def test_output_structure_properties(n, seed, method, temperature, neg_inf_frac)
     assert np.isfinite(logits[v, y]), "bonus token has zero target probability"
     children_tokens = {int(tokens[u]) for u in range(1, N_PROP) if parents[u] == v}
     assert y not in children_tokens, "bonus token repeats a drafted child of the exit node"
+
+
+def test_bfloat16_logits_match_their_float32_upcast():
+    """GPU targets emit bf16 logits: every statistic is computed in float32 from them."""
+    tokens, parents, logits = _case("random")
+    tree = DraftTree.from_parents(tokens, parents)
+    bf16 = jnp.asarray(logits, jnp.bfloat16)
+    up = bf16.astype(jnp.float32)
+    law_b, law_f = exit_law(tree, bf16, 0.7), exit_law(tree, up, 0.7)
+    np.testing.assert_allclose(np.asarray(law_b.exit_prob), np.asarray(law_f.exit_prob), atol=1e-6)
+    assert law_b.exit_prob.dtype == jnp.float32
+    key = jax.random.key(4)
+    for method in METHODS:
+        for t in (0.0, 0.7):
+            chex_equal(verify(key, tree, bf16, t, method), verify(key, tree, up, t, method))
