@@ -14,7 +14,9 @@ TEST_STAMP := $(VENV)/.stamp-test
 export JAX_PLATFORMS ?= cpu
 export PYTHONUNBUFFERED := 1
 
-.PHONY: demo test test-slow test-all bench install clean
+EXP_STAMP := $(VENV)/.stamp-experiments
+
+.PHONY: demo test test-slow test-all bench bench-e2e install clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -43,8 +45,17 @@ test-slow: $(TEST_STAMP)
 test-all: $(TEST_STAMP)
 	$(PY) -m pytest -q -m "slow or not slow" --durations=25
 
+$(EXP_STAMP): $(TEST_STAMP)
+	$(PIP) install -e '.[experiments]'
+	touch $@
+
 bench: $(TEST_STAMP)
 	$(PY) experiments/verifier_latency.py
+	$(PY) experiments/builder_latency.py
+	$(PY) experiments/model_latency.py
+
+bench-e2e: $(EXP_STAMP)
+	$(PY) experiments/end_to_end.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -313,6 +313,11 @@ class Decoder:
         jax.block_until_ready(fn.lower(self.tstate, self.dstate, state).compile())
         return time.perf_counter() - t0
 
+    def compiled_loop(self, state: DecodeState):
+        """The ahead-of-time compiled generation loop for `state`'s shapes (e.g. for
+        `.memory_analysis()`); compiling again for known shapes hits jax's cache."""
+        return self._generate.lower(self.tstate, self.dstate, state).compile()
+
     def run(self, state: DecodeState) -> DecodeState:
         """Runs the jitted while-loop to completion (consumes `state`)."""
         return self._generate(self.tstate, self.dstate, state)
