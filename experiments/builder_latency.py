@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tevjax.builder import build_ddtree
+from report import emit  # experiments/report.py (scripts run from this folder)
 
 
 def time_calls(fn, *args, iters: int) -> np.ndarray:
@@ -95,13 +96,7 @@ def main() -> None:
             f" {np.median(t16) * 1e3:.2f} |"
             f" {np.median(tk) * 1e3:.2f} |"
         )
-    table = "\n".join(lines) + "\n"
-    print()
-    print(table)
-    out = pathlib.Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(table)
-    print(f"wrote {out}")
+    emit(lines, args.out)
 
 
 if __name__ == "__main__":

@@ -51,6 +51,7 @@ from tevjax.models.cache import KVCache
 from tevjax.models.dflash import DrafterCache, features_from_output
 from tevjax.models.layers import causal_mask
 from tevjax.models.transformer import forward
+from report import emit  # experiments/report.py (scripts run from this folder)
 
 # Filler for a realistic chat prefix; the content does not change the cost, only the length does.
 FILLER = ("Please summarise the following notes on speculative decoding for a short report. "
@@ -276,13 +277,7 @@ def main() -> None:
             f" machine a round must commit more than that many tokens on average (tau) to beat"
             f" autoregressive decoding.")
         lines.append("")
-    table = "\n".join(lines)
-    print()
-    print(table)
-    out = pathlib.Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(table)
-    print(f"wrote {out}")
+    emit(lines, args.out)
 
 
 if __name__ == "__main__":

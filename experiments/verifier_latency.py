@@ -29,6 +29,7 @@ from tevjax.law import exit_law
 from tevjax.sampling import scaled_logsumexp
 from tevjax import verifiers
 from tevjax.verifiers import verify
+from report import emit  # experiments/report.py (scripts run from this folder)
 
 RESULTS = Path(__file__).resolve().parent / "results" / "verifier_latency.md"
 METHODS = ("tev", "predraw", "sequential")
@@ -159,13 +160,7 @@ def main(argv=None) -> int:
             f"{r['tev'][0] / r['floor'][0]:.2f}x | {r['tev'][0] / r['max_pass'][0]:.2f}x | "
             f"{r['predraw'][0] / r['tev'][0]:.2f}x | {r['predraw_gumbel'][0] / r['tev'][0]:.2f}x |"
         )
-    table = "\n".join(lines) + "\n"
-    print()
-    print(table)
-    if not args.quick:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(table)
-        print(f"wrote {args.out}")
+    emit(lines, None if args.quick else args.out)
     return 0
 
 

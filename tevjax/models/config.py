@@ -43,6 +43,14 @@ def read_config_json(config: Mapping[str, Any] | str | os.PathLike, *, what: str
     return dict(loaded), path
 
 
+def with_overrides(cls, fields: dict[str, Any], overrides: Mapping[str, Any]):
+    """`cls(**fields)` with `overrides` replacing translated fields; unknown names are an error."""
+    unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
+    if unknown:
+        raise TypeError(f"from_hf_config: unknown override(s) {sorted(unknown)}")
+    return cls(**{**fields, **overrides})
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RopeScaling:
     """Llama-3 style frequency-dependent RoPE scaling (HF `rope_type: "llama3"`)."""
@@ -206,11 +214,7 @@ class ModelConfig:
             dtype=dtype,
             param_dtype=dtype,
         )
-        unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
-        if unknown:
-            raise TypeError(f"from_hf_config: unknown override(s) {sorted(unknown)}")
-        fields.update(overrides)
-        return cls(**fields)
+        return with_overrides(cls, fields, overrides)
 
     def to_hf_config(self) -> dict[str, Any]:
         """An HF `config.json` dict that `from_hf_config` maps back to this config (and that

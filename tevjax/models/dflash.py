@@ -47,7 +47,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from tevjax.models.cache import KVCache
-from tevjax.models.config import ModelConfig, RopeScaling, read_config_json
+from tevjax.models.config import ModelConfig, RopeScaling, read_config_json, with_overrides
 from tevjax.models.layers import NEG_INF, RMSNorm, SwiGLU, apply_rope, rope_inv_freq
 
 __all__ = [
@@ -316,11 +316,7 @@ class DFlashConfig:
             dtype=base.dtype,
             param_dtype=base.param_dtype,
         )
-        unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
-        if unknown:
-            raise TypeError(f"from_hf_config: unknown override(s) {sorted(unknown)}")
-        fields.update(overrides)
-        return cls(**fields)
+        return with_overrides(cls, fields, overrides)
 
     def to_hf_config(self) -> dict[str, Any]:
         """The public DFlash `config.json` dict (loadable by z-lab's `DFlashDraftModel`, which
