@@ -42,7 +42,7 @@ def test_two_stage_sampler_matches_softmax(scale):
     logits[5000] += 8.0  # a heavy token
     probs = softmax(np.where(np.isinf(logits), -1e30, logits) * scale)
     probs[np.isinf(logits)] = 0.0
-    keys = jax.random.split(jax.random.key(1), 200_000)
+    keys = jax.random.split(jax.random.key(1), 50_000)
     draws = np.asarray(jax.jit(jax.vmap(lambda k: categorical(k, jnp.asarray(logits), scale)))(keys))
     assert draws.min() >= 0 and draws.max() < vocab
     assert _chi2(draws, probs) > ALPHA
