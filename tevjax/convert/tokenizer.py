@@ -182,6 +182,8 @@ def tokenizer_files_from_gguf(meta: Mapping[str, Any], *, source: str = "GGUF me
 
 def load_tokenizer(hf_dir: str | os.PathLike):
     """transformers' `PreTrainedTokenizerFast` for an HF directory (needs tokenizer.json)."""
+    # Only the tokenizer is used, so transformers' advisory that PyTorch is absent is noise.
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     from transformers import PreTrainedTokenizerFast
 
     path = Path(hf_dir)
