@@ -26,8 +26,8 @@ from tevjax.convert import (
 )
 from tevjax.models import PRESETS, KVCache, ModelConfig, Transformer, causal_mask, random_model, tiny_config
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+import torch  # noqa: E402  (test dependency, installed by the Makefile)
+import transformers  # noqa: E402
 
 
 def _params(model) -> dict[str, np.ndarray]:

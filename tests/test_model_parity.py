@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+import torch  # noqa: E402  (test dependency, installed by the Makefile)
+import transformers  # noqa: E402
 
 from flax import nnx  # noqa: E402
 
