@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from tevjax.convert.hf import CheckpointError, WeightRule, read_safetensors_dir
+from tevjax.convert.hf import CheckpointError, WeightRule, checkpoint_config_path, read_safetensors_dir
 from tevjax.models.config import ModelConfig
 from tevjax.models.dflash import DFlashConfig, DFlashDrafter
 
@@ -148,12 +148,7 @@ def load_dflash(path: str | os.PathLike, target_cfg: ModelConfig | None = None, 
     checkpoint's `dtype`/`torch_dtype` for both). The module skeleton is built with
     `nnx.eval_shape`, so no random weights are materialised.
     """
-    path = os.fspath(path)
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"DFlash checkpoint directory not found: {path}")
-    config_path = os.path.join(path, CONFIG_FILE)
-    if not os.path.isfile(config_path):
-        raise FileNotFoundError(f"{config_path} not found: a DFlash checkpoint needs its config.json")
+    path, config_path = checkpoint_config_path(path, "a DFlash checkpoint")
     overrides = {k: v for k, v in (("dtype", dtype), ("param_dtype", param_dtype)) if v is not None}
     cfg = DFlashConfig.from_hf_config(config_path, **overrides)
     if target_cfg is not None:

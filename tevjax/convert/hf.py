@@ -259,18 +259,24 @@ def load_target_params(model: Transformer, state: Mapping[str, np.ndarray]) -> N
         var.set_value(jnp.asarray(value, dtype=dtype))
 
 
+def checkpoint_config_path(path: str | os.PathLike, what: str) -> tuple[str, str]:
+    """(directory, its config.json) of a checkpoint directory; clear errors when either is missing."""
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"{what} directory not found: {path}")
+    config_path = os.path.join(path, CONFIG_FILE)
+    if not os.path.isfile(config_path):
+        raise FileNotFoundError(f"{config_path} not found: {what} needs its config.json")
+    return path, config_path
+
+
 def load_hf_target(path: str | os.PathLike, *, dtype: str | None = None) -> tuple[ModelConfig, Transformer]:
     """Loads an HF Llama / Qwen3 checkpoint directory into a `Transformer`.
 
     `dtype` sets both compute and storage dtypes (default: the checkpoint's `torch_dtype`).
     The model skeleton is built with `nnx.eval_shape`, so no random weights are materialised.
     """
-    path = os.fspath(path)
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"checkpoint directory not found: {path}")
-    config_path = os.path.join(path, CONFIG_FILE)
-    if not os.path.isfile(config_path):
-        raise FileNotFoundError(f"{config_path} not found: an HF checkpoint needs its config.json")
+    path, config_path = checkpoint_config_path(path, "an HF checkpoint")
     overrides = {} if dtype is None else {"dtype": dtype, "param_dtype": dtype}
     cfg = ModelConfig.from_hf_config(config_path, **overrides)
     state = read_safetensors_dir(path)
