@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from tevjax.tree import DraftTree, TreeValidationError, validate_tree
+from tevjax.tree import DraftTree, TreeValidationError, check_tree_logits, validate_tree
 from treegen import assign_tokens, random_parents
 
 
@@ -82,12 +82,49 @@ def test_wrong_rank_is_rejected():
         DraftTree.from_parents(np.zeros((2, 3), np.int32), np.zeros((2, 3), np.int32))
 
 
+def test_empty_tree_is_rejected_clearly():
+    with pytest.raises(ValueError, match="needs at least the root node; got 0 nodes"):
+        DraftTree.from_parents(np.zeros(0, np.int32), np.zeros(0, np.int32))
+    with pytest.raises(ValueError, match="needs at least the root node"):
+        jax.jit(DraftTree.from_parents)(jnp.zeros(0, jnp.int32), jnp.zeros(0, jnp.int32))
+
+
+@pytest.mark.parametrize("shape, dtype, message", [
+    ((4, 8), jnp.float32, r"verify: logits must have shape \[N, V\] = \[5, V\] for a tree of 5 nodes; got \(4, 8\)"),
+    ((6, 8), jnp.float32, r"got \(6, 8\)"),
+    ((8,), jnp.float32, r"got \(8,\)"),
+    ((2, 5, 8), jnp.float32, r"got \(2, 5, 8\)"),
+    ((5, 0), jnp.float32, "empty vocabulary axis"),
+    ((5, 8), jnp.int32, "logits must be floating point, got dtype int32"),
+])
+def test_check_tree_logits_names_the_problem(shape, dtype, message):
+    tree = DraftTree.from_parents([7, 11, 12, 0, 13], [-1, 0, 0, -1, 1])
+    with pytest.raises(TreeValidationError, match=message):
+        check_tree_logits(tree, jnp.zeros(shape, dtype), "verify")
+    check_tree_logits(tree, jnp.zeros((5, 8), jnp.bfloat16), "verify")  # the right layout passes
+
+
+def test_check_tree_logits_under_jit_and_vmap():
+    trees = jax.vmap(DraftTree.from_parents)(jnp.zeros((3, 5), jnp.int32),
+                                             jnp.tile(jnp.array([-1, 0, 0, -1, 1]), (3, 1)))
+
+    def checked(tree, logits):
+        check_tree_logits(tree, logits, "exit_law")
+        return logits.sum()
+
+    jax.jit(jax.vmap(checked))(trees, jnp.zeros((3, 5, 8)))
+    with pytest.raises(TreeValidationError, match=r"exit_law: .*= \[5, V\].*got \(4, 8\)"):
+        jax.jit(jax.vmap(checked))(trees, jnp.zeros((3, 4, 8)))
+
+
 GOOD_TOKENS = np.array([5, 1, 2, 3], np.int32)
 GOOD_PARENTS = np.array([-1, 0, 0, 1], np.int32)
 
 
 def test_valid_tree_passes():
     validate_tree(GOOD_TOKENS, GOOD_PARENTS, logits=np.zeros((4, 8)), temperature=0.7)
+    # a padding slot may hold any token (from_parents canonicalises it to 0)
+    validate_tree(np.array([5, 1, -7, 3]), np.array([-1, 0, -1, 1]))
 
 
 @pytest.mark.parametrize(
@@ -101,9 +138,12 @@ def test_valid_tree_passes():
         ([5, 1, 2, 4], [-1, -1, 0, 1], {}, "node 3 has padding node 1 as its parent"),
         ([5, 1, 1], [-1, 0, 0], {}, "nodes 1 and 2 are siblings \\(parent 0\\) with the same token 1"),
         ([5, 1, 9], [-1, 0, 0], {"vocab_size": 8}, r"node 2: token 9 is outside the vocabulary \[0, 8\)"),
-        ([5, -1, 2], [-1, 0, 0], {"vocab_size": 8}, r"node 1: token -1 is outside the vocabulary"),
+        ([5, -1, 2], [-1, 0, 0], {"vocab_size": 8}, r"node 1: token -1 is negative"),
+        ([5, -1, 2], [-1, 0, 0], {}, r"node 1: token -1 is negative \(token ids are >= 0\)"),
+        ([-3, 1, 2], [-1, 0, 0], {"temperature": 1.0}, r"node 0: token -3 is negative"),
         ([5, 1, 2], [-1, 0, 0], {"logits": np.zeros((4, 8))}, r"logits must have shape \[N, V\] = \[3, V\]"),
         ([5, 1, 2], [-1, 0, 0], {"logits": np.zeros(8)}, r"logits must have shape"),
+        ([5, 1, 2], [-1, 0, 0], {"logits": np.zeros((3, 8), np.int64)}, r"logits must be floating point"),
         ([5, 1, 2], [-1, 0, 0], {"temperature": -0.5}, "temperature must be a finite number >= 0"),
         ([5, 1, 2], [-1, 0, 0], {"temperature": float("nan")}, "temperature must be a finite number >= 0"),
         ([5, 1, 2], [-1, 0], {}, "equal length"),

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["DraftTree", "TreeValidationError", "validate_tree"]
+__all__ = ["DraftTree", "TreeValidationError", "check_tree_logits", "validate_tree"]
 
 
 @jax.tree_util.register_dataclass
@@ -96,6 +96,8 @@ class DraftTree:
                 f"tokens {tokens.shape} and parents {parents.shape}; use jax.vmap for batches"
             )
         n = tokens.shape[0]
+        if n == 0:
+            raise ValueError("DraftTree.from_parents needs at least the root node; got 0 nodes")
         idx = jnp.arange(n, dtype=jnp.int32)
         # Root and padding point at themselves; so does any node whose parent index is not
         # strictly earlier (that would not be a tree, and a self-loop cannot reach the root).
@@ -121,6 +123,31 @@ class TreeValidationError(ValueError):
     """An untrusted tree, logits array or temperature is malformed; the message names the culprit."""
 
 
+def check_tree_logits(tree: DraftTree, logits: Any, caller: str) -> None:
+    """Raises `TreeValidationError` unless `logits` is a floating [N, V] array for `tree`'s N slots.
+
+    Only static shapes and dtypes are read, so this works under `jit` and `vmap` (where both the
+    tree and the logits have their batch axes removed): it runs at trace time and costs nothing
+    at run time. `caller` names the public function in the message ("exit_law", "verify").
+    """
+    _check_logits_layout(tuple(tree.tokens.shape), logits, f"{caller}: ")
+
+
+def _check_logits_layout(node_shape: tuple[int, ...], logits: Any, prefix: str) -> None:
+    shape = tuple(np.shape(logits))
+    if len(shape) != len(node_shape) + 1 or shape[:-1] != node_shape:
+        n = node_shape[-1] if node_shape else 0
+        raise TreeValidationError(
+            f"{prefix}logits must have shape [N, V] = [{', '.join(map(str, node_shape))}, V] for a "
+            f"tree of {n} nodes; got {shape}"
+        )
+    if shape[-1] < 1:
+        raise TreeValidationError(f"{prefix}logits have an empty vocabulary axis (shape {shape})")
+    dtype = jnp.result_type(logits)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TreeValidationError(f"{prefix}logits must be floating point, got dtype {dtype}")
+
+
 def validate_tree(
     tokens: Any,
     parents: Any,
@@ -134,8 +161,9 @@ def validate_tree(
     Raises `TreeValidationError` naming the first offending node, tensor or value. Checks:
     1-D equal-length tokens/parents; node 0 is a root (parent -1); every parent index is -1 or
     earlier than its node; no real node hangs below a padding node; sibling tokens are distinct;
-    tokens lie in [0, V); logits are [N, V] and every real row is NaN-free with some finite
-    entry; temperature is a finite number >= 0.
+    tokens are >= 0 and, when V is known (from `vocab_size` or the logits), below V; logits are
+    [N, V] and every real row is NaN-free with some finite entry; temperature is a finite
+    number >= 0.
     """
     tok = np.asarray(tokens)
     par = np.asarray(parents)
@@ -182,10 +210,7 @@ def validate_tree(
 
     if logits is not None:
         lg = np.asarray(logits)
-        if lg.ndim != 2 or lg.shape[0] != n:
-            raise TreeValidationError(
-                f"logits must have shape [N, V] = [{n}, V] for a tree of {n} nodes; got {lg.shape}"
-            )
+        _check_logits_layout(tok.shape, lg, "")
         if vocab_size is not None and lg.shape[1] != vocab_size:
             raise TreeValidationError(
                 f"logits have vocabulary {lg.shape[1]} but vocab_size={vocab_size}"
@@ -205,6 +230,9 @@ def validate_tree(
         if np.isposinf(rows).any():
             node = int(np.flatnonzero(real)[np.argmax(np.isposinf(rows).any(axis=1))])
             raise TreeValidationError(f"logits row of node {node} contains +inf")
+    for i in np.flatnonzero(real):
+        if int(tok[i]) < 0:
+            raise TreeValidationError(f"node {i}: token {int(tok[i])} is negative (token ids are >= 0)")
     if vocab_size is not None:
         for i in np.flatnonzero(real):
             if not 0 <= int(tok[i]) < vocab_size:
