@@ -41,6 +41,9 @@ def _run(capsys, *argv):
         (["generate", "--prompt", "hi", "--target", "/no/such/model"], "--target '/no/such/model': not a directory"),
         (["generate", "--batch-file", "/no/such/file.txt"], "no such file"),
         (["generate"], "one of the arguments --prompt --prompt-ids --batch-file is required"),
+        (["generate", "--prompt", "hi", "--seed", "-1"], "--seed must be in [0, 2**64) = [0, 18446744073709551615], got -1"),
+        (["generate", "--prompt", "hi", "--seed", "18446744073709551616"], "got 18446744073709551616"),
+        (["generate", "--prompt", "hi", "--seed", "1.5"], "--seed must be an integer, got '1.5'"),
     ],
 )
 def test_bad_input_is_one_clear_line(capsys, argv, message):
@@ -48,6 +51,13 @@ def test_bad_input_is_one_clear_line(capsys, argv, message):
     assert code == 2
     assert message in err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_seed_accepts_the_full_unsigned_64_bit_range():
+    from tevjax.cli import build_parser
+
+    for text, value in (("0", 0), ("4294967296", 2**32), ("18446744073709551615", 2**64 - 1)):
+        assert build_parser().parse_args(["generate", "--prompt", "hi", "--seed", text]).seed == value
 
 
 def test_model_level_errors(capsys, tiny_dir):

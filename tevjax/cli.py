@@ -44,6 +44,19 @@ def _temperature(text):
     return value
 
 
+def _seed(text):
+    from tevjax.seeding import check_seed  # jax-free, so a bad --seed fails before any import
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--seed must be an integer, got {text!r}") from None
+    try:
+        return check_seed(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"--{e}") from None
+
+
 def _prompt_ids(text):
     try:
         ids = [int(x) for x in text.replace(" ", "").split(",") if x != ""]
@@ -79,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=_temperature, default=0.0, help="0 = greedy (default)")
     gen.add_argument("--budget", type=_positive_int("--budget"), default=16, help="draft tree budget B (non-root nodes)")
     gen.add_argument("--verifier", default="tev", help="tev (default), predraw, sequential, or ar (autoregressive baseline)")
-    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--seed", type=_seed, default=0, help="sampling seed, an integer in [0, 2**64)")
     gen.add_argument("--batch-size", type=_positive_int("--batch-size"), default=1,
                      help="prompts decoded together (with --batch-file)")
     gen.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
