@@ -2,12 +2,15 @@
 
 import json
 
+import numpy as np
 import pytest
 
 from tevjax.cli import main
 from tevjax.convert.hf import save_hf_target
 from tevjax.decode import DecodeConfig, Decoder
 from tevjax.models.transformer import random_model, tiny_config
+from test_gguf import SPECIALS, tiny_vocab
+from test_tokenizer import tiny_meta, write_tok_dir
 
 
 @pytest.fixture(scope="module")
@@ -85,3 +88,63 @@ def test_generate_json_matches_autoregressive_greedy(capsys, tiny_dir):
     code, out, _ = _run(capsys, "generate", "--target", str(path), "--prompt-ids", "1,2,3", "--max-new-tokens", "8",
                         "--verifier", "ar", "--json")
     assert code == 0 and json.loads(out.strip().splitlines()[-1])["tokens"] == reference.tokens
+
+
+# A model that answers with a fixed byte string: every layer's output projections are zero, so
+# the last hidden state is the current token's embedding, and lm_head row succ(t) is t's
+# embedding, so greedy decoding walks the chain token -> successor (one token per AR round).
+SCRIPTED = "🙂 é".encode()
+
+
+@pytest.fixture(scope="module")
+def scripted_dir(tmp_path_factory):
+    from safetensors.numpy import load_file, save_file
+
+    path = tmp_path_factory.mktemp("scripted")
+    vocab = len(tiny_vocab())
+    save_hf_target(random_model(tiny_config("llama", num_layers=1, max_position_embeddings=64,
+                                            vocab_size=vocab), seed=3), path)
+    tensors = load_file(path / "model.safetensors")
+    emb = tensors["model.embed_tokens.weight"]
+    emb /= np.linalg.norm(emb, axis=1, keepdims=True)
+    chain = [len(SPECIALS) + b for b in b"a" + SCRIPTED] + [2]  # byte b is token 3 + b; 2 = EOS
+    head = np.zeros_like(emb)
+    for t, succ in zip(chain, chain[1:]):
+        head[succ] = emb[t] * 50.0
+    for name in tensors:
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            tensors[name] = np.zeros_like(tensors[name])
+    tensors["model.norm.weight"] = np.ones_like(tensors["model.norm.weight"])
+    tensors["lm_head.weight"] = head
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    write_tok_dir(tiny_meta(), path)
+    return path, chain[0]
+
+
+def test_streamed_text_completes_characters(capsys, scripted_dir):
+    """An emoji arrives as four byte tokens over four rounds; the stream must show it whole."""
+    path, start = scripted_dir
+    argv = ["generate", "--target", str(path), "--prompt-ids", f"1,{start}", "--max-new-tokens", "12",
+            "--verifier", "ar"]
+    code, out, err = _run(capsys, *argv, "--json")
+    assert code == 0, err
+    record = json.loads(out.strip().splitlines()[-1])
+    assert record["text"] == SCRIPTED.decode() and record["stop"] == "eos"
+    code, out, err = _run(capsys, *argv)
+    assert code == 0, err
+    streamed, summary = out.rsplit("\n[tevjax] ", 1)
+    assert streamed == record["text"] and "\ufffd" not in out
+    assert summary.startswith(f"{len(record['tokens'])} tokens")
+
+
+@pytest.mark.slow
+def test_smollm2_streams_emoji_as_the_json_text(capsys):
+    """The reported case: SmolLM2 answering about emoji streamed U+FFFD where --json had them."""
+    argv = ["generate", "--prompt", "🙂🚀 What do these emoji mean?", "--max-new-tokens", "12"]
+    code, out, err = _run(capsys, *argv, "--json")
+    assert code == 0, err
+    text = json.loads(out.strip().splitlines()[-1])["text"]
+    assert any(ord(c) > 0xFFFF for c in text)  # the answer holds a 4-byte character
+    code, out, err = _run(capsys, *argv)
+    assert code == 0, err
+    assert out.rsplit("\n[tevjax] ", 1)[0] == text

@@ -14,9 +14,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from test_gguf import CHAT_TEMPLATE, MERGES, SPECIALS, tiny_vocab
 from tevjax.convert.tokenizer import (
+    StreamDetokenizer,
     TokenizerConversionError,
     build_tokenizer,
     chat_prompt_ids,
@@ -163,6 +165,82 @@ def test_load_tokenizer_is_torch_free(tmp_path):
                          timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+# ------------------------------------------------------------------------------ streaming
+
+# Emoji (4-byte, ZWJ sequences, flags, a keycap), CJK, right-to-left scripts with marks, Latin.
+EMOJI = list("🙂🚀🤖👩‍👩‍👧🇫🇷1️⃣❤️")
+CJK = list("日本語のテキスト中文字符한국어")
+RTL = list("עברית ועربي مرحبا بالعالم") + ["\u05b8", "\u064e", "\u200f"]
+ALPHABET = EMOJI + CJK + RTL + list("hello world 12\n")
+
+
+@pytest.fixture(scope="module")
+def tiny_tok(tmp_path_factory):
+    return load_tokenizer(write_tok_dir(tiny_meta(), tmp_path_factory.mktemp("stream_tok")))
+
+
+def _stream(tok, ids, sizes, skip_special_tokens=True):
+    """Feeds `ids` in chunks of `sizes` (cycled); returns the pieces and the flushed rest."""
+    stream = StreamDetokenizer(tok, skip_special_tokens=skip_special_tokens)
+    pieces, start, k = [], 0, 0
+    while start < len(ids):
+        size = sizes[k % len(sizes)] if sizes else len(ids)
+        pieces.append(stream.feed(ids[start:start + size]))
+        start, k = start + size, k + 1
+    return pieces, stream.flush()
+
+
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(text=st.text(alphabet=st.sampled_from(ALPHABET) | st.characters(exclude_categories=["Cs"],
+                                                                       exclude_characters="\ufffd"),
+                    max_size=24),
+       sizes=st.lists(st.integers(1, 4), max_size=6))
+def test_stream_of_valid_text_never_shows_a_broken_character(tiny_tok, text, sizes):
+    ids = tiny_tok.encode(text, add_special_tokens=False)
+    pieces, rest = _stream(tiny_tok, ids, sizes)
+    assert "".join(pieces) + rest == tiny_tok.decode(ids, skip_special_tokens=True) == text
+    assert rest == ""  # complete text: nothing is held back at the end
+    assert all("\ufffd" not in p for p in pieces)
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(ids=st.lists(st.integers(0, len(tiny_vocab()) - 1), max_size=30),
+       sizes=st.lists(st.integers(1, 5), max_size=6), skip=st.booleans())
+def test_stream_of_random_ids_concatenates_to_the_final_decode(tiny_tok, ids, sizes, skip):
+    """Any ids (bytes that never form a character, specials, merges), any chunking."""
+    pieces, rest = _stream(tiny_tok, ids, sizes, skip_special_tokens=skip)
+    final = tiny_tok.decode(ids, skip_special_tokens=skip)
+    assert "".join(pieces) + rest == final
+    assert rest == final[len(final.rstrip("\ufffd")):]  # only a trailing U+FFFD run is held
+
+
+def _byte_ids(data: bytes) -> list[int]:
+    return [len(SPECIALS) + b for b in data]  # the tiny vocabulary lists the 256 bytes in order
+
+
+def test_stream_holds_an_emoji_until_its_last_byte(tiny_tok):
+    stream = StreamDetokenizer(tiny_tok)
+    ids = _byte_ids("a🙂".encode())
+    assert [stream.feed([i]) for i in ids] == ["a", "", "", "", "🙂"]
+    assert stream.flush() == ""
+    with pytest.raises(ValueError, match="feed called after flush"):
+        stream.feed([5])
+
+
+def test_stream_emits_a_genuine_replacement_character(tiny_tok):
+    # U+FFFD spelled as its own bytes EF BF BD, and a lone invalid byte: both are real text.
+    for data, want in ((b"a\xef\xbf\xbdb", "a\ufffdb"), (b"a\xffb", "a\ufffdb")):
+        stream = StreamDetokenizer(tiny_tok)
+        pieces = [stream.feed([i]) for i in _byte_ids(data)]
+        assert pieces[-1] == "\ufffdb" and "".join(pieces) + stream.flush() == want
+    stream = StreamDetokenizer(tiny_tok)
+    assert stream.feed(_byte_ids(b"ok\xef\xbf\xbd")) == "ok"
+    assert stream.flush() == "\ufffd"  # at the very end it comes out with the flush
+    stream = StreamDetokenizer(tiny_tok)
+    assert stream.feed(_byte_ids("é".encode()[:1])) == ""
+    assert stream.flush() == "\ufffd"  # an unfinished character at the end: what decode gives
 
 
 # ------------------------------------------------------------------------------ real SmolLM2

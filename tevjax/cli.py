@@ -180,13 +180,16 @@ def cmd_generate(args) -> int:
         compile_seconds = decoder.compile(batch, streaming=stream)
         t1 = time.perf_counter()
         if stream:
-            shown = ""
-            for _, state in decoder.stream(batch, seed=args.seed):
-                text = _decode(models, decoder.results(state)[0].tokens)
-                print(text[len(shown):], end="", flush=True)
-                shown = text
+            from tevjax.convert.tokenizer import StreamDetokenizer
+
+            # Holds back the bytes of an unfinished character (an emoji spans several tokens),
+            # so what streams is exactly the final text (_decode), never a stray U+FFFD.
+            detok = StreamDetokenizer(models.tokenizer) if models.tokenizer is not None else None
+            for new, state in decoder.stream(batch, seed=args.seed):
+                if detok is not None:
+                    print(detok.feed(new[0]), end="", flush=True)
             gens = decoder.results(state)
-            print()
+            print(detok.flush() if detok is not None else "")
         else:
             gens = decoder.generate(batch, seed=args.seed)
         seconds = time.perf_counter() - t1

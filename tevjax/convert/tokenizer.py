@@ -46,6 +46,7 @@ __all__ = [
     "tokenizer_files_from_gguf",
     "load_tokenizer",
     "chat_prompt_ids",
+    "StreamDetokenizer",
 ]
 
 # GGUF token types (llama.cpp `llama_token_type`).
@@ -224,3 +225,63 @@ def chat_prompt_ids(tokenizer, messages: str | Sequence[Mapping[str, str]], *,
     text = tokenizer.apply_chat_template(_messages(messages), tokenize=False,
                                          add_generation_prompt=add_generation_prompt)
     return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+_REPLACEMENT = "\ufffd"
+
+
+class StreamDetokenizer:
+    """Incremental detokenization for streaming: fed token ids, returns only completed text.
+
+    A byte-level BPE token can end inside a multi-byte UTF-8 character (an emoji is four bytes,
+    often four tokens). Decoding such a prefix yields U+FFFD for the incomplete bytes, and
+    printing it would show "\ufffd" where the finished text has the emoji. `feed` therefore
+    decodes all ids so far and emits text only up to the start of the trailing run of U+FFFD
+    characters, holding that run back until later ids complete it (or until `flush`).
+
+    Why this is exact: a UTF-8 decoder that replaces bad bytes (tokenizers' `from_utf8_lossy`,
+    like Python's errors="replace") ends its output in U+FFFD whenever the input ends in an
+    incomplete or invalid sequence; so text that ends in any other character ends on a
+    character boundary, and decoding more bytes only appends to it. The streamed pieces are thus
+    always a prefix of the final text, and `flush` returns the rest: for any ids and any
+    chunking, `"".join(feed(c) for c in chunks) + flush() == tokenizer.decode(ids, ...)`.
+    A genuine U+FFFD (the bytes EF BF BD, or bytes that never form a character) is only delayed:
+    it is emitted as soon as a different character follows it, else by `flush`.
+
+    The guarantee needs a decoder that never rewrites text it has already produced, which holds
+    for byte-level BPE (every tokenizer tevjax builds from a GGUF file) and for transformers'
+    BPE tokenizers, where `clean_up_tokenization_spaces` is ignored. Each `feed` decodes the
+    whole sequence, O(T) per call, which is negligible next to a decoding round.
+    """
+
+    def __init__(self, tokenizer, *, skip_special_tokens: bool = True):
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        self._ids: list[int] = []
+        self._emitted = 0  # characters of the decoded text already returned
+        self._flushed = False
+
+    @property
+    def text(self) -> str:
+        """The decoded text of every id fed so far (what `flush` completes the stream to)."""
+        return self._tokenizer.decode(self._ids, skip_special_tokens=self._skip_special_tokens)
+
+    def feed(self, ids: Sequence[int]) -> str:
+        """Appends `ids`; returns the newly completed text (possibly empty)."""
+        if self._flushed:  # flushed text may end in U+FFFD that more bytes would have changed
+            raise ValueError("StreamDetokenizer.feed called after flush; start a new stream")
+        self._ids.extend(int(i) for i in ids)
+        text = self.text
+        end = len(text.rstrip(_REPLACEMENT))
+        if end <= self._emitted:
+            return ""
+        piece, self._emitted = text[self._emitted:end], end
+        return piece
+
+    def flush(self) -> str:
+        """Ends the stream: returns the held-back rest, after which the returned pieces
+        concatenate to `text`."""
+        self._flushed = True
+        text = self.text
+        piece, self._emitted = text[self._emitted:], len(text)
+        return piece
