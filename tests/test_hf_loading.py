@@ -248,6 +248,49 @@ def test_unknown_architecture(saved, tmp_path):
         load_hf_target(path)
 
 
+def test_config_not_utf8_names_the_file(saved, tmp_path):
+    path = _copy(saved, tmp_path)
+    (path / "config.json").write_bytes(b'{"model_type": "llama",\n "note": "caf\xe9"}')
+    with pytest.raises(ValueError, match=r"ckpt/config\.json is not UTF-8 text: byte 0xe9 at line 2, offset 37"):
+        load_hf_target(path)
+    (path / "config.json").write_text('{"model_type": "llama",\n "hidden_size": 64,,}')
+    with pytest.raises(ValueError, match=r"ckpt/config\.json is not valid JSON: .*line 2 column 20"):
+        load_hf_target(path)
+
+
+@pytest.mark.parametrize("patch, message", [
+    ({"hidden_size": "sixty-four"}, r"field 'hidden_size' must be an integer, got 'sixty-four'"),
+    ({"num_hidden_layers": 2.5}, r"field 'num_hidden_layers' must be an integer, got 2\.5"),
+    ({"num_attention_heads": 0}, r"field 'num_attention_heads' must be positive, got 0"),
+    ({"vocab_size": True}, r"field 'vocab_size' must be an integer, got True"),
+    ({"rms_norm_eps": "1e-5"}, r"field 'rms_norm_eps' must be a number, got '1e-05'|got '1e-5'"),
+    ({"tie_word_embeddings": "false"}, r"field 'tie_word_embeddings' must be true or false, got 'false'"),
+    ({"eos_token_id": "2"}, r"field 'eos_token_id' must be a token id >= 0 or a list of them, got '2'"),
+    ({"eos_token_id": [2, None]}, r"field 'eos_token_id' must be a token id"),
+    ({"rope_scaling": "llama3"}, r"field 'rope_scaling' must be an object, got 'llama3'"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": "8", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                       "original_max_position_embeddings": 8192}},
+     r"field 'rope_scaling\.factor' must be a number, got '8'"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, r"required field 'rope_scaling\.low_freq_factor' is missing"),
+    ({"num_key_value_heads": 3}, r"config\.json: ModelConfig\.num_heads=4 must be a multiple of num_kv_heads=3"),
+])
+def test_config_field_errors_name_file_and_field(saved, tmp_path, patch, message):
+    path = _copy(saved, tmp_path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, **patch}))
+    with pytest.raises(ValueError, match=message) as e:
+        load_hf_target(path)
+    assert str(path / "config.json") in str(e.value) and "\n" not in str(e.value)
+
+
+def test_config_accepts_integral_floats_and_nulls(saved):
+    config = json.loads((saved[1] / "config.json").read_text())
+    cfg = ModelConfig.from_hf_config({**config, "hidden_size": 64.0, "num_key_value_heads": None,
+                                      "head_dim": None, "eos_token_id": [2, 3]})
+    assert cfg.hidden_size == 64 and isinstance(cfg.hidden_size, int)
+    assert cfg.num_kv_heads == cfg.num_heads and cfg.eos_token_ids == (2, 3)
+
+
 def test_load_target_params_direct_errors():
     cfg = tiny_config("llama")
     model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))

@@ -36,11 +36,57 @@ def read_config_json(config: Mapping[str, Any] | str | os.PathLike, *, what: str
     try:
         with open(path, encoding="utf-8") as f:
             loaded = json.load(f)
+    except UnicodeDecodeError as e:
+        line = e.object.count(b"\n", 0, e.start) + 1
+        raise ValueError(f"{path} is not UTF-8 text: byte 0x{e.object[e.start]:02x} at line {line}, "
+                         f"offset {e.start} ({e.reason})") from e
     except json.JSONDecodeError as e:
         raise ValueError(f"{path} is not valid JSON: {e}") from e
     if not isinstance(loaded, Mapping):
         raise ValueError(f"{path} must hold a JSON object, got {type(loaded).__name__}")
     return dict(loaded), path
+
+
+_MISSING = object()
+_KIND_NAMES = {int: "an integer", float: "a number", bool: "true or false"}
+
+
+def config_field(c: Mapping[str, Any], key: str, kind: type, source: str, default: Any = _MISSING, *,
+                 positive: bool = False, prefix: str = "") -> Any:
+    """`c[key]` checked to be of `kind` (int, float or bool); absent or null gives `default`.
+
+    Errors are one line naming the file (`source`) and the field (`prefix` + `key`), e.g.
+    `config.json: field 'hidden_size' must be an integer, got 'sixty-four'`. An int field also
+    takes an integral float (64.0); JSON booleans are never numbers.
+    """
+    value = c.get(key)
+    if value is None:
+        if default is _MISSING:
+            raise ValueError(f"{source}: required field {prefix + key!r} is missing")
+        return default
+    if kind is bool:
+        ok = isinstance(value, bool)
+    elif isinstance(value, bool) or not isinstance(value, (int, float)):
+        ok = False
+    else:
+        ok = kind is float or isinstance(value, int) or float(value).is_integer()
+    if not ok:
+        raise ValueError(f"{source}: field {prefix + key!r} must be {_KIND_NAMES[kind]}, got {value!r}")
+    value = kind(value)
+    if positive and value <= 0:
+        raise ValueError(f"{source}: field {prefix + key!r} must be positive, got {value!r}")
+    return value
+
+
+def _token_ids(c: Mapping[str, Any], key: str, source: str) -> tuple[int, ...]:
+    """An HF token-id field that may be null, one id or a list of ids."""
+    value = c.get(key)
+    items = value if isinstance(value, (list, tuple)) else ([] if value is None else [value])
+    for item in items:
+        if isinstance(item, bool) or not isinstance(item, int) or item < 0:
+            raise ValueError(f"{source}: field {key!r} must be a token id >= 0 or a list of them, "
+                             f"got {value!r}")
+    return tuple(items)
 
 
 def with_overrides(cls, fields: dict[str, Any], overrides: Mapping[str, Any]):
@@ -145,10 +191,8 @@ class ModelConfig:
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
 
-        def need(key):
-            if c.get(key) is None:
-                raise ValueError(f"{source}: required field {key!r} is missing")
-            return c[key]
+        def field(key, kind, default=_MISSING, **kw):
+            return config_field(c, key, kind, source, default, **kw)
 
         act = c.get("hidden_act", "silu")
         if act != "silu":
@@ -165,56 +209,69 @@ class ModelConfig:
 
         # transformers>=5 nests theta and scaling into `rope_parameters`; older files use
         # top-level `rope_theta` and `rope_scaling`. Read whichever is present.
+        for key in ("rope_parameters", "rope_scaling"):
+            if c.get(key) is not None and not isinstance(c[key], Mapping):
+                raise ValueError(f"{source}: field {key!r} must be an object, got {c[key]!r}")
         rope = dict(c.get("rope_parameters") or {})
+        scaling_key = "rope_scaling" if c.get("rope_scaling") else "rope_parameters"
         scaling_src = c.get("rope_scaling") or rope
-        theta = c.get("rope_theta", rope.get("rope_theta", 10000.0))
+        if c.get("rope_theta") is not None:
+            theta = field("rope_theta", float, positive=True)
+        else:
+            theta = config_field(rope, "rope_theta", float, source, 10000.0, positive=True,
+                                 prefix="rope_parameters.")
         rope_type = scaling_src.get("rope_type", scaling_src.get("type", "default")) if scaling_src else "default"
         if rope_type == "default":
             scaling = None
         elif rope_type == "llama3":
-            try:
-                scaling = RopeScaling(
-                    factor=float(scaling_src["factor"]),
-                    low_freq_factor=float(scaling_src["low_freq_factor"]),
-                    high_freq_factor=float(scaling_src["high_freq_factor"]),
-                    original_max_position_embeddings=int(scaling_src["original_max_position_embeddings"]),
-                )
-            except KeyError as e:
-                raise ValueError(f"{source}: llama3 rope scaling is missing field {e.args[0]!r}") from e
+            def rope_field(key, kind):
+                return config_field(scaling_src, key, kind, source, positive=True, prefix=f"{scaling_key}.")
+
+            scaling = RopeScaling(
+                factor=rope_field("factor", float),
+                low_freq_factor=rope_field("low_freq_factor", float),
+                high_freq_factor=rope_field("high_freq_factor", float),
+                original_max_position_embeddings=rope_field("original_max_position_embeddings", int),
+            )
         else:
             raise ValueError(
                 f"{source}: rope_type {rope_type!r} is not supported (only 'default' and 'llama3')"
             )
 
-        heads = int(need("num_attention_heads"))
-        hidden = int(need("hidden_size"))
-        eos = c.get("eos_token_id")
-        eos_ids = () if eos is None else (tuple(eos) if isinstance(eos, (list, tuple)) else (eos,))
+        heads = field("num_attention_heads", int, positive=True)
+        hidden = field("hidden_size", int, positive=True)
+        bos = _token_ids(c, "bos_token_id", source)
+        if len(bos) > 1:
+            raise ValueError(f"{source}: field 'bos_token_id' must be one token id, got {c['bos_token_id']!r}")
         hf_dtype = c.get("torch_dtype") or c.get("dtype")
         dtype = hf_dtype if hf_dtype in _DTYPES else "float32"
         fields = dict(
             architecture=model_type,
-            vocab_size=int(need("vocab_size")),
+            vocab_size=field("vocab_size", int, positive=True),
             hidden_size=hidden,
-            intermediate_size=int(need("intermediate_size")),
-            num_layers=int(need("num_hidden_layers")),
+            intermediate_size=field("intermediate_size", int, positive=True),
+            num_layers=field("num_hidden_layers", int, positive=True),
             num_heads=heads,
-            num_kv_heads=int(c.get("num_key_value_heads") or heads),
-            head_dim=int(c.get("head_dim") or hidden // heads),
-            rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(theta),
+            # null or 0 mean "no grouping" / "derive it", as in transformers
+            num_kv_heads=field("num_key_value_heads", int, 0) or heads,
+            head_dim=field("head_dim", int, 0) or hidden // heads,
+            rms_norm_eps=field("rms_norm_eps", float, 1e-6),
+            rope_theta=theta,
             rope_scaling=scaling,
             # HF's default for both families is tie_word_embeddings=False when the key is absent.
-            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+            tie_word_embeddings=field("tie_word_embeddings", bool, False),
             qk_norm=model_type == "qwen3",
-            attention_bias=bool(c.get("attention_bias", False)),
-            max_position_embeddings=int(c.get("max_position_embeddings", 2048)),
-            eos_token_ids=eos_ids,
-            bos_token_id=c.get("bos_token_id"),
+            attention_bias=field("attention_bias", bool, False),
+            max_position_embeddings=field("max_position_embeddings", int, 2048, positive=True),
+            eos_token_ids=_token_ids(c, "eos_token_id", source),
+            bos_token_id=bos[0] if bos else None,
             dtype=dtype,
             param_dtype=dtype,
         )
-        return with_overrides(cls, fields, overrides)
+        try:
+            return with_overrides(cls, fields, overrides)
+        except ValueError as e:  # cross-field checks (e.g. heads vs KV heads): name the file
+            raise ValueError(f"{source}: {e}") from e
 
     def to_hf_config(self) -> dict[str, Any]:
         """An HF `config.json` dict that `from_hf_config` maps back to this config (and that
