@@ -213,6 +213,21 @@ def test_missing_shard_and_index_mismatch(saved, tmp_path):
         load_hf_target(path)
 
 
+@pytest.mark.parametrize("content, message", [
+    (b"\xff\xfe{}", r"index\.json is not UTF-8 text: byte 0xff at line 1, offset 0"),
+    (b'{"weight_map": {', r"index\.json is not valid JSON: .*line 1 column 17"),
+    (b'{"weight_map": [1]}', r"index\.json: field 'weight_map' must map tensor names to shard file names, got \[1\]"),
+    (b'{"weight_map": {"model.norm.weight": 3}}', r"field 'weight_map' must map .* got \{'model\.norm\.weight': 3\}"),
+    (b'{"metadata": {}}', r"field 'weight_map' must map .* got None"),
+])
+def test_broken_index_names_the_file(saved, tmp_path, content, message):
+    path = _copy(saved, tmp_path)
+    (path / "model.safetensors.index.json").write_bytes(content)
+    with pytest.raises(CheckpointError, match=message) as e:
+        load_hf_target(path)
+    assert str(path / "model.safetensors.index.json") in str(e.value)
+
+
 def test_wrong_shape_names_tensor_and_shapes(saved, tmp_path):
     path = _copy(saved, tmp_path)
     config = json.loads((path / "config.json").read_text())

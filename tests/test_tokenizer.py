@@ -152,6 +152,48 @@ def test_load_tokenizer_missing(tmp_path):
         load_tokenizer(tmp_path)
 
 
+def _edit_json(name, **changes):
+    def edit(d):
+        obj = json.loads((d / name).read_text())
+        obj.update(changes)
+        (d / name).write_text(json.dumps({k: v for k, v in obj.items() if v is not ...}))
+    return edit
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda d: (d / "tokenizer.json").write_bytes(b'{"version": "1.0", \xff\xfe'),
+     r"tokenizer\.json is not UTF-8 text: byte 0xff at line 1, offset 19"),
+    (lambda d: (d / "tokenizer.json").write_text((d / "tokenizer.json").read_text()[:300]),
+     r"tokenizer\.json is not valid JSON: .*line 1 column"),
+    (lambda d: (d / "tokenizer.json").write_text("[1, 2]"), r"tokenizer\.json must hold a JSON object, got list"),
+    (_edit_json("tokenizer.json", added_tokens=...), r"tokenizer\.json: required field 'added_tokens' is missing"),
+    (_edit_json("tokenizer.json", model=None), r"tokenizer\.json: field 'model' must be an object, got None"),
+    (_edit_json("tokenizer.json", model={"type": "BPE", "vocab": 3}),
+     r"tokenizer\.json: not a tokenizer the tokenizers library can read \(.*line 1 column"),
+    (lambda d: (d / "tokenizer_config.json").write_bytes(b"\x00\x9c"),
+     r"tokenizer_config\.json is not UTF-8 text: byte 0x9c at line 1, offset 1"),
+    (lambda d: (d / "tokenizer_config.json").write_text('"x"'),
+     r"tokenizer_config\.json must hold a JSON object, got str"),
+    (_edit_json("tokenizer_config.json", chat_template=5),
+     r"tokenizer_config\.json: field 'chat_template' must be a Jinja template string, got 5"),
+])
+def test_damaged_tokenizer_files_name_file_and_problem(tmp_path, damage, message):
+    d = write_tok_dir(tiny_meta(), tmp_path / "t")
+    damage(d)
+    with pytest.raises(ValueError, match=message) as e:
+        load_tokenizer(d)
+    assert str(d) in str(e.value) and "\n" not in str(e.value)
+
+
+def test_broken_chat_template_names_file_and_line(tmp_path):
+    d = write_tok_dir(tiny_meta(), tmp_path / "t")
+    _edit_json("tokenizer_config.json", chat_template="{{ messages }}\n{% for %}")(d)
+    tok = load_tokenizer(d)  # transformers compiles templates only when rendering
+    with pytest.raises(ValueError, match=r"t/tokenizer_config\.json: chat_template fails at template line 2 "
+                                         r"\(TemplateSyntaxError: Expected an expression"):
+        chat_prompt_ids(tok, "hi")
+
+
 def test_load_tokenizer_is_torch_free(tmp_path):
     d = write_tok_dir(tiny_meta(), tmp_path / "t")
     code = (

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from tevjax.models.config import ModelConfig
+from tevjax.models.config import ModelConfig, read_config_json
 from tevjax.models.transformer import Transformer
 
 __all__ = [
@@ -161,11 +161,15 @@ def read_safetensors_dir(path: str | os.PathLike) -> dict[str, np.ndarray]:
     index_path = os.path.join(path, INDEX_FILE)
     single_path = os.path.join(path, SAFETENSORS_FILE)
     if os.path.isfile(index_path):
-        try:
-            with open(index_path, encoding="utf-8") as f:
-                weight_map = json.load(f)["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{index_path}: not a valid safetensors index ({e!r})") from e
+        try:  # names the file, and the line for bad bytes or JSON
+            index, _ = read_config_json(index_path, what="safetensors index")
+        except ValueError as e:
+            raise CheckpointError(str(e)) from e
+        weight_map = index.get("weight_map")
+        if not isinstance(weight_map, Mapping) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+            raise CheckpointError(f"{index_path}: field 'weight_map' must map tensor names to shard "
+                                  f"file names, got {weight_map!r:.80}")
         shards = sorted(set(weight_map.values()))
         missing = [s for s in shards if not os.path.isfile(os.path.join(path, s))]
         if missing:

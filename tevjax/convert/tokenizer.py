@@ -182,7 +182,12 @@ def tokenizer_files_from_gguf(meta: Mapping[str, Any], *, source: str = "GGUF me
 
 
 def load_tokenizer(hf_dir: str | os.PathLike):
-    """transformers' `PreTrainedTokenizerFast` for an HF directory (needs tokenizer.json)."""
+    """transformers' `PreTrainedTokenizerFast` for an HF directory (needs tokenizer.json).
+
+    A damaged tokenizer.json / tokenizer_config.json raises a one-line ValueError naming the file
+    and the problem (bytes that are not UTF-8, invalid JSON with its line and column, a missing
+    or mistyped field, a chat_template that is not a string), never transformers' bare KeyError.
+    """
     # Only the tokenizer is used, so transformers' advisory that PyTorch is absent is noise.
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     from transformers import PreTrainedTokenizerFast
@@ -190,7 +195,40 @@ def load_tokenizer(hf_dir: str | os.PathLike):
     path = Path(hf_dir)
     if not (path / "tokenizer.json").is_file():
         raise FileNotFoundError(f"no tokenizer.json in {path}")
-    return PreTrainedTokenizerFast.from_pretrained(str(path))
+    try:
+        tok = PreTrainedTokenizerFast.from_pretrained(str(path))
+    except Exception as e:  # transformers and tokenizers raise bare KeyError, TypeError, Exception
+        _diagnose_tokenizer_files(path)  # the files are only re-read when loading failed
+        raise ValueError(f"{path}: cannot load the tokenizer from tokenizer.json and "
+                         f"tokenizer_config.json ({type(e).__name__}: {e})") from e
+    template = tok.chat_template  # a string, or {name: string} for named templates
+    named = isinstance(template, dict) and all(isinstance(v, str) for v in template.values())
+    if template is not None and not (isinstance(template, str) or named):
+        raise ValueError(f"{path / 'tokenizer_config.json'}: field 'chat_template' must be a Jinja "
+                         f"template string, got {template!r:.60}")
+    return tok
+
+
+def _diagnose_tokenizer_files(path: Path) -> None:
+    """Raises ValueError naming the tokenizer file of `path` that is broken, and how."""
+    from tokenizers import Tokenizer
+
+    from tevjax.models.config import read_config_json
+
+    tok_file = path / "tokenizer.json"
+    spec, _ = read_config_json(tok_file, what="tokenizer")  # UTF-8, JSON syntax, an object
+    for key, kind, noun in (("model", Mapping, "an object"), ("added_tokens", list, "a list")):
+        if key not in spec:
+            raise ValueError(f"{tok_file}: required field {key!r} is missing")
+        if not isinstance(spec[key], kind):
+            raise ValueError(f"{tok_file}: field {key!r} must be {noun}, got {spec[key]!r:.60}")
+    try:
+        Tokenizer.from_str(tok_file.read_text(encoding="utf-8"))
+    except Exception as e:  # tokenizers reports schema errors as a bare Exception with a position
+        raise ValueError(f"{tok_file}: not a tokenizer the tokenizers library can read ({e})") from e
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        if (path / name).is_file():
+            read_config_json(path / name, what="tokenizer config")
 
 
 _ROLES = ("system", "user", "assistant")
@@ -220,11 +258,28 @@ def chat_prompt_ids(tokenizer, messages: str | Sequence[Mapping[str, str]], *,
     `messages` is a user text or a list of `{"role", "content"}` dicts. The rendered text is
     tokenized without added special tokens: the template itself writes `<|im_start|>` etc.
     """
+    import jinja2
+
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("tokenizer has no chat_template (tokenizer_config.json 'chat_template')")
-    text = tokenizer.apply_chat_template(_messages(messages), tokenize=False,
-                                         add_generation_prompt=add_generation_prompt)
+    try:
+        text = tokenizer.apply_chat_template(_messages(messages), tokenize=False,
+                                             add_generation_prompt=add_generation_prompt)
+    except jinja2.TemplateError as e:  # a broken template in a user's tokenizer_config.json
+        line = f" at template line {e.lineno}" if getattr(e, "lineno", None) else ""
+        detail = (e.message or str(e)).splitlines()[0]
+        raise ValueError(f"{_template_origin(tokenizer)}: chat_template fails{line} "
+                         f"({type(e).__name__}: {detail})") from e
     return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def _template_origin(tokenizer) -> str:
+    """The file a loaded tokenizer's chat template came from, for error messages."""
+    where = Path(getattr(tokenizer, "name_or_path", "") or ".")
+    if not where.is_dir():
+        return "tokenizer"
+    jinja = where / "chat_template.jinja"  # transformers' separate-file form wins when present
+    return str(jinja if jinja.is_file() else where / "tokenizer_config.json")
 
 
 _REPLACEMENT = "\ufffd"
