@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -18,6 +19,7 @@ import pytest
 from test_gguf import tiny_state, write_gguf
 from tevjax.convert import embedded
 from tevjax.convert.embedded import (
+    CACHE_MANIFEST,
     SMOLLM2_GGUF_NAME,
     EmbeddedModelNotFound,
     default_cache_dir,
@@ -159,6 +161,99 @@ def test_prepare_concurrent_callers_convert_once(tiny_gguf, tmp_path, monkeypatc
         t.join(timeout=120)
     assert not errors, errors
     assert len(results) == 3 and len(set(results)) == 1 and len(calls) == 1
+
+
+def _overwrite_middle(path: Path, n: int) -> None:
+    """Same-size, in-place damage (what `dd conv=notrunc` does), keeping the mtime."""
+    st = path.stat()
+    with open(path, "r+b") as f:
+        f.seek(st.st_size // 2 - n // 2)
+        f.write(bytes(n))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def _garble(path: Path) -> None:
+    path.write_bytes(os.urandom(path.stat().st_size))
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+DAMAGE = {
+    "overwritten in place": (lambda e: _overwrite_middle(e / "model.safetensors", 4096),
+                             "model.safetensors does not match its SHA-256 checksum"),
+    "truncated weights": (lambda e: _truncate(e / "model.safetensors"), "model.safetensors has"),
+    "missing config": (lambda e: (e / "config.json").unlink(), "config.json is missing"),
+    "garbled tokenizer": (lambda e: _garble(e / "tokenizer.json"), "tokenizer.json does not match"),
+    "missing tokenizer config": (lambda e: (e / "tokenizer_config.json").unlink(),
+                                 "tokenizer_config.json is missing"),
+    "edited tokenizer config": (
+        lambda e: (e / "tokenizer_config.json").write_text(
+            (e / "tokenizer_config.json").read_text().replace("chat_template", "chat_templatX")),
+        "tokenizer_config.json does not match"),
+    "missing manifest": (lambda e: (e / CACHE_MANIFEST).unlink(), f"{CACHE_MANIFEST} (the checksums)"),
+    "garbled manifest": (lambda e: (e / CACHE_MANIFEST).write_text("{"), f"{CACHE_MANIFEST} (the checksums)"),
+    "garbled marker": (lambda e: (e / CONVERSION_MARKER).write_text("x"), f"{CONVERSION_MARKER} is missing"),
+    "entry is a file": (lambda e: (shutil.rmtree(e), e.write_text("x")), None),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(DAMAGE))
+def test_damaged_entry_is_rebuilt_with_a_note(tiny_gguf, tmp_path, monkeypatch, capsys, kind):
+    from tevjax.convert.hf import load_hf_target
+    from tevjax.convert.tokenizer import chat_prompt_ids, load_tokenizer
+
+    calls = _counting(monkeypatch)
+    cache = tmp_path / "cache"
+    entry = prepare_gguf(tiny_gguf, name="tiny", cache_dir=cache)
+    good = {p.name: p.read_bytes() for p in entry.iterdir() if p.name not in (CONVERSION_MARKER, CACHE_MANIFEST)}
+    time.sleep(0.05)  # a later timestamp tick than the build, as for any real user
+    damage, message = DAMAGE[kind]
+    damage(entry)
+    capsys.readouterr()
+    assert prepare_gguf(tiny_gguf, name="tiny", cache_dir=cache) == entry
+    assert len(calls) == 2
+    err = capsys.readouterr().err
+    if message is not None:
+        assert f"tevjax: note: the cached conversion {entry} is damaged or incomplete ({message}" in err
+        assert len(err.strip().splitlines()) == 1
+    assert {p.name: p.read_bytes() for p in entry.iterdir() if p.name in good} == good
+    load_hf_target(entry)
+    assert chat_prompt_ids(load_tokenizer(entry), "hello")
+    assert prepare_gguf(tiny_gguf, name="tiny", cache_dir=cache) == entry and len(calls) == 2
+
+
+def test_same_tick_overwrite_is_caught(tiny_gguf, tmp_path, monkeypatch):
+    """Damage right after the build, possibly within the manifest's own timestamp tick."""
+    calls = _counting(monkeypatch)
+    entry = prepare_gguf(tiny_gguf, name="tiny", cache_dir=tmp_path)
+    _overwrite_middle(entry / "model.safetensors", 64)
+    prepare_gguf(tiny_gguf, name="tiny", cache_dir=tmp_path)
+    assert len(calls) == 2
+
+
+def test_intact_entry_is_checked_without_hashing(tiny_gguf, tmp_path, monkeypatch):
+    hashed = []
+    real = embedded._sha256
+    monkeypatch.setattr(embedded, "_sha256", lambda p: hashed.append(p.name) or real(p))
+    entry = prepare_gguf(tiny_gguf, name="tiny", cache_dir=tmp_path)
+    time.sleep(0.05)
+    prepare_gguf(tiny_gguf, name="tiny", cache_dir=tmp_path)  # may hash once if built racily
+    hashed.clear()
+    prepare_gguf(tiny_gguf, name="tiny", cache_dir=tmp_path)
+    assert hashed == []
+    # A copied entry (new inodes and ctimes) is hashed once, found intact and re-recorded.
+    moved = shutil.copytree(entry, tmp_path / "copy", copy_function=shutil.copy2)
+    shutil.rmtree(entry)
+    os.rename(moved, entry)
+    calls = _counting(monkeypatch)
+    time.sleep(0.05)
+    prepare_gguf(tiny_gguf, name="tiny", cache_dir=tmp_path)
+    assert calls == [] and "model.safetensors" in hashed
+    hashed.clear()
+    prepare_gguf(tiny_gguf, name="tiny", cache_dir=tmp_path)
+    assert hashed == []
 
 
 def test_prepare_missing_source(tmp_path):
@@ -304,3 +399,17 @@ def test_smollm2_tevjax_greedy_matches_transformers(smollm2_dir, hf_models, prom
             break
     assert got == ref
     assert len(ref) == n
+
+
+@pytest.mark.slow
+def test_smollm2_overwritten_weights_are_rebuilt(smollm2_dir, capsys):
+    """The reported case: 4 MiB overwritten inside the cached weights (same size) gave garbage
+    tokens with exit 0. Runs last in this module: it leaves the entry rebuilt and intact."""
+    weights = smollm2_dir / "model.safetensors"
+    digest = embedded._sha256(weights)
+    _overwrite_middle(weights, 4 << 20)
+    assert embedded._sha256(weights) != digest
+    capsys.readouterr()
+    assert prepare_smollm2(cache_dir=smollm2_dir.parent) == smollm2_dir
+    assert "model.safetensors does not match its SHA-256 checksum" in capsys.readouterr().err
+    assert embedded._sha256(weights) == digest
