@@ -6,6 +6,12 @@ published formula, independently of the inverse in `tevjax.convert.gguf`), and a
 F32/F16/BF16/Q8_0/Q4_0/Q4_1 tensors. `read_gguf` must return the original HF layout: exactly the
 float32 dequantization of each quantized HF tensor, within the quantizer's error bound of the
 original. transformers' own GGUF loader is a second, independent reader of the same files.
+
+K-quants (Q4_K, Q5_K, Q6_K, Q8_K): the `gguf` package can dequantize but not quantize them (and
+cannot dequantize Q8_K at all), so `k_quantize` below is a plain quantizer written from the block
+structs of llama.cpp's ggml-common.h, and `k_dequantize` the matching decoder, computed from the
+integer codes rather than the packed bytes. A model with 256-wide rows (one super-block per row)
+is written with them and must read back exactly as `k_dequantize` says.
 """
 
 from __future__ import annotations
@@ -69,11 +75,12 @@ def llamacpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(w.shape))
 
 
-def tiny_state(seed: int = 0, tied: bool = False) -> dict[str, np.ndarray]:
+def tiny_state(seed: int = 0, tied: bool = False, sizes: dict | None = None) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
-    c = TINY
+    c = TINY if sizes is None else sizes
     d, f, v = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
-    qd, kvd = c["num_attention_heads"] * HEAD_DIM, c["num_key_value_heads"] * HEAD_DIM
+    head_dim = d // c["num_attention_heads"]
+    qd, kvd = c["num_attention_heads"] * head_dim, c["num_key_value_heads"] * head_dim
 
     def mat(*shape):
         return (rng.standard_normal(shape) * 0.2).astype(np.float32)
@@ -147,7 +154,124 @@ def encode_tensor(w: np.ndarray, t: Q) -> tuple[np.ndarray, Q | None]:
         return w, None
     if t == Q.F16:
         return w.astype(np.float16), None
+    if t in K_QUANTS:
+        return k_pack(t, k_quantize(w, t)), t
+    if t in (Q.Q2_K, Q.Q3_K):  # all-zero blocks: the reader must refuse the type, not the data
+        return np.zeros(gguf.quant_shape_to_byte_shape(w.shape, t), np.uint8), t
     return gguf.quants.quantize(w, t), t
+
+
+# ------------------------------------------------------------------------------ K-quant blocks
+
+K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_K)
+QK_K = 256
+
+
+def _f16(x):
+    return np.asarray(x, np.float32).astype(np.float16)
+
+
+def k_quantize(w: np.ndarray, t: Q) -> dict[str, np.ndarray]:
+    """Integer codes and scales of a plain K-quantizer (round to nearest; not llama.cpp's search).
+
+    Per super-block of 256 values: Q4_K/Q5_K have 8 sub-blocks of 32 with 6-bit scale `sc` and
+    min `m` under fp16 `d`, `dmin` (value = d*sc*q - dmin*m, q in [0, 15] or [0, 31]); Q6_K has 16
+    sub-blocks of 16 with int8 scales under fp16 `d` (value = d*sc*q, q in [-32, 31]); Q8_K has a
+    float32 `d` (value = d*q, q int8)."""
+    x = np.asarray(w, np.float32).reshape(-1, QK_K)
+    if t == Q.Q8_K:
+        d = np.abs(x).max(1, keepdims=True) / 127
+        q = np.clip(np.round(x / np.where(d > 0, d, 1)), -128, 127)
+        return {"d": d.astype(np.float32), "q": q.astype(np.int8)}
+    if t == Q.Q6_K:
+        g = x.reshape(-1, 16, 16)
+        scale = np.abs(g).max(-1) / 31
+        d = _f16(scale.max(1, keepdims=True) / 127)
+        sc = np.clip(np.round(scale / np.where(d > 0, d, 1).astype(np.float32)), 0, 127)
+        step = (d.astype(np.float32) * sc)[..., None]
+        q = np.clip(np.round(g / np.where(step > 0, step, 1)), -32, 31)
+        return {"d": d, "sc": sc.astype(np.int8), "q": q.reshape(-1, QK_K).astype(np.int8)}
+    nmax = 15 if t == Q.Q4_K else 31
+    g = x.reshape(-1, 8, 32)
+    mn = np.maximum(-g.min(-1), 0)
+    scale = (g.max(-1) + mn) / nmax
+    d, dmin = _f16(scale.max(1, keepdims=True) / 63), _f16(mn.max(1, keepdims=True) / 63)
+    d32, dmin32 = d.astype(np.float32), dmin.astype(np.float32)
+    sc = np.clip(np.round(scale / np.where(d32 > 0, d32, 1)), 0, 63)
+    m = np.clip(np.round(mn / np.where(dmin32 > 0, dmin32, 1)), 0, 63)
+    step = (d32 * sc)[..., None]
+    q = np.clip(np.round((g + (dmin32 * m)[..., None]) / np.where(step > 0, step, 1)), 0, nmax)
+    return {"d": d, "dmin": dmin, "sc": sc.astype(np.uint8), "m": m.astype(np.uint8),
+            "q": q.reshape(-1, QK_K).astype(np.uint8)}
+
+
+def k_dequantize(t: Q, c: dict[str, np.ndarray]) -> np.ndarray:
+    """Values [blocks, 256] from the codes, in ggml's float32 order of operations."""
+    if t == Q.Q8_K:
+        return c["d"] * c["q"].astype(np.float32)
+    if t == Q.Q6_K:
+        step = c["d"].astype(np.float32) * c["sc"].astype(np.float32)  # [blocks, 16]
+        return np.repeat(step, 16, axis=1) * c["q"].astype(np.float32)
+    step = c["d"].astype(np.float32) * c["sc"].astype(np.float32)  # [blocks, 8]
+    offset = c["dmin"].astype(np.float32) * c["m"].astype(np.float32)
+    return np.repeat(step, 32, axis=1) * c["q"].astype(np.float32) - np.repeat(offset, 32, axis=1)
+
+
+def _pack_scales_k4(sc: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """The 12 bytes of 8 six-bit scales and mins (ggml's get_scale_min_k4, inverted): bytes 0-3
+    hold sc[0:4] and the top two bits of sc[4:8], bytes 4-7 m[0:4] and the top bits of m[4:8],
+    bytes 8-11 the low nibbles of sc[4:8] (low) and m[4:8] (high)."""
+    out = np.zeros((sc.shape[0], 12), np.uint8)
+    out[:, 0:4] = sc[:, 0:4] | ((sc[:, 4:8] >> 4) << 6)
+    out[:, 4:8] = m[:, 0:4] | ((m[:, 4:8] >> 4) << 6)
+    out[:, 8:12] = (sc[:, 4:8] & 0xF) | ((m[:, 4:8] & 0xF) << 4)
+    return out
+
+
+def k_pack(t: Q, c: dict[str, np.ndarray]) -> np.ndarray:
+    """The ggml block bytes [blocks, type_size] of the codes (structs of ggml-common.h)."""
+    q = c["q"]
+    n = q.shape[0]
+    if t == Q.Q8_K:  # float d; int8 qs[256]; int16 bsums[16]
+        bsums = q.astype(np.int16).reshape(n, 16, 16).sum(-1).astype("<i2")
+        parts = [c["d"].astype("<f4").view(np.uint8), q.view(np.uint8), bsums.view(np.uint8)]
+    elif t == Q.Q6_K:  # uint8 ql[128]; uint8 qh[64]; int8 scales[16]; half d
+        u = (q.astype(np.int16) + 32).astype(np.uint8).reshape(n, 2, 4, 32)  # halves of 128
+        lo = u & 0xF
+        ql = np.concatenate([lo[:, :, 0] | (lo[:, :, 2] << 4), lo[:, :, 1] | (lo[:, :, 3] << 4)], axis=2)
+        hi = u >> 4
+        qh = hi[:, :, 0] | (hi[:, :, 1] << 2) | (hi[:, :, 2] << 4) | (hi[:, :, 3] << 6)
+        parts = [ql.reshape(n, 128), qh.reshape(n, 64), c["sc"].view(np.uint8),
+                 c["d"].astype("<f2").view(np.uint8)]
+    else:  # half d; half dmin; uint8 scales[12]; (Q5_K: uint8 qh[32];) uint8 qs[128]
+        sub = q.reshape(n, 8, 32)
+        qs = (sub[:, 0::2] & 0xF) | ((sub[:, 1::2] & 0xF) << 4)  # sub-blocks 2k, 2k+1 share bytes
+        parts = [c["d"].astype("<f2").view(np.uint8), c["dmin"].astype("<f2").view(np.uint8),
+                 _pack_scales_k4(c["sc"], c["m"])]
+        if t == Q.Q5_K:  # bit s of qh[l] is the fifth bit of element l of sub-block s
+            parts.append(sum(((sub[:, s] >> 4) & 1) << s for s in range(8)).astype(np.uint8))
+        parts.append(qs.reshape(n, 128))
+    out = np.concatenate(parts, axis=1)
+    assert out.shape[1] == gguf.GGML_QUANT_SIZES[t][1], (t.name, out.shape)
+    return out
+
+
+def k_error_bound(w: np.ndarray, t: Q) -> np.ndarray:
+    """Per-element bound on |k_dequantize(k_quantize(w)) - w|: half a step, plus the range a
+    sub-block scale rounded to a whole multiple of the super-block scale d can miss (up to half
+    of d per level) and, for Q4_K/Q5_K, half of dmin from rounding the min."""
+    c = k_quantize(w, t)
+    n = c["q"].shape[0]
+    if t == Q.Q8_K:
+        bound = np.repeat(0.5 * c["d"], QK_K, axis=1)
+    elif t == Q.Q6_K:
+        d = c["d"].astype(np.float32)
+        bound = np.repeat(0.5 * d * c["sc"] + 0.5 * 32 * d, 16, axis=1)
+    else:
+        nmax = 15 if t == Q.Q4_K else 31
+        d, dmin = c["d"].astype(np.float32), c["dmin"].astype(np.float32)
+        bound = np.repeat(0.5 * d * c["sc"] + 0.5 * nmax * d + 0.5 * dmin, 32, axis=1)
+    return (bound.reshape(n, QK_K) + 1e-6).reshape(w.shape)
 
 
 def write_gguf(path: Path, state: dict[str, np.ndarray], *, arch: str = "llama",
@@ -157,6 +281,7 @@ def write_gguf(path: Path, state: dict[str, np.ndarray], *, arch: str = "llama",
     """Writes `state` (HF layout and names) as llama.cpp would: renamed, q/k permuted, quantized."""
     types = TYPES if types is None else types
     c = dict(TINY, **(meta_overrides or {}))
+    head_dim = c["hidden_size"] // c["num_attention_heads"]
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(c["num_hidden_layers"])
     w.add_context_length(c["max_position_embeddings"])
@@ -167,7 +292,7 @@ def write_gguf(path: Path, state: dict[str, np.ndarray], *, arch: str = "llama",
     w.add_head_count_kv(c["num_key_value_heads"])
     w.add_rope_freq_base(c["rope_theta"])
     w.add_layer_norm_rms_eps(c["rms_norm_eps"])
-    w.add_rope_dimension_count(HEAD_DIM)
+    w.add_rope_dimension_count(head_dim)
     w.add_vocab_size(c["vocab_size"])
     if "rope_scaling_type" in c:
         w.add_string(f"{arch}.rope.scaling.type", c["rope_scaling_type"])
@@ -209,6 +334,8 @@ def expected_values(state: dict[str, np.ndarray], types=None) -> dict[str, np.nd
             out[hf] = w
         elif t == Q.F16:
             out[hf] = w.astype(np.float16).astype(np.float32)
+        elif t in K_QUANTS:
+            out[hf] = k_dequantize(t, k_quantize(w, t)).reshape(w.shape)
         else:
             out[hf] = gguf.quants.dequantize(gguf.quants.quantize(w, t), t).astype(np.float32)
     return out
@@ -219,6 +346,8 @@ def error_bound(w: np.ndarray, t: Q) -> np.ndarray:
     fp16 scales add a relative 2^-11 on top of half a quantization step)."""
     if t == Q.F32:
         return np.zeros_like(w)
+    if t in K_QUANTS:
+        return k_error_bound(w, t)
     if t == Q.F16:
         return np.abs(w) * 2.0 ** -11 + 1e-7
     if t == Q.BF16:
@@ -308,11 +437,11 @@ def test_read_gguf_tied_embeddings(tmp_path):
     assert set(got) == set(state)
 
 
-def test_matches_transformers_gguf_loader(tiny_file):
-    """transformers' own GGUF reader (dequantize + its reverse permute) agrees bit for bit."""
+def assert_read_like_transformers(path: Path) -> None:
+    """`read_gguf` and transformers' own GGUF reader (dequantize + its reverse permute) agree
+    bit for bit on every tensor of `path`."""
     import torch
     import transformers  # (gguf_file loading also needs accelerate, a test dependency)
-    path, _ = tiny_file
     _, got = read_gguf(path)
     model = transformers.AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=torch.float32)
@@ -320,6 +449,112 @@ def test_matches_transformers_gguf_loader(tiny_file):
     assert set(theirs) == set(got)
     for name, value in got.items():
         np.testing.assert_array_equal(value, theirs[name], err_msg=name)
+
+
+def test_matches_transformers_gguf_loader(tiny_file):
+    assert_read_like_transformers(tiny_file[0])
+
+
+# ------------------------------------------------------------------------------ K-quants
+
+# One 256-value super-block per row: every matrix of this model has rows of 256.
+K_SIZES = dict(TINY, hidden_size=256, intermediate_size=256)
+K_TYPES = {
+    "model.embed_tokens.weight": Q.Q4_K,
+    "lm_head.weight": Q.Q6_K,
+    "model.layers.0.self_attn.q_proj.weight": Q.Q4_K,
+    "model.layers.0.self_attn.k_proj.weight": Q.Q5_K,
+    "model.layers.0.self_attn.v_proj.weight": Q.Q6_K,
+    "model.layers.0.self_attn.o_proj.weight": Q.Q8_K,
+    "model.layers.0.mlp.gate_proj.weight": Q.Q5_K,
+    "model.layers.0.mlp.up_proj.weight": Q.Q4_K,
+    "model.layers.0.mlp.down_proj.weight": Q.Q6_K,
+    "model.layers.1.self_attn.q_proj.weight": Q.Q8_K,
+    "model.layers.1.self_attn.k_proj.weight": Q.Q4_K,
+    "model.layers.1.self_attn.v_proj.weight": Q.Q5_K,
+    "model.layers.1.self_attn.o_proj.weight": Q.Q6_K,
+    "model.layers.1.mlp.gate_proj.weight": Q.Q4_K,
+    "model.layers.1.mlp.up_proj.weight": Q.Q8_K,
+    "model.layers.1.mlp.down_proj.weight": Q.Q5_K,
+}
+
+
+@pytest.fixture(scope="module")
+def k_file(tmp_path_factory) -> tuple[Path, dict[str, np.ndarray]]:
+    state = tiny_state(seed=7, sizes=K_SIZES)
+    state["model.layers.0.mlp.up_proj.weight"][:3] = np.abs(state["model.layers.0.mlp.up_proj.weight"][:3])
+    state["model.layers.1.mlp.down_proj.weight"][5] = 0.0  # an all-zero super-block
+    path = write_gguf(tmp_path_factory.mktemp("kq") / "k.gguf", state, types=K_TYPES,
+                      meta_overrides=K_SIZES)
+    return path, state
+
+
+def test_k_quant_known_blocks():
+    """Blocks built by hand from ggml-common.h decode to the formula, through the same code
+    `read_gguf` uses (gguf's dequantizers for Q4_K/Q5_K/Q6_K, tevjax's for Q8_K)."""
+    from tevjax.convert.gguf import _dequantize_q8_k
+
+    e = np.arange(QK_K)
+    sc, m = np.arange(1, 9, dtype=np.uint8)[None], np.arange(8, dtype=np.uint8)[None]
+    # ggml's 12 scale bytes for sc = 1..8, m = 0..7 (layout comment in gguf.quants.Q4_K)
+    assert _pack_scales_k4(sc, m).tolist() == [[1, 2, 3, 4, 0, 1, 2, 3, 0x45, 0x56, 0x67, 0x78]]
+    for t, nmax in ((Q.Q4_K, 15), (Q.Q5_K, 31)):
+        codes = {"d": _f16([[1.0]]), "dmin": _f16([[0.5]]), "sc": sc, "m": m,
+                 "q": (e % (nmax + 1)).astype(np.uint8)[None]}
+        want = (e // 32 + 1) * (e % (nmax + 1)) - 0.5 * (e // 32)
+        np.testing.assert_array_equal(gguf.quants.dequantize(k_pack(t, codes), t)[0], want)
+    codes = {"d": _f16([[0.25]]), "sc": np.arange(-8, 8, dtype=np.int8)[None],
+             "q": (e % 64 - 32).astype(np.int8)[None]}
+    np.testing.assert_array_equal(gguf.quants.dequantize(k_pack(Q.Q6_K, codes), Q.Q6_K)[0],
+                                  0.25 * (e // 16 - 8) * (e % 64 - 32))
+    codes = {"d": np.float32([[0.5]]), "q": (e - 128).astype(np.int8)[None]}
+    np.testing.assert_array_equal(_dequantize_q8_k(k_pack(Q.Q8_K, codes)), 0.5 * (e - 128))
+
+
+@pytest.mark.parametrize("t", K_QUANTS)
+def test_k_quantizer_matches_ggml_decoding(t):
+    """The test's packer agrees with the decoders on random data (guards the helpers)."""
+    from tevjax.convert.gguf import _dequantize_q8_k
+
+    w = (np.random.default_rng(1).standard_normal((4, 2 * QK_K)) * 0.3).astype(np.float32)
+    codes = k_quantize(w, t)
+    raw = k_pack(t, codes).reshape(4, -1)
+    got = _dequantize_q8_k(raw) if t == Q.Q8_K else gguf.quants.dequantize(raw, t)
+    np.testing.assert_array_equal(got.reshape(w.shape), k_dequantize(t, codes).reshape(w.shape))
+    assert np.all(np.abs(got.reshape(w.shape) - w) <= k_error_bound(w, t))
+
+
+def test_read_gguf_k_quants_exactly_and_within_bound(k_file):
+    path, state = k_file
+    cfg, got = read_gguf(path)
+    assert (cfg["hidden_size"], cfg["head_dim"]) == (256, 64)
+    want = expected_values(state, K_TYPES)
+    assert set(got) == set(state)
+    for name, value in got.items():
+        np.testing.assert_array_equal(value, want[name], err_msg=name)
+        t = K_TYPES.get(name, Q.F32)
+        assert np.all(np.abs(value - state[name]) <= error_bound(state[name], t)), (name, t.name)
+    # the bound still catches a q_proj left in llama.cpp's row order
+    q = "model.layers.0.self_attn.q_proj.weight"
+    wrong = llamacpp_permute(got[q], K_SIZES["num_attention_heads"])
+    assert not np.all(np.abs(wrong - state[q]) <= error_bound(state[q], K_TYPES[q]))
+
+
+def test_k_quants_match_transformers_gguf_loader(tmp_path):
+    """transformers reads Q4_K/Q5_K/Q6_K (not Q8_K) files too; it agrees bit for bit."""
+    types = {k: (Q.Q8_0 if t == Q.Q8_K else t) for k, t in K_TYPES.items()}
+    assert_read_like_transformers(write_gguf(tmp_path / "k.gguf", tiny_state(seed=8, sizes=K_SIZES),
+                                             types=types, meta_overrides=K_SIZES))
+
+
+@pytest.mark.parametrize("t", [Q.Q2_K, Q.Q3_K])
+def test_other_k_quants_refused_by_name(tmp_path, t):
+    types = dict(K_TYPES, **{"model.layers.1.mlp.up_proj.weight": t})
+    path = write_gguf(tmp_path / "k.gguf", tiny_state(sizes=K_SIZES), types=types,
+                      meta_overrides=K_SIZES)
+    with pytest.raises(GGUFError, match=rf"'blk\.1\.ffn_up\.weight' has ggml type {t.name}, which is "
+                                        r"not supported \(supported: .*Q4_K, Q5_K, Q6_K, Q8_K\)"):
+        read_gguf(path)
 
 
 # ------------------------------------------------------------------------------ bad inputs

@@ -21,7 +21,11 @@ Two layout facts matter (both from llama.cpp's `convert_hf_to_gguf.py`):
       GGUF rows  [q0, q2, q1, q3]    rope pairs (q0, q2) and (q1, q3) made adjacent
 
 Quantized tensors are dequantized to float32 with the `gguf` package; quantization blocks run along
-a row, so the row permutation above commutes with dequantization.
+a row, so the row permutation above commutes with dequantization. Besides the 32-value blocks
+(Q8_0, Q4_0, Q4_1), the K-quants that make up llama.cpp's Q4_K_M / Q5_K_M / Q6_K files are read:
+256-value super-blocks with 6-bit (Q4_K, Q5_K) or 8-bit (Q6_K) sub-block scales, and Q8_K (a
+float32 scale and int8 values), which the `gguf` package cannot dequantize, so
+`_dequantize_q8_k` does it here.
 """
 
 from __future__ import annotations
@@ -54,9 +58,9 @@ __all__ = [
 ]
 
 SUPPORTED_ARCHITECTURES = ("llama",)
-# ggml type names accepted by `read_gguf`; each is covered by a round-trip test. Others (K-quants,
-# IQ-quants) are refused by name rather than dequantized untested.
-SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
+# ggml type names accepted by `read_gguf`; each is covered by a round-trip test. Others (Q2_K,
+# Q3_K, Q5_0/Q5_1, IQ-quants, ...) are refused by name rather than dequantized untested.
+SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q8_K")
 # Written last into a converted directory; its presence means the directory is complete.
 CONVERSION_MARKER = "tevjax_conversion.json"
 # Bumped whenever the produced directory would change, so cached conversions are redone.
@@ -310,13 +314,27 @@ def _dequantize(path: Path, tensor) -> np.ndarray:
     if type_name not in SUPPORTED_TENSOR_TYPES:
         raise GGUFError(f"{path}: tensor {tensor.name!r} has ggml type {type_name}, which is not "
                         f"supported (supported: {', '.join(SUPPORTED_TENSOR_TYPES)})")
-    values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    if type_name == "Q8_K":
+        values = _dequantize_q8_k(tensor.data)
+    else:
+        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
     # numpy order of the logical shape: ggml lists dims fastest-first.
     shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
     if values.size != int(np.prod(shape)):
         raise GGUFError(f"{path}: tensor {tensor.name!r} dequantized to {values.size} values, "
                         f"expected {shape}")
     return np.ascontiguousarray(values.reshape(shape), dtype=np.float32)
+
+
+def _dequantize_q8_k(data: np.ndarray) -> np.ndarray:
+    """Flat float32 values of ggml `block_q8_K` data (ggml-common.h): per 256 values a float32
+    scale d, int8 qs[256] and int16 bsums[16] (sums for dot products, unused here); y = d * qs."""
+    gguf = _gguf()
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q8_K]  # (256, 4 + 256 + 32)
+    blocks = np.ascontiguousarray(data).view(np.uint8).reshape(-1, size)
+    d = blocks[:, :4].copy().view("<f4").astype(np.float32)  # [blocks, 1]
+    qs = blocks[:, 4:4 + block].view(np.int8).astype(np.float32)
+    return (d * qs).reshape(-1)
 
 
 def _read(path: Path) -> tuple[dict[str, Any], dict[str, np.ndarray], dict[str, Any]]:
