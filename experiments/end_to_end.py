@@ -50,12 +50,12 @@ from flax import nnx
 
 from tevjax.convert.tokenizer import chat_prompt_ids
 from tevjax.decode.engine import DecodeConfig, Decoder
-from tevjax.decode.loading import load_models
+from tevjax.loading import load_models
 from tevjax.models.cache import KVCache
 from tevjax.models.layers import causal_mask
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from prompts import DATASETS, load_prompt_sets  # noqa: E402  (experiments/ is not a package)
+from tevjax.prompts import DATASETS, load_prompt_sets  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "end_to_end.md"
 QUICK_RESULTS = Path("/tmp/end_to_end_quick.md")

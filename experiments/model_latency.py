@@ -46,7 +46,7 @@ from tevjax.builder import build_ddtree
 from tevjax.convert.embedded import prepare_smollm2
 from tevjax.convert.hf import load_hf_target
 from tevjax.convert.tokenizer import chat_prompt_ids, load_tokenizer
-from tevjax.decode.loading import SMOLLM2_MASK_TOKEN, fresh_drafter
+from tevjax.loading import SMOLLM2_MASK_TOKEN, fresh_drafter
 from tevjax.models.cache import KVCache
 from tevjax.models.dflash import DrafterCache, features_from_output
 from tevjax.models.layers import causal_mask

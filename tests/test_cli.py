@@ -8,7 +8,7 @@ import pytest
 from tevjax.cli import main
 from tevjax.convert.hf import save_hf_target
 from tevjax.decode import DecodeConfig, Decoder
-from tevjax.models.transformer import random_model, tiny_config
+from tevjax.testing import random_model, tiny_config
 from test_gguf import SPECIALS, tiny_vocab
 from test_tokenizer import tiny_meta, write_tok_dir
 

@@ -21,7 +21,7 @@ from tevjax.decode import DecodeConfig, Decoder
 from tevjax.models.cache import KVCache
 from tevjax.models.dflash import DFlashConfig, DFlashDrafter
 from tevjax.models.layers import causal_mask
-from tevjax.models.transformer import random_model, tiny_config
+from tevjax.testing import random_model, tiny_config
 from treegen import softmax
 
 SPECULATIVE = ("tev", "predraw", "sequential")

@@ -35,7 +35,7 @@ from flax import nnx
 
 from tevjax.convert.tokenizer import chat_prompt_ids
 from tevjax.decode import DecodeConfig, Decoder
-from tevjax.decode.loading import load_models
+from tevjax.loading import load_models
 from tevjax.models.cache import KVCache
 from tevjax.models.layers import causal_mask
 from tevjax.models.transformer import forward

@@ -31,7 +31,8 @@ from tevjax.models.dflash import (
     features_from_hidden,
     features_from_output,
 )
-from tevjax.models.transformer import ForwardOutput, random_model, tiny_config
+from tevjax.models.transformer import ForwardOutput
+from tevjax.testing import random_model, tiny_config
 
 BS = 4  # block size of the fixture drafter
 IDS = (1, 3)  # tapped target layers
@@ -231,11 +232,13 @@ def test_public_config_parses_and_round_trips():
 
 
 def test_for_target_defaults():
-    q = DFlashConfig.for_target(PRESETS["qwen3-8b"])
+    with pytest.raises(ValueError, match="mask_token_id"):
+        DFlashConfig.for_target(PRESETS["qwen3-8b"])  # no silent default that may be a real token
+    q = DFlashConfig.for_target(PRESETS["qwen3-8b"], mask_token_id=151669)
     assert q.target_layer_ids == (1, 9, 17, 25, 33) and q.num_layers == 5 and q.block_size == 16
-    assert q.mask_token_id == 151935 and q.hidden_size == 4096 and q.num_target_layers == 36
+    assert q.mask_token_id == 151669 and q.hidden_size == 4096 and q.num_target_layers == 36
     q.check_target(PRESETS["qwen3-8b"])
-    ll = DFlashConfig.for_target(PRESETS["llama-3.1-8b"], block_size=10)
+    ll = DFlashConfig.for_target(PRESETS["llama-3.1-8b"], block_size=10, mask_token_id=128255)
     assert ll.target_layer_ids == (1, 8, 15, 22, 29) and ll.rope_scaling == PRESETS["llama-3.1-8b"].rope_scaling
     assert DFlashConfig.from_hf_config(ll.to_hf_config()) == ll
     with pytest.raises(ValueError, match="hidden_size"):
@@ -264,12 +267,12 @@ def test_context_features_layout_and_last_layer_tap():
     hidden = jax.random.normal(jax.random.key(0), (2, 3, 2, 64))  # [B, T, R, D], R = taps
     final = jax.random.normal(jax.random.key(1), (2, 3, 64))
     out = ForwardOutput(logits=None, hidden=hidden, final_hidden=final, cache=None)
-    feats = features_from_output(out, DFlashConfig.for_target(tcfg, num_layers=2, target_layer_ids=(1, 3)), tcfg)
+    feats = features_from_output(out, DFlashConfig.for_target(tcfg, num_layers=2, target_layer_ids=(1, 3), mask_token_id=0), tcfg)
     # Concatenated in tap order along the feature axis (the reference's torch.cat(dim=-1)).
     np.testing.assert_array_equal(np.asarray(feats), np.concatenate([hidden[:, :, 0], hidden[:, :, 1]], -1))
     np.testing.assert_array_equal(np.asarray(features_from_hidden(hidden)), np.asarray(feats))
     # HF's hidden_states[L] is the final-normed output, so a tap of the last layer reads it.
-    last = features_from_output(out, DFlashConfig.for_target(tcfg, num_layers=2, target_layer_ids=(1, 5)), tcfg)
+    last = features_from_output(out, DFlashConfig.for_target(tcfg, num_layers=2, target_layer_ids=(1, 5), mask_token_id=0), tcfg)
     np.testing.assert_array_equal(np.asarray(last[..., 64:]), np.asarray(final))
     np.testing.assert_array_equal(np.asarray(last[..., :64]), np.asarray(hidden[:, :, 0]))
 

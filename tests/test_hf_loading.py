@@ -24,7 +24,8 @@ from tevjax.convert import (
     save_hf_target,
     target_weight_rules,
 )
-from tevjax.models import PRESETS, KVCache, ModelConfig, Transformer, causal_mask, random_model, tiny_config
+from tevjax.models import PRESETS, KVCache, ModelConfig, Transformer, causal_mask
+from tevjax.testing import random_model, tiny_config
 
 import torch  # noqa: E402  (test dependency, installed by the Makefile)
 import transformers  # noqa: E402

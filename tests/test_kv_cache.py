@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from tevjax.models import KVCache, causal_mask, forward, random_model, tiny_config
+from tevjax.models import KVCache, causal_mask, forward
+from tevjax.testing import random_model, tiny_config
 from tevjax.tree import DraftTree
 
 FWD = jax.jit(forward, static_argnames=("graphdef", "hidden_layers", "compute_logits"))

@@ -119,7 +119,7 @@ def test_whole_model_parity(hf_pair):
 
 def test_jit_matches_eager():
     """The split/merge jitted form gives the same logits as the eager module call."""
-    from tevjax.models import random_model, tiny_config
+    from tevjax.testing import random_model, tiny_config
 
     cfg = tiny_config("qwen3")
     model = random_model(cfg, seed=7)

@@ -51,7 +51,7 @@ _LAZY = {
     "DecodeConfig": "tevjax.decode.engine",
     "Decoder": "tevjax.decode.engine",
     "Generation": "tevjax.decode.engine",
-    "load_models": "tevjax.decode.loading",
+    "load_models": "tevjax.loading",
 }
 
 __all__ = [

@@ -29,7 +29,7 @@ def main(*, max_new_tokens: int = 64, budget: int = 16, samples: int = 50_000, s
 
     from tevjax.convert.tokenizer import chat_prompt_ids
     from tevjax.decode.engine import DecodeConfig, Decoder
-    from tevjax.decode.loading import load_models
+    from tevjax.loading import load_models
 
     print()
     print("=" * 78)

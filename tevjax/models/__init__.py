@@ -8,8 +8,6 @@ from tevjax.models.transformer import (
     Transformer,
     forward,
     full_mask,
-    random_model,
-    tiny_config,
 )
 
 __all__ = [
@@ -27,7 +25,5 @@ __all__ = [
     "causal_mask",
     "forward",
     "full_mask",
-    "random_model",
     "rope_inv_freq",
-    "tiny_config",
 ]

@@ -40,8 +40,6 @@ __all__ = [
     "Transformer",
     "forward",
     "full_mask",
-    "random_model",
-    "tiny_config",
 ]
 
 
@@ -246,41 +244,3 @@ def forward(graphdef, state, tokens, positions, cache, write_pos, block_mask, *,
     """
     return nnx.merge(graphdef, state)(tokens, positions, cache, write_pos, block_mask,
                                       hidden_layers=hidden_layers, compute_logits=compute_logits)
-
-
-def tiny_config(architecture: str = "llama", **overrides) -> ModelConfig:
-    """A few-layer float32 config for tests (GQA 4/2 heads, vocab 300)."""
-    fields = dict(
-        architecture=architecture, vocab_size=300, hidden_size=64, intermediate_size=128,
-        num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6,
-        rope_theta=10000.0, tie_word_embeddings=architecture == "qwen3",
-        qk_norm=architecture == "qwen3", max_position_embeddings=256, eos_token_ids=(2,),
-        bos_token_id=1,
-    )
-    fields.update(overrides)
-    return ModelConfig(**fields)
-
-
-def random_model(cfg: ModelConfig, seed: int = 0) -> Transformer:
-    """A randomly initialised model for tests, filled from numpy (no per-op XLA compiles).
-
-    Kernels ~ N(0, 1/fan_in), embeddings ~ N(0, 1/D) (so tied logits are O(1)), biases ~ N(0, 0.1^2), and norm scales
-    ~ 1 + N(0, 0.1^2) rather than ones, so a mis-mapped norm or q/k norm cannot go unnoticed.
-    """
-    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
-    rng = np.random.default_rng(seed)
-    dtype = jnp.dtype(cfg.param_dtype)
-    for path, var in sorted(((tuple(map(str, p)), v) for p, v in nnx.iter_graph(model)
-                             if isinstance(v, nnx.Param)), key=lambda pv: pv[0]):
-        shape = var.get_value().shape
-        name = path[-1]
-        if name == "scale":
-            x = 1.0 + 0.1 * rng.standard_normal(shape)
-        elif name == "embedding":
-            x = rng.standard_normal(shape) / np.sqrt(shape[-1])
-        elif name == "bias":
-            x = 0.1 * rng.standard_normal(shape)
-        else:  # kernel [..., in, out]
-            x = rng.standard_normal(shape) / np.sqrt(shape[-2])
-        var.set_value(jnp.asarray(x, dtype))
-    return model

