@@ -45,7 +45,8 @@ from tevjax.models.transformer import Transformer
 from tevjax.tree import DraftTree
 from tevjax.verifiers import VERIFIERS, verify
 
-__all__ = ["DecodeConfig", "DecodeState", "Decoder", "Generation"]
+__all__ = ["DecodeConfig", "DecodeState", "Decoder", "Generation", "commit", "draft", "draft_trees", "emit",
+           "root_trees", "tree_pass"]
 
 AR = "ar"
 
@@ -156,47 +157,66 @@ def _prefill(tstate, dstate, tokens, lengths, keys, *, tgd, dgd, cfg: DecodeConf
     )
 
 
-def _round(tstate, dstate, state: DecodeState, *, tgd, dgd, cfg: DecodeConfig) -> DecodeState:
-    """One draft -> build -> tree pass -> verify -> commit round for every row."""
-    target: Transformer = nnx.merge(tgd, tstate)
-    b = state.root.shape[0]
-    active = ~state.done
-    split = jax.vmap(jax.random.split)(state.keys)  # [B, 2]
-    keys, sub = split[:, 0], split[:, 1]
+# ------------------------------------------------------------------------------- round stages
+# One round is draft -> tree -> tree pass -> verify -> commit -> emit. Each stage is a pure
+# function of arrays and (merged) models, shared by the engine, the benchmarks (which time them
+# one by one) and training (which builds its ExitTrain trees with `draft_trees`).
 
-    if cfg.speculative:
-        drafter: DFlashDrafter = nnx.merge(dgd, dstate)
-        bs = drafter.cfg.block_size
-        block = drafter.block_tokens(state.root)
-        positions = state.cache_len[:, None] + jnp.arange(bs, dtype=jnp.int32)
-        draft_logits = drafter(target, block, positions, state.drafter_cache, state.cache_len)
-        log_q = jax.nn.log_softmax(draft_logits, axis=-1)
-        trees, _ = jax.vmap(build_ddtree, in_axes=(0, 0, None))(log_q, state.root, cfg.budget)
-        taps = drafter.cfg.target_layer_ids
-    else:
-        trees = jax.vmap(DraftTree.from_parents)(state.root[:, None], jnp.full((b, 1), -1, jnp.int32))
-        taps = ()
 
-    out = target(trees.tokens, state.cache_len[:, None] + trees.depth, state.target_cache,
-                 state.cache_len, trees.ancestors, hidden_layers=taps)
-    method = cfg.verifier if cfg.speculative else "tev"  # a root-only tree: tev is plain sampling
-    ver = jax.vmap(lambda k, t, l: verify(k, t, l, cfg.temperature, method))(sub, trees, out.logits)
+def draft(drafter: DFlashDrafter, target: Transformer, root: jax.Array, cache_len: jax.Array,
+          drafter_cache: DrafterCache) -> jax.Array:
+    """Draft logits [B, G, V] (G = bs - 1) of the block [root, MASK x G] at positions cache_len + 0..G."""
+    positions = cache_len[:, None] + jnp.arange(drafter.cfg.block_size, dtype=jnp.int32)
+    return drafter(target, drafter.block_tokens(root), positions, drafter_cache, cache_len)
 
-    # Commit: the root already sits at slot cache_len; path node i moves from cache_len + node to
+
+def draft_trees(draft_logits: jax.Array, root: jax.Array, budget: int) -> DraftTree:
+    """DDTree trees [B, N] from draft logits [B, G, V]: per-depth log-marginals, then the builder.
+
+    Training calls this same function on detached logits, so its trees are the decoder's trees.
+    """
+    log_q = jax.nn.log_softmax(draft_logits.astype(jnp.float32), axis=-1)
+    trees, _ = jax.vmap(build_ddtree, in_axes=(0, 0, None))(log_q, root, budget)
+    return trees
+
+
+def root_trees(root: jax.Array) -> DraftTree:
+    """Root-only trees [B, 1]: the autoregressive step as a degenerate tree pass."""
+    return jax.vmap(DraftTree.from_parents)(root[:, None], jnp.full((root.shape[0], 1), -1, jnp.int32))
+
+
+def tree_pass(target: Transformer, trees: DraftTree, cache_len: jax.Array, cache: KVCache,
+              taps: tuple[int, ...] = ()):
+    """One target pass over every row's tree at slots cache_len + node, positions cache_len + depth,
+    attending to the committed prefix and the node's ancestors -> `ForwardOutput` (logits [B, N, V])."""
+    return target(trees.tokens, cache_len[:, None] + trees.depth, cache, cache_len, trees.ancestors,
+                  hidden_layers=taps)
+
+
+def commit(out, ver, state: DecodeState, drafter: DFlashDrafter | None, target_cfg) -> tuple[KVCache, DrafterCache | None]:
+    """Caches after accepting `ver`'s path: the path's target K/V moved to contiguous slots after
+    the root, and (speculative) the drafter context extended by the root + path features."""
+    # The root already sits at slot cache_len; path node i moves from cache_len + node to
     # cache_len + i (i = 1..D). move_slots reads before it writes, so overlaps are safe.
     src = jnp.where(ver.path >= 0, state.cache_len[:, None] + ver.path, -1)
     target_cache = out.cache.move_slots(src, state.cache_len + 1)
-    drafter_cache = state.drafter_cache
-    if cfg.speculative:
-        feats = features_from_output(out, drafter.cfg, target.cfg)  # [B, N, F]
-        # Root + accepted path (unused tail entries repeat the root: they land above the new
-        # context length, where they are invisible and overwritten next round).
-        nodes = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), jnp.maximum(ver.path, 0)], axis=1)
-        ctx = jnp.take_along_axis(feats, nodes[..., None], axis=1)
-        ctx_pos = state.cache_len[:, None] + jnp.arange(nodes.shape[1], dtype=jnp.int32)
-        drafter_cache = drafter.append_context(state.drafter_cache, ctx, ctx_pos, state.cache_len)
+    if drafter is None:
+        return target_cache, state.drafter_cache
+    b = state.root.shape[0]
+    feats = features_from_output(out, drafter.cfg, target_cfg)  # [B, N, F]
+    # Root + accepted path (unused tail entries repeat the root: they land above the new
+    # context length, where they are invisible and overwritten next round).
+    nodes = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), jnp.maximum(ver.path, 0)], axis=1)
+    ctx = jnp.take_along_axis(feats, nodes[..., None], axis=1)
+    ctx_pos = state.cache_len[:, None] + jnp.arange(nodes.shape[1], dtype=jnp.int32)
+    return target_cache, drafter.append_context(state.drafter_cache, ctx, ctx_pos, state.cache_len)
 
-    # Emit the block (accepted tokens + bonus), cut at the first EOS and at max_new_tokens.
+
+def emit(ver, state: DecodeState, cfg: DecodeConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Writes the block (accepted tokens + bonus), cut at the first EOS and at max_new_tokens, into
+    the output buffer -> (out [B, O], num_out [B], finished [B])."""
+    b = state.root.shape[0]
+    active = ~state.done
     block_tokens, count = ver.tokens, ver.num_tokens
     j = jnp.arange(block_tokens.shape[1], dtype=jnp.int32)
     eos = jnp.isin(block_tokens, jnp.asarray(cfg.eos_ids or (-2,), jnp.int32)) & (j < count[:, None])
@@ -208,6 +228,28 @@ def _round(tstate, dstate, state: DecodeState, *, tgd, dgd, cfg: DecodeConfig) -
     out_buf = state.out.at[jnp.arange(b)[:, None], cols].set(block_tokens, mode="drop")
     num_out = state.num_out + count
     finished = active & (has_eos | (num_out >= cfg.max_new_tokens))
+    return out_buf, num_out, finished
+
+
+def _round(tstate, dstate, state: DecodeState, *, tgd, dgd, cfg: DecodeConfig) -> DecodeState:
+    """One draft -> build -> tree pass -> verify -> commit -> emit round for every row."""
+    target: Transformer = nnx.merge(tgd, tstate)
+    active = ~state.done
+    split = jax.vmap(jax.random.split)(state.keys)  # [B, 2]
+    keys, sub = split[:, 0], split[:, 1]
+
+    drafter = nnx.merge(dgd, dstate) if cfg.speculative else None
+    if drafter is not None:
+        trees = draft_trees(draft(drafter, target, state.root, state.cache_len, state.drafter_cache),
+                            state.root, cfg.budget)
+        taps = drafter.cfg.target_layer_ids
+    else:
+        trees, taps = root_trees(state.root), ()
+    out = tree_pass(target, trees, state.cache_len, state.target_cache, taps)
+    method = cfg.verifier if cfg.speculative else "tev"  # a root-only tree: tev is plain sampling
+    ver = jax.vmap(lambda k, t, l: verify(k, t, l, cfg.temperature, method))(sub, trees, out.logits)
+    target_cache, drafter_cache = commit(out, ver, state, drafter, target.cfg)
+    out_buf, num_out, finished = emit(ver, state, cfg)
 
     return DecodeState(
         target_cache=target_cache,

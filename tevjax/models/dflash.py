@@ -57,6 +57,7 @@ __all__ = [
     "default_target_layer_ids",
     "features_from_hidden",
     "features_from_output",
+    "tapped_hidden",
 ]
 
 _DTYPES = ("float32", "bfloat16", "float16")
@@ -70,9 +71,9 @@ def features_from_hidden(hidden: jax.Array) -> jax.Array:
     return hidden.reshape(hidden.shape[:-2] + (hidden.shape[-2] * hidden.shape[-1],))
 
 
-def features_from_output(out, cfg: "DFlashConfig", target_cfg: ModelConfig) -> jax.Array:
-    """Context features [B, T, n*D] from a target `ForwardOutput` computed with
-    `hidden_layers=cfg.target_layer_ids`.
+def tapped_hidden(out, layer_ids: Sequence[int], num_target_layers: int) -> jax.Array:
+    """[B, T, R, D] hidden states of the target's tapped layers from a `ForwardOutput` computed
+    with `hidden_layers=layer_ids`, as the reference reads them.
 
     The reference taps HF `hidden_states[i + 1]`, which is decoder layer i's output except for
     the last layer: transformers replaces `hidden_states[L]` with the final-normed hidden state.
@@ -80,13 +81,18 @@ def features_from_output(out, cfg: "DFlashConfig", target_cfg: ModelConfig) -> j
     `out.final_hidden`, so such drafters see what they were trained on.
     """
     hidden = out.hidden
-    if hidden.shape[-2] != cfg.num_features:
-        raise ValueError(f"target output holds {hidden.shape[-2]} hidden layers, the drafter taps {cfg.num_features}")
-    last = target_cfg.num_layers - 1
-    for r, layer in enumerate(cfg.target_layer_ids):
-        if layer == last:
+    if hidden.shape[-2] != len(layer_ids):
+        raise ValueError(f"target output holds {hidden.shape[-2]} hidden layers, {len(layer_ids)} are tapped")
+    for r, layer in enumerate(layer_ids):
+        if layer == num_target_layers - 1:
             hidden = hidden.at[..., r, :].set(out.final_hidden.astype(hidden.dtype))
-    return features_from_hidden(hidden)
+    return hidden
+
+
+def features_from_output(out, cfg: "DFlashConfig", target_cfg: ModelConfig) -> jax.Array:
+    """Context features [B, T, n*D] from a target `ForwardOutput` computed with
+    `hidden_layers=cfg.target_layer_ids` (see `tapped_hidden`)."""
+    return features_from_hidden(tapped_hidden(out, cfg.target_layer_ids, target_cfg.num_layers))
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
@@ -199,14 +205,15 @@ class DFlashConfig:
 
         * `target_layer_ids`: default `default_target_layer_ids(L, num_layers)` (one tap per
           drafter layer, evenly from 1 to L-3), the rule behind every released drafter.
-        * `mask_token_id`: default `vocab_size - 1`, the target's last embedding row. For the
-          targets tevjax ships that id is never produced by the tokenizer: Qwen3 has 151936 rows
-          but its tokenizer stops at 151668 (the released Qwen3 drafters use 151669, the first
-          spare row; either works for a fresh drafter), and Llama-3's last id is
-          `<|reserved_special_token_247|>`. For a vocabulary without spare rows pass an explicit
-          id; a collision with a real token is harmless except when the anchor token itself
-          equals the mask id, since only block position 0 ever carries a real token.
+        * `mask_token_id`: required. It must be an id that text never contains, because block
+          position 0 carries a real token and a collision makes the anchor look like a mask. A
+          target's last embedding row is not such an id in general (SmolLM2's id 49151 is a real
+          token); `tevjax.loading.mask_token_for` picks one from the tokenizer (`<empty_output>`
+          for SmolLM2, the first spare row past the tokenizer for Qwen3: 151669, as released).
         """
+        if mask_token_id is None:
+            raise ValueError("DFlashConfig.for_target needs mask_token_id: an id that text never contains "
+                             "(tevjax.loading.mask_token_for picks one from the target's tokenizer)")
         ids = (default_target_layer_ids(target_cfg.num_layers, num_layers)
                if target_layer_ids is None else tuple(int(i) for i in target_layer_ids))
         return cls(
@@ -223,7 +230,7 @@ class DFlashConfig:
             max_position_embeddings=target_cfg.max_position_embeddings,
             block_size=block_size,
             target_layer_ids=ids,
-            mask_token_id=target_cfg.vocab_size - 1 if mask_token_id is None else mask_token_id,
+            mask_token_id=mask_token_id,
             num_target_layers=target_cfg.num_layers,
             dtype=dtype or target_cfg.dtype,
             param_dtype=param_dtype or target_cfg.param_dtype,
@@ -490,7 +497,9 @@ class DFlashDrafter(nnx.Module):
             x = x * jnp.asarray(self.cfg.input_embedding_scale, x.dtype)
         return x
 
-    def _logits(self, target, hidden):
+    def logits(self, target, hidden: jax.Array) -> jax.Array:
+        """Final-normed drafter hidden states [..., D] -> draft logits [..., V] float32 through the
+        target's LM head (and the optional output multiplier and soft cap)."""
         logits = target.logits(hidden).astype(jnp.float32)
         if self.cfg.output_multiplier != 1.0:
             logits = logits * self.cfg.output_multiplier
@@ -563,7 +572,7 @@ class DFlashDrafter(nnx.Module):
         (normally anchor + arange(bs)); cache slots < ctx_len[b] are the visible context.
         Row j of the result is the drafter's distribution of the token at positions[:, j + 1].
         """
-        return self._logits(target, self.hidden(target, block_tokens, positions, cache, ctx_len))
+        return self.logits(target, self.hidden(target, block_tokens, positions, cache, ctx_len))
 
     # ------------------------------------------------------------------ training
 
@@ -619,4 +628,4 @@ class DFlashDrafter(nnx.Module):
         """
         h = self.train_hidden(target, features, tokens, anchors, positions=positions,
                               context_mask=context_mask, anchor_chunk=anchor_chunk)
-        return self._logits(target, h)
+        return self.logits(target, h)
