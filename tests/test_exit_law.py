@@ -1,12 +1,13 @@
 """The canonical exit law against brute-force enumeration and its structural identities."""
 
 import jax
+import jax.extend.core as jex
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from tevjax.law import exit_law
+from tevjax.law import exit_law, law_from_edges
 from tevjax.tree import DraftTree
 from treegen import (
     assign_tokens,
@@ -184,3 +185,141 @@ def test_vmap_over_different_trees_equals_one_by_one_and_jit_equals_eager():
         for ref in (one, eager):
             np.testing.assert_allclose(np.asarray(out.exit_prob[i]), np.asarray(ref.exit_prob), atol=1e-6)
             np.testing.assert_allclose(np.asarray(out.coverage[i]), np.asarray(ref.coverage), atol=1e-6)
+
+
+# --- "scan" (level-by-level) and "matrix" (ancestor product) propagation give the same law ---
+
+# Both multiply the same edge probabilities root-first, but XLA may associate the matrix's
+# reductions differently. P and C_p: relative 1e-6 (a few float32 ulps; observed <= 2). rho = 1 - the
+# children's mass cancels, so its error is absolute: 2.4e-7 = 2 ulps at 1 (observed 1), and w = P rho
+# inherits it (P <= 1).
+SCAN_TOL = {"prefix_prob": 0.0, "coverage": 0.0, "local_exit": 2.4e-7, "exit_prob": 2.4e-7}
+
+
+@jax.jit(static_argnums=3)
+def _laws_both(tokens, parents, logits, temperature):
+    tree = DraftTree.from_parents(tokens, parents)
+    return exit_law(tree, logits, temperature, "matrix"), exit_law(tree, logits, temperature, "scan")
+
+
+def _assert_same_law(matrix, scan):
+    for field, atol in SCAN_TOL.items():
+        got, want = np.asarray(getattr(scan, field)), np.asarray(getattr(matrix, field))
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=atol, err_msg=field)
+
+
+def _shaped_case(shape, rng, vocab=24):
+    """A tree of the named shape with logits; padded rows hold NaN, neg_inf rows hold -inf entries."""
+    n = {"chain": 40, "star": 20}.get(shape, 24)
+    parents = {
+        "chain": lambda: chain(n),
+        "star": lambda: star(n),
+        "deep": lambda: random_parents(n, rng, max_children=2, bias=8.0),
+    }.get(shape, lambda: random_parents(n, rng, max_children=4, bias=rng.uniform(0, 4)))()
+    tokens = assign_tokens(parents, vocab, rng, root_token=int(rng.integers(vocab)))
+    # Boost drafted tokens so that P stays well above float32 underflow down a 40-node chain
+    # and greedy paths go below the root.
+    logits = rng.normal(size=(n, vocab)).astype(np.float32) * 2.0
+    logits[np.maximum(parents, 0)[1:], tokens[1:]] += 8.0
+    if shape == "neg_inf":
+        # -inf on a third of the entries, drafted tokens included (zero-probability edges).
+        logits[rng.random(logits.shape) < 0.33] = -np.inf
+        logits[:, 0] = np.maximum(logits[:, 0], 0.0)  # every row keeps a finite entry
+    logits[0, tokens[1]] = logits[0].max() + 1.0  # node 1 is the root's top token: C_p >= P(1) > 0
+    if shape == "padded":
+        parents, tokens, new_index = insert_padding(parents, tokens, [1, 5, 5, 12, n, n])
+        padded = np.full((len(parents), vocab), np.nan, np.float32)
+        padded[new_index] = logits
+        logits = padded
+    return tokens, parents, logits
+
+
+SCAN_SHAPES = ("random", "padded", "chain", "star", "deep", "neg_inf")
+
+
+@pytest.mark.parametrize("shape", SCAN_SHAPES)
+@pytest.mark.parametrize("temperature", [1.0, 0.6, 0.0])
+def test_scan_propagation_equals_matrix(shape, temperature):
+    # A seed from the parameters' positions: hash() of a str changes from one process to the next.
+    rng = np.random.default_rng([SCAN_SHAPES.index(shape), int(temperature * 10)])
+    tokens, parents, logits = _shaped_case(shape, rng)
+    matrix, scan = _laws_both(tokens, parents, logits, temperature)
+    _assert_same_law(matrix, scan)
+    assert float(matrix.coverage) > 0.1  # a non-trivial law: mass reaches below the root
+    assert not np.isnan(np.asarray(scan.exit_prob)).any()
+    pad = ~np.asarray(DraftTree.from_parents(tokens, parents).valid)
+    for field in ("prefix_prob", "local_exit", "exit_prob"):
+        assert np.all(np.asarray(getattr(scan, field))[pad] == 0.0)
+
+
+def test_scan_propagation_on_a_root_only_tree():
+    # N = 1: the scan runs zero levels; w is the point mass on the root.
+    root = (np.zeros(1, np.int32), np.full(1, -1, np.int32), np.zeros((1, 5), np.float32))
+    matrix, scan = _laws_both(*root, 1.0)
+    _assert_same_law(matrix, scan)
+    np.testing.assert_array_equal(np.asarray(scan.exit_prob), [1.0])
+
+
+def test_scan_propagation_equals_matrix_under_vmap_with_traced_temperatures():
+    rng = np.random.default_rng(5)
+    cases = [_shaped_case(shape, rng) for shape in ("random", "deep", "neg_inf", "random")]
+    tok, par, lg = (np.stack([c[i] for c in cases]) for i in range(3))
+    temps = np.array([1.0, 0.6, 0.0, 1.3], np.float32)
+
+    @jax.jit
+    @jax.vmap
+    def batched(t, p, l, temp):
+        tree = DraftTree.from_parents(t, p)
+        return exit_law(tree, l, temp, "matrix"), exit_law(tree, l, temp, "scan")
+
+    matrix, scan = batched(tok, par, lg, temps)
+    _assert_same_law(matrix, scan)
+    for i in range(len(cases)):
+        one_matrix, one_scan = _laws_both(tok[i], par[i], lg[i], float(temps[i]))
+        _assert_same_law(one_matrix, jax.tree.map(lambda x: x[i], scan))
+        _assert_same_law(one_scan, jax.tree.map(lambda x: x[i], scan))
+
+
+def test_verifier_entry_point_accepts_both_propagations():
+    rng = np.random.default_rng(9)
+    tokens, parents, logits = _shaped_case("padded", rng)
+    tree = DraftTree.from_parents(tokens, parents)
+    edge_prob = jnp.asarray(rng.uniform(0, 0.3, len(parents)), jnp.float32) * tree.valid * (tree.parents >= 0)
+    laws = [jax.jit(law_from_edges, static_argnums=2)(tree, edge_prob, p) for p in ("matrix", "scan")]
+    _assert_same_law(*laws)
+    with pytest.raises(ValueError, match="propagation"):
+        law_from_edges(tree, edge_prob, "ancestors")
+
+
+def _square_values(jaxpr: jex.Jaxpr, n: int) -> list[tuple[str, tuple[int, ...]]]:
+    """(primitive, shape) of every value computed in `jaxpr` or its sub-jaxprs with two axes of size n."""
+    found = []
+    for eqn in jaxpr.eqns:
+        for var in eqn.outvars:
+            shape = tuple(getattr(var.aval, "shape", ()))
+            if sum(d == n for d in shape) >= 2:
+                found.append((eqn.primitive.name, shape))
+        for sub in jex.jaxprs_in_params(eqn.params):
+            found += _square_values(sub, n)
+    return found
+
+
+def test_scan_propagation_builds_no_n_by_n_intermediate():
+    # N = 37 and V = 50 so that no other axis is of size N. The tree (with its [N, N] ancestor
+    # mask) is an input here: only values the law computes are inspected.
+    n, vocab, batch = 37, 50, 3
+    rng = np.random.default_rng(2)
+    parents = random_parents(n, rng, max_children=3)
+    tree = DraftTree.from_parents(assign_tokens(parents, vocab, rng), parents)
+    logits = jnp.asarray(rng.normal(size=(n, vocab)), jnp.float32)
+    trees, lgs = jax.tree.map(lambda x: jnp.stack([x] * batch), (tree, logits))
+
+    def squares(propagation):
+        one = jax.make_jaxpr(lambda t, l, temp: exit_law(t, l, temp, propagation))(tree, logits, 0.7)
+        many = jax.make_jaxpr(jax.vmap(lambda t, l, temp: exit_law(t, l, temp, propagation)))(
+            trees, lgs, jnp.full(batch, 0.7)
+        )
+        return _square_values(one.jaxpr, n) + _square_values(many.jaxpr, n)
+
+    assert squares("scan") == []
+    assert squares("matrix")  # the check does see the ancestor product's [N, N] values
