@@ -148,3 +148,16 @@ def test_smollm2_streams_emoji_as_the_json_text(capsys):
     code, out, err = _run(capsys, *argv)
     assert code == 0, err
     assert out.rsplit("\n[tevjax] ", 1)[0] == text
+
+
+def test_seed_high_bits_change_sampling(capsys, tiny_dir):
+    """Seeds that differ only above bit 32 (or at the top of the 64-bit range) sample differently."""
+    path, _ = tiny_dir
+    argv = ["generate", "--target", str(path), "--prompt-ids", "1,2,3", "--max-new-tokens", "8",
+            "--temperature", "1.0", "--verifier", "ar", "--json"]
+    tokens = {}
+    for seed in ("0", "4294967296", "18446744073709551615"):
+        code, out, err = _run(capsys, *argv, "--seed", seed)
+        assert code == 0, err
+        tokens[seed] = json.loads(out.strip().splitlines()[-1])["tokens"]
+    assert len({tuple(t) for t in tokens.values()}) == 3

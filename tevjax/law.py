@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from tevjax import sampling
-from tevjax.tree import DraftTree
+from tevjax.tree import DraftTree, check_tree_logits
 
 __all__ = ["PROPAGATION", "ExitLaw", "exit_law", "is_greedy"]
 
@@ -168,4 +168,5 @@ def exit_law(
     Jittable and `vmap`-composable (over trees, logits and temperatures). `propagation` picks how
     P and rho are propagated through the tree ("matrix" or "scan"; same law, see `law_from_edges`).
     """
+    check_tree_logits(tree, logits, "exit_law")
     return law_from_edges(tree, edge_stats(tree, logits, temperature).edge_prob, propagation)

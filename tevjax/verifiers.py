@@ -29,7 +29,7 @@ import jax.numpy as jnp
 
 from tevjax import sampling
 from tevjax.law import EdgeStats, _greedy_stats, _sample_stats, is_greedy, law_from_edges
-from tevjax.tree import DraftTree
+from tevjax.tree import DraftTree, check_tree_logits
 
 __all__ = ["VerifyOutput", "verify", "VERIFIERS"]
 
@@ -164,6 +164,7 @@ def verify(
     """
     if method not in VERIFIERS:
         raise ValueError(f"unknown verifier method {method!r}; choose one of {sorted(VERIFIERS)}")
+    check_tree_logits(tree, logits, "verify")
     sample = VERIFIERS[method]
     greedy = is_greedy(temperature)
     if greedy is True:

@@ -42,6 +42,7 @@ from tevjax.models.cache import KVCache
 from tevjax.models.dflash import DFlashDrafter, DrafterCache, features_from_output
 from tevjax.models.layers import causal_mask
 from tevjax.models.transformer import Transformer
+from tevjax.seeding import seed_key
 from tevjax.tree import DraftTree
 from tevjax.verifiers import VERIFIERS, verify
 
@@ -342,7 +343,7 @@ class Decoder:
         tokens = np.zeros((len(prompts), tp + 1), np.int32)
         for i, p in enumerate(prompts):
             tokens[i, : len(p)] = p
-        keys = jax.vmap(lambda r: jax.random.fold_in(jax.random.key(seed), r))(jnp.arange(len(prompts)))
+        keys = jax.vmap(lambda r: jax.random.fold_in(seed_key(seed), r))(jnp.arange(len(prompts)))
         return self._prefill_fn(capacity)(self.tstate, self.dstate, jnp.asarray(tokens),
                                           jnp.asarray(lengths, jnp.int32), keys)
 
