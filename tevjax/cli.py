@@ -21,15 +21,58 @@ class CliError(Exception):
     """An error the user can fix; printed as one line."""
 
 
-def _positive_int(name):
+def _int_at_least(name, minimum):
     def parse(text):
         try:
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"{name} must be >= 1, got {value}")
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{name} must be >= {minimum}, got {value}")
         return value
+
+    return parse
+
+
+def _positive_int(name):
+    return _int_at_least(name, 1)
+
+
+def _nonnegative_int(name):
+    return _int_at_least(name, 0)
+
+
+def _float(name, minimum, inclusive):
+    def parse(text):
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a number, got {text!r}") from None
+        ok = value >= minimum if inclusive else value > minimum
+        if not ok or value == float("inf"):
+            raise argparse.ArgumentTypeError(f"{name} must be a finite number {'>=' if inclusive else '>'} {minimum}, got {text!r}")
+        return value
+
+    return parse
+
+
+def _positive_float(name):
+    return _float(name, 0.0, inclusive=False)
+
+
+def _nonnegative_float(name):
+    return _float(name, 0.0, inclusive=True)
+
+
+def _int_list(name):
+    def parse(text):
+        try:
+            values = tuple(int(x) for x in text.replace(" ", "").split(",") if x != "")
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be comma-separated integers, got {text!r}") from None
+        if not values:
+            raise argparse.ArgumentTypeError(f"{name} is empty")
+        return values
 
     return parse
 
@@ -100,6 +143,79 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
     gen.set_defaults(func=cmd_generate)
 
+    data = sub.add_parser("data", help="regenerate training data: ShareGPT prompts, target responses, tapped features")
+    data.add_argument("--target", default="smollm2", help="'smollm2' (embedded default) or a Hugging Face model directory")
+    data.add_argument("--num-prompts", type=_positive_int("--num-prompts"), required=True, help="training prompts")
+    data.add_argument("--max-new-tokens", type=_positive_int("--max-new-tokens"), default=256)
+    data.add_argument("--out", type=Path, required=True, help="data directory to create (or complete with --resume)")
+    data.add_argument("--resume", action="store_true", help="complete an interrupted run in --out")
+    data.add_argument("--heldout", type=_nonnegative_int("--heldout"), default=256, help="held-out prompts (never trained on)")
+    data.add_argument("--heldout-records", type=_nonnegative_int("--heldout-records"), default=64,
+                      help="held-out prompts that also get regenerated responses, for training-time evaluation")
+    data.add_argument("--max-prompt-tokens", type=_positive_int("--max-prompt-tokens"), default=256)
+    data.add_argument("--batch-size", type=_positive_int("--batch-size"), default=64, help="prompts per generate call (= per shard)")
+    data.add_argument("--taps", type=_int_list("--taps"), default=None,
+                      help="target layers whose hidden states are stored (default: 5 evenly spaced from 1 to L-3, plus L-1)")
+    data.add_argument("--seed", type=int, default=0, help="prompt order")
+    data.add_argument("--no-progress", action="store_true", help="no progress bar (JSON lines only)")
+    data.set_defaults(func=cmd_data)
+
+    tr = sub.add_parser("train", help="train a DFlash drafter (token loss + ExitTrain); `tevjax train export RUN DIR` exports")
+    tr.add_argument("--target", default="smollm2", help="'smollm2' (embedded default) or a Hugging Face model directory")
+    tr.add_argument("--data", type=Path, required=True, help="a `tevjax data` directory")
+    tr.add_argument("--out", type=Path, required=True, help="run directory (checkpoints, logs)")
+    tr.add_argument("--steps", type=_positive_int("--steps"), required=True, help="total optimizer steps")
+    tr.add_argument("--layers", type=_positive_int("--layers"), default=1, help="drafter layers (fresh drafter)")
+    tr.add_argument("--block-size", type=_positive_int("--block-size"), default=16)
+    tr.add_argument("--taps", type=_int_list("--taps"), default=None,
+                    help="target layers the drafter reads (default: every layer stored in --data)")
+    tr.add_argument("--init", default=None, help="start from this DFlash drafter directory instead of a fresh one")
+    tr.add_argument("--exit-lambda", type=_nonnegative_float("--exit-lambda"), default=0.1, help="0 = token loss only")
+    tr.add_argument("--exit-weight", default="w", help="w (default), w_depth, P_floored or P_rescaled")
+    tr.add_argument("--exit-budget", type=_positive_int("--exit-budget"), default=8, help="tree budget of the exit loss")
+    tr.add_argument("--exit-anchors", type=_positive_int("--exit-anchors"), default=8, help="anchors per sequence with a tree")
+    tr.add_argument("--lr", type=_positive_float("--lr"), default=6e-4)
+    tr.add_argument("--warmup", type=_nonnegative_float("--warmup"), default=0.04, help="warmup fraction of --steps")
+    tr.add_argument("--weight-decay", type=_nonnegative_float("--weight-decay"), default=0.0)
+    tr.add_argument("--gamma", type=_nonnegative_float("--gamma"), default=7.0, help="token-loss position decay; 0 = off")
+    tr.add_argument("--batch", type=_positive_int("--batch"), default=8, help="sequences per global batch")
+    tr.add_argument("--anchors", type=_positive_int("--anchors"), default=32, help="anchor blocks per sequence")
+    tr.add_argument("--seq-len", type=_positive_int("--seq-len"), default=512)
+    tr.add_argument("--seed", type=int, default=0)
+    tr.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
+    tr.add_argument("--until", type=_positive_int("--until"), default=None, help="stop (with a checkpoint) after this step")
+    tr.add_argument("--checkpoint-every", type=_positive_float("--checkpoint-every"), default=300.0, help="seconds")
+    tr.add_argument("--eval-every", type=_positive_float("--eval-every"), default=600.0, help="seconds between held-out evaluations")
+    tr.add_argument("--mesh", default=None, help="device mesh, e.g. data=8 (default: all devices on `data`)")
+    tr.add_argument("--coordinator", default=None, help="multi-host: coordinator address host:port")
+    tr.add_argument("--num-processes", type=_positive_int("--num-processes"), default=None)
+    tr.add_argument("--process-id", type=_nonnegative_int("--process-id"), default=None)
+    tr.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="compute dtype (bfloat16 on GPUs keeps float32 master weights)")
+    tr.add_argument("--no-progress", action="store_true")
+    tr.set_defaults(func=cmd_train)
+
+    ex = sub.add_parser("train-export", help=argparse.SUPPRESS)  # reached as `tevjax train export RUN DIR`
+    ex.add_argument("run_dir", type=Path)
+    ex.add_argument("drafter_dir", type=Path)
+    ex.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    ex.set_defaults(func=cmd_export)
+
+    ev = sub.add_parser("eval", help="tau, tokens/s and speedup against autoregressive decoding, per budget")
+    ev.add_argument("--target", default="smollm2")
+    ev.add_argument("--drafter", default=None, help="DFlash drafter directory (default: the shipped one)")
+    ev.add_argument("--prompts", default="heldout",
+                    help="a file with one prompt per line, or heldout[:DATA_DIR], mtbench, humaneval, gsm")
+    ev.add_argument("--num-prompts", type=_positive_int("--num-prompts"), default=8)
+    ev.add_argument("--budgets", type=_int_list("--budgets"), default=(4, 8, 16, 32))
+    ev.add_argument("--temperature", type=_temperature, default=0.0)
+    ev.add_argument("--verifier", default="tev")
+    ev.add_argument("--max-new-tokens", type=_positive_int("--max-new-tokens"), default=128)
+    ev.add_argument("--batch-size", type=_positive_int("--batch-size"), default=1)
+    ev.add_argument("--seed", type=int, default=0)
+    ev.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    ev.set_defaults(func=cmd_eval)
+
     demo = sub.add_parser("demo", help="the main demonstration on the embedded default")
     demo.add_argument("--max-new-tokens", type=_positive_int("--max-new-tokens"), default=64)
     demo.add_argument("--budget", type=_positive_int("--budget"), default=16)
@@ -154,7 +270,7 @@ def cmd_generate(args) -> int:
     prompts = _read_prompts(args)  # cheap checks before the (slow) model load
 
     from tevjax.decode.engine import DecodeConfig, Decoder
-    from tevjax.decode.loading import load_models
+    from tevjax.loading import load_models
 
     t0 = time.perf_counter()
     models = load_models(args.target, args.drafter, dtype=args.dtype)
@@ -223,6 +339,121 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_data(args) -> int:
+    from tevjax.loading import load_target
+    from tevjax.models.dflash import default_target_layer_ids
+    from tevjax.train.rollout import RolloutConfig, generate_data
+
+    if args.out.exists() and not args.out.is_dir():
+        raise CliError(f"--out {str(args.out)!r} is a file, not a directory")
+    loaded = load_target(args.target, dtype="float32")
+    for note in loaded.notes:
+        print(f"tevjax: note: {note}", file=sys.stderr)
+    n_layers = loaded.target_cfg.num_layers
+    taps = args.taps
+    if taps is None:
+        taps = tuple(sorted(set(default_target_layer_ids(n_layers, 5)) | {n_layers - 1})) if n_layers >= 4 \
+            else (n_layers // 2,)
+    cfg = RolloutConfig(num_prompts=args.num_prompts, heldout_prompts=args.heldout,
+                        heldout_records=min(args.heldout_records, args.heldout),
+                        max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
+                        batch_size=args.batch_size, taps=taps, seed=args.seed)
+    manifest = generate_data(loaded, cfg, args.out, resume=args.resume, progress=not args.no_progress,
+                             log=lambda line: print(line, file=sys.stderr, flush=True))
+    shards = manifest["shards"].values()
+    print(json.dumps({"out": str(args.out), "complete": manifest["complete"],
+                      "records": sum(s["records"] for s in shards),
+                      "response_tokens": sum(s["response_tokens"] for s in shards),
+                      "timings": manifest["timings"]}))
+    return 0
+
+
+def _mesh(args):
+    from tevjax.sharding import initialize_distributed, make_mesh, parse_mesh
+
+    initialize_distributed(args.coordinator, args.num_processes, args.process_id)
+    sizes = parse_mesh(args.mesh) if args.mesh else {}
+    return make_mesh(sizes.get("data"), sizes.get("model", 1))
+
+
+def cmd_train(args) -> int:
+    from tevjax.train.objectives import EXIT_WEIGHTS
+
+    if args.exit_weight not in EXIT_WEIGHTS:
+        raise CliError(f"--exit-weight {args.exit_weight!r} is not one of {', '.join(EXIT_WEIGHTS)}")
+    if not args.data.is_dir():
+        raise CliError(f"--data {str(args.data)!r}: no such directory")
+    if args.init is not None and not Path(args.init).is_dir():
+        raise CliError(f"--init {args.init!r}: no such drafter directory")
+    from flax import nnx
+
+    from tevjax.convert.dflash_ckpt import load_dflash
+    from tevjax.loading import load_target, mask_token_for
+    from tevjax.models.dflash import DFlashConfig, DFlashDrafter
+    from tevjax.train.rollout import read_manifest
+    from tevjax.train.run import train
+    from tevjax.train.step import TrainConfig
+
+    manifest = read_manifest(args.data)
+    mesh = _mesh(args)
+    loaded = load_target(args.target, dtype=args.dtype)
+    if manifest["target_config"]["vocab_size"] != loaded.target_cfg.vocab_size or \
+            manifest["target_config"]["num_layers"] != loaded.target_cfg.num_layers:
+        raise CliError(f"--data {str(args.data)!r} was generated by another target ({manifest['target']!r})")
+    if args.init is not None:
+        _, drafter = load_dflash(args.init, loaded.target_cfg, dtype=args.dtype, param_dtype="float32")
+    else:
+        taps = args.taps or tuple(manifest["rollout"]["taps"])
+        dcfg = DFlashConfig.for_target(loaded.target_cfg, num_layers=args.layers, block_size=args.block_size,
+                                       mask_token_id=mask_token_for(loaded.target_cfg, loaded.tokenizer),
+                                       target_layer_ids=taps, dtype=args.dtype, param_dtype="float32")
+        drafter = DFlashDrafter(dcfg, rngs=nnx.Rngs(args.seed))
+    cfg = TrainConfig(steps=args.steps, batch_size=args.batch, anchors=args.anchors, seq_len=args.seq_len,
+                      lr=args.lr, warmup=args.warmup, weight_decay=args.weight_decay,
+                      gamma=args.gamma or None, exit_lambda=args.exit_lambda, exit_weight=args.exit_weight,
+                      exit_budget=args.exit_budget, exit_anchors=min(args.exit_anchors, args.anchors),
+                      seed=args.seed)
+    state = train(loaded.target, drafter, args.data, args.out, cfg, target_name=args.target, resume=args.resume,
+                  until=args.until, mesh=mesh, checkpoint_every_s=args.checkpoint_every,
+                  eval_every_s=args.eval_every, progress=not args.no_progress,
+                  log=lambda line: print(line, file=sys.stderr, flush=True))
+    print(json.dumps({"run": str(args.out), "step": int(state.step), "steps": args.steps}))
+    return 0
+
+
+def cmd_export(args) -> int:
+    from tevjax.train.run import export_run
+
+    dcfg = export_run(args.run_dir, args.drafter_dir, dtype=args.dtype)
+    print(json.dumps({"drafter": str(args.drafter_dir), "layers": dcfg.num_layers,
+                      "target_layer_ids": list(dcfg.target_layer_ids), "dtype": args.dtype}))
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from tevjax.evaluate import evaluate, format_table, load_eval_prompts
+
+    if args.verifier not in VERIFIER_CHOICES or args.verifier == "ar":
+        raise CliError(f"--verifier {args.verifier!r} is not one of {', '.join(v for v in VERIFIER_CHOICES if v != 'ar')}")
+    texts = load_eval_prompts(args.prompts, args.num_prompts, seed=args.seed)
+    from tevjax.loading import load_models
+
+    models = load_models(args.target, args.drafter)
+    for note in models.notes:
+        print(f"tevjax: note: {note}", file=sys.stderr)
+    result = evaluate(models, texts, budgets=args.budgets, temperature=args.temperature, verifier=args.verifier,
+                      max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, seed=args.seed,
+                      log=lambda line: print(line, file=sys.stderr, flush=True))
+    result["prompts"] = args.prompts
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(format_table(result))
+    if result.get("mismatches"):
+        raise CliError(f"{result['mismatches']} greedy outputs differ from autoregressive decoding")
+    return 0
+
+
 def cmd_demo(args) -> int:
     from tevjax import demo
 
@@ -233,13 +464,18 @@ def cmd_demo(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # `tevjax [--debug] train export RUN DIR` is its own (hidden) subcommand.
+    first = next((i for i, a in enumerate(argv) if not a.startswith("-")), None)
+    if first is not None and argv[first: first + 2] == ["train", "export"]:
+        argv = [*argv[:first], "train-export", *argv[first + 2:]]
     args = parser.parse_args(argv)
     try:
         return args.func(args)
     except KeyboardInterrupt:
         print("tevjax: interrupted", file=sys.stderr)
         return 130
-    except (CliError, ValueError, FileNotFoundError, OSError) as e:
+    except (CliError, ValueError, FileNotFoundError, FileExistsError, OSError) as e:
         if args.debug:
             raise
         print(f"tevjax: error: {e}", file=sys.stderr)

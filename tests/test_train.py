@@ -1,0 +1,283 @@
+"""The training system on tiny random models: data generation and its resume, the step (frozen
+target, data-parallel equality), orbax checkpoints (exact resume, crash safety, clear errors),
+export, training trees == decoder trees, and the CLI's one-line errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from tevjax.cli import main
+from tevjax.convert.dflash_ckpt import load_dflash
+from tevjax.decode.engine import DecodeConfig, Decoder, draft, draft_trees
+from tevjax.loading import LoadedTarget
+from tevjax.models import KVCache, causal_mask
+from tevjax.models.dflash import DFlashConfig, DFlashDrafter, features_from_output
+from tevjax.sharding import make_mesh
+from tevjax.testing import random_model, tiny_config
+from tevjax.train.dataset import Batch, TrainData
+from tevjax.train.rollout import RolloutConfig, generate_data, read_manifest
+from tevjax.train.run import RunError, export_run, train
+from tevjax.train.step import TrainConfig, Trainer
+
+TAPS = (1, 3)
+BS = 6
+
+
+def _target():
+    return random_model(tiny_config(num_layers=4), seed=0)
+
+
+def _loaded(target):
+    return LoadedTarget(name="tiny", hf_dir=Path("."), target_cfg=target.cfg, target=target, tokenizer=None,
+                        eos_ids=(2,), notes=[])
+
+
+def _prompts(n, seed):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 300, rng.integers(4, 12)).tolist() for _ in range(n)]
+
+
+ROLLOUT = RolloutConfig(num_prompts=12, heldout_prompts=4, heldout_records=4, max_new_tokens=20,
+                        max_prompt_tokens=64, batch_size=4, taps=TAPS)
+PROMPTS = (_prompts(4, 1), _prompts(12, 2))
+
+
+def _drafter(target, seed=0):
+    cfg = DFlashConfig.for_target(target.cfg, num_layers=1, block_size=BS, mask_token_id=5, target_layer_ids=TAPS)
+    return DFlashDrafter(cfg, rngs=nnx.Rngs(seed))
+
+
+CFG = TrainConfig(steps=4, batch_size=4, anchors=6, seq_len=40, lr=3e-3, exit_lambda=0.1, exit_budget=5,
+                  exit_anchors=3)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return _target()
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory, target):
+    out = tmp_path_factory.mktemp("data") / "d"
+    generate_data(_loaded(target), ROLLOUT, out, prompts=PROMPTS, progress=False, log=lambda _: None)
+    return out
+
+
+def _records(data_dir, split):
+    data = TrainData(data_dir, split)
+    return [tuple(data.record(i, [0, 1])[0].tolist()) for i in range(len(data))]
+
+
+def test_data_directory_holds_greedy_responses_and_features(data_dir, target):
+    manifest = read_manifest(data_dir)
+    assert manifest["complete"] and set(manifest["shards"]) == {"heldout-00000", "train-00000", "train-00001",
+                                                                  "train-00002"}
+    data = TrainData(data_dir, "train")
+    assert len(data) == 12
+    dec = Decoder(target, None, DecodeConfig(verifier="ar", max_new_tokens=20, eos_ids=(2,)))
+    for i in (0, 7):
+        tokens, mask, feats = data.record(i, [0, 1])
+        prompt = PROMPTS[1][i]
+        gen = dec.generate([prompt])[0].tokens
+        assert tokens.tolist() == prompt + gen  # the target's own greedy response
+        assert mask.tolist() == [False] * len(prompt) + [True] * len(gen)
+        # Features are the tapped hidden states of one causal forward (stored as bfloat16).
+        from tevjax.train.rollout import sequence_hidden
+
+        ref = sequence_hidden(target, [tokens.tolist()], TAPS)[0].astype(np.float32).reshape(len(tokens), -1)
+        np.testing.assert_array_equal(feats, ref)
+
+
+def test_data_resume_loses_and_duplicates_nothing(tmp_path, data_dir, target):
+    out = tmp_path / "d"
+    loaded = _loaded(target)
+    generate_data(loaded, ROLLOUT, out, prompts=PROMPTS, progress=False, log=lambda _: None, stop_after_shards=2)
+    assert not read_manifest(out).get("complete")
+    # A crash mid-shard leaves a temporary directory behind; it must not count.
+    (out / "shards" / ".tmp-train-00001").mkdir()
+    (out / "shards" / ".tmp-train-00001" / "tokens.npy").write_bytes(b"partial")
+    with pytest.raises(FileExistsError, match="--resume"):
+        generate_data(loaded, ROLLOUT, out, prompts=PROMPTS, progress=False, log=lambda _: None)
+    other = RolloutConfig(**{**ROLLOUT.__dict__, "max_new_tokens": 21})
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        generate_data(loaded, other, out, resume=True, progress=False, log=lambda _: None)
+    manifest = generate_data(loaded, ROLLOUT, out, resume=True, progress=False, log=lambda _: None)
+    assert manifest["complete"] and not (out / "shards" / ".tmp-train-00001").exists()
+    for split in ("train", "heldout"):
+        assert _records(out, split) == _records(data_dir, split)
+
+
+def test_batches_are_a_pure_function_of_seed_and_step(data_dir):
+    data = TrainData(data_dir, "train")
+    a = [data.order(0, s, 5).tolist() for s in range(6)]
+    assert a == [data.order(0, s, 5).tolist() for s in range(6)]
+    flat = sum(a, [])
+    # Every epoch (12 records) visits each record once.
+    assert sorted(flat[:12]) == list(range(12)) and sorted(flat[12:24]) == list(range(12))
+    assert a != [data.order(1, s, 5).tolist() for s in range(6)]
+    with pytest.raises(ValueError, match="not stored"):
+        data.tap_columns((2,))
+
+
+def _batch(data_dir, step=0):
+    data = TrainData(data_dir, "train")
+    host = data.batch(data.order(0, step, CFG.batch_size), [0, 1], CFG.seq_len)
+    return Batch(**{k: jnp.asarray(v) for k, v in host.items()})
+
+
+def test_step_trains_only_the_drafter(data_dir, target):
+    tstate_before = jax.tree.map(np.array, nnx.state(target))
+    trainer = Trainer(_drafter(target), target, CFG, make_mesh())
+    state = trainer.init_state()
+    p0 = jax.tree.map(np.array, state.params)
+    for s in range(3):
+        state, metrics = trainer.step(state, _batch(data_dir, s))
+        assert all(np.isfinite(float(v)) for v in metrics.values())
+        assert float(metrics["loss_exit"]) > 0 and float(metrics["blocks"]) > 0
+    # The target, whose embedding and LM head the drafter shares, is bit-identical.
+    jax.tree.map(np.testing.assert_array_equal, tstate_before, jax.tree.map(np.array, nnx.state(target)))
+    jax.tree.map(np.testing.assert_array_equal, tstate_before, jax.tree.map(np.array, trainer.tstate))
+    changed = jax.tree.leaves(jax.tree.map(lambda a, b: not np.array_equal(a, np.asarray(b)), p0, state.params))
+    assert all(changed)  # every drafter parameter moved
+    names = {"/".join(map(str, p)) for p, _ in jax.tree_util.tree_flatten_with_path(state.params)[0]}
+    assert not any("embed" in n or "lm_head" in n for n in names)
+
+
+def test_training_trees_are_the_decoders_trees(target):
+    drafter = _drafter(target, seed=3)
+    rng = np.random.default_rng(9)
+    tokens = rng.integers(3, 300, (1, 30)).astype(np.int32)
+    # float32 features, as the decoder's context cache holds (the data directory stores bfloat16).
+    out = target(jnp.asarray(tokens), jnp.arange(30)[None], KVCache.init(target.cfg, 1, 30), jnp.zeros((1,), jnp.int32),
+                 causal_mask(30)[None], hidden_layers=TAPS, compute_logits=False)
+    feats = features_from_output(out, drafter.cfg, target.cfg)
+    anchors = jnp.asarray([[7, 16, 25]], jnp.int32)
+    z = drafter.logits(target, drafter.train_hidden(target, feats, jnp.asarray(tokens), anchors))
+    train_trees = draft_trees(z[0], jnp.asarray(tokens[0, [7, 16, 25]]), 8)
+    for j, a in enumerate([7, 16, 25]):
+        # The decoder at context tokens[:a + 1]: prefill tokens[:a], root tokens[a], one draft.
+        dec = Decoder(target, drafter, DecodeConfig(budget=8, max_new_tokens=4))
+        state = dec.prefill([tokens[0, : a + 1].tolist()])
+        logits = draft(drafter, target, state.root, state.cache_len, state.drafter_cache)
+        dec_tree = draft_trees(logits, state.root, 8)
+        np.testing.assert_allclose(np.asarray(logits[0]), np.asarray(z[0, j]), atol=2e-5)
+        for field in ("tokens", "parents", "depth", "valid"):
+            np.testing.assert_array_equal(np.asarray(getattr(dec_tree, field)[0]),
+                                          np.asarray(getattr(train_trees, field)[j]), err_msg=field)
+
+
+def _params(run_dir, target):
+    out = run_dir.parent / (run_dir.name + "-export")
+    export_run(run_dir, out, target.cfg, dtype="float32")
+    _, d = load_dflash(out, target.cfg)
+    shutil.rmtree(out)
+    return {"/".join(map(str, p)): np.asarray(v) for p, v in jax.tree_util.tree_flatten_with_path(nnx.state(d))[0]}
+
+
+def test_exact_resume_and_checkpoint_safety(tmp_path, data_dir, target):
+    quiet = dict(progress=False, log=lambda _: None, target_name="tiny", heldout_records=4)
+    straight = train(target, _drafter(target), data_dir, tmp_path / "a", CFG, **quiet)
+    train(target, _drafter(target), data_dir, tmp_path / "b", CFG, until=2, **quiet)
+    assert sorted(os.listdir(tmp_path / "b" / "checkpoints")) == ["2"]
+    # A save that crashed half-way (orbax's temporary directory) is never taken for a checkpoint.
+    partial = tmp_path / "b" / "checkpoints" / "3.orbax-checkpoint-tmp-1"
+    partial.mkdir()
+    (partial / "junk").write_text("x")
+    with pytest.raises(RunError, match="--resume"):
+        train(target, _drafter(target), data_dir, tmp_path / "b", CFG, **quiet)
+    with pytest.raises(RunError, match="exit_budget"):
+        train(target, _drafter(target), data_dir, tmp_path / "b",
+              TrainConfig(**{**CFG.__dict__, "exit_budget": 6}), resume=True, **quiet)
+    resumed = train(target, _drafter(target), data_dir, tmp_path / "b", CFG, resume=True, **quiet)
+    assert int(resumed.step) == int(straight.step) == CFG.steps
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, straight.params),
+                 jax.tree.map(np.asarray, resumed.params))
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, straight.opt),
+                 jax.tree.map(np.asarray, resumed.opt))
+    log = [json.loads(line) for line in (tmp_path / "b" / "log.jsonl").read_text().splitlines()]
+    assert any("heldout" in e and "tau_sim@8" in e["heldout"] for e in log)
+
+    # Export == the trained parameters (float32 export is lossless); the drafter then decodes.
+    exported = _params(tmp_path / "a", target)
+    trained = {"/".join(map(str, p)): np.asarray(v)
+               for p, v in jax.tree_util.tree_flatten_with_path(straight.params)[0]}
+    assert exported.keys() == trained.keys()
+    for k in trained:
+        np.testing.assert_array_equal(exported[k], trained[k], err_msg=k)
+
+    # A corrupt checkpoint is a clear error naming it.
+    ckpt = tmp_path / "a" / "checkpoints" / str(CFG.steps)
+    for f in ckpt.rglob("*"):
+        if f.is_file() and f.stat().st_size > 64 and "state" in str(f):
+            f.write_bytes(b"\0" * f.stat().st_size)
+    with pytest.raises(RunError, match=f"checkpoints/{CFG.steps}: checkpoint is corrupt"):
+        train(target, _drafter(target), data_dir, tmp_path / "a", CFG, resume=True, **quiet)
+    with pytest.raises(RunError, match=f"checkpoints/{CFG.steps}"):
+        export_run(tmp_path / "a", tmp_path / "x", target.cfg)
+
+
+def test_two_device_step_equals_one_device_step(tmp_path, data_dir):
+    script = textwrap.dedent(f"""
+        import os
+        os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+        import sys, jax, numpy as np
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from test_train import _batch, _drafter, _target, CFG
+        from tevjax.sharding import make_mesh
+        from tevjax.train.step import Trainer
+        assert len(jax.devices()) == 2
+        target = _target()
+        batch = _batch({str(data_dir)!r})
+        out = {{}}
+        for name, mesh in (("one", make_mesh(devices=jax.devices()[:1])), ("two", make_mesh())):
+            tr = Trainer(_drafter(target), target, CFG, mesh)
+            st = tr.init_state()
+            for _ in range(2):
+                st, m = tr.step(st, batch)
+            out[name] = (jax.tree.map(np.asarray, st.params), {{k: float(v) for k, v in m.items()}})
+            if name == "two":
+                assert len(st.params["fc"]["kernel"].value.sharding.device_set) == 2
+        # Reductions are split across devices, so float32 sums round differently (~1e-7 relative);
+        # Adam divides by sqrt(v), so after two steps a parameter may differ by a few 1e-6: the
+        # stated tolerance is 2e-5 absolute on parameters (lr 3e-3) and 1e-5 relative on metrics.
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=2e-5), out["one"][0], out["two"][0])
+        for k in out["one"][1]:
+            np.testing.assert_allclose(out["one"][1][k], out["two"][1][k], rtol=1e-5, atol=1e-6, err_msg=k)
+        print("OK")
+    """)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=900)
+    assert res.returncode == 0 and "OK" in res.stdout, res.stderr[-3000:]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["train", "--data", "/nonexistent", "--out", "/tmp/x", "--steps", "2"], "--data '/nonexistent': no such directory"),
+    (["train", "--data", ".", "--out", "/tmp/x", "--steps", "0"], "--steps must be >= 1"),
+    (["train", "--data", ".", "--out", "/tmp/x", "--steps", "2", "--exit-weight", "bogus"], "--exit-weight 'bogus'"),
+    (["train", "--data", ".", "--out", "/tmp/x", "--steps", "2", "--lr", "-1"], "--lr must be a finite number > 0"),
+    (["train", "export", "/nonexistent", "/tmp/y"], "no run.json"),
+    (["eval", "--verifier", "ar"], "--verifier 'ar'"),
+    (["eval", "--prompts", "/nonexistent.txt"], "not a file"),
+    (["data", "--num-prompts", "3", "--out", "/dev/null"], "is a file"),
+])
+def test_cli_errors_are_one_line(capsys, argv, message):
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse's own usage errors
+        code = e.code
+    assert code == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1, err

@@ -1,0 +1,189 @@
+"""The training objectives against brute force: token loss, exit weights, exit loss and gradients,
+anchor sampling, and full-prefix tree scoring against the decoder's own per-anchor tree pass."""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tevjax.decode.engine import draft_trees, tree_pass
+from tevjax.law import exit_law
+from tevjax.models import KVCache, causal_mask
+from tevjax.testing import random_model, tiny_config
+from tevjax.train.objectives import (EXIT_WEIGHTS, P_FLOOR, exit_loss_terms, exit_weights, ratio, sample_anchors,
+                                     token_loss_terms)
+from tevjax.train.step import score_trees
+from tevjax.tree import DraftTree
+from tevjax.law import edge_stats, law_from_edges
+
+V = 7
+G = 4
+# A 7-node tree: root 0; depth 1: nodes 1 (tok 3), 2 (tok 5); depth 2: 3 (tok 1, under 1), 4 (tok 2,
+# under 1), 5 (tok 3, under 2); depth 3: 6 (tok 4, under 3); one padding slot.
+TOKENS = [6, 3, 5, 1, 2, 3, 4, 0]
+PARENTS = [-1, 0, 0, 1, 1, 2, 3, -1]
+
+
+def _tree():
+    return DraftTree.from_parents(jnp.asarray(TOKENS, jnp.int32), jnp.asarray(PARENTS, jnp.int32))
+
+
+def _brute_weights(target_logits, kind, temperature=1.0):
+    """omega per node by direct recursion over the tree (python floats)."""
+    p = jax.nn.softmax(np.asarray(target_logits, np.float64) / temperature, axis=-1)
+    p = np.asarray(p, np.float64)
+    n = len(TOKENS)
+    real = [i for i in range(n) if i == 0 or PARENTS[i] >= 0]
+    children = {i: [c for c in real if PARENTS[c] == i and c != 0] for i in real}
+    depth = {0: 0}
+    P, Pf = {0: 1.0}, {0: 1.0}
+    for i in sorted(real)[1:]:
+        par = PARENTS[i]
+        depth[i] = depth[par] + 1
+        P[i] = P[par] * p[par, TOKENS[i]]
+        Pf[i] = Pf[par] * max(p[par, TOKENS[i]], P_FLOOR)
+    rho = {i: max(0.0, 1.0 - sum(p[i, TOKENS[c]] for c in children[i])) for i in real}
+    w = {i: P[i] * rho[i] for i in real}
+    non_root = [i for i in real if i != 0]
+    if kind == "w":
+        om = {i: w[i] for i in non_root}
+    elif kind == "w_depth":
+        om = {i: w[i] * depth[i] for i in non_root}
+    elif kind == "P_floored":
+        om = {i: Pf[i] for i in non_root}
+    else:
+        scale = sum(w[i] for i in non_root) / sum(P[i] for i in non_root)
+        om = {i: P[i] * scale for i in non_root}
+    return om, depth, non_root
+
+
+@pytest.mark.parametrize("kind", EXIT_WEIGHTS)
+def test_exit_loss_and_gradient_match_brute_force(kind):
+    rng = np.random.default_rng(3)
+    target_logits = jnp.asarray(rng.standard_normal((len(TOKENS), V)) * 2, jnp.float32)
+    z = jnp.asarray(rng.standard_normal((G, V)), jnp.float32)
+    tree = _tree()
+    edge = edge_stats(tree, target_logits, 1.0).edge_prob
+    omega = exit_weights(law_from_edges(tree, edge), tree, edge, kind)
+    om, depth, non_root = _brute_weights(target_logits, kind)
+    np.testing.assert_allclose(np.asarray(omega)[non_root], [om[i] for i in non_root], rtol=1e-5, atol=1e-7)
+    assert float(omega[0]) == 0.0 and float(omega[-1]) == 0.0  # root and padding carry no weight
+
+    def fast(z):
+        return ratio(exit_loss_terms(jax.nn.logsumexp(z, -1), z, tree, omega, jnp.asarray(True)))
+
+    def brute(z):
+        logq = jax.nn.log_softmax(z, -1)
+        return sum(om[i] * -logq[depth[i] - 1, TOKENS[i]] for i in non_root) / len(non_root)
+
+    np.testing.assert_allclose(float(fast(z)), float(brute(z)), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(jax.grad(fast)(z)), np.asarray(jax.grad(brute)(z)), rtol=1e-5, atol=1e-7)
+    # The weights are detached: no gradient flows into the target logits through omega.
+    g_target = jax.grad(lambda t: jnp.sum(exit_weights(law_from_edges(tree, edge_stats(tree, t, 1.0).edge_prob),
+                                                       tree, edge_stats(tree, t, 1.0).edge_prob, kind)))(target_logits)
+    assert not np.any(np.asarray(g_target))
+
+
+def test_w_weights_sum_to_one_minus_root_exit():
+    rng = np.random.default_rng(4)
+    logits = jnp.asarray(rng.standard_normal((len(TOKENS), V)), jnp.float32)
+    tree = _tree()
+    edge = edge_stats(tree, logits, 1.0).edge_prob
+    law = law_from_edges(tree, edge)
+    total = float(jnp.sum(exit_weights(law, tree, edge, "w")))
+    np.testing.assert_allclose(total, 1.0 - float(law.exit_prob[0]), rtol=1e-6)
+    rescaled = float(jnp.sum(exit_weights(law, tree, edge, "P_rescaled")))
+    np.testing.assert_allclose(rescaled, total, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(law.exit_prob), np.asarray(exit_law(tree, logits, 1.0).exit_prob))
+
+
+def test_invalid_anchor_trees_do_not_count():
+    rng = np.random.default_rng(5)
+    z = jnp.asarray(rng.standard_normal((2, G, V)), jnp.float32)
+    trees = jax.tree.map(lambda x: jnp.stack([x, x]), _tree())
+    omega = jnp.ones((2, len(TOKENS)))
+    num, den = exit_loss_terms(jax.nn.logsumexp(z, -1), z, trees, omega, jnp.asarray([True, False]))
+    num1, den1 = exit_loss_terms(jax.nn.logsumexp(z[:1], -1), z[:1], jax.tree.map(lambda x: x[:1], trees),
+                                 omega[:1], jnp.asarray([True]))
+    assert float(den) == float(den1) == 6.0  # six real non-root nodes
+    np.testing.assert_allclose(float(num), float(num1), rtol=1e-6)
+
+
+@pytest.mark.parametrize("gamma", [7.0, None])
+def test_token_loss_matches_brute_force(gamma):
+    rng = np.random.default_rng(6)
+    b, q, m = 2, 12, 3
+    tokens = rng.integers(0, V, (b, q)).astype(np.int32)
+    mask = np.zeros((b, q), bool)
+    mask[0, 4:] = True
+    mask[1, 2:9] = True
+    anchors = np.array([[4, 9, 11], [2, 7, 0]], np.int32)
+    valid = np.array([[True, True, True], [True, True, False]])
+    z = rng.standard_normal((b, m, G, V)).astype(np.float32)
+    num, den = token_loss_terms(jax.nn.logsumexp(jnp.asarray(z), -1), jnp.asarray(z), jnp.asarray(tokens),
+                                jnp.asarray(mask), jnp.asarray(anchors), jnp.asarray(valid), gamma)
+    bn = bd = 0.0
+    for i, j, k in itertools.product(range(b), range(m), range(1, G + 1)):
+        a = anchors[i, j]
+        if not valid[i, j] or a + k >= q or not mask[i, a + k]:
+            continue
+        wgt = 1.0 if gamma is None else np.exp(-(k - 1) / gamma)
+        logq = z[i, j, k - 1] - np.log(np.sum(np.exp(z[i, j, k - 1].astype(np.float64))))
+        bn += wgt * -logq[tokens[i, a + k]]
+        bd += wgt
+    np.testing.assert_allclose(float(num), bn, rtol=1e-5)
+    np.testing.assert_allclose(float(den), bd, rtol=1e-6)
+
+
+def test_sample_anchors_are_distinct_eligible_and_cover():
+    mask = np.zeros(40, bool)
+    mask[10:30] = True  # eligible anchors: 10..28 (the next token must be supervised too): 19 positions
+    for seed in range(5):
+        anchors, valid = sample_anchors(jax.random.key(seed), jnp.asarray(mask), 8)
+        a = np.asarray(anchors)[np.asarray(valid)]
+        assert len(a) == 8 and len(set(a.tolist())) == 8 and np.all((a >= 10) & (a <= 28))
+        assert np.all(np.diff(a) > 0)  # sorted
+    anchors, valid = sample_anchors(jax.random.key(0), jnp.asarray(mask), 25)
+    assert int(valid.sum()) == 19 and sorted(np.asarray(anchors)[np.asarray(valid)].tolist()) == list(range(10, 29))
+    anchors, valid = sample_anchors(jax.random.key(0), jnp.zeros(40, bool), 4)
+    assert not np.any(np.asarray(valid))
+    # Every eligible position is drawn about equally often (a uniform sample without replacement).
+    counts = np.zeros(40)
+    for seed in range(400):
+        anchors, valid = sample_anchors(jax.random.key(seed), jnp.asarray(mask), 4)
+        counts[np.asarray(anchors)[np.asarray(valid)]] += 1
+    expected = 400 * 4 / 19
+    # Binomial(400, 4/19) per position: sd ~8.2, so +-40 is ~5 sd (false-alarm rate < 1e-5 overall).
+    assert np.all(np.abs(counts[10:29] - expected) < 40) and counts[:10].sum() == counts[29:].sum() == 0
+
+
+def test_full_prefix_scoring_equals_per_anchor_tree_passes():
+    tcfg = tiny_config(num_layers=2)
+    target = random_model(tcfg, seed=1)
+    rng = np.random.default_rng(7)
+    b, q, e, budget = 2, 20, 3, 5
+    tokens = jnp.asarray(rng.integers(0, tcfg.vocab_size, (b, q)), jnp.int32)
+    anchors = jnp.asarray([[3, 9, 15], [5, 6, 18]], jnp.int32)
+    log_q = jnp.asarray(rng.standard_normal((b * e, G, tcfg.vocab_size)), jnp.float32)
+    roots = jnp.take_along_axis(tokens, anchors, axis=1).reshape(-1)
+    flat = draft_trees(log_q, roots, budget)
+    trees = jax.tree.map(lambda x: x.reshape((b, e) + x.shape[1:]), flat)
+    fast = np.asarray(score_trees(target, tokens, anchors, trees))
+    for i in range(b):
+        for j in range(e):
+            a = int(anchors[i, j])
+            # The decoder's way: prefill tokens[:a] (all but the root) into a cache, then one tree pass.
+            cap = a + budget + 1
+            cache = KVCache.init(tcfg, 1, cap)
+            if a:
+                pre = tokens[i:i + 1, :a]
+                out = target(pre, jnp.arange(a)[None], cache, jnp.zeros((1,), jnp.int32), causal_mask(a)[None])
+                cache = out.cache
+            tree = jax.tree.map(lambda x: x[i:i + 1, j], trees)
+            ref = tree_pass(target, tree, jnp.asarray([a], jnp.int32), cache).logits[0]
+            valid = np.asarray(tree.valid[0])
+            np.testing.assert_allclose(fast[i, j][valid], np.asarray(ref)[valid], atol=2e-5, rtol=1e-5)

@@ -1,0 +1,106 @@
+"""Reading a `tevjax data` directory as fixed-shape training batches.
+
+Letters: B sequences per batch (global), Q padded sequence length, F = n*D feature width.
+
+The data order is a pure function of (seed, step): epoch e visits the records in the permutation
+`default_rng([seed, e]).permutation(R)`, and global batch `step` holds the records at flat
+positions step*B .. step*B + B - 1 of that endless sequence. Resuming at step k therefore reads
+exactly the batches an uninterrupted run would have read, with no state to save beyond the step.
+In a multi-process run every process reads its own contiguous slice of each global batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from tevjax.train.rollout import SHARDS, read_manifest
+
+__all__ = ["Batch", "TrainData"]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    """One fixed-shape batch of training sequences (padding: token 0, mask False, zero features)."""
+
+    tokens: jax.Array  # [B, Q] int32
+    loss_mask: jax.Array  # [B, Q] bool  supervised (response) tokens
+    features: jax.Array  # [B, Q, F] tapped target hidden states, concatenated in the drafter's tap order
+    length: jax.Array  # [B] int32 real tokens per row (0 for an all-padding row)
+
+
+class TrainData:
+    """The records of one split ("train" or "heldout") of a data directory, memory-mapped."""
+
+    def __init__(self, data_dir: str | os.PathLike, split: str = "train"):
+        self.dir = Path(data_dir)
+        self.manifest = read_manifest(self.dir)
+        self.taps = tuple(self.manifest["rollout"]["taps"])
+        self.hidden_size = int(self.manifest["target_config"]["hidden_size"])
+        shards = sorted(p for p in (self.dir / SHARDS).glob(f"{split}-*") if p.is_dir())
+        if not shards:
+            raise FileNotFoundError(f"{self.dir}: no {split!r} shards yet (is `tevjax data` still running?)")
+        self._shards = []
+        index = []
+        for s, path in enumerate(shards):
+            try:
+                arrays = {name: np.load(path / f"{name}.npy", mmap_mode="r")
+                          for name in ("tokens", "loss_mask", "offsets", "features")}
+            except (OSError, ValueError) as e:
+                raise ValueError(f"{path}: unreadable shard ({e})") from None
+            self._shards.append(arrays)
+            offsets = np.asarray(arrays["offsets"])
+            index += [(s, int(offsets[r]), int(offsets[r + 1])) for r in range(len(offsets) - 1)]
+        self.index = index  # (shard, start, end) per record
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    @property
+    def response_tokens(self) -> int:
+        return int(sum(int(np.asarray(sh["loss_mask"]).sum()) for sh in self._shards))
+
+    def tap_columns(self, layer_ids: tuple[int, ...]) -> list[int]:
+        """Positions of the drafter's tapped layers among the stored taps."""
+        missing = [t for t in layer_ids if t not in self.taps]
+        if missing:
+            raise ValueError(f"{self.dir} stores target layers {self.taps}; the drafter taps {missing}, which are "
+                             f"not stored (regenerate with `tevjax data --taps ...`)")
+        return [self.taps.index(t) for t in layer_ids]
+
+    def record(self, i: int, columns: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(tokens [q], loss_mask [q], features [q, len(columns) * D] float32) of record i."""
+        s, a, b = self.index[i]
+        sh = self._shards[s]
+        feats = np.asarray(sh["features"][a:b][:, columns])  # uint16 bfloat16 bits
+        feats = (feats.astype(np.uint32) << 16).view(np.float32).reshape(b - a, -1)
+        return np.asarray(sh["tokens"][a:b]), np.asarray(sh["loss_mask"][a:b]).astype(bool), feats
+
+    def order(self, seed: int, step: int, batch_size: int) -> np.ndarray:
+        """Record indices of global batch `step` (see the module docstring)."""
+        flat = step * batch_size + np.arange(batch_size)
+        epochs, pos = np.divmod(flat, len(self))
+        out = np.empty(batch_size, np.int64)
+        for e in np.unique(epochs):
+            perm = np.random.default_rng([seed, int(e)]).permutation(len(self))
+            out[epochs == e] = perm[pos[epochs == e]]
+        return out
+
+    def batch(self, records, columns: list[int], seq_len: int) -> dict[str, np.ndarray]:
+        """Host arrays of a `Batch` for the given record indices (cropped to seq_len)."""
+        n = len(records)
+        width = len(columns) * self.hidden_size
+        tokens = np.zeros((n, seq_len), np.int32)
+        mask = np.zeros((n, seq_len), bool)
+        feats = np.zeros((n, seq_len, width), np.float32)
+        length = np.zeros((n,), np.int32)
+        for j, i in enumerate(records):
+            t, m, f = self.record(int(i), columns)
+            q = min(len(t), seq_len)
+            tokens[j, :q], mask[j, :q], feats[j, :q], length[j] = t[:q], m[:q], f[:q], q
+        return {"tokens": tokens, "loss_mask": mask, "features": feats, "length": length}

@@ -1,0 +1,92 @@
+"""Training-time evaluation on held-out data: per-position top-1 accuracy and simulated greedy tau.
+
+The held-out responses are the target's own greedy continuations, so a drafter's greedy block
+length at an anchor can be read off the data without running the target: build the drafter's
+DDTree tree at the anchor (the decoder's `draft_trees`), follow the data tokens a+1, a+2, ... down
+the tree while a child carries the next token and that token is still inside the response; tau
+is 1 (the bonus) + the depth reached. Averaged over fixed anchors of fixed records, this is the
+greedy tau of decoding those responses from those positions (up to ties in the target's argmax).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from tevjax.decode.engine import draft_trees
+from tevjax.train.dataset import Batch, TrainData
+from tevjax.train.objectives import sample_anchors
+
+__all__ = ["HeldoutEval", "greedy_accepted_depth"]
+
+
+def greedy_accepted_depth(tokens, parents, valid, truth, truth_ok) -> jax.Array:
+    """Depth reached by following `truth` [G] (usable while `truth_ok` [G]) down one tree [N]."""
+    g = truth.shape[0]
+
+    def step(node, d):
+        # The child of `node` whose token is truth[d] (nodes have distinct sibling tokens).
+        hit = valid & (parents == node) & (tokens == truth[d]) & truth_ok[d]
+        child = jnp.where(jnp.any(hit), jnp.argmax(hit), -1)
+        nxt = jnp.where(node >= 0, child, -1)
+        return nxt, nxt >= 0
+
+    _, reached = jax.lax.scan(step, jnp.int32(0), jnp.arange(g))
+    return jnp.sum(jnp.cumprod(reached.astype(jnp.int32)))
+
+
+@functools.partial(jax.jit, static_argnames=("dgd", "tgd", "budgets", "anchors"))
+def _evaluate(dstate, tstate, batch: Batch, key, *, dgd, tgd, budgets, anchors):
+    drafter = nnx.merge(dgd, dstate)
+    target = nnx.merge(tgd, tstate)
+    b, q = batch.tokens.shape
+    keys = jax.random.split(key, b)
+    anc, valid = jax.vmap(sample_anchors, in_axes=(0, 0, None))(keys, batch.loss_mask, anchors)
+    z = drafter.logits(target, drafter.train_hidden(target, batch.features, batch.tokens, anc))  # [B, M, G, V]
+    g = z.shape[2]
+    pos = anc[..., None] + jnp.arange(1, g + 1)
+    inside = pos < q
+    pos_c = jnp.minimum(pos, q - 1)
+    rows = jnp.arange(b)[:, None, None]
+    truth = batch.tokens[rows, pos_c]
+    truth_ok = inside & batch.loss_mask[rows, pos_c] & valid[..., None]
+    hit = (jnp.argmax(z, axis=-1) == truth) & truth_ok
+    out = {"acc_hits": jnp.sum(hit, axis=(0, 1)), "acc_count": jnp.sum(truth_ok, axis=(0, 1)),
+           "anchors": jnp.sum(valid)}
+    roots = jnp.take_along_axis(batch.tokens, anc, axis=1).reshape(-1)
+    for budget in budgets:
+        trees = draft_trees(z.reshape(b * anchors, g, -1), roots, budget)
+        depth = jax.vmap(greedy_accepted_depth)(trees.tokens, trees.parents, trees.valid,
+                                                truth.reshape(b * anchors, g), truth_ok.reshape(b * anchors, g))
+        out[f"tau_{budget}"] = jnp.sum(jnp.where(valid.reshape(-1), 1 + depth, 0))
+    return out
+
+
+class HeldoutEval:
+    """Fixed held-out records and anchors; `__call__(drafter, target)` -> metrics dict."""
+
+    def __init__(self, data: TrainData, columns: list[int], *, records: int = 32, anchors: int = 32,
+                 seq_len: int = 512, budgets: tuple[int, ...] = (4, 8, 16), batch: int = 8, seed: int = 1234):
+        n = min(records, len(data))
+        self.batches = [data.batch(range(s, min(n, s + batch)), columns, seq_len) for s in range(0, n, batch)]
+        self.anchors, self.budgets, self.seed = anchors, tuple(budgets), seed
+
+    def __call__(self, drafter, target) -> dict[str, float]:
+        dgd, dstate = nnx.split(drafter)
+        tgd, tstate = nnx.split(target)
+        totals: dict[str, np.ndarray] = {}
+        for i, host in enumerate(self.batches):
+            batch = Batch(**{k: jnp.asarray(v) for k, v in host.items()})
+            out = _evaluate(dstate, tstate, batch, jax.random.fold_in(jax.random.key(self.seed), i),
+                            dgd=dgd, tgd=tgd, budgets=self.budgets, anchors=self.anchors)
+            for k, v in out.items():
+                totals[k] = totals.get(k, 0) + np.asarray(v)
+        n = max(float(totals["anchors"]), 1.0)
+        acc = totals["acc_hits"] / np.maximum(totals["acc_count"], 1)
+        metrics = {f"acc@{k + 1}": float(acc[k]) for k in range(min(4, len(acc)))}
+        metrics.update({f"tau_sim@{b}": float(totals[f"tau_{b}"]) / n for b in self.budgets})
+        return metrics

@@ -1,0 +1,271 @@
+"""A training run on disk: configuration, orbax checkpoints with exact resume, logs, export.
+
+    RUN_DIR/
+      run.json          the training config, the drafter config, the data directory and target
+      log.jsonl         one JSON line per logged step and per held-out evaluation
+      checkpoints/<s>/  orbax checkpoints (drafter params, optimizer state, step, PRNG key; the data
+                        position is the step) -- the last `keep` are kept
+
+Exact resume: a step is a pure function of (state, batch), the batch of step s is a pure function
+of (seed, s), and the checkpoint holds the whole state bit for bit, so N steps straight and N/2
+steps, a stop, then `--resume` for the rest end with identical parameters. Orbax writes every
+checkpoint to a temporary directory and renames it into place when complete, so a crash during a
+save leaves the previous checkpoint intact (an unfinished one is never listed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Callable
+
+import jax
+import numpy as np
+
+from tevjax.models.dflash import DFlashConfig, DFlashDrafter
+from tevjax.sharding import global_batch_array, make_mesh
+from tevjax.train.dataset import Batch, TrainData
+from tevjax.train.step import TrainConfig, Trainer, TrainState
+
+__all__ = ["RunError", "export_run", "load_run", "train"]
+
+RUN_FILE = "run.json"
+CKPT_DIR = "checkpoints"
+LOG_FILE = "log.jsonl"
+
+
+class RunError(ValueError):
+    """A run directory that cannot be used as asked (exists, mismatched, corrupt)."""
+
+
+def _checkpoint_manager(run_dir: Path, keep: int = 3):
+    import orbax.checkpoint as ocp
+
+    options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True)
+    return ocp.CheckpointManager((run_dir / CKPT_DIR).absolute(), options=options)
+
+
+def _save(mgr, state: TrainState, meta: dict) -> None:
+    import orbax.checkpoint as ocp
+
+    mgr.save(int(state.step), args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                      meta=ocp.args.JsonSave(meta)))
+
+
+def _restore(mgr, abstract: TrainState, run_dir: Path) -> tuple[TrainState, dict]:
+    import orbax.checkpoint as ocp
+
+    step = mgr.latest_step()
+    if step is None:
+        raise RunError(f"{run_dir}: no complete checkpoint to resume from")
+    try:
+        out = mgr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
+                                                        meta=ocp.args.JsonRestore()))
+    except Exception as e:  # orbax raises many types for damaged files; name the checkpoint
+        raise RunError(f"{run_dir / CKPT_DIR / str(step)}: checkpoint is corrupt or does not match this "
+                       f"drafter ({type(e).__name__}: {str(e).splitlines()[0][:300]})") from None
+    got = jax.tree.map(lambda x: (x.shape, x.dtype), out.state)
+    want = jax.tree.map(lambda x: (x.shape, x.dtype), abstract)
+    if got != want:
+        raise RunError(f"{run_dir / CKPT_DIR / str(step)}: checkpoint shapes do not match this drafter")
+    return out.state, out.meta
+
+
+def _run_record(cfg: TrainConfig, dcfg: DFlashConfig, data_dir: Path, target: str) -> dict:
+    return {"train": dataclasses.asdict(cfg), "drafter": dcfg.to_hf_config(),
+            "drafter_dtype": {"dtype": dcfg.dtype, "param_dtype": dcfg.param_dtype},
+            "data": str(Path(data_dir).absolute()), "target": target}
+
+
+def load_run(run_dir: str | os.PathLike) -> dict:
+    path = Path(run_dir) / RUN_FILE
+    if not path.is_file():
+        raise RunError(f"{run_dir}: no {RUN_FILE} (not a tevjax training run)")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise RunError(f"{path}: unreadable ({e})") from None
+
+
+def _diff(a: dict, b: dict, prefix: str = "") -> list[str]:
+    out = []
+    for k in sorted(set(a) | set(b)):
+        va, vb = a.get(k), b.get(k)
+        if isinstance(va, dict) and isinstance(vb, dict):
+            out += _diff(va, vb, f"{prefix}{k}.")
+        elif va != vb:
+            out.append(f"{prefix}{k}: {va!r} in the run, {vb!r} now")
+    return out
+
+
+def train(target, drafter: DFlashDrafter, data_dir: str | os.PathLike, run_dir: str | os.PathLike,
+          cfg: TrainConfig, *, target_name: str, resume: bool = False, until: int | None = None,
+          mesh=None, checkpoint_every_s: float = 300.0, eval_every_s: float = 600.0, keep: int = 3,
+          heldout_records: int = 32, progress: bool = True, log: Callable[[str], None] = print) -> TrainState:
+    """Trains `drafter` (fresh or from --init) on a data directory, or resumes the run in `run_dir`.
+
+    `until` stops early after that step, with a checkpoint (for staged runs and the resume test).
+    SIGTERM and Ctrl-C also stop with a checkpoint of the last completed step.
+    """
+    from tevjax.train.heldout import HeldoutEval
+
+    run = Path(run_dir)
+    data = TrainData(data_dir, "train")
+    columns = data.tap_columns(drafter.cfg.target_layer_ids)
+    record = _run_record(cfg, drafter.cfg, Path(data_dir), target_name)
+    record = json.loads(json.dumps(record))
+    if (run / RUN_FILE).exists():
+        if not resume:
+            raise RunError(f"{run} already holds a training run: pass --resume to continue it, or choose a new --out")
+        diffs = _diff(load_run(run), record)
+        if diffs:
+            raise RunError(f"--resume: {run} was started with other settings: " + "; ".join(diffs[:6]))
+    else:
+        if resume:
+            raise RunError(f"--resume: {run} holds no training run to resume")
+        if run.exists() and any(run.iterdir()):
+            raise RunError(f"{run} exists and is not empty: choose a new --out")
+        run.mkdir(parents=True, exist_ok=True)
+        tmp = run / (RUN_FILE + ".tmp")
+        tmp.write_text(json.dumps(record, indent=1), encoding="utf-8")
+        os.replace(tmp, run / RUN_FILE)
+
+    mesh = mesh or make_mesh()
+    trainer = Trainer(drafter, target, cfg, mesh)
+    mgr = _checkpoint_manager(run, keep)
+    if resume:
+        state, meta = _restore(mgr, trainer.abstract_state(), run)
+        log(json.dumps({"event": "resume", "step": int(state.step), "checkpoint_meta": meta}))
+    else:
+        state = trainer.init_state()
+    try:
+        heldout = HeldoutEval(TrainData(data_dir, "heldout"), columns, records=heldout_records, seq_len=cfg.seq_len)
+    except FileNotFoundError:
+        heldout = None
+
+    nproc, pid = jax.process_count(), jax.process_index()
+    local = cfg.batch_size // nproc
+    if local * nproc != cfg.batch_size:
+        raise RunError(f"batch size {cfg.batch_size} is not divisible by the {nproc} processes")
+
+    stop = {"signal": None}
+
+    def on_term(signum, _frame):
+        stop["signal"] = signum
+
+    old_term = signal.signal(signal.SIGTERM, on_term)
+    last_step = min(cfg.steps, until) if until is not None else cfg.steps
+    start = int(state.step)
+    bar = None
+    if progress and pid == 0:
+        from tqdm import tqdm
+
+        bar = tqdm(total=last_step, initial=start, unit="step", desc="tevjax train", dynamic_ncols=True)
+    log_path = run / LOG_FILE
+    t_ckpt = t_eval = time.monotonic()
+    t0, blocks = time.monotonic(), 0.0
+
+    def meta_now(step):
+        return {"step": step, "data_position": step * cfg.batch_size, "seed": cfg.seed, "records": len(data)}
+
+    def write_log(entry):
+        if pid == 0:
+            with open(log_path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(entry) + "\n")
+
+    try:
+        for step in range(start, last_step):
+            rows = data.order(cfg.seed, step, cfg.batch_size)[pid * local:(pid + 1) * local]
+            host = data.batch(rows, columns, cfg.seq_len)
+            batch = Batch(**{k: global_batch_array(mesh, v) for k, v in host.items()})
+            state, metrics = trainer.step(state, batch)
+            if bar is not None or (step + 1) % 10 == 0 or step + 1 == last_step:
+                m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                blocks += m["blocks"]
+                if any(not math.isfinite(v) for v in m.values()):
+                    raise RunError(f"step {step + 1}: non-finite training metrics {m} (lower --lr?)")
+                rate = blocks / max(time.monotonic() - t0, 1e-9)
+                entry = {"step": step + 1, **{k: round(v, 5) for k, v in m.items()}, "blocks_per_s": round(rate, 2)}
+                write_log(entry)
+                if bar is not None:
+                    bar.update(1)
+                    extra = f" exit {m['loss_exit']:.4f}" if "loss_exit" in m else ""
+                    bar.set_postfix_str(f"tok {m['loss_tok']:.3f}{extra} acc1 {m['acc1']:.2f} {rate:.1f} blocks/s")
+            now = time.monotonic()
+            if heldout is not None and now - t_eval >= eval_every_s:
+                ev = heldout(trainer.drafter(state), target)
+                write_log({"step": step + 1, "heldout": ev})
+                log(json.dumps({"step": step + 1, "heldout": {k: round(v, 4) for k, v in ev.items()}}))
+                t_eval = time.monotonic()
+            if now - t_ckpt >= checkpoint_every_s:
+                _save(mgr, state, meta_now(step + 1))
+                t_ckpt = now
+            if stop["signal"] is not None:
+                log(json.dumps({"event": "stopped by signal", "step": step + 1}))
+                break
+    except KeyboardInterrupt:
+        log(json.dumps({"event": "interrupted", "step": int(state.step)}))
+    finally:
+        signal.signal(signal.SIGTERM, old_term)
+        if bar is not None:
+            bar.close()
+        final = int(state.step)
+        if mgr.latest_step() != final:
+            _save(mgr, state, meta_now(final))
+        mgr.wait_until_finished()
+        mgr.close()
+    if heldout is not None and int(state.step) == cfg.steps:
+        ev = heldout(trainer.drafter(state), target)
+        write_log({"step": int(state.step), "heldout": ev, "final": True})
+        log(json.dumps({"step": int(state.step), "heldout": {k: round(v, 4) for k, v in ev.items()}, "final": True}))
+    return state
+
+
+def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, target_cfg=None, *,
+               dtype: str = "bfloat16") -> DFlashConfig:
+    """Writes the latest checkpoint's drafter in the public DFlash format (bf16 by default)."""
+    import orbax.checkpoint as ocp
+    from flax import nnx
+
+    from tevjax.convert.dflash_ckpt import save_dflash
+
+    run = Path(run_dir)
+    record = load_run(run)
+    dcfg = DFlashConfig.from_hf_config(record["drafter"], **record["drafter_dtype"])
+    if target_cfg is not None:
+        dcfg.check_target(target_cfg)
+    drafter = nnx.eval_shape(lambda: DFlashDrafter(dcfg, rngs=nnx.Rngs(0)))
+    mgr = _checkpoint_manager(run)
+    step = mgr.latest_step()
+    if step is None:
+        raise RunError(f"{run}: no complete checkpoint to export")
+    where = run / CKPT_DIR / str(step)
+    try:
+        # Restored without a target structure: nested dicts of arrays, from which only the drafter
+        # parameters are taken (the optimizer state is not needed for an export).
+        raw = mgr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(None))).state["params"]
+    except Exception as e:  # noqa: BLE001 - orbax raises many types for damaged files; name the checkpoint
+        raise RunError(f"{where}: cannot read the drafter parameters ({type(e).__name__}: "
+                       f"{str(e).splitlines()[0][:300]})") from None
+    finally:
+        mgr.close()
+    for path, var in nnx.iter_graph(drafter):
+        if not isinstance(var, nnx.Param):
+            continue
+        node = raw
+        for key in (*map(str, path), "value"):
+            if not isinstance(node, dict) or key not in node:
+                raise RunError(f"{where}: parameter {'.'.join(map(str, path))} is missing")
+            node = node[key]
+        value = np.asarray(node)
+        if value.shape != var.get_value().shape:
+            raise RunError(f"{where}: parameter {'.'.join(map(str, path))} has shape {value.shape}, "
+                           f"the run's drafter expects {var.get_value().shape}")
+        var.set_value(jax.numpy.asarray(value, var.get_value().dtype))
+    save_dflash(drafter, dcfg, out_dir, dtype=dtype)
+    return dcfg

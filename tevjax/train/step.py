@@ -1,0 +1,263 @@
+"""One optax training step for the drafter: token loss + lambda * exit loss, jitted over a device mesh.
+
+Letters: B sequences (global batch), Q sequence length, M anchors per sequence, E exit anchors per
+sequence (a subset of the M), G = bs - 1 draft rows, N = exit budget + 1 tree slots, V vocabulary.
+
+A step, for every sequence of the batch:
+
+1. M anchors sampled where the anchor and its next token are supervised (`sample_anchors`,
+   keyed by fold_in(seed key, step): the step is a pure function of (state, batch));
+2. the drafter's block forward at every anchor against the sequence's context features
+   (`DFlashDrafter.train_hidden`), the target's LM head -> draft logits z [B, M, G, V];
+3. token loss on all M anchors;
+4. (lambda > 0) on E evenly spread anchors: DDTree trees built from the DETACHED draft logits with
+   the decoder's own stage function (`draft_trees`), scored by the frozen target in ONE pass per
+   sequence (`score_trees`: the sequence and all E trees in one forward, each tree seeing the full
+   prefix before its anchor and its own ancestors), the exit law (P, rho, w) and the weights omega,
+   all detached; exit loss on the E anchors' rows.
+
+Gradients reach the drafter's parameters only: the target (whose embedding and LM head the
+drafter shares) is a constant of the differentiated function, and the optimizer is an
+`nnx.Optimizer` over `nnx.Param` of the drafter alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from tevjax.decode.engine import draft_trees
+from tevjax.law import edge_stats, law_from_edges
+from tevjax.models.cache import KVCache
+from tevjax.models.dflash import DFlashDrafter
+from tevjax.models.transformer import Transformer
+from tevjax.sharding import batch_sharding, replicated
+from tevjax.train.dataset import Batch
+from tevjax.train.objectives import (EXIT_WEIGHTS, exit_loss_terms, exit_weights, ratio, sample_anchors,
+                                     token_loss_terms)
+from tevjax.tree import DraftTree
+
+__all__ = ["TrainConfig", "TrainState", "Trainer", "make_optimizer", "score_trees", "loss_terms"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """Static training settings (a jit static argument: hashable)."""
+
+    steps: int
+    batch_size: int = 8  # B: sequences per global batch
+    anchors: int = 32  # M: anchor blocks per sequence
+    seq_len: int = 512  # Q: sequences are padded or cropped to this
+    lr: float = 6e-4
+    warmup: float = 0.04  # fraction of steps with linear warmup, then cosine to 0
+    weight_decay: float = 0.0  # optax.adamw's default is 1e-4: the recipe uses 0, set explicitly
+    b1: float = 0.9
+    b2: float = 0.999
+    clip_norm: float = 1.0
+    gamma: float | None = 7.0  # token-loss position decay exp(-(k-1)/gamma); None = off
+    exit_lambda: float = 0.0  # 0 = token-only
+    exit_weight: str = "w"
+    exit_budget: int = 8  # tree budget of the exit loss's trees
+    exit_anchors: int = 8  # E: anchors per sequence that get a tree
+    exit_temperature: float = 1.0  # target temperature of the exit law
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("steps", "batch_size", "anchors", "seq_len", "exit_budget", "exit_anchors"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"TrainConfig.{name} must be a positive int, got {value!r}")
+        for name in ("lr", "clip_norm", "exit_temperature"):
+            value = float(getattr(self, name))
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"TrainConfig.{name} must be a finite number > 0, got {getattr(self, name)!r}")
+        for name in ("weight_decay", "exit_lambda"):
+            value = float(getattr(self, name))
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"TrainConfig.{name} must be a finite number >= 0, got {getattr(self, name)!r}")
+        if not 0 <= self.warmup < 1:
+            raise ValueError(f"TrainConfig.warmup must be a fraction in [0, 1), got {self.warmup!r}")
+        if self.gamma is not None and not self.gamma > 0:
+            raise ValueError(f"TrainConfig.gamma must be > 0 or None, got {self.gamma!r}")
+        if self.exit_weight not in EXIT_WEIGHTS:
+            raise ValueError(f"TrainConfig.exit_weight {self.exit_weight!r} is not one of {', '.join(EXIT_WEIGHTS)}")
+        if self.exit_anchors > self.anchors:
+            raise ValueError(f"TrainConfig.exit_anchors ({self.exit_anchors}) exceeds anchors ({self.anchors})")
+
+    @property
+    def exit_on(self) -> bool:
+        return self.exit_lambda > 0
+
+
+def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+    """Global-norm clipping, then AdamW on a warmup + cosine-to-zero schedule."""
+    warmup = int(round(cfg.warmup * cfg.steps))
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=cfg.lr, warmup_steps=warmup, decay_steps=max(cfg.steps, warmup + 1),
+        end_value=0.0)
+    return optax.chain(optax.clip_by_global_norm(cfg.clip_norm),
+                       optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TrainState:
+    """Everything a step reads and writes, and everything a checkpoint holds (with the data
+    position, which is `step`: see `tevjax.train.dataset`)."""
+
+    params: Any  # nnx.State of the drafter's nnx.Param
+    opt: Any  # nnx.State of the nnx.Optimizer (optax state + its step count)
+    step: jax.Array  # [] int32 steps taken
+    key: jax.Array  # [2] uint32 key data of the run's base PRNG key
+
+
+# ------------------------------------------------------------------------------------ exit trees
+
+
+def score_trees(target: Transformer, tokens: jax.Array, anchors: jax.Array, trees: DraftTree) -> jax.Array:
+    """Target logits [B, E, N, V] of every node of every anchor's tree, each under its true context.
+
+    tokens [B, Q]; anchors [B, E]; trees with leading dims [B, E] and N slots (node 0 = the anchor
+    token). One forward per sequence over [sequence | tree 1 | ... | tree E]: the sequence part is
+    causal; a node of tree e sits at position anchor_e + depth and sees the sequence before its
+    anchor (positions < anchor_e) and its own ancestors in tree e. This equals E separate passes
+    that each prefill tokens[:anchor_e] and run the tree (the decoder's tree pass), without
+    repeating the prefix.
+    """
+    b, q = tokens.shape
+    e, n = trees.tokens.shape[1:]
+    total = q + e * n
+    seq_pos = jnp.arange(q, dtype=jnp.int32)
+    all_tokens = jnp.concatenate([tokens, jnp.maximum(trees.tokens, 0).reshape(b, e * n)], axis=1)
+    node_pos = anchors[..., None] + trees.depth  # [B, E, N]
+    positions = jnp.concatenate([jnp.broadcast_to(seq_pos, (b, q)), node_pos.reshape(b, e * n)], axis=1)
+
+    causal = seq_pos[:, None] >= seq_pos[None, :]  # [Q, Q]
+    to_seq = seq_pos[None, None, None, :] < anchors[..., None, None]  # [B, E, 1, Q] -> per node row
+    to_seq = jnp.broadcast_to(to_seq, (b, e, n, q)).reshape(b, e * n, q)
+    same_tree = jnp.eye(e, dtype=bool)[None, :, None, :, None]  # [1, E, 1, E, 1]
+    in_tree = same_tree & trees.ancestors[:, :, :, None, :]  # [B, E, N, E, N]
+    in_tree = in_tree.reshape(b, e * n, e * n)
+    top = jnp.concatenate([jnp.broadcast_to(causal, (b, q, q)), jnp.zeros((b, q, e * n), bool)], axis=2)
+    bottom = jnp.concatenate([to_seq, in_tree], axis=2)
+    mask = jnp.concatenate([top, bottom], axis=1)  # [B, Q + E N, Q + E N]
+
+    out = target(all_tokens, positions, KVCache.init(target.cfg, b, total), jnp.zeros((b,), jnp.int32), mask,
+                 compute_logits=False)
+    return target.logits(out.final_hidden[:, q:]).reshape(b, e, n, -1)
+
+
+# ------------------------------------------------------------------------------------ the loss
+
+
+def loss_terms(drafter: DFlashDrafter, target: Transformer, batch: Batch, key: jax.Array,
+               cfg: TrainConfig) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """(loss, metrics) of one global batch; differentiable in the drafter only."""
+    b, q = batch.tokens.shape
+    keys = jax.random.split(key, b)
+    anchors, valid = jax.vmap(sample_anchors, in_axes=(0, 0, None))(keys, batch.loss_mask, cfg.anchors)
+    hidden = drafter.train_hidden(target, batch.features, batch.tokens, anchors)  # [B, M, G, D]
+    z = drafter.logits(target, hidden)  # [B, M, G, V] float32
+    lse = jax.nn.logsumexp(z, axis=-1)  # [B, M, G]
+    tok = token_loss_terms(lse, z, batch.tokens, batch.loss_mask, anchors, valid, cfg.gamma)
+    loss = ratio(tok)
+    metrics = {"loss_tok": ratio(tok), "blocks": jnp.sum(valid.astype(jnp.float32))}
+
+    # Top-1 agreement with the data token at block position 1 (a cheap running diagnostic).
+    label1 = batch.tokens[jnp.arange(b)[:, None], jnp.minimum(anchors + 1, q - 1)]
+    hit1 = (jnp.argmax(z[:, :, 0], axis=-1) == label1) & valid
+    metrics["acc1"] = jnp.sum(hit1) / jnp.maximum(jnp.sum(valid), 1)
+
+    if cfg.exit_on:
+        sel = np.linspace(0, cfg.anchors - 1, cfg.exit_anchors).round().astype(np.int32)  # static, spread
+        ze, lse_e, ae, ve = z[:, sel], lse[:, sel], anchors[:, sel], valid[:, sel]
+        e, g, v = ze.shape[1:]
+        roots = jnp.take_along_axis(batch.tokens, ae, axis=1)
+        flat = draft_trees(jax.lax.stop_gradient(ze).reshape(b * e, g, v), roots.reshape(b * e), cfg.exit_budget)
+        trees = jax.tree.map(lambda x: x.reshape((b, e) + x.shape[1:]), flat)
+        tlogits = jax.lax.stop_gradient(score_trees(target, batch.tokens, ae, trees))
+
+        def weights(tree, logits):
+            edge = edge_stats(tree, logits, cfg.exit_temperature).edge_prob
+            law = law_from_edges(tree, edge)
+            return exit_weights(law, tree, edge, cfg.exit_weight), law.coverage
+
+        omega, coverage = jax.vmap(jax.vmap(weights))(trees, tlogits)
+        ex = exit_loss_terms(lse_e, ze, trees, omega, ve)
+        loss = loss + cfg.exit_lambda * ratio(ex)
+        metrics["loss_exit"] = ratio(ex)
+        metrics["coverage"] = jnp.sum(jnp.where(ve, coverage, 0.0)) / jnp.maximum(jnp.sum(ve), 1)
+    metrics["loss"] = loss
+    return loss, metrics
+
+
+# ------------------------------------------------------------------------------------ the step
+
+
+def _train_step(state: TrainState, tstate, batch: Batch, *, dgd, ogd, tgd, cfg: TrainConfig):
+    drafter = nnx.merge(dgd, state.params)
+    optimizer = nnx.merge(ogd, state.opt)
+    target = nnx.merge(tgd, tstate)
+    key = jax.random.fold_in(jax.random.wrap_key_data(state.key), state.step)
+    grad_fn = nnx.value_and_grad(lambda d: loss_terms(d, target, batch, key, cfg), has_aux=True)
+    (_, metrics), grads = grad_fn(drafter)
+    metrics["grad_norm"] = optax.global_norm(grads)
+    optimizer.update(drafter, grads)
+    new = TrainState(params=nnx.state(drafter, nnx.Param), opt=nnx.state(optimizer), step=state.step + 1,
+                     key=state.key)
+    return new, metrics
+
+
+class Trainer:
+    """Holds the graph definitions, the frozen target and the jitted, mesh-sharded step.
+
+    The batch is split over the mesh's `data` axis; the state and the target are replicated; the
+    loss's sums run over the global batch, so XLA all-reduces the gradients and the step equals
+    the single-device step on the same global batch. The state is donated: each step's output
+    replaces its input and nothing else holds it.
+    """
+
+    def __init__(self, drafter: DFlashDrafter, target: Transformer, cfg: TrainConfig, mesh):
+        drafter.cfg.check_target(target.cfg)
+        if cfg.batch_size % mesh.shape["data"]:
+            raise ValueError(f"batch size {cfg.batch_size} is not divisible by the mesh's data axis ({mesh.shape['data']})")
+        self.cfg, self.mesh = cfg, mesh
+        self.tx = make_optimizer(cfg)
+        self.dgd, params = nnx.split(drafter, nnx.Param)
+        optimizer = nnx.Optimizer(drafter, self.tx, wrt=nnx.Param)
+        self.ogd, opt = nnx.split(optimizer)
+        self.tgd, tstate = nnx.split(target)
+        rep = replicated(mesh)
+        self.tstate = jax.device_put(tstate, rep)
+        self._init = (params, opt)
+        step = functools.partial(_train_step, dgd=self.dgd, ogd=self.ogd, tgd=self.tgd, cfg=cfg)
+        batch_shard = Batch(tokens=batch_sharding(mesh, 2), loss_mask=batch_sharding(mesh, 2),
+                            features=batch_sharding(mesh, 3), length=batch_sharding(mesh, 1))
+        self._step = jax.jit(step, in_shardings=(rep, rep, batch_shard), out_shardings=(rep, rep),
+                             donate_argnums=(0,))
+
+    def init_state(self) -> TrainState:
+        params, opt = self._init
+        key = jax.random.key_data(jax.random.key(self.cfg.seed))
+        state = TrainState(params=params, opt=opt, step=jnp.zeros((), jnp.int32), key=key)
+        return jax.device_put(state, replicated(self.mesh))
+
+    def abstract_state(self) -> TrainState:
+        """Shapes, dtypes and (replicated) shardings of the state: the restore target."""
+        rep = replicated(self.mesh)
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep),
+                            jax.eval_shape(self.init_state))
+
+    def step(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
+        return self._step(state, self.tstate, batch)
+
+    def drafter(self, state: TrainState) -> DFlashDrafter:
+        return nnx.merge(self.dgd, jax.device_get(state.params))
