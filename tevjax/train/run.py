@@ -153,12 +153,16 @@ def train(target, drafter: DFlashDrafter, data_dir: str | os.PathLike, run_dir: 
     if local * nproc != cfg.batch_size:
         raise RunError(f"batch size {cfg.batch_size} is not divisible by the {nproc} processes")
 
+    # SIGTERM and a first Ctrl-C stop after the current step (with a checkpoint); a second Ctrl-C
+    # interrupts at once. Raising inside a step could lose the donated state, so the first only asks.
     stop = {"signal": None}
 
-    def on_term(signum, _frame):
+    def on_signal(signum, _frame):
+        if stop["signal"] is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
         stop["signal"] = signum
 
-    old_term = signal.signal(signal.SIGTERM, on_term)
+    old_handlers = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     last_step = min(cfg.steps, until) if until is not None else cfg.steps
     start = int(state.step)
     bar = None
@@ -209,14 +213,19 @@ def train(target, drafter: DFlashDrafter, data_dir: str | os.PathLike, run_dir: 
                 log(json.dumps({"event": "stopped by signal", "step": step + 1}))
                 break
     except KeyboardInterrupt:
-        log(json.dumps({"event": "interrupted", "step": int(state.step)}))
+        log(json.dumps({"event": "interrupted", "last_checkpoint": mgr.latest_step()}))
+        raise
     finally:
-        signal.signal(signal.SIGTERM, old_term)
+        for sig, handler in old_handlers.items():
+            signal.signal(sig, handler)
         if bar is not None:
             bar.close()
-        final = int(state.step)
-        if mgr.latest_step() != final:
-            _save(mgr, state, meta_now(final))
+        try:
+            final = int(state.step)
+            if mgr.latest_step() != final:
+                _save(mgr, state, meta_now(final))
+        except RuntimeError:  # the state was donated to a step that never finished
+            pass
         mgr.wait_until_finished()
         mgr.close()
     if heldout is not None and int(state.step) == cfg.steps:
