@@ -1,8 +1,9 @@
 """Latency of the jitted DDTree builder (`tevjax.builder.build_ddtree`).
 
-For each budget B and vocabulary V (depth L = 15 by default) it times the jitted builder on random
-log-marginals: median (and p10/p90) over >= 50 calls (default 100) after warm-up, float32 and bfloat16 inputs,
-plus the per-depth top-K alone (the part that reads all L x V entries) to show where time goes.
+For each budget and vocabulary V (G = 15 draft rows by default) it times the jitted builder on
+random log-marginals: median (and p10/p90) over >= 50 calls (default 100) after warm-up, float32
+and bfloat16 inputs, plus the per-depth top-k alone (the part that reads all G x V entries) to
+show where time goes.
 The minimum is listed too: on a shared host it is the figure least disturbed by other processes.
 Prints a markdown table and writes it to experiments/results/builder_latency.md.
 
@@ -74,19 +75,19 @@ def main() -> None:
             t16 = time_calls(build, lm16, roots, iters=args.iters)
             tk = time_calls(topk, lm32, iters=args.iters)
             rows.append((budget, vocab, t32, t16, tk))
-            print(f"B={budget} V={vocab}: f32 {np.median(t32) * 1e3:.2f} ms", flush=True)
+            print(f"budget {budget} V={vocab}: f32 {np.median(t32) * 1e3:.2f} ms", flush=True)
 
     dev = jax.devices()[0]
     lines = [
         "# DDTree builder latency (jitted `build_ddtree`)",
         "",
         f"Device: {dev.platform} ({dev.device_kind}), {os.cpu_count()} host cores,"
-        f" {platform.processor() or platform.machine()}; jax {jax.__version__}; L = {args.depth};"
+        f" {platform.processor() or platform.machine()}; jax {jax.__version__}; G = {args.depth};"
         f" batch = {args.batch}; {args.iters} timed calls after warm-up; host load average"
         f" at end: {os.getloadavg()[0]:.1f}.",
         "",
-        "| B | V | f32 input median ms (p10-p90) | f32 min ms | bf16 input median ms |"
-        " top-K alone median ms |",
+        "| budget | V | f32 input median ms (p10-p90) | f32 min ms | bf16 input median ms |"
+        " top-k alone median ms |",
         "|---:|---:|---:|---:|---:|---:|",
     ]
     for budget, vocab, t32, t16, tk in rows:

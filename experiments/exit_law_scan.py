@@ -2,14 +2,14 @@
 
 `tevjax.law` propagates prefix probabilities P (and the children's mass in rho) in one of two ways:
 "matrix", a masked product over the [N, N] ancestor matrix (O(N^2) work, no loop), or "scan", one
-`lax.scan` step per depth level 1..N-1 (O(N * H) work, no [N, N] array). For every tree size N and
+`lax.scan` step per depth level 1..N-1 (O(N) work each, no [N, N] array). For every tree size N and
 shape this times both, jitted and compiled ahead of time, on the same tree and logits:
 
     propagation alone   `law_from_edges(tree, edge_prob, propagation)` (P, rho, w, C_p), one tree
                         and `vmap`ped over a batch of copies of it (as the batched decoder runs it)
     whole exit law      `exit_law(tree, logits, 1.0, propagation)` with [N, V] float32 logits
 
-Shapes: "ddtree", the DDTree builder's tree from random peaked drafter marginals (L = 15 depths,
+Shapes: "ddtree", the DDTree builder's tree from random peaked drafter marginals (G = 15 draft rows,
 a 4,096-token drafter vocabulary; real depth about 8), as the decoder builds it; "chain", one path
 of depth N - 1 (the deepest tree of N nodes). The two propagations are timed round-robin (one call
 of each per round, in alternating order) so that machine noise hits both alike; medians, the 10-90%
@@ -41,7 +41,7 @@ from report import emit  # experiments/report.py (scripts run from this folder)
 RESULTS = Path(__file__).resolve().parent / "results" / "exit_law_scan.md"
 PROPAGATIONS = ("matrix", "scan")
 SHAPES = ("ddtree", "chain")
-DEPTH = 15  # DFlash block size 16 -> 15 draft positions
+DEPTH = 15  # G: DFlash block size 16 -> 15 draft rows
 DRAFT_VOCAB = 4_096
 
 
@@ -156,7 +156,7 @@ def main(argv=None) -> int:
         f"Device: {device.platform} ({device.device_kind}), {os.cpu_count()} CPU cores, "
         f"jax {jax.__version__}, {platform.python_version()}; float32; each function jitted and "
         f"compiled ahead of time; {args.calls} timed calls of the propagation alone and "
-        f"{args.law_calls} of the whole exit law (V = {args.vocab:,}, T = 1) per cell, round-robin in "
+        f"{args.law_calls} of the whole exit law (V = {args.vocab:,}, temperature 1) per cell, round-robin in "
         f"alternating order after warm-up; host load average at end {os.getloadavg()[0]:.1f}; "
         f"run time {elapsed:.0f} s.",
         f"Command: `{command}`",
@@ -164,7 +164,7 @@ def main(argv=None) -> int:
         "Times are median ms (10th-90th percentile). *alone* = `law_from_edges` (P, rho, w, C_p from "
         f"given edge probabilities) on one tree; *batch {args.batch}* = the same `vmap`ped over "
         f"{args.batch} copies of the tree; *exit law* = `exit_law` on [N, V] logits (log-sum-exp + "
-        "gather + propagation). ddtree: DDTree builder's tree, L = 15 (depth column = its real depth); chain: "
+        "gather + propagation). ddtree: DDTree builder's tree, G = 15 (depth column = its real depth); chain: "
         "depth N - 1. The scan runs N - 1 levels (static bound) on either shape. "
         f"max |dw| = largest difference in w between the two propagations. Library default: "
         f"`{PROPAGATION}`.",

@@ -1,11 +1,11 @@
 """Verifier-stage latency: TEV vs predraw vs sequential, against a log-sum-exp floor.
 
-For every (budget B, vocabulary V, temperature T) cell, the same realised DDTree tree (built from
-random peaked drafter marginals) and the same target logits [B+1, V] are verified by each jitted
-verifier (decision + output assembly, no model). In the same run, the floor is one jitted
-log-sum-exp pass over the same [B+1, V] logits: any verifier that reads every target row at least
-once costs at least that much. The methods are timed round-robin (one call of each per round) so
-that machine noise hits all of them alike; medians and the 10-90% spread are reported.
+For every (budget, vocabulary V, temperature) cell, the same realised DDTree tree (built from
+random peaked drafter marginals) and the same target logits [N, V] (N = budget + 1) are verified by
+each jitted verifier (decision + output assembly, no model). In the same run, the floor is one
+jitted log-sum-exp pass over the same [N, V] logits: any verifier that reads every target row at
+least once costs at least that much. The methods are timed round-robin (one call of each per
+round) so that machine noise hits all of them alike; medians and the 10-90% spread are reported.
 
     python experiments/verifier_latency.py                 # the full grid, writes the results table
     python experiments/verifier_latency.py --quick         # one small cell, for a smoke run
@@ -33,7 +33,7 @@ from report import emit  # experiments/report.py (scripts run from this folder)
 
 RESULTS = Path(__file__).resolve().parent / "results" / "verifier_latency.md"
 METHODS = ("tev", "predraw", "sequential")
-DEPTH = 15  # DFlash block size 16 -> 15 draft positions
+DEPTH = 15  # G: DFlash block size 16 -> 15 draft rows
 
 
 def make_inputs(budget: int, vocab: int, seed: int, dtype):
@@ -89,9 +89,9 @@ def run_cell(budget: int, vocab: int, temperature: float, calls: int, dtype) -> 
     times = time_round_robin(fns, lambda i: (keys[i], tree, logits), calls)
     law = exit_law(tree, logits, temperature)
     row = {
-        "B": budget,
+        "budget": budget,
         "V": vocab,
-        "T": temperature,
+        "temperature": temperature,
         "nodes": int(tree.size) - 1,
         "coverage": float(law.coverage),
     }
@@ -127,7 +127,7 @@ def main(argv=None) -> int:
                 row = run_cell(budget, vocab, temperature, args.calls, dtype)
                 rows.append(row)
                 print(
-                    f"B={budget:>3} V={vocab:>6} T={temperature}: floor {row['floor'][0]:.2f} ms, "
+                    f"budget {budget:>3} V={vocab:>6} temperature {temperature}: floor {row['floor'][0]:.2f} ms, "
                     + ", ".join(f"{m} {row[m][0]:.2f} ms" for m in METHODS),
                     flush=True,
                 )
@@ -142,19 +142,19 @@ def main(argv=None) -> int:
         "Command: `python experiments/verifier_latency.py" + (" " + " ".join(argv) if argv else "") + "`",
         "",
         "Times are median ms (10th-90th percentile). floor = one jitted `jax.nn.logsumexp` over the same "
-        "[B+1, V] logits (the reference the issue names); fused lse = tevjax's own two-pass "
+        "[N, V] logits, N = budget + 1 (the reference the issue names); fused lse = tevjax's own two-pass "
         "`scaled_logsumexp` (what TEV itself runs); max pass = one `jnp.max` read of the logits, the "
         "memory-bandwidth floor of anything that looks at every logit. All verifiers draw through `tevjax.sampling.categorical` (exact two-stage "
         "Gumbel-max); `predraw, per-entry Gumbel` is predraw as a typical port writes it "
-        "(`jax.random.categorical` over the whole [B+1, V] array, same law). Ratios are of medians "
+        "(`jax.random.categorical` over the whole [N, V] array, same law). Ratios are of medians "
         "measured in the same run, round-robin.",
         "",
-        "| B | V | T | C_p | floor | fused lse | max pass | TEV | predraw | sequential | predraw, per-entry Gumbel | TEV/floor | TEV/max pass | predraw/TEV | per-entry predraw/TEV |",
+        "| budget | V | temperature | C_p | floor | fused lse | max pass | TEV | predraw | sequential | predraw, per-entry Gumbel | TEV/floor | TEV/max pass | predraw/TEV | per-entry predraw/TEV |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['B']} | {r['V']:,} | {r['T']} | {r['coverage']:.2f} | {fmt(r['floor'])} | "
+            f"| {r['budget']} | {r['V']:,} | {r['temperature']} | {r['coverage']:.2f} | {fmt(r['floor'])} | "
             f"{fmt(r['fused_lse'])} | {fmt(r['max_pass'])} | {fmt(r['tev'])} | "
             f"{fmt(r['predraw'])} | {fmt(r['sequential'])} | {fmt(r['predraw_gumbel'])} | "
             f"{r['tev'][0] / r['floor'][0]:.2f}x | {r['tev'][0] / r['max_pass'][0]:.2f}x | "

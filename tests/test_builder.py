@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from tevjax.builder import build_ddtree
 from tevjax.tree import validate_tree
 
-# One compiled builder per (L, V, B): budget is static.
+# One compiled builder per (G, V, budget): budget is static.
 _build_jit = jax.jit(build_ddtree, static_argnums=2)
 _build_batch = jax.jit(jax.vmap(build_ddtree, in_axes=(0, 0, None)), static_argnums=2)
 
@@ -27,7 +27,7 @@ TOL = 1e-4
 def heap_reference(log_marginals: np.ndarray, budget: int) -> list[tuple[tuple[int, ...], float]]:
     """Best-first DDTree construction on the host, in float64: [(token path, score)] in pop order.
 
-    Like DDTree's `build_ddtree_tree`: keep the top K = min(B, V) tokens of each depth; the heap
+    Like DDTree's `build_ddtree_tree`: keep the top k = min(budget, V) tokens of each depth; the heap
     starts with the best depth-1 token; popping a prefix pushes its next sibling (same parent, next
     rank) and its first child (best token of the next depth, if below the depth cap). Ties pop the
     smaller rank tuple first, i.e. a parent before its child. Unlike DDTree, it stops at the first
@@ -120,7 +120,8 @@ def check_tree(tokens, parents, scores, depth, valid, lm, budget, root_token):
     assert np.all((s[:-1] > s[1:]) | (d[:-1] <= d[1:]))
     # Optimality certificate: the chosen set is prefix-closed (validate_tree) and no child of a
     # chosen node or of the root that was left out scores above the worst chosen node. Every
-    # unchosen prefix has such a frontier ancestor with at least its score, so the set is a top-B.
+    # unchosen prefix has such a frontier ancestor with at least its score, so the chosen nodes
+    # are `budget` best-scoring prefixes.
     if n_real < budget:
         return  # every finite prefix was taken (count checked above)
     worst = s[-1]
@@ -153,12 +154,12 @@ def assert_same_as_reference(tokens, parents, scores, lm, budget):
         assert [p for p, _ in ours] == [p for p, _ in ref]  # pop order == node numbering
 
 
-# (L, V, B, batch): budgets below, at and above the number of prefixes; K < V, K = V, V = 1.
+# (G, V, budget, batch): budgets below, at and above the number of prefixes; k < V, k = V, V = 1.
 REFERENCE_CASES = [
     (1, 5, 3, 8),
     (3, 2, 20, 8),  # 14 prefixes exist: 6 padding slots
     (4, 3, 17, 8),
-    (4, 6, 2, 8),  # K = B < V
+    (4, 6, 2, 8),  # k = budget < V
     (2, 40, 32, 6),
     (5, 1, 8, 4),  # a chain capped at depth 5
     (6, 8, 64, 4),
@@ -264,7 +265,7 @@ def test_degenerate_inputs_give_root_only():
         np.testing.assert_array_equal(np.asarray(scores), [0.0] + [-np.inf] * budget)
     with pytest.raises(ValueError, match="budget"):
         build_ddtree(np.zeros((2, 3), np.float32), 0, -1)
-    with pytest.raises(ValueError, match=r"\[L, V\]"):
+    with pytest.raises(ValueError, match=r"\[G, V\]"):
         build_ddtree(np.zeros((2, 2, 3), np.float32), 0, 4)
     with pytest.raises(ValueError, match="floating"):
         build_ddtree(np.zeros((2, 3), np.int32), 0, 4)

@@ -144,7 +144,8 @@ def test_temperature_scales_logits():
     hot = _law_np(tokens, parents, logits, 0.5)
     scaled = _law_np(tokens, parents, logits / 0.5, 1.0)
     np.testing.assert_allclose(hot.exit_prob, scaled.exit_prob, atol=1e-6)
-    # T -> 0 approaches the greedy law when every row's top-2 gap is >> T (here gap >= 0.3 = 300 T).
+    # Temperature -> 0 approaches the greedy law when every row's top-2 gap is >> the temperature
+    # (here gap >= 0.3 = 300 x temperature).
     spaced = np.stack([rng.permutation(7) * 0.3 for _ in range(12)]).astype(np.float32)
     cold = _law_np(tokens, parents, spaced, 1e-3)
     greedy = _law_np(tokens, parents, spaced, 0.0)

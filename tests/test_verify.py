@@ -147,7 +147,8 @@ def _broken_bonus_not_residual(key, tree, logits, temperature):
 
 
 def _broken_sequential_no_renormalisation(key, tree, logits, temperature):
-    """Sequential verification that accepts child j with p(x_j) instead of p(x_j) / (1 - M)."""
+    """Sequential verification that accepts child j with p(x_j) instead of
+    p(x_j) / (1 - rejected mass)."""
     stats = verify_mod._sample_stats(tree, logits, temperature)
     is_edge = tree.valid & (tree.parents >= 0)
     idx = jnp.arange(tree.num_nodes)

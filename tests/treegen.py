@@ -99,7 +99,7 @@ def target_probs(logits, temperature: float) -> np.ndarray:
 
 
 def brute_force_law(tokens, parents, logits, temperature: float):
-    """Enumerates every target continuation Z of length H + 1 over a tiny vocabulary.
+    """Enumerates every target continuation of length (tree depth) + 1 over a tiny vocabulary.
 
     The continuation walks the tree: from node v the next token is drawn from p_v; if it matches a
     child the walk moves there, otherwise (or at a leaf) it exits at v with that token as the bonus.
@@ -135,7 +135,7 @@ def brute_force_law(tokens, parents, logits, temperature: float):
                 break
             v = nxt
         else:
-            raise AssertionError("a continuation of length H + 1 must leave the tree")
+            raise AssertionError("a continuation of length depth + 1 must leave the tree")
     for v in range(n):
         # P(v): total mass of continuations that pass through v (exit at v or below it).
         below = [u for u in range(n) if real[u] and _is_ancestor(parents, v, u)]

@@ -1,8 +1,27 @@
 """tevjax: lossless tree speculative decoding in JAX/Flax.
 
-Letter legend for shapes used across the package:
-  B batch, T sequence (new tokens), S cache slots, N tree nodes (root + budget), H tree depth,
-  L model layers, V vocabulary, D model width, K key/value heads, Dh head width.
+Shape-letter legend, the one legend of the whole project: shape notes (`[B, N, V]`), name
+suffixes (`logits_NxV`), docstrings and comments use only these letters, each only in this sense.
+
+  B   batch rows
+  T   tokens along a sequence or block
+  S   cache slots
+  N   tree slots (= budget + 1)
+  G   draft rows per block (= block_size - 1, the maximum tree depth)
+  M   anchors per training sequence
+  E   anchors per sequence that get an exit-loss tree
+  V   vocabulary
+  D   model width
+  F   feature width (n tapped layers x D)
+  L   layers
+  H   query heads
+  K   key/value heads
+  Dh  head width
+  R   requested hidden layers
+  P   pruned builder candidates per depth
+
+The tree budget and the temperature are never letters: write "budget" and "temperature"
+("budget 64", "temperature 0"). Scalars and counts that are not axis sizes are words too.
 
 Layers of the package (each knows nothing of the ones after it):
   core      `DraftTree`, `exit_law`, `verify`, `build_ddtree`: model-free tree math

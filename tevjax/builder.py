@@ -1,34 +1,40 @@
 """DDTree best-first tree builder, on device (REFERENCE section 2).
 
-Given the drafter's per-position log-marginals q_1..q_L (one drafter pass), the builder returns the
-B prefixes with the highest score(a_1..a_d) = sum_i log q_i(a_i) as a `DraftTree`. DDTree's
-reference pops a host-side heap B times; here the same set comes out of static-shape array ops:
+Given the drafter's per-position log-marginals q_1..q_G (one drafter pass), the builder returns the
+`budget` prefixes with the highest score(a_1..a_d) = sum_i log q_i(a_i) as a `DraftTree`. DDTree's
+reference pops a host-side heap `budget` times; here the same set comes out of static-shape array
+ops:
 
-1. top-K tokens per depth, K = min(B, V): a prefix that uses a token outside the top K of its depth
-   is beaten by >= B prefixes that swap that token for a better one, so it is never in the top B;
-2. a beam of the best B prefixes of each depth, by `lax.scan` over depths: every depth-d prefix in
-   the top B of its depth extends a depth-(d-1) prefix in the top B of *its* depth (replace the
-   parent by any of B better ones and keep the last token), so depth d only looks at
-   (beam of depth d-1) x (top-K tokens of depth d);
-3. one global top B over the L x B beam entries (a sort), with ties going to the shallower depth.
+1. the top k tokens per depth, k = min(budget, V): a prefix that uses a token outside the top k of
+   its depth is beaten by >= budget prefixes that swap that token for a better one, so it is never
+   among the best `budget`;
+2. a beam of the best `budget` prefixes of each depth, by `lax.scan` over depths: every depth-d
+   prefix among the best `budget` of its depth extends a depth-(d-1) prefix among the best
+   `budget` of *its* depth (replace the parent by any of `budget` better ones and keep the last
+   token), so depth d only looks at (beam of depth d-1) x (top k tokens of depth d);
+3. one global best `budget` over the G x budget beam entries (a sort), with ties going to the
+   shallower depth.
 
 Why the result is prefix-closed: log-probabilities are <= 0, so in float32 a child's score is <= its
 parent's (round(a + b) <= a for b <= 0). The global order is (score descending, then depth, then
 beam rank); a parent's key is strictly smaller than its child's, so whenever a child is among the
-first B its parent is too, and earlier. That order is also the node numbering (DDTree's pop order).
+first `budget` its parent is too, and earlier. That order is also the node numbering (DDTree's pop
+order).
 
-Worked example of step 2's candidate pruning (B = 4, K = 4). Both the beam (rows i) and the top-K
-values (columns j) are sorted descending, so cell (i, j) is beaten by every cell above-left of it:
-(i + 1)(j + 1) - 1 cells. Cells with (i + 1)(j + 1) > B can be skipped::
+Worked example of step 2's candidate pruning (budget 4, k = 4). Both the beam (rows i) and the
+top-k values (columns j) are sorted descending, so cell (i, j) is beaten by every cell above-left of
+it: (i + 1)(j + 1) - 1 cells. Cells with (i + 1)(j + 1) > budget can be skipped::
 
          j=0 j=1 j=2 j=3
     i=0   x   x   x   x        x: candidate, (i + 1)(j + 1) <= 4
-    i=1   x   x   .   .        8 candidates instead of 16; for B = 128 it is 645 instead of 16384
+    i=1   x   x   .   .        8 candidates instead of 16; for budget 128 it is 645 instead of 16384
     i=2   x   .   .   .
     i=3   x   .   .   .
 
-Letters: L depth (drafter positions), V vocabulary, B budget, K = min(B, V) tokens kept per depth,
-N = B + 1 tree slots, P pruned candidates per depth.
+Shape letters follow the legend in `tevjax/__init__.py`: G depths (drafter rows), V vocabulary,
+N = budget + 1 tree slots, P pruned candidates per depth. The budget and k = min(budget, V) are
+counts, not letters: arrays along them are named without a shape suffix and noted `[budget]`,
+`[k]`.
 """
 
 from __future__ import annotations
@@ -48,8 +54,9 @@ __all__ = ["build_ddtree"]
 def _candidate_pairs(budget: int, k: int) -> tuple[np.ndarray, np.ndarray]:
     """Static (beam row, token rank) pairs with (row + 1)(rank + 1) <= budget; see module docstring.
 
-    Row 0 keeps all K ranks (depth 1 grows from the root alone) and rank 0 keeps all B rows (every
-    beam entry may continue with its depth's best token), so >= B candidates always remain.
+    Row 0 keeps all k ranks (depth 1 grows from the root alone) and rank 0 keeps all `budget` rows
+    (every beam entry may continue with its depth's best token), so >= budget candidates always
+    remain.
     """
     rows, ranks = [], []
     for i in range(budget):
@@ -65,17 +72,18 @@ def build_ddtree(
     """Builds the DDTree draft tree holding the `budget` highest-scoring prefixes.
 
     Args:
-      log_marginals: [L, V] float drafter log-probabilities for depths 1..L (row d-1 is depth d).
+      log_marginals: [G, V] float drafter log-probabilities for depths 1..G (row d-1 is depth d).
         Entries must be <= 0 (log-probabilities, not raw logits) and NaN-free; -inf marks a token
         the drafter rules out. Any float dtype; scores are accumulated in float32.
       root_token: [] int, the last committed token (the root's token).
-      budget: static int B >= 0, number of non-root nodes; the tree has N = B + 1 slots.
+      budget: static int >= 0, number of non-root nodes; the tree has N = budget + 1 slots.
 
     Returns:
-      `(tree, scores_N)`. Node 0 is the root; nodes 1..B are the B highest-scoring prefixes of depth
-      1..L in descending score order (ties: shallower first), so parents precede children. Slots
-      beyond the number of finite-score prefixes (tiny V**L, or -inf entries) are padding (parent
-      -1). `scores_N` is float32: 0 for the root, the prefix score for real nodes, -inf for padding.
+      `(tree, scores_N)`. Node 0 is the root; nodes 1..budget are the `budget` highest-scoring
+      prefixes of depth 1..G in descending score order (ties: shallower first), so parents precede
+      children. Slots beyond the number of finite-score prefixes (tiny V**G, or -inf entries) are
+      padding (parent -1). `scores_N` is float32: 0 for the root, the prefix score for real nodes,
+      -inf for padding.
 
     Jit with `budget` static (`jax.jit(build_ddtree, static_argnums=2)`); vmap over leading batch
     axes of `log_marginals` and `root_token`. No host sync, heap, or loop over nodes.
@@ -86,7 +94,7 @@ def build_ddtree(
     log_marginals = jnp.asarray(log_marginals)
     if log_marginals.ndim != 2:
         raise ValueError(
-            f"log_marginals must be [L, V], got shape {log_marginals.shape}; "
+            f"log_marginals must be [G, V], got shape {log_marginals.shape}; "
             "use jax.vmap for batches"
         )
     if not jnp.issubdtype(log_marginals.dtype, jnp.floating):
@@ -106,49 +114,51 @@ def build_ddtree(
     k = min(budget, vocab)
     # float32 before top_k: exact for bf16/f16 (the cast is monotone and lossless), and XLA:CPU has
     # a fast top-k only for float32 (bf16 falls back to a full sort, ~100x slower at V = 151936).
-    top_vals_LxK, top_ids_LxK = jax.lax.top_k(log_marginals.astype(jnp.float32), k)
+    top_vals, top_ids = jax.lax.top_k(log_marginals.astype(jnp.float32), k)  # [G, k] each
     pair_row_P, pair_rank_P = _candidate_pairs(budget, k)
 
-    def grow_one_depth(beam_B, row):
-        vals_K, ids_K = row
-        cand_P = beam_B[pair_row_P] + vals_K[pair_rank_P]
+    def grow_one_depth(beam, row):
+        vals, ids = row  # [k] each: this depth's top-k log-probabilities and tokens
+        cand_P = beam[pair_row_P] + vals[pair_rank_P]
         # top_k returns values sorted descending, which keeps the next depth's pruning valid.
-        new_beam_B, pick_B = jax.lax.top_k(cand_P, budget)
-        parent_row_B = jnp.asarray(pair_row_P)[pick_B]
-        token_B = ids_K[jnp.asarray(pair_rank_P)[pick_B]]
-        return new_beam_B, (new_beam_B, parent_row_B, token_B)
+        new_beam, pick = jax.lax.top_k(cand_P, budget)  # [budget] each
+        parent_row = jnp.asarray(pair_row_P)[pick]
+        token = ids[jnp.asarray(pair_rank_P)[pick]]
+        return new_beam, (new_beam, parent_row, token)
 
     # Depth 0 holds the root alone (score 0); the other rows are empty (-inf) and stay so.
-    beam0_B = jnp.full(budget, -jnp.inf, jnp.float32).at[0].set(0.0)
-    _, (score_LxB, parent_row_LxB, token_LxB) = jax.lax.scan(
-        grow_one_depth, beam0_B, (top_vals_LxK, top_ids_LxK)
+    beam0 = jnp.full(budget, -jnp.inf, jnp.float32).at[0].set(0.0)  # [budget]
+    # [G, budget] each: the beam of every depth, each entry's parent row and token.
+    _, (beam_score, beam_parent_row, beam_token) = jax.lax.scan(
+        grow_one_depth, beam0, (top_vals, top_ids)
     )
 
     # Global order: score descending, then depth-major flat index ascending, so equal scores go to
     # the shallower depth and a parent is always numbered before its child. A two-key sort makes
     # that order explicit instead of relying on how a backend's top_k breaks ties; exact ties are
     # common (a bf16 drafter often gives a token log-probability exactly 0).
-    score_F = score_LxB.reshape(-1)
-    neg_score_F, flat_F = jax.lax.sort(
-        (-score_F, jnp.arange(score_F.shape[0], dtype=jnp.int32)), num_keys=2
+    flat_score = beam_score.reshape(-1)  # [G * budget]
+    neg_sorted, flat_order = jax.lax.sort(
+        (-flat_score, jnp.arange(flat_score.shape[0], dtype=jnp.int32)), num_keys=2
     )
-    node_score_B, flat_B = -neg_score_F[:budget], flat_F[:budget]
-    depth_idx_B = flat_B // budget  # depth - 1
-    parent_flat_B = (depth_idx_B - 1) * budget + parent_row_LxB.reshape(-1)[flat_B]
-    # Inverse permutation restricted to chosen entries: flat index -> node number (1..B), -1 if
-    # not chosen. Prefix-closure guarantees every real node's parent entry was chosen.
-    node_of_flat_F = (
-        jnp.full(score_F.shape, -1, jnp.int32)
-        .at[flat_B]
+    # [budget] each from here on: one entry per non-root node, in node order.
+    node_score, chosen = -neg_sorted[:budget], flat_order[:budget]
+    depth_idx = chosen // budget  # depth - 1
+    parent_flat = (depth_idx - 1) * budget + beam_parent_row.reshape(-1)[chosen]
+    # Inverse permutation restricted to chosen entries: flat index -> node number (1..budget), -1
+    # if not chosen. Prefix-closure guarantees every real node's parent entry was chosen.
+    node_of_flat = (  # [G * budget]
+        jnp.full(flat_score.shape, -1, jnp.int32)
+        .at[chosen]
         .set(jnp.arange(1, n, dtype=jnp.int32), unique_indices=True)
     )
-    parent_B = jnp.where(depth_idx_B == 0, 0, node_of_flat_F[jnp.maximum(parent_flat_B, 0)])
-    real_B = node_score_B > -jnp.inf
-    parent_B = jnp.where(real_B, parent_B, -1)
-    token_B = jnp.where(real_B, token_LxB.reshape(-1)[flat_B], 0)
+    parent = jnp.where(depth_idx == 0, 0, node_of_flat[jnp.maximum(parent_flat, 0)])
+    real = node_score > -jnp.inf
+    parent = jnp.where(real, parent, -1)
+    token = jnp.where(real, beam_token.reshape(-1)[chosen], 0)
 
-    tokens_N = jnp.concatenate([root_token[None], token_B])
-    parents_N = jnp.concatenate([jnp.full(1, -1, jnp.int32), parent_B])
-    node_score_B = jnp.where(real_B, node_score_B, -jnp.inf)
-    scores_N = jnp.concatenate([jnp.zeros(1, jnp.float32), node_score_B])
+    tokens_N = jnp.concatenate([root_token[None], token])
+    parents_N = jnp.concatenate([jnp.full(1, -1, jnp.int32), parent])
+    node_score = jnp.where(real, node_score, -jnp.inf)
+    scores_N = jnp.concatenate([jnp.zeros(1, jnp.float32), node_score])
     return DraftTree.from_parents(tokens_N, parents_N), scores_N

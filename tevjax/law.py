@@ -5,20 +5,20 @@ For target next-token distributions p_v at every node v (after temperature):
     P(root) = 1,  P(v) = P(pa(v)) * p_pa(v)(x_v)          target prefix probability
     rho(v)  = max(0, 1 - sum_{children u} p_v(x_u))        local exit probability (1 at a leaf)
     w(v)    = P(v) * rho(v)                                exit probability, sum_v w(v) = 1
-    C_p     = sum_{v != root} P(v)                         target coverage; E[block] <= 1 + C_p
+    C_p     = sum_{v != root} P(v)                         target coverage; mean block <= 1 + C_p
 
 Per-edge probabilities come from one log-sum-exp over the [N, V] logits plus a gather. The
 products along root paths (and the children's mass in rho) have two interchangeable propagations:
 
     "matrix"  a masked product over the tree's ancestor-or-self matrix [N, N]: no loop at all,
               O(N^2) work, every node in one reduction;
-    "scan"    `lax.scan` over depth levels h = 1..H (H = N - 1, static): depth-h nodes take
-              P(parent) * p_parent(x_v), one [N] gather per level, O(N * H) work and no [N, N]
-              array; the children's mass is a scatter-add over parent indices.
+    "scan"    `lax.scan` over depth levels h = 1..N-1 (the static bound, a chain's depth): depth-h
+              nodes take P(parent) * p_parent(x_v), one [N] gather per level (O(N) work each) and
+              no [N, N] array; the children's mass is a scatter-add over parent indices.
 
 Both multiply the same factors; they agree to float32 rounding (tolerances in tests/test_exit_law.py).
 Reductions over nodes use `where` + `sum`/`prod` rather than matmuls, because float32 matmuls may
-run in TF32 on GPUs.
+run in TF32 on GPUs. Shape letters follow the legend in `tevjax/__init__.py`.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ class ExitLaw:
     prefix_prob: jax.Array  # [N] float32  P(v)
     local_exit: jax.Array  # [N] float32  rho(v)
     exit_prob: jax.Array  # [N] float32  w(v)
-    coverage: jax.Array  # []  float32  C_p(T) = expected number of accepted draft tokens
+    coverage: jax.Array  # []  float32  C_p = expected number of accepted draft tokens
 
 
 @jax.tree_util.register_dataclass
@@ -68,11 +68,11 @@ class EdgeStats:
     """
 
     logits: jax.Array  # [N, V] raw target logits as given (padding rows may hold anything)
-    inv_temperature: jax.Array  # [] float32 1 / T (1 when greedy)
+    inv_temperature: jax.Array  # [] float32 1 / temperature (1 when greedy)
     edge_prob: jax.Array  # [N] float32 p_pa(u)(x_u) for real non-root u, else 0
 
     def scaled_row(self, node: jax.Array) -> jax.Array:
-        """[V] float32 logits / T of one real node."""
+        """[V] float32 logits / temperature of one real node."""
         return self.logits[node].astype(jnp.float32) * self.inv_temperature
 
 
@@ -97,7 +97,7 @@ def _sample_stats(tree: DraftTree, logits: jax.Array, temperature: jax.Array) ->
 
 
 def _greedy_stats(tree: DraftTree, logits: jax.Array) -> EdgeStats:
-    # T = 0: p_v is the point mass on argmax (first index on ties, as jnp.argmax).
+    # Temperature 0: p_v is the point mass on argmax (first index on ties, as jnp.argmax).
     top = jnp.argmax(jnp.where(tree.valid[:, None], logits, 0), axis=-1)
     parent = jnp.maximum(tree.parents, 0)
     is_edge = tree.valid & (tree.parents >= 0)

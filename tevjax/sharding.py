@@ -54,7 +54,7 @@ def parse_mesh(text: str) -> dict[str, int]:
             continue
         name, _, size = part.partition("=")
         if name not in ("data", "model") or not size.isdigit() or int(size) < 1:
-            raise ValueError(f"--mesh {text!r}: expected entries like data=D,model=M with positive sizes")
+            raise ValueError(f"--mesh {text!r}: expected entries like data=2,model=1 with positive sizes")
         out[name] = int(size)
     return out
 

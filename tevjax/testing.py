@@ -31,8 +31,9 @@ def tiny_config(architecture: str = "llama", **overrides) -> ModelConfig:
 def random_model(cfg: ModelConfig, seed: int = 0) -> Transformer:
     """A randomly initialised model for tests, filled from numpy (no per-op XLA compiles).
 
-    Kernels ~ N(0, 1/fan_in), embeddings ~ N(0, 1/D) (so tied logits are O(1)), biases ~ N(0, 0.1^2), and norm scales
-    ~ 1 + N(0, 0.1^2) rather than ones, so a mis-mapped norm or q/k norm cannot go unnoticed.
+    Kernels ~ normal(0, 1/fan_in), embeddings ~ normal(0, 1/D) (so tied logits are O(1)), biases
+    ~ normal(0, 0.1^2), and norm scales ~ 1 + normal(0, 0.1^2) rather than ones, so a mis-mapped
+    norm or q/k norm cannot go unnoticed.
     """
     model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
     rng = np.random.default_rng(seed)

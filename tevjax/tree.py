@@ -1,18 +1,19 @@
 """Padded, static-shape draft trees.
 
-A draft tree of static size N is four arrays plus one derived mask (letter legend: N tree nodes,
-V vocabulary). Node 0 is the root: its token is the last committed token and its logits row is the
-target's next-token distribution after the committed prefix. Every real node i > 0 has a parent
-0 <= parents[i] < i, so parents always come before children and one left-to-right pass is a valid
-topological order. A node i > 0 with parents[i] == -1 is padding: it takes no part in any law,
-and a padded tree behaves exactly like the same tree without the padding.
+A draft tree of N static slots is four arrays plus one derived mask (shape letters follow the
+legend in `tevjax/__init__.py`). Node 0 is the root: its token is the last committed token and its
+logits row is the target's next-token distribution after the committed prefix. Every real node
+i > 0 has a parent 0 <= parents[i] < i, so parents always come before children and one
+left-to-right pass is a valid topological order. A node i > 0 with parents[i] == -1 is padding:
+it takes no part in any law, and a padded tree behaves exactly like the same tree without the
+padding.
 
 Worked example (N = 5; node 3 is padding)::
 
     tokens   = [ 7, 11, 12,  0, 13]      root "7"
     parents  = [-1,  0,  0, -1,  1]      ├── 11 (node 1)
     depth    = [ 0,  1,  1,  0,  2]      │   └── 13 (node 4)
-    valid    = [ T,  T,  T,  F,  T]      └── 12 (node 2)
+    valid    = [ 1,  1,  1,  0,  1]      └── 12 (node 2)
 
     ancestors[i, j] = "j is an ancestor of i, or i itself"   (rows: query i, columns: key j)
         j:  0  1  2  3  4

@@ -1,22 +1,25 @@
 """Exact tree verifiers: TEV, DDTree's predraw-and-follow, EAGLE-style sequential residual, greedy.
 
 All verifiers are pure functions of (key, tree, logits, temperature) and realise the same
-canonical (exit node, bonus token) law of paper Theorem 1, so each attains E[block] = 1 + C_p:
+canonical (exit node, bonus token) law of paper Theorem 1, so each attains a mean output block
+length of 1 + C_p:
 
 - ``tev``: one categorical draw of the exit node from w, one residual draw of the bonus token at
   that node (p_v with the drafted child tokens removed; p_v itself at a leaf). Cost: one
   log-sum-exp pass over [N, V], O(N^2) elementwise tree work, one [V] row draw.
   Every categorical draw uses `tevjax.sampling.categorical` (exact two-stage Gumbel-max), so that
   no verifier pays for V random numbers per draw.
-- ``predraw``: one target draw R_v ~ p_v at every node, then follow the child
-  whose token equals R_v from the root; the bonus is R at the first node without a match. The
+- ``predraw``: one target draw r_v ~ p_v at every node, then follow the child
+  whose token equals r_v from the root; the bonus is r at the first node without a match. The
   following is done for all nodes at once: a node is reached iff every edge on its root path matched.
 - ``sequential``: at every node its children are tested in index order; child j is accepted with
-  probability p(x_j) / (1 - M_{j-1}) (M = mass of earlier, rejected siblings); the bonus is drawn
-  from the residual of the node where all children were rejected. Vectorised: one uniform per edge.
+  probability p(x_j) / (1 - rejected_j) (rejected_j = mass of its earlier, rejected siblings); the
+  bonus is drawn from the residual of the node where all children were rejected. Vectorised: one
+  uniform per edge.
 - temperature 0 (any method): greedy; follow the argmax path, bonus = argmax at the exit node.
 
-Outputs are fixed-shape: with N tree slots, H = N - 1 is the static maximum depth.
+Outputs are fixed-shape: with N tree slots, N - 1 (a chain) is the static maximum depth. Shape
+letters follow the legend in `tevjax/__init__.py`.
 """
 
 from __future__ import annotations
@@ -37,13 +40,13 @@ __all__ = ["VerifyOutput", "verify", "VERIFIERS"]
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class VerifyOutput:
-    """One verification round's result (H = N - 1)."""
+    """One verification round's result (for a tree of N slots)."""
 
     exit_node: jax.Array  # [] int32 deepest accepted node (0 = root: nothing accepted)
     bonus_token: jax.Array  # [] int32 token drawn from the exit node's residual distribution
     num_accepted: jax.Array  # [] int32 accepted draft tokens = depth(exit_node)
-    path: jax.Array  # [H] int32 accepted node indices by depth 1..D, then -1
-    tokens: jax.Array  # [H+1] int32 accepted tokens, then the bonus token, then -1
+    path: jax.Array  # [N - 1] int32 accepted node indices by depth 1..num_accepted, then -1
+    tokens: jax.Array  # [N] int32 accepted tokens, then the bonus token, then -1
     num_tokens: jax.Array  # [] int32 output block length = num_accepted + 1 (bonus included)
 
 
@@ -110,7 +113,7 @@ def _tev(key, tree, logits, temperature) -> VerifyOutput:
 
 def _predraw(key, tree, logits, temperature) -> VerifyOutput:
     inv_t = 1.0 / jnp.where(temperature > 0, temperature, 1.0).astype(jnp.float32)
-    # R_v ~ p_v at every node, independently. Padding rows may hold garbage: their draws are
+    # r_v ~ p_v at every node, independently. Padding rows may hold garbage: their draws are
     # in-range indices that no real node ever reads (a real node's parent is real).
     draws = sampling.categorical(key, logits, inv_t)
     parent = jnp.maximum(tree.parents, 0)
@@ -129,7 +132,8 @@ def _sequential(key, tree, logits, temperature) -> VerifyOutput:
     # earlier[u, u'] : u' is a sibling of u tested before it (smaller index).
     earlier = (tree.parents[:, None] == tree.parents[None, :]) & is_edge[None, :] & (idx[None, :] < idx[:, None])
     rejected_mass = jnp.sum(jnp.where(earlier, stats.edge_prob[None, :], 0.0), axis=-1)
-    # Accept with probability p / (1 - M): written as a product so that no division can overflow.
+    # Accept with probability p / (1 - rejected mass), written as a product so that no division
+    # can overflow.
     passes = is_edge & (u * (1.0 - rejected_mass) < stats.edge_prob)
     chosen = passes & ~jnp.any(earlier & passes[None, :], axis=-1)
     exit_node = _deepest(tree, _reached(tree, chosen))

@@ -4,15 +4,16 @@ A released drafter (e.g. z-lab/Qwen3-8B-DFlash-b16) is a directory with `config.
 config plus `block_size`, `num_target_layers` and `dflash_config: {mask_token_id,
 target_layer_ids}`; see `DFlashConfig.from_hf_config`) and `model.safetensors` holding only the
 drafter's own tensors, with no `model.` prefix and no embedding or LM head (the drafter uses the
-target's)::
+target's; shape letters follow the legend in `tevjax/__init__.py`, and the MLP width is written
+out as `inter`, the config's intermediate_size)::
 
-    fc.weight                                   [D, n*D]
+    fc.weight                                   [D, F]
     hidden_norm.weight                          [D]
     layers.{i}.input_layernorm.weight           [D]
     layers.{i}.self_attn.{q,k,v,o}_proj.weight  [H*Dh, D], [K*Dh, D], [K*Dh, D], [D, H*Dh]
     layers.{i}.self_attn.{q,k}_norm.weight      [Dh]
     layers.{i}.post_attention_layernorm.weight  [D]
-    layers.{i}.mlp.{gate,up,down}_proj.weight   [F, D], [F, D], [D, F]
+    layers.{i}.mlp.{gate,up,down}_proj.weight   [inter, D], [inter, D], [D, inter]
     norm.weight                                 [D]
 
 HF `nn.Linear` weights are [out, in] and flax kernels [in, out], hence the transposes. A `model.`

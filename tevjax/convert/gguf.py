@@ -12,10 +12,11 @@ Two layout facts matter (both from llama.cpp's `convert_hf_to_gguf.py`):
 * ggml lists dimensions fastest-moving first, so a GGUF tensor of ggml shape [in, out] is the numpy
   (and HF) matrix (out, in); `gguf.GGUFReader` already reports the numpy order.
 * llama.cpp's rope rotates adjacent pairs (x0, x1), (x2, x3), ... while HF Llama rotates the two
-  halves of each head (x_i, x_{i + d/2}). Its converter therefore permutes the rows of q_proj and
-  k_proj within every head: HF row a * d/2 + b (half a in {0, 1}, b < d/2) is stored as GGUF row
-  2 * b + a, i.e. `W.reshape(n_head, 2, d/2, in).swapaxes(1, 2)`, with n_head = the number of KV
-  heads for k_proj. `read_gguf` applies the inverse. Worked example, one head of d = 4 rows::
+  halves of each head (x_i, x_{i + Dh/2}). Its converter therefore permutes the rows of q_proj and
+  k_proj within every head: HF row a * Dh/2 + b (half a in {0, 1}, b < Dh/2) is stored as GGUF row
+  2 * b + a, i.e. `W.reshape(n_head, 2, Dh/2, in).swapaxes(1, 2)`, with n_head = the number of KV
+  heads for k_proj. `read_gguf` applies the inverse (Dh: head width, as in the legend in
+  `tevjax/__init__.py`). Worked example, one head of Dh = 4 rows::
 
       HF rows    [q0, q1, q2, q3]    halves (q0, q1) and (q2, q3)
       GGUF rows  [q0, q2, q1, q3]    rope pairs (q0, q2) and (q1, q3) made adjacent
@@ -238,7 +239,7 @@ def _config_from_metadata(path: Path, meta: Mapping[str, Any], tensor_names: set
 def unpermute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
     """Undo llama.cpp's per-head q/k row interleave (see the module docstring).
 
-    `w` is (n_head * head_dim, in); GGUF row 2 * b + a of each head becomes HF row a * d/2 + b.
+    `w` is (n_head * head_dim, in); GGUF row 2 * b + a of each head becomes HF row a * Dh/2 + b.
     """
     rows = w.shape[0]
     if rows % (2 * n_head):

@@ -20,7 +20,7 @@ __all__ = ["KVCache"]
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    """Stacked K/V for all layers (L layers, B rows, S slots, K kv heads, Dh head dim)."""
+    """Stacked K/V for all layers (shape letters: the legend in `tevjax/__init__.py`)."""
 
     k: jax.Array  # [L, B, S, K, Dh] keys after RoPE, compute dtype
     v: jax.Array  # [L, B, S, K, Dh] values, compute dtype
@@ -52,9 +52,10 @@ class KVCache:
 
         This is the commit step after tree verification: `src[b]` lists the cache slots of the
         accepted path (e.g. `prefix_len + accepted_node_index`), `dst_start[b]` the row's
-        committed length. Entries with `src[b, m] < 0` (unused, for paths shorter than M) are
-        skipped. Reads happen before writes, so overlapping source and destination ranges
-        are safe. src: [B, M] int32; dst_start: [B] int32.
+        committed length. Entries with `src[b, m] < 0` (unused, for paths shorter than src's
+        second axis) are skipped. Reads happen before writes, so overlapping source and
+        destination ranges are safe. src: [B, path slots] int32 (the decoder passes an accepted
+        path: N - 1 slots); dst_start: [B] int32.
         """
         b, m = src.shape
         if b != self.batch:

@@ -1,8 +1,8 @@
 """DFlash block-diffusion drafter (Chen, Liang, Liu 2026; public repo z-lab/dflash).
 
-Letter legend: B batch, C context tokens appended in one call, S context cache slots, T sequence
-length (training), M anchors per sequence, bs block size, D model width, n number of tapped target
-layers, H query heads, K key/value heads, Dh head dimension, V vocabulary, L drafter layers.
+Shape letters follow the legend in `tevjax/__init__.py`. Here T counts the context tokens of one
+call (the whole sequence in training), S the context cache slots, L the drafter's layers, F = n*D
+the width of n concatenated target layers, and a block holds G + 1 = block_size tokens.
 
 How the drafter reads the target (all as in the public implementation):
 
@@ -10,22 +10,23 @@ How the drafter reads the target (all as in the public implementation):
   `target_layer_ids` (0-based layer index `i` = HF `hidden_states[i + 1]`, i.e. the output of
   decoder layer `i`, which is `Transformer(..., hidden_layers=ids).hidden`; see
   `features_from_output` for the one exception, the last layer) are concatenated in that order
-  to `[.., n*D]`, projected by `fc` (no bias) and normalised by `hidden_norm`.
+  to `[.., F]`, projected by `fc` (no bias) and normalised by `hidden_norm`.
   Every drafter layer turns these projected features into keys/values with its own `k_proj`,
   `k_norm` and `v_proj`, and RoPE at the context token's absolute position. The context stream
   has no residual stream of its own: it is not updated from layer to layer.
-* Block. `[last committed token, MASK x (bs-1)]` at positions `a, .., a+bs-1` (a = the anchor,
+* Block. `[last committed token, MASK x G]` at positions `a, .., a+G` (a = the anchor,
   the position of the last committed token), embedded with the TARGET's embedding. Queries come
   from the block only; keys/values are the cached context (positions < a: the anchor's own hidden
   state is not known yet, the target has not run on it) plus the block itself, with no causal
   mask inside the block. A final `norm` precedes the TARGET's LM head, and block positions
-  `1..bs-1` give the draft distributions for tokens `a+1 .. a+bs-1`.
+  `1..G` give the draft distributions for tokens `a+1 .. a+G`.
 
-Worked example (bs = 4, committed tokens t0..t5, anchor a = 5 so t5 is the last committed token)::
+Worked example (block_size = 4, so G = 3; committed tokens t0..t5, anchor a = 5 so t5 is the last
+committed token)::
 
     cache slots     0   1   2   3   4   5   6  ...      ctx_len = 5
     holds ctx of   t0  t1  t2  t3  t4   -   -           (features of t0..t4, RoPE at 0..4)
-    block          [t5, M, M, M]  at positions 5, 6, 7, 8
+    block          [t5, MASK, MASK, MASK]  at positions 5, 6, 7, 8
     visible keys   slots 0..4 and all 4 block tokens, for every block query
     logits rows    positions 6, 7, 8 -> draft marginals q_1, q_2, q_3 of tokens 6, 7, 8
 
@@ -90,7 +91,7 @@ def tapped_hidden(out, layer_ids: Sequence[int], num_target_layers: int) -> jax.
 
 
 def features_from_output(out, cfg: "DFlashConfig", target_cfg: ModelConfig) -> jax.Array:
-    """Context features [B, T, n*D] from a target `ForwardOutput` computed with
+    """Context features [B, T, F] from a target `ForwardOutput` computed with
     `hidden_layers=cfg.target_layer_ids` (see `tapped_hidden`)."""
     return features_from_hidden(tapped_hidden(out, cfg.target_layer_ids, target_cfg.num_layers))
 
@@ -182,7 +183,7 @@ class DFlashConfig:
 
     @property
     def feature_dim(self) -> int:
-        """n * D: width of the concatenated context feature that `fc` projects."""
+        """F = n * D: width of the concatenated context feature that `fc` projects."""
         return self.num_features * self.hidden_size
 
     # ------------------------------------------------------------------ constructors
@@ -374,7 +375,7 @@ class DFlashConfig:
         return out
 
 
-# The drafter's context cache has the target cache's layout ([Ld, B, S, K, Dh] keys and values,
+# The drafter's context cache has the target cache's layout ([L, B, S, K, Dh] keys and values,
 # built from the config's num_layers / num_kv_heads / head_dim / dtype), so it is the same type.
 # It holds context K/V only (the block's K/V are recomputed every round); slots at or beyond a
 # row's `ctx_len` are ignored by the drafter, so stale entries need no clearing.
@@ -384,8 +385,8 @@ DrafterCache = KVCache
 def _context_block_attention(q, k_ctx, v_ctx, ctx_visible, k_blk, v_blk):
     """Attention of block queries over [visible context | whole block], one joint softmax.
 
-    q: [B, bs, H, Dh]; k_ctx, v_ctx: [B, S, K, Dh]; ctx_visible: [B, S] bool (the same for every
-    query of a block); k_blk, v_blk: [B, bs, K, Dh], all visible (no causal mask in the block).
+    q: [B, G + 1, H, Dh]; k_ctx, v_ctx: [B, S, K, Dh]; ctx_visible: [B, S] bool (the same for every
+    query of a block); k_blk, v_blk: [B, G + 1, K, Dh], all visible (no causal mask in the block).
     Same numerics as `tevjax.models.layers.attention` (float32 scores and softmax, finite NEG_INF),
     but the context and block keys stay separate instead of being concatenated: under the
     training vmap over anchors the context is shared by every anchor, and a concatenation would
@@ -422,7 +423,7 @@ class DFlashAttention(nnx.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = h, k, dh
 
     def context_kv(self, ctx, positions, inv_freq):
-        """ctx [B, C, D] projected features, positions [B, C] -> keys, values [B, C, K, Dh]."""
+        """ctx [B, T, D] projected features, positions [B, T] -> keys, values [B, T, K, Dh]."""
         b, c, _ = ctx.shape
         k = self.k_norm(self.k_proj(ctx).reshape(b, c, self.num_kv_heads, self.head_dim))
         k = apply_rope(k, positions, inv_freq)
@@ -430,7 +431,7 @@ class DFlashAttention(nnx.Module):
         return k, v
 
     def __call__(self, x, positions, inv_freq, k_ctx, v_ctx, ctx_visible):
-        """x [B, bs, D] normed block stream -> attention output [B, bs, D]."""
+        """x [B, G + 1, D] normed block stream -> attention output [B, G + 1, D]."""
         b, t, _ = x.shape
         q = self.q_norm(self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim))
         k = self.k_norm(self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim))
@@ -509,20 +510,20 @@ class DFlashDrafter(nnx.Module):
         return logits
 
     def _context_kv(self, ctx, positions):
-        """ctx [B, C, D] -> stacked keys, values [L, B, C, K, Dh] of every layer."""
+        """ctx [B, T, D] -> stacked keys, values [L, B, T, K, Dh] of every layer."""
         inv_freq = self._inv_freq()
         kv = [layer.self_attn.context_kv(ctx, positions, inv_freq) for layer in self.layers]
         return jnp.stack([k for k, _ in kv]), jnp.stack([v for _, v in kv])
 
     def _block_hidden(self, x, positions, k_ctx, v_ctx, ctx_visible):
-        """Block stream [B, bs, D] through every layer and the final norm -> [B, bs, D]."""
+        """Block stream [B, G + 1, D] through every layer and the final norm -> [B, G + 1, D]."""
         inv_freq = self._inv_freq()
         for i, layer in enumerate(self.layers):
             x = layer(x, positions, inv_freq, k_ctx[i], v_ctx[i], ctx_visible)
         return self.norm(x)
 
     def block_tokens(self, anchor_tokens: jax.Array) -> jax.Array:
-        """[...] last committed tokens -> [..., bs] block inputs [token, MASK, ..., MASK]."""
+        """[...] last committed tokens -> [..., G + 1] block inputs [token, MASK, ..., MASK]."""
         anchor_tokens = jnp.asarray(anchor_tokens, jnp.int32)
         masks = jnp.full(anchor_tokens.shape + (self.cfg.block_size - 1,), self.cfg.mask_token_id, jnp.int32)
         return jnp.concatenate([anchor_tokens[..., None], masks], axis=-1)
@@ -530,22 +531,22 @@ class DFlashDrafter(nnx.Module):
     # ------------------------------------------------------------------ inference
 
     def project_context(self, features: jax.Array) -> jax.Array:
-        """[B, C, n*D] concatenated target hidden states -> [B, C, D] = hidden_norm(fc(features))."""
+        """[B, T, F] concatenated target hidden states -> [B, T, D] = hidden_norm(fc(features))."""
         self._check_features(features)
         return self.hidden_norm(self.fc(features.astype(self.cfg.dtype)))
 
     def append_context(self, cache: DrafterCache, features: jax.Array, positions: jax.Array,
                        write_pos: jax.Array) -> DrafterCache:
-        """Writes the context K/V of C new tokens at slots write_pos[b] + c of every layer.
+        """Writes the context K/V of T new tokens at slots write_pos[b] + t of every layer.
 
-        features [B, C, n*D]; positions [B, C] absolute positions (RoPE); write_pos [B] int.
-        Writes past the cache capacity are dropped. C is static, so a caller with fewer real
+        features [B, T, F]; positions [B, T] absolute positions (RoPE); write_pos [B] int.
+        Writes past the cache capacity are dropped. T is static, so a caller with fewer real
         tokens in some rows pads them: padded entries land at slots >= that row's new ctx_len,
         where they are invisible and the next append overwrites them.
         """
         k, v = self._context_kv(self.project_context(features), jnp.asarray(positions, jnp.int32))
-        b, c = features.shape[:2]
-        slots = jnp.asarray(write_pos, jnp.int32)[:, None] + jnp.arange(c, dtype=jnp.int32)  # [B, C]
+        b, t = features.shape[:2]
+        slots = jnp.asarray(write_pos, jnp.int32)[:, None] + jnp.arange(t, dtype=jnp.int32)  # [B, T]
         # Out-of-range slots become S, which mode="drop" ignores (a negative index would wrap).
         slots = jnp.where((slots >= 0) & (slots < cache.capacity), slots, cache.capacity)
         rows = jnp.arange(b, dtype=jnp.int32)[:, None]
@@ -556,7 +557,7 @@ class DFlashDrafter(nnx.Module):
 
     def hidden(self, target, block_tokens: jax.Array, positions: jax.Array, cache: DrafterCache,
                ctx_len: jax.Array) -> jax.Array:
-        """[B, bs-1, D] final-normed hidden states of block positions 1..bs-1 (see `__call__`)."""
+        """[B, G, D] final-normed hidden states of block positions 1..G (see `__call__`)."""
         if block_tokens.shape[-1] != self.cfg.block_size:
             raise ValueError(f"block of {block_tokens.shape[-1]} tokens, expected block_size={self.cfg.block_size}")
         visible = jnp.arange(cache.capacity)[None, :] < jnp.asarray(ctx_len, jnp.int32)[:, None]  # [B, S]
@@ -566,10 +567,10 @@ class DFlashDrafter(nnx.Module):
 
     def __call__(self, target, block_tokens: jax.Array, positions: jax.Array, cache: DrafterCache,
                  ctx_len: jax.Array) -> jax.Array:
-        """Draft logits [B, bs-1, V] float32 for block positions 1..bs-1.
+        """Draft logits [B, G, V] float32 for block positions 1..G.
 
-        block_tokens [B, bs] (normally `block_tokens(last_committed)`); positions [B, bs]
-        (normally anchor + arange(bs)); cache slots < ctx_len[b] are the visible context.
+        block_tokens [B, G + 1] (normally `block_tokens(last_committed)`); positions [B, G + 1]
+        (normally anchor + arange(block_size)); cache slots < ctx_len[b] are the visible context.
         Row j of the result is the drafter's distribution of the token at positions[:, j + 1].
         """
         return self.logits(target, self.hidden(target, block_tokens, positions, cache, ctx_len))
@@ -579,11 +580,11 @@ class DFlashDrafter(nnx.Module):
     def train_hidden(self, target, features: jax.Array, tokens: jax.Array, anchors: jax.Array, *,
                      positions: jax.Array | None = None, context_mask: jax.Array | None = None,
                      anchor_chunk: int | None = None) -> jax.Array:
-        """Block-parallel forward at M anchors per sequence -> [B, M, bs-1, D] final hidden states.
+        """Block-parallel forward at M anchors per sequence -> [B, M, G, D] final hidden states.
 
-        features [B, T, n*D]: target hidden states of the whole sequence; tokens [B, T];
-        anchors [B, M] indices in [0, T). Anchor a's block is [tokens[a], MASK x (bs-1)] at
-        positions positions[a] + 0..bs-1 (positions default: arange(T)); it sees context indices
+        features [B, T, F]: target hidden states of the whole sequence; tokens [B, T];
+        anchors [B, M] indices in [0, T). Anchor a's block is [tokens[a], MASK x G] at
+        positions positions[a] + 0..G (positions default: arange(T)); it sees context indices
         < a (and where `context_mask` [B, T] is True) and its whole block. This is the
         inference computation at each anchor (`append_context` of the first a tokens, then
         `__call__` with ctx_len = a), run for all anchors against one shared context K/V.
@@ -601,12 +602,12 @@ class DFlashDrafter(nnx.Module):
         k_ctx, v_ctx = self._context_kv(self.project_context(features), positions)  # [L, B, T, K, Dh]
         anchor_tok = jnp.take_along_axis(jnp.asarray(tokens, jnp.int32), anchors, axis=1)  # [B, M]
         anchor_pos = jnp.take_along_axis(positions, anchors, axis=1)  # [B, M]
-        blk_tok = self.block_tokens(anchor_tok)  # [B, M, bs]
-        blk_pos = anchor_pos[..., None] + jnp.arange(self.cfg.block_size, dtype=jnp.int32)  # [B, M, bs]
+        blk_tok = self.block_tokens(anchor_tok)  # [B, M, G + 1]
+        blk_pos = anchor_pos[..., None] + jnp.arange(self.cfg.block_size, dtype=jnp.int32)  # [B, M, G + 1]
         idx = jnp.arange(t, dtype=jnp.int32)
 
         def one_anchor(args):
-            tok, pos, a = args  # [B, bs], [B, bs], [B]
+            tok, pos, a = args  # [B, G + 1], [B, G + 1], [B]
             visible = idx[None, :] < a[:, None]
             if context_mask is not None:
                 visible = visible & context_mask
@@ -614,16 +615,16 @@ class DFlashDrafter(nnx.Module):
             return self._block_hidden(x, pos, k_ctx, v_ctx, visible)[:, 1:]
 
         xs = (jnp.moveaxis(blk_tok, 1, 0), jnp.moveaxis(blk_pos, 1, 0), anchors.T)
-        h = jax.lax.map(one_anchor, xs, batch_size=min(anchor_chunk or m, m))  # [M, B, bs-1, D]
+        h = jax.lax.map(one_anchor, xs, batch_size=min(anchor_chunk or m, m))  # [M, B, G, D]
         return jnp.moveaxis(h, 0, 1)
 
     def train_logits(self, target, features: jax.Array, tokens: jax.Array, anchors: jax.Array, *,
                      positions: jax.Array | None = None, context_mask: jax.Array | None = None,
                      anchor_chunk: int | None = None) -> jax.Array:
-        """`train_hidden` through the target's LM head -> [B, M, bs-1, V] float32.
+        """`train_hidden` through the target's LM head -> [B, M, G, V] float32.
 
         Row k-1 of anchor a is the draft distribution of tokens[a + k] (the public training
-        label). This materialises B*M*(bs-1)*V floats; losses that only need a few logsumexps
+        label). This materialises B*M*G*V floats; losses that only need a few logsumexps
         per row can apply the LM head to `train_hidden` in chunks instead.
         """
         h = self.train_hidden(target, features, tokens, anchors, positions=positions,

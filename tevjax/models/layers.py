@@ -1,7 +1,6 @@
 """Shared transformer primitives (target model and DFlash drafter).
 
-Letter legend: B batch, T query tokens, S key/value slots, H query heads, K key/value heads,
-Dh head dimension, D model width, F MLP width.
+Shape letters follow the legend in `tevjax/__init__.py` (here T: query tokens, S: key/value slots).
 
 Numerics: every reduction that decides a probability (RMS statistics, attention scores, softmax)
 runs in float32 whatever the compute dtype; masking uses the finite `NEG_INF` so a fully masked

@@ -16,8 +16,8 @@ write_pos = 2, T = 3, S = 6 and the tree block mask of a root with two children:
     [1 0 1]           [1 1 | 1 0 1 | 0]
 
 Layers are stacked along a leading axis (created with `nnx.vmap`) and run under `jax.lax.scan`,
-so a 36-layer model compiles one layer body. Letter legend: B batch, T new tokens, S cache slots,
-L layers, R requested hidden layers, D width, V vocabulary, H heads, K kv heads, Dh head dim.
+so a 36-layer model compiles one layer body. Shape letters follow the legend in
+`tevjax/__init__.py` (here T: the new tokens of one call).
 """
 
 from __future__ import annotations

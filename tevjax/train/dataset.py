@@ -1,12 +1,14 @@
 """Reading a `tevjax data` directory as fixed-shape training batches.
 
-Letters: B sequences per batch (global), Q padded sequence length, F = n*D feature width.
+Shape letters follow the legend in `tevjax/__init__.py`: B sequences per (global) batch, T the
+padded sequence length, F = n*D the feature width.
 
 The data order is a pure function of (seed, step): epoch e visits the records in the permutation
-`default_rng([seed, e]).permutation(R)`, and global batch `step` holds the records at flat
-positions step*B .. step*B + B - 1 of that endless sequence. Resuming at step k therefore reads
-exactly the batches an uninterrupted run would have read, with no state to save beyond the step.
-In a multi-process run every process reads its own contiguous slice of each global batch.
+`default_rng([seed, e]).permutation(number of records)`, and global batch `step` holds the
+records at flat positions step*B .. step*B + B - 1 of that endless sequence. Resuming at step k
+therefore reads exactly the batches an uninterrupted run would have read, with no state to save
+beyond the step. In a multi-process run every process reads its own contiguous slice of each
+global batch.
 """
 
 from __future__ import annotations
@@ -28,9 +30,9 @@ __all__ = ["Batch", "TrainData"]
 class Batch:
     """One fixed-shape batch of training sequences (padding: token 0, mask False, zero features)."""
 
-    tokens: jax.Array  # [B, Q] int32
-    loss_mask: jax.Array  # [B, Q] bool  supervised (response) tokens
-    features: jax.Array  # [B, Q, F] tapped target hidden states, concatenated in the drafter's tap order
+    tokens: jax.Array  # [B, T] int32
+    loss_mask: jax.Array  # [B, T] bool  supervised (response) tokens
+    features: jax.Array  # [B, T, F] tapped target hidden states, concatenated in the drafter's tap order
     length: jax.Array  # [B] int32 real tokens per row (0 for an all-padding row)
 
 
@@ -74,7 +76,8 @@ class TrainData:
         return [self.taps.index(t) for t in layer_ids]
 
     def record(self, i: int, columns: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(tokens [q], loss_mask [q], features [q, len(columns) * D] float32) of record i."""
+        """(tokens [T], loss_mask [T], features [T, F] float32) of record i (T: its length;
+        F = len(columns) * D)."""
         s, a, b = self.index[i]
         sh = self._shards[s]
         feats = np.asarray(sh["features"][a:b][:, columns])  # uint16 bfloat16 bits

@@ -43,14 +43,14 @@ def greedy_accepted_depth(tokens, parents, valid, truth, truth_ok) -> jax.Array:
 def _evaluate(dstate, tstate, batch: Batch, key, *, dgd, tgd, budgets, anchors):
     drafter = nnx.merge(dgd, dstate)
     target = nnx.merge(tgd, tstate)
-    b, q = batch.tokens.shape
+    b, t = batch.tokens.shape
     keys = jax.random.split(key, b)
     anc, valid = jax.vmap(sample_anchors, in_axes=(0, 0, None))(keys, batch.loss_mask, anchors)
     z = drafter.logits(target, drafter.train_hidden(target, batch.features, batch.tokens, anc))  # [B, M, G, V]
     g = z.shape[2]
     pos = anc[..., None] + jnp.arange(1, g + 1)
-    inside = pos < q
-    pos_c = jnp.minimum(pos, q - 1)
+    inside = pos < t
+    pos_c = jnp.minimum(pos, t - 1)
     rows = jnp.arange(b)[:, None, None]
     truth = batch.tokens[rows, pos_c]
     truth_ok = inside & batch.loss_mask[rows, pos_c] & valid[..., None]

@@ -1,8 +1,8 @@
 """The drafter's training objectives as pure functions: the DFlash token loss and ExitTrain's exit loss.
 
-Letters: B sequences, Q sequence length (tokens of one training sequence), M anchors per sequence,
-G = bs - 1 draft rows per anchor (row g-1 drafts the token at anchor + g), N tree slots
-(root + exit budget), V vocabulary.
+Shape letters follow the legend in `tevjax/__init__.py`: B sequences, T sequence length (tokens of
+one training sequence), M anchors per sequence, G = block_size - 1 draft rows per anchor (row g-1
+drafts the token at anchor + g), N tree slots (root + exit budget), V vocabulary.
 
 Every loss returns a (numerator, denominator) pair of float32 scalars summed over the batch it is
 given, so that a data-parallel step divides global sums by global sums (never a mean of per-device
@@ -16,7 +16,7 @@ the weights that count.
 Exit loss (ExitTrain, paper Eq. 14 and App. C.2): with omega(v) a detached per-node weight of the
 drafter's own tree,
 
-    L_exit = sum_v omega(v) * (logsumexp(z[row(v)]) - z[row(v), x_v]) / #(non-root nodes),
+    loss_exit = sum_v omega(v) * (logsumexp(z[row(v)]) - z[row(v), x_v]) / #(non-root nodes),
     row(v) = depth(v) - 1 (nodes of one depth share their anchor's draft row),
 
 computed as sum_rows (row weight) * lse(row) - sum_v omega(v) * z[row(v), x_v]: one log-normaliser
@@ -49,22 +49,22 @@ def sample_anchors(key: jax.Array, loss_mask: jax.Array, num_anchors: int) -> tu
     """Anchors [M] and their validity [M] for one sequence, uniformly without replacement among the
     positions a with loss_mask[a] and loss_mask[a + 1] (the anchor and its next token supervised).
 
-    loss_mask [Q] bool. Fewer than M eligible positions: the rest are marked invalid (index 0).
+    loss_mask [T] bool. Fewer than M eligible positions: the rest are marked invalid (index 0).
     Anchors come back sorted, so a step's blocks read the sequence left to right.
     """
-    q = loss_mask.shape[0]
+    t = loss_mask.shape[0]
     eligible = loss_mask & jnp.concatenate([loss_mask[1:], jnp.zeros((1,), bool)])
     # Uniform random keys on eligible positions, -1 elsewhere: the top M keys are a uniform
     # sample without replacement of the eligible positions.
-    u = jnp.where(eligible, jax.random.uniform(key, (q,)), -1.0)
-    vals, idx = jax.lax.top_k(u, min(num_anchors, q))
+    u = jnp.where(eligible, jax.random.uniform(key, (t,)), -1.0)
+    vals, idx = jax.lax.top_k(u, min(num_anchors, t))
     valid = vals >= 0
-    idx = jnp.where(valid, idx, q)  # invalid ones sort last
+    idx = jnp.where(valid, idx, t)  # invalid ones sort last
     order = jnp.argsort(idx)
     anchors, valid = idx[order], valid[order]
-    if num_anchors > q:  # static: pad with invalid anchors
-        pad = num_anchors - q
-        anchors = jnp.concatenate([anchors, jnp.full((pad,), q, anchors.dtype)])
+    if num_anchors > t:  # static: pad with invalid anchors
+        pad = num_anchors - t
+        anchors = jnp.concatenate([anchors, jnp.full((pad,), t, anchors.dtype)])
         valid = jnp.concatenate([valid, jnp.zeros((pad,), bool)])
     return jnp.where(valid, anchors, 0).astype(jnp.int32), valid
 
@@ -74,14 +74,14 @@ def token_loss_terms(lse: jax.Array, logits: jax.Array, tokens: jax.Array, loss_
     """DFlash token loss (numerator, denominator) for one batch.
 
     lse [B, M, G] = logsumexp of the draft rows; logits [B, M, G, V] draft logits (only gathered);
-    tokens, loss_mask [B, Q]; anchors, anchor_valid [B, M].
+    tokens, loss_mask [B, T]; anchors, anchor_valid [B, M].
     """
     b, m, g = lse.shape
-    q = tokens.shape[1]
+    t = tokens.shape[1]
     offs = jnp.arange(1, g + 1, dtype=jnp.int32)
     pos = anchors[..., None] + offs  # [B, M, G] positions of the labels
-    inside = pos < q
-    pos_c = jnp.minimum(pos, q - 1)
+    inside = pos < t
+    pos_c = jnp.minimum(pos, t - 1)
     rows = jnp.arange(b)[:, None, None]
     labels = tokens[rows, pos_c]
     counted = anchor_valid[..., None] & inside & loss_mask[rows, pos_c]

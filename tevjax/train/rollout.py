@@ -9,12 +9,13 @@
       shards/train-00000/     one generate call's worth of records, written to a temporary directory
       shards/heldout-00000/   and renamed into place only when complete (so a shard is all or nothing)
 
-Each shard holds R records (sequences) concatenated along one token axis (Q tokens in all):
+Each shard holds its records (sequences) concatenated along one token axis (T tokens in all; shape
+letters follow the legend in `tevjax/__init__.py`, and n = len(taps)):
 
-    tokens.npy     [Q] int32    chat prompt (template applied) followed by the target's response
-    loss_mask.npy  [Q] uint8    1 on response tokens, end-of-turn included; 0 on the prompt
-    offsets.npy    [R+1] int64  record r is tokens[offsets[r]:offsets[r+1]]
-    features.npy   [Q, n, D]    hidden states of the target at `taps` (bfloat16 bits as uint16)
+    tokens.npy     [T] int32           chat prompt (template applied), then the target's response
+    loss_mask.npy  [T] uint8           1 on response tokens, end-of-turn included; 0 on the prompt
+    offsets.npy    [records+1] int64   record r is tokens[offsets[r]:offsets[r+1]]
+    features.npy   [T, n, D]           hidden states of the target at `taps` (bfloat16 bits as uint16)
     records.json   per record: prompt index, prompt length, response length, stop reason
 
 Responses are the target's own greedy continuations, decoded with tevjax's `Decoder` (the
@@ -135,7 +136,7 @@ def _hidden_fn(state, tokens, *, graphdef, taps):
 
 def sequence_hidden(target: Transformer, sequences: Sequence[Sequence[int]], taps: tuple[int, ...], *,
                     bucket: int = 128, chunk: int = 16) -> list[np.ndarray]:
-    """Per sequence, [len, n, D] bfloat16 hidden states of `taps` from one causal forward.
+    """Per sequence, [T, n, D] bfloat16 hidden states of `taps` (n = len(taps)), one causal forward.
 
     Sequences are right-padded to a multiple of `bucket` (causal attention: padding after a token
     cannot change it) and run `chunk` at a time to bound the [chunk, H, T, T] attention scores.

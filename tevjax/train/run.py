@@ -7,10 +7,11 @@
                         position is the step) -- the last `keep` are kept
 
 Exact resume: a step is a pure function of (state, batch), the batch of step s is a pure function
-of (seed, s), and the checkpoint holds the whole state bit for bit, so N steps straight and N/2
-steps, a stop, then `--resume` for the rest end with identical parameters. Orbax writes every
-checkpoint to a temporary directory and renames it into place when complete, so a crash during a
-save leaves the previous checkpoint intact (an unfinished one is never listed).
+of (seed, s), and the checkpoint holds the whole state bit for bit, so a run of all its steps
+straight and one of half of them, a stop, then `--resume` for the rest end with identical
+parameters. Orbax writes every checkpoint to a temporary directory and renames it into place when
+complete, so a crash during a save leaves the previous checkpoint intact (an unfinished one is
+never listed).
 """
 
 from __future__ import annotations

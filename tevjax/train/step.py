@@ -1,7 +1,8 @@
 """One optax training step for the drafter: token loss + lambda * exit loss, jitted over a device mesh.
 
-Letters: B sequences (global batch), Q sequence length, M anchors per sequence, E exit anchors per
-sequence (a subset of the M), G = bs - 1 draft rows, N = exit budget + 1 tree slots, V vocabulary.
+Shape letters follow the legend in `tevjax/__init__.py`: B sequences (global batch), T sequence
+length, M anchors per sequence, E exit anchors per sequence (a subset of the M), G = block_size - 1
+draft rows, N = exit budget + 1 tree slots, V vocabulary.
 
 A step, for every sequence of the batch:
 
@@ -55,7 +56,7 @@ class TrainConfig:
     steps: int
     batch_size: int = 8  # B: sequences per global batch
     anchors: int = 32  # M: anchor blocks per sequence
-    seq_len: int = 512  # Q: sequences are padded or cropped to this
+    seq_len: int = 512  # T: sequences are padded or cropped to this
     lr: float = 6e-4
     warmup: float = 0.04  # fraction of steps with linear warmup, then cosine to 0
     weight_decay: float = 0.0  # optax.adamw's default is 1e-4: the recipe uses 0, set explicitly
@@ -125,34 +126,34 @@ class TrainState:
 def score_trees(target: Transformer, tokens: jax.Array, anchors: jax.Array, trees: DraftTree) -> jax.Array:
     """Target logits [B, E, N, V] of every node of every anchor's tree, each under its true context.
 
-    tokens [B, Q]; anchors [B, E]; trees with leading dims [B, E] and N slots (node 0 = the anchor
+    tokens [B, T]; anchors [B, E]; trees with leading dims [B, E] and N slots (node 0 = the anchor
     token). One forward per sequence over [sequence | tree 1 | ... | tree E]: the sequence part is
     causal; a node of tree e sits at position anchor_e + depth and sees the sequence before its
     anchor (positions < anchor_e) and its own ancestors in tree e. This equals E separate passes
     that each prefill tokens[:anchor_e] and run the tree (the decoder's tree pass), without
     repeating the prefix.
     """
-    b, q = tokens.shape
+    b, t = tokens.shape
     e, n = trees.tokens.shape[1:]
-    total = q + e * n
-    seq_pos = jnp.arange(q, dtype=jnp.int32)
+    total = t + e * n
+    seq_pos = jnp.arange(t, dtype=jnp.int32)
     all_tokens = jnp.concatenate([tokens, jnp.maximum(trees.tokens, 0).reshape(b, e * n)], axis=1)
     node_pos = anchors[..., None] + trees.depth  # [B, E, N]
-    positions = jnp.concatenate([jnp.broadcast_to(seq_pos, (b, q)), node_pos.reshape(b, e * n)], axis=1)
+    positions = jnp.concatenate([jnp.broadcast_to(seq_pos, (b, t)), node_pos.reshape(b, e * n)], axis=1)
 
-    causal = seq_pos[:, None] >= seq_pos[None, :]  # [Q, Q]
-    to_seq = seq_pos[None, None, None, :] < anchors[..., None, None]  # [B, E, 1, Q] -> per node row
-    to_seq = jnp.broadcast_to(to_seq, (b, e, n, q)).reshape(b, e * n, q)
+    causal = seq_pos[:, None] >= seq_pos[None, :]  # [T, T]
+    to_seq = seq_pos[None, None, None, :] < anchors[..., None, None]  # [B, E, 1, T] -> per node row
+    to_seq = jnp.broadcast_to(to_seq, (b, e, n, t)).reshape(b, e * n, t)
     same_tree = jnp.eye(e, dtype=bool)[None, :, None, :, None]  # [1, E, 1, E, 1]
     in_tree = same_tree & trees.ancestors[:, :, :, None, :]  # [B, E, N, E, N]
     in_tree = in_tree.reshape(b, e * n, e * n)
-    top = jnp.concatenate([jnp.broadcast_to(causal, (b, q, q)), jnp.zeros((b, q, e * n), bool)], axis=2)
+    top = jnp.concatenate([jnp.broadcast_to(causal, (b, t, t)), jnp.zeros((b, t, e * n), bool)], axis=2)
     bottom = jnp.concatenate([to_seq, in_tree], axis=2)
-    mask = jnp.concatenate([top, bottom], axis=1)  # [B, Q + E N, Q + E N]
+    mask = jnp.concatenate([top, bottom], axis=1)  # [B, T + E*N, T + E*N]
 
     out = target(all_tokens, positions, KVCache.init(target.cfg, b, total), jnp.zeros((b,), jnp.int32), mask,
                  compute_logits=False)
-    return target.logits(out.final_hidden[:, q:]).reshape(b, e, n, -1)
+    return target.logits(out.final_hidden[:, t:]).reshape(b, e, n, -1)
 
 
 # ------------------------------------------------------------------------------------ the loss
@@ -161,7 +162,7 @@ def score_trees(target: Transformer, tokens: jax.Array, anchors: jax.Array, tree
 def loss_terms(drafter: DFlashDrafter, target: Transformer, batch: Batch, key: jax.Array,
                cfg: TrainConfig) -> tuple[jax.Array, dict[str, jax.Array]]:
     """(loss, metrics) of one global batch; differentiable in the drafter only."""
-    b, q = batch.tokens.shape
+    b, t = batch.tokens.shape
     keys = jax.random.split(key, b)
     anchors, valid = jax.vmap(sample_anchors, in_axes=(0, 0, None))(keys, batch.loss_mask, cfg.anchors)
     hidden = drafter.train_hidden(target, batch.features, batch.tokens, anchors)  # [B, M, G, D]
@@ -172,7 +173,7 @@ def loss_terms(drafter: DFlashDrafter, target: Transformer, batch: Batch, key: j
     metrics = {"loss_tok": ratio(tok), "blocks": jnp.sum(valid.astype(jnp.float32))}
 
     # Top-1 agreement with the data token at block position 1 (a cheap running diagnostic).
-    label1 = batch.tokens[jnp.arange(b)[:, None], jnp.minimum(anchors + 1, q - 1)]
+    label1 = batch.tokens[jnp.arange(b)[:, None], jnp.minimum(anchors + 1, t - 1)]
     hit1 = (jnp.argmax(z[:, :, 0], axis=-1) == label1) & valid
     metrics["acc1"] = jnp.sum(hit1) / jnp.maximum(jnp.sum(valid), 1)
 
