@@ -175,9 +175,10 @@ def method_keys(budgets: list[int]) -> list[tuple[str, int]]:
 def make_decoders(models, keys, temperature: float, max_new: int, capacity: int) -> dict:
     decoders = {}
     for method, budget in keys:
-        cfg = DecodeConfig(verifier=method, budget=budget if method != "ar" else 1, temperature=temperature,
+        ar = method == "ar"  # the baseline: a Decoder without a drafter (verifier and budget unused)
+        cfg = DecodeConfig(**({} if ar else {"verifier": method, "budget": budget}), temperature=temperature,
                            max_new_tokens=max_new, eos_ids=models.eos_ids, capacity=capacity)
-        decoders[(method, budget)] = Decoder(models.target, None if method == "ar" else models.drafter, cfg)
+        decoders[(method, budget)] = Decoder(models.target, None if ar else models.drafter, cfg)
     return decoders
 
 

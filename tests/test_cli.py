@@ -56,6 +56,19 @@ def test_bad_input_is_one_clear_line(capsys, argv, message):
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
+def test_verifier_choices_follow_the_library(monkeypatch, capsys):
+    """--verifier takes the names in `VERIFIERS` (plus "ar", no drafter, for generate only)."""
+    from tevjax import verifiers
+    from tevjax.cli import verifier_choices
+
+    assert verifier_choices(autoregressive=True) == (*verifiers.VERIFIERS, "ar")
+    assert verifier_choices(autoregressive=False) == tuple(verifiers.VERIFIERS)
+    monkeypatch.setitem(verifiers.VERIFIERS, "mine", verifiers.VERIFIERS["tev"])
+    assert "mine" in verifier_choices(autoregressive=False)
+    code, _, err = _run(capsys, "eval", "--verifier", "ar")
+    assert code == 2 and "--verifier 'ar' is not one of tev, predraw, sequential, mine" in err
+
+
 def test_seed_accepts_the_full_unsigned_64_bit_range():
     from tevjax.cli import build_parser
 
@@ -82,7 +95,7 @@ def test_generate_json_matches_autoregressive_greedy(capsys, tiny_dir):
     record = json.loads(out.strip().splitlines()[-1])
     for field in ("tokens", "text", "rounds", "tau", "seconds", "tokens_per_second"):
         assert field in record
-    reference = Decoder(model, None, DecodeConfig(verifier="ar", max_new_tokens=8, eos_ids=(2,))).generate([[1, 2, 3]])[0]
+    reference = Decoder(model, None, DecodeConfig(max_new_tokens=8, eos_ids=(2,))).generate([[1, 2, 3]])[0]
     assert record["tokens"] == reference.tokens
     assert record["tau"] >= 1.0 and record["rounds"] >= 1
     code, out, _ = _run(capsys, "generate", "--target", str(path), "--prompt-ids", "1,2,3", "--max-new-tokens", "8",

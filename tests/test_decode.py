@@ -7,6 +7,7 @@ acceptances, commits and bonus tokens are all exercised (asserted below through 
 False-alarm budget: the four chi-square tests of the sampling law run at ALPHA = 1e-6 / 4 each.
 """
 
+import dataclasses
 import itertools
 
 import jax
@@ -25,6 +26,7 @@ from tevjax.testing import random_model, tiny_config
 from treegen import softmax
 
 SPECULATIVE = ("tev", "predraw", "sequential")
+AR = None  # `verifier=AR` below: a Decoder without a drafter (autoregressive decoding)
 PROMPTS = [[1, 5, 7, 9, 11], [1, 3], [1, 4, 4, 4, 4, 4, 8, 9, 10, 12, 14], [6]]
 
 
@@ -41,7 +43,8 @@ _DECODERS: dict = {}
 
 
 def _decoder(models, verifier, **kw):
-    """Decoders are cached so that tests sharing a configuration share its compiled functions."""
+    """Decoders are cached so that tests sharing a configuration share its compiled functions.
+    `verifier=AR` gives no drafter (the config keeps its default verifier, which goes unused)."""
     target, drafter = models
     kw.setdefault("max_new_tokens", 24)
     kw.setdefault("budget", 8)
@@ -49,13 +52,14 @@ def _decoder(models, verifier, **kw):
     kw.setdefault("capacity", 64)
     key = (id(target), verifier, tuple(sorted(kw.items())))
     if key not in _DECODERS:
-        _DECODERS[key] = Decoder(target, None if verifier == "ar" else drafter, DecodeConfig(verifier=verifier, **kw))
+        _DECODERS[key] = Decoder(target, drafter if verifier is not AR else None,
+                                 DecodeConfig(**({} if verifier is AR else {"verifier": verifier}), **kw))
     return _DECODERS[key]
 
 
 @pytest.fixture(scope="module")
 def ar_greedy(models):
-    return [g.tokens for g in _decoder(models, "ar").generate(PROMPTS)]
+    return [g.tokens for g in _decoder(models, AR).generate(PROMPTS)]
 
 
 @pytest.mark.parametrize("verifier", SPECULATIVE)
@@ -143,9 +147,9 @@ def exact_first3(small_models):
 
 def _first3_pvalue(models, verifier, law):
     target, drafter = models
-    dec = Decoder(target, None if verifier == "ar" else drafter,
-                  DecodeConfig(verifier=verifier, temperature=TEMPERATURE, budget=6, max_new_tokens=3,
-                               prompt_bucket=8))
+    dec = Decoder(target, drafter if verifier is not AR else None,
+                  DecodeConfig(**({} if verifier is AR else {"verifier": verifier}), temperature=TEMPERATURE,
+                               budget=6, max_new_tokens=3, prompt_bucket=8))
     out = dec.run(dec.prefill([SAMPLING_PROMPT] * NUM_ROWS, seed=11))
     toks = np.asarray(out.out)
     assert np.all(np.asarray(out.num_out) == 3)
@@ -159,11 +163,11 @@ def _first3_pvalue(models, verifier, law):
     return sps.chi2.sf(np.sum((o - e) ** 2 / e), len(e) - 1), tau
 
 
-@pytest.mark.parametrize("verifier", ("ar",) + SPECULATIVE)
+@pytest.mark.parametrize("verifier", (AR,) + SPECULATIVE, ids=("ar",) + SPECULATIVE)
 def test_first_three_tokens_follow_the_target_law(small_models, exact_first3, verifier):
     p, tau = _first3_pvalue(small_models, verifier, exact_first3)
-    assert p > ALPHA, f"{verifier}: the joint law of the first 3 tokens was rejected (p={p:.3g})"
-    if verifier != "ar":
+    assert p > ALPHA, f"{verifier or 'no drafter'}: the joint law of the first 3 tokens was rejected (p={p:.3g})"
+    if verifier is not AR:
         assert tau > 1.3, f"tau {tau:.2f}: too few multi-token rounds for the test to mean anything"
 
 
@@ -189,6 +193,7 @@ def test_a_broken_verifier_is_detected(small_models, exact_first3, monkeypatch):
     "kwargs, message",
     [
         ({"verifier": "nope"}, "unknown verifier 'nope'"),
+        ({"verifier": "ar"}, r"autoregressive decoding pass no drafter, Decoder\(target, None, cfg\)"),
         ({"temperature": -1.0}, "temperature must be a finite number >= 0"),
         ({"temperature": float("nan")}, "temperature must be a finite number >= 0"),
         ({"budget": 0}, "budget must be >= 1"),
@@ -208,8 +213,24 @@ def test_bad_prompts_and_capacity_are_rejected(models):
         dec.prefill([[1, 99]])
     with pytest.raises(ValueError, match="capacity 64 is too small"):
         dec.prefill([list(range(1, 20)) * 3])
-    with pytest.raises(ValueError, match="needs a drafter"):
-        Decoder(models[0], None, DecodeConfig(verifier="tev"))
+
+
+def test_without_a_drafter_a_round_has_one_tree_slot(models):
+    """Whether rounds draft is the Decoder's (a drafter was given), not the config's: without one
+    the budget goes unused and the caches and the positions check count N = 1 slot."""
+    target, drafter = models
+    cfg = DecodeConfig(budget=8, max_new_tokens=24, prompt_bucket=16, capacity=16 + 1 + 24 + 1)
+    ar, spec = Decoder(target, None, cfg), Decoder(target, drafter, cfg)
+    assert (ar.speculative, ar.tree_slots, ar.dstate) == (False, 1, None)
+    assert (spec.speculative, spec.tree_slots) == (True, 9)
+    assert ar.shapes([10]) == (16, 42)
+    with pytest.raises(ValueError, match="tree slots 9"):
+        spec.shapes([10])
+    limit = target.cfg.max_position_embeddings
+    roomy = dataclasses.replace(cfg, capacity=None, max_new_tokens=limit - 10 - 1)
+    Decoder(target, None, roomy).shapes([10])  # 10 + max_new_tokens + 1 fits the positions
+    with pytest.raises(ValueError, match="exceeds the model's"):
+        Decoder(target, drafter, roomy).shapes([10])
 
 
 def test_prompt_lengths_share_one_compilation_per_bucket(models):

@@ -73,10 +73,12 @@ _DECODERS: dict = {}
 
 
 def _decoder(models, verifier: str) -> Decoder:
-    """One decoder per verifier for the whole module, so tests share its compiled functions."""
+    """One decoder per verifier for the whole module, so tests share its compiled functions;
+    "ar" is the one without a drafter (autoregressive decoding)."""
     if verifier not in _DECODERS:
-        cfg = DecodeConfig(verifier=verifier, max_new_tokens=NEW_TOKENS, eos_ids=models.eos_ids)
-        _DECODERS[verifier] = Decoder(models.target, None if verifier == "ar" else models.drafter, cfg)
+        ar = verifier == "ar"
+        cfg = DecodeConfig(**({} if ar else {"verifier": verifier}), max_new_tokens=NEW_TOKENS, eos_ids=models.eos_ids)
+        _DECODERS[verifier] = Decoder(models.target, None if ar else models.drafter, cfg)
     return _DECODERS[verifier]
 
 
@@ -269,7 +271,7 @@ def test_cli_generate_on_a_hf_directory(tiny_llama_dir):
     rec, = _cli_json(["--target", str(tiny_llama_dir), "--prompt-ids", "1,2,3",
                       "--max-new-tokens", str(n), "--json"])
     models = load_models(str(tiny_llama_dir), dtype="float32")
-    dec = Decoder(models.target, None, DecodeConfig(verifier="ar", max_new_tokens=n, eos_ids=models.eos_ids))
+    dec = Decoder(models.target, None, DecodeConfig(max_new_tokens=n, eos_ids=models.eos_ids))
     ref = dec.generate([prompt])[0].tokens
     logits = _teacher_forced_logits(models, prompt, ref)
     print(f"\ntiny Llama via CLI: {rec['tokens']} (tau {rec['tau']}); smallest margin "

@@ -86,7 +86,7 @@ def test_data_directory_holds_greedy_responses_and_features(data_dir, target):
                                                                   "train-00002"}
     data = TrainData(data_dir, "train")
     assert len(data) == 12
-    dec = Decoder(target, None, DecodeConfig(verifier="ar", max_new_tokens=20, eos_ids=(2,)))
+    dec = Decoder(target, None, DecodeConfig(max_new_tokens=20, eos_ids=(2,)))
     for i in (0, 7):
         tokens, mask, feats = data.record(i, [0, 1])
         prompt = PROMPTS[1][i]

@@ -13,12 +13,27 @@ import sys
 import time
 from pathlib import Path
 
+from tevjax.verifiers import VERIFIERS
+
 EXIT_USAGE = 2
-VERIFIER_CHOICES = ("tev", "predraw", "sequential", "ar")
+# `generate --verifier ar` means "no drafter" (autoregressive decoding), not a verifier.
+AUTOREGRESSIVE = "ar"
 
 
 class CliError(Exception):
     """An error the user can fix; printed as one line."""
+
+
+def verifier_choices(*, autoregressive: bool) -> tuple[str, ...]:
+    """The --verifier values: the library's verifiers, plus "ar" where the baseline is allowed.
+    Read at call time, so a verifier registered in `VERIFIERS` is a CLI choice too."""
+    return (*VERIFIERS, AUTOREGRESSIVE) if autoregressive else tuple(VERIFIERS)
+
+
+def _check_verifier(name: str, *, autoregressive: bool) -> None:
+    choices = verifier_choices(autoregressive=autoregressive)
+    if name not in choices:
+        raise CliError(f"--verifier {name!r} is not one of {', '.join(choices)}")
 
 
 def _int_at_least(name, minimum):
@@ -134,7 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-new-tokens", type=_positive_int("--max-new-tokens"), default=128)
     gen.add_argument("--temperature", type=_temperature, default=0.0, help="0 = greedy (default)")
     gen.add_argument("--budget", type=_positive_int("--budget"), default=16, help="draft tree budget B (non-root nodes)")
-    gen.add_argument("--verifier", default="tev", help="tev (default), predraw, sequential, or ar (autoregressive baseline)")
+    gen.add_argument("--verifier", default="tev",
+                     help=f"{', '.join(verifier_choices(autoregressive=False))} (default tev), or "
+                          f"{AUTOREGRESSIVE} (no drafter: the autoregressive baseline)")
     gen.add_argument("--seed", type=_seed, default=0, help="sampling seed, an integer in [0, 2**64)")
     gen.add_argument("--batch-size", type=_positive_int("--batch-size"), default=1,
                      help="prompts decoded together (with --batch-file)")
@@ -209,7 +226,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--num-prompts", type=_positive_int("--num-prompts"), default=8)
     ev.add_argument("--budgets", type=_int_list("--budgets"), default=(4, 8, 16, 32))
     ev.add_argument("--temperature", type=_temperature, default=0.0)
-    ev.add_argument("--verifier", default="tev")
+    ev.add_argument("--verifier", default="tev",
+                    help=f"{', '.join(verifier_choices(autoregressive=False))} (default tev)")
     ev.add_argument("--max-new-tokens", type=_positive_int("--max-new-tokens"), default=128)
     ev.add_argument("--batch-size", type=_positive_int("--batch-size"), default=1)
     ev.add_argument("--seed", type=int, default=0)
@@ -265,8 +283,8 @@ def _decode(models, ids: list[int]) -> str:
 
 
 def cmd_generate(args) -> int:
-    if args.verifier not in VERIFIER_CHOICES:
-        raise CliError(f"--verifier {args.verifier!r} is not one of {', '.join(VERIFIER_CHOICES)}")
+    _check_verifier(args.verifier, autoregressive=True)
+    speculative = args.verifier != AUTOREGRESSIVE
     prompts = _read_prompts(args)  # cheap checks before the (slow) model load
 
     from tevjax.decode.engine import DecodeConfig, Decoder
@@ -286,9 +304,10 @@ def cmd_generate(args) -> int:
         if bad:
             raise CliError(f"prompt {i} holds token id {bad[0]} outside the vocabulary [0, {vocab})")
 
-    cfg = DecodeConfig(verifier=args.verifier, budget=args.budget, temperature=args.temperature,
-                       max_new_tokens=args.max_new_tokens, eos_ids=models.eos_ids)
-    decoder = Decoder(models.target, None if args.verifier == "ar" else models.drafter, cfg)
+    # Without a drafter the config's verifier is never used: any valid name will do.
+    cfg = DecodeConfig(verifier=args.verifier if speculative else "tev", budget=args.budget,
+                       temperature=args.temperature, max_new_tokens=args.max_new_tokens, eos_ids=models.eos_ids)
+    decoder = Decoder(models.target, models.drafter if speculative else None, cfg)
     stream = not args.json and len(ids) == 1
     for start in range(0, len(ids), args.batch_size):
         batch = ids[start: start + args.batch_size]
@@ -321,9 +340,9 @@ def cmd_generate(args) -> int:
                 "seconds": round(seconds, 4),
                 "tokens_per_second": round(len(g.tokens) / seconds, 3) if seconds > 0 else None,
                 "verifier": args.verifier,
-                "budget": args.budget if args.verifier != "ar" else 0,
+                "budget": args.budget if speculative else 0,
                 "temperature": args.temperature,
-                "drafter_trained": models.drafter_trained if args.verifier != "ar" else None,
+                "drafter_trained": models.drafter_trained if speculative else None,
                 "compile_seconds": round(compile_seconds, 3),
                 "load_seconds": round(load_seconds, 3),
             }
@@ -433,8 +452,7 @@ def cmd_export(args) -> int:
 def cmd_eval(args) -> int:
     from tevjax.evaluate import evaluate, format_table, load_eval_prompts
 
-    if args.verifier not in VERIFIER_CHOICES or args.verifier == "ar":
-        raise CliError(f"--verifier {args.verifier!r} is not one of {', '.join(v for v in VERIFIER_CHOICES if v != 'ar')}")
+    _check_verifier(args.verifier, autoregressive=False)  # eval measures the baseline itself
     texts = load_eval_prompts(args.prompts, args.num_prompts, seed=args.seed)
     from tevjax.loading import load_models
 

@@ -43,7 +43,7 @@ def main(*, max_new_tokens: int = 64, budget: int = 16, samples: int = 50_000, s
     ids = [chat_prompt_ids(models.tokenizer, p) for p in PROMPTS]
     common = dict(max_new_tokens=max_new_tokens, eos_ids=models.eos_ids, temperature=0.0)
     spec = Decoder(models.target, models.drafter, DecodeConfig(verifier="tev", budget=budget, **common))
-    ar = Decoder(models.target, None, DecodeConfig(verifier="ar", **common))
+    ar = Decoder(models.target, None, DecodeConfig(**common))  # no drafter: autoregressive
     t0 = time.perf_counter()
     for p in ids:
         spec.compile([p])

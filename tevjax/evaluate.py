@@ -72,7 +72,7 @@ def evaluate(models, texts: list[str], *, budgets=(4, 8, 16, 32), temperature: f
         raise ValueError("this target has no tokenizer: evaluation prompts are text")
     prompts = [chat_prompt_ids(models.tokenizer, t) for t in texts]
     base = dict(temperature=temperature, max_new_tokens=max_new_tokens, eos_ids=models.eos_ids)
-    ar = Decoder(models.target, None, DecodeConfig(verifier="ar", **base))
+    ar = Decoder(models.target, None, DecodeConfig(**base))  # no drafter: autoregressive
     ar_gens, ar_s = _run(ar, prompts, batch_size, seed)
     ar_tokens = sum(len(g.tokens) for g in ar_gens)
     log(json.dumps({"method": "ar", "tokens": ar_tokens, "seconds": round(ar_s, 3)}))

@@ -1,12 +1,13 @@
 """The jitted speculative decoding engine: DFlash draft -> DDTree -> one target pass -> verify -> commit.
 
-One round for every row of the batch at once (B rows, N = budget + 1 tree slots, H = N - 1)::
+One round for every row of the batch at once (B rows, N = budget + 1 tree slots, G = block_size - 1
+draft rows per block, the maximum tree depth)::
 
-    block  = [root, MASK x (bs-1)] at positions cache_len .. cache_len + bs - 1
-    q      = drafter(block | context K/V)            [B, bs-1, V]   per-depth draft marginals
-    tree   = build_ddtree(log q, root, budget)        [B, N]        best-first DDTree
+    block  = [root, MASK x G] at positions cache_len .. cache_len + G
+    q      = drafter(block | context K/V)                   [B, G, V]   per-depth draft marginals
+    tree   = build_ddtree(log q, root, budget)               [B, N]      best-first DDTree
     target(tree.tokens @ cache_len + depth, mask = prefix + tree.ancestors)  -> logits [B, N, V]
-    out    = verify(key, tree, logits, T, method)     accepted path + bonus token
+    out    = verify(key, tree, logits, temperature, method)  accepted path + bonus token
     commit : K/V of the accepted path moved to contiguous slots after the root, the target
              hidden states of root + path appended to the drafter context, the block emitted,
              the bonus becomes the next root.
@@ -19,8 +20,9 @@ touched and finished rows simply stop changing.
 
 The whole generation is one `lax.while_loop` inside one jit with the state donated; `Decoder.stream`
 is the Python-loop twin over the same jitted round (one host sync per round) for streaming.
-The autoregressive baseline (`verifier="ar"`) runs through the same code with a root-only tree
-and no drafter, so its speed is measured with the same model code, cache and sampler.
+Autoregressive decoding is a `Decoder` without a drafter (`Decoder(target, None, cfg)`): the
+same rounds with a root-only tree (N = 1), so its speed is measured with the same model code,
+cache and sampler. Whether a round drafts is static: the drafter's graphdef is None or not.
 """
 
 from __future__ import annotations
@@ -49,15 +51,13 @@ from tevjax.verifiers import VERIFIERS, verify
 __all__ = ["DecodeConfig", "DecodeState", "Decoder", "Generation", "commit", "draft", "draft_trees", "emit",
            "root_trees", "tree_pass"]
 
-AR = "ar"
-
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DecodeConfig:
     """Static decoding settings (one compile per distinct config and shape bucket)."""
 
-    budget: int = 16  # B: non-root tree nodes per round
-    verifier: str = "tev"  # "tev" | "predraw" | "sequential" | "ar" (autoregressive baseline)
+    budget: int = 16  # non-root tree nodes per round (unused without a drafter)
+    verifier: str = "tev"  # a name in tevjax.verifiers.VERIFIERS: "tev" | "predraw" | "sequential"
     temperature: float = 0.0  # 0 = greedy
     max_new_tokens: int = 128
     eos_ids: tuple[int, ...] = ()
@@ -66,38 +66,32 @@ class DecodeConfig:
     capacity: int | None = None  # force a cache capacity (must fit prompt + max_new + N)
 
     def __post_init__(self):
-        if self.verifier != AR and self.verifier not in VERIFIERS:
-            raise ValueError(f"unknown verifier {self.verifier!r}; choose one of {sorted([*VERIFIERS, AR])}")
+        if self.verifier == "ar":
+            raise ValueError("verifier 'ar' is not a verifier: for autoregressive decoding pass no drafter, "
+                             "Decoder(target, None, cfg)")
+        if self.verifier not in VERIFIERS:
+            raise ValueError(f"unknown verifier {self.verifier!r}; choose one of {sorted(VERIFIERS)}")
         t = float(self.temperature)
         if not math.isfinite(t) or t < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if self.budget < 0 or (self.verifier != AR and self.budget < 1):
-            raise ValueError(f"budget must be >= 1 for speculative decoding, got {self.budget}")
+        if self.budget < 1:
+            raise ValueError(f"budget must be >= 1, got {self.budget}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.prompt_bucket < 1 or self.capacity_bucket < 1:
             raise ValueError("prompt_bucket and capacity_bucket must be >= 1")
 
-    @property
-    def speculative(self) -> bool:
-        return self.verifier != AR
-
-    @property
-    def tree_slots(self) -> int:
-        """N = budget + 1 (1 for the autoregressive baseline)."""
-        return self.budget + 1 if self.speculative else 1
-
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class DecodeState:
-    """Everything a round reads and writes (B rows, S cache slots, O = max_new_tokens)."""
+    """Everything a round reads and writes (B rows, S cache slots; the output buffer holds max_new_tokens)."""
 
     target_cache: KVCache  # [L, B, S, K, Dh]
-    drafter_cache: DrafterCache | None  # [Ld, B, S, K, Dh] context K/V; None for "ar"
+    drafter_cache: DrafterCache | None  # [L, B, S, K, Dh] context K/V (L drafter layers); None without a drafter
     cache_len: jax.Array  # [B] int32 committed tokens in the caches (all but the root)
     root: jax.Array  # [B] int32 last committed token (next tree root)
-    out: jax.Array  # [B, O] int32 generated tokens, -1 beyond num_out
+    out: jax.Array  # [B, max_new_tokens] int32 generated tokens, -1 beyond num_out
     num_out: jax.Array  # [B] int32
     done: jax.Array  # [B] bool
     keys: jax.Array  # [B] PRNG keys, one stream per row
@@ -166,7 +160,7 @@ def _prefill(tstate, dstate, tokens, lengths, keys, *, tgd, dgd, cfg: DecodeConf
 
 def draft(drafter: DFlashDrafter, target: Transformer, root: jax.Array, cache_len: jax.Array,
           drafter_cache: DrafterCache) -> jax.Array:
-    """Draft logits [B, G, V] (G = bs - 1) of the block [root, MASK x G] at positions cache_len + 0..G."""
+    """Draft logits [B, G, V] (G = block_size - 1) of the block [root, MASK x G] at positions cache_len + 0..G."""
     positions = cache_len[:, None] + jnp.arange(drafter.cfg.block_size, dtype=jnp.int32)
     return drafter(target, drafter.block_tokens(root), positions, drafter_cache, cache_len)
 
@@ -198,7 +192,7 @@ def commit(out, ver, state: DecodeState, drafter: DFlashDrafter | None, target_c
     """Caches after accepting `ver`'s path: the path's target K/V moved to contiguous slots after
     the root, and (speculative) the drafter context extended by the root + path features."""
     # The root already sits at slot cache_len; path node i moves from cache_len + node to
-    # cache_len + i (i = 1..D). move_slots reads before it writes, so overlaps are safe.
+    # cache_len + i (i = 1..num_accepted). move_slots reads before it writes, so overlaps are safe.
     src = jnp.where(ver.path >= 0, state.cache_len[:, None] + ver.path, -1)
     target_cache = out.cache.move_slots(src, state.cache_len + 1)
     if drafter is None:
@@ -215,7 +209,7 @@ def commit(out, ver, state: DecodeState, drafter: DFlashDrafter | None, target_c
 
 def emit(ver, state: DecodeState, cfg: DecodeConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Writes the block (accepted tokens + bonus), cut at the first EOS and at max_new_tokens, into
-    the output buffer -> (out [B, O], num_out [B], finished [B])."""
+    the output buffer -> (out [B, max_new_tokens], num_out [B], finished [B])."""
     b = state.root.shape[0]
     active = ~state.done
     block_tokens, count = ver.tokens, ver.num_tokens
@@ -239,7 +233,7 @@ def _round(tstate, dstate, state: DecodeState, *, tgd, dgd, cfg: DecodeConfig) -
     split = jax.vmap(jax.random.split)(state.keys)  # [B, 2]
     keys, sub = split[:, 0], split[:, 1]
 
-    drafter = nnx.merge(dgd, dstate) if cfg.speculative else None
+    drafter = nnx.merge(dgd, dstate) if dgd is not None else None
     if drafter is not None:
         trees = draft_trees(draft(drafter, target, state.root, state.cache_len, state.drafter_cache),
                             state.root, cfg.budget)
@@ -247,7 +241,9 @@ def _round(tstate, dstate, state: DecodeState, *, tgd, dgd, cfg: DecodeConfig) -
     else:
         trees, taps = root_trees(state.root), ()
     out = tree_pass(target, trees, state.cache_len, state.target_cache, taps)
-    method = cfg.verifier if cfg.speculative else "tev"  # a root-only tree: tev is plain sampling
+    # On a root-only tree every verifier is plain sampling; fixing "tev" there keeps the
+    # autoregressive random stream independent of cfg.verifier.
+    method = cfg.verifier if drafter is not None else "tev"
     ver = jax.vmap(lambda k, t, l: verify(k, t, l, cfg.temperature, method))(sub, trees, out.logits)
     target_cache, drafter_cache = commit(out, ver, state, drafter, target.cfg)
     out_buf, num_out, finished = emit(ver, state, cfg)
@@ -283,17 +279,13 @@ class Decoder:
     """
 
     def __init__(self, target: Transformer, drafter: DFlashDrafter | None, cfg: DecodeConfig):
-        if cfg.speculative:
-            if drafter is None:
-                raise ValueError(f"verifier {cfg.verifier!r} needs a drafter; use verifier='ar' without one")
+        if drafter is not None:
             drafter.cfg.check_target(target.cfg)
         self.cfg = cfg
         self.target_cfg = target.cfg
         self.tgd, self.tstate = nnx.split(target)
-        if cfg.speculative:
-            self.dgd, self.dstate = nnx.split(drafter)
-        else:
-            self.dgd, self.dstate = None, None
+        # dgd is None <=> no drafter: the static switch the jitted rounds and prefill branch on.
+        self.dgd, self.dstate = nnx.split(drafter) if drafter is not None else (None, None)
         statics = dict(tgd=self.tgd, dgd=self.dgd, cfg=cfg)
         # Donating the state is safe: each round's output state replaces its input and nothing
         # else holds a reference, so XLA can update the caches in place instead of copying them.
@@ -302,21 +294,31 @@ class Decoder:
         self._prefill_fns: dict[int, Any] = {}
 
     # -- shapes
+    @property
+    def speculative(self) -> bool:
+        """Whether rounds draft a tree (a drafter was given) or take one autoregressive step."""
+        return self.dgd is not None
+
+    @property
+    def tree_slots(self) -> int:
+        """N = budget + 1 with a drafter; 1 (the root) without."""
+        return self.cfg.budget + 1 if self.speculative else 1
+
     def shapes(self, prompt_lengths: Sequence[int]) -> tuple[int, int]:
         """(prefill bucket Tp, cache capacity S) for a batch of prompts."""
         longest = max(prompt_lengths)
         tp = _bucket(longest - 1, self.cfg.prompt_bucket) if longest > 1 else self.cfg.prompt_bucket
-        need = tp + 1 + self.cfg.max_new_tokens + self.cfg.tree_slots
+        need = tp + 1 + self.cfg.max_new_tokens + self.tree_slots
         if self.cfg.capacity is not None:
             if self.cfg.capacity < need:
                 raise ValueError(
                     f"capacity {self.cfg.capacity} is too small: prompt bucket {tp} + 1 + max_new_tokens "
-                    f"{self.cfg.max_new_tokens} + tree slots {self.cfg.tree_slots} = {need}")
+                    f"{self.cfg.max_new_tokens} + tree slots {self.tree_slots} = {need}")
             capacity = self.cfg.capacity
         else:
             capacity = _bucket(need, self.cfg.capacity_bucket)
         limit = self.target_cfg.max_position_embeddings
-        if longest + self.cfg.max_new_tokens + self.cfg.tree_slots > limit:
+        if longest + self.cfg.max_new_tokens + self.tree_slots > limit:
             raise ValueError(
                 f"prompt of {longest} tokens + max_new_tokens {self.cfg.max_new_tokens} exceeds the "
                 f"model's {limit} positions")

@@ -290,8 +290,8 @@ def generate_data(loaded, cfg: RolloutConfig, out_dir: str | os.PathLike, *, res
             manifest["shards"][name] = _shard_summary(out / SHARDS / name)
     _write_json_atomic(out / MANIFEST, manifest)
 
-    decoder = Decoder(loaded.target, None, DecodeConfig(
-        verifier="ar", temperature=0.0, max_new_tokens=cfg.max_new_tokens, eos_ids=loaded.eos_ids))
+    decoder = Decoder(loaded.target, None, DecodeConfig(  # no drafter: autoregressive greedy
+        temperature=0.0, max_new_tokens=cfg.max_new_tokens, eos_ids=loaded.eos_ids))
     total_prompts = sum(e - s for _, _, s, e in todo)
     bar = None
     if progress and todo:
