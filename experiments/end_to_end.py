@@ -1,7 +1,8 @@
 """End-to-end decoding benchmark: AR vs DDTree+predraw vs DDTree+TEV on offline prompt sets.
 
-For each cell (dataset x method x budget B x temperature T) on the embedded SmolLM2-135M-Instruct
-target (fp32, CPU, SmolLM2 chat template) and a DFlash drafter:
+For each cell (dataset x method x tree budget x temperature; columns `B` and `T` of the table and
+the JSON) on the embedded SmolLM2-135M-Instruct target (fp32, CPU, SmolLM2 chat template) and a
+DFlash drafter; AR is the same `Decoder` without a drafter:
 
 * tau: mean output-block length per draft-verify round, bonus token included
   (sum of block lengths / rounds, over every prompt and repeat of the cell);
@@ -14,15 +15,16 @@ target (fp32, CPU, SmolLM2 chat template) and a DFlash drafter:
 * tokens/s = 1 / (median time per output token);
 * memory: the peak process RSS over the cell's timed runs (Linux VmHWM, reset via
   /proc/self/clear_refs before each run and read after it, outside the timed window; where that is
-  not possible, the process-wide `resource.getrusage` high-water mark), and per (method, B, T) on
-  the longest prompt, outside timing: the bytes of all live jax buffers after prefill and the
-  temporaries XLA allocates for the compiled generation loop;
-* the target tree-pass cost ratio: one target forward over B+1 tokens / over 1 token (the AR step),
-  same cache capacity, timed round-robin in the same run.
+  not possible, the process-wide `resource.getrusage` high-water mark), and per (method, budget,
+  temperature) on the longest prompt, outside timing: the bytes of all live jax buffers after
+  prefill and the temporaries XLA allocates for the compiled generation loop;
+* the target tree-pass cost ratio: the engine's `tree_pass` stage over budget + 1 slots (a DDTree,
+  the drafter's taps requested) / over the root alone (the AR step), same cache capacity, timed
+  round-robin in the same run.
 
-At T = 0 every method's tokens must equal AR's token for token (lossless greedy decoding): any
-mismatch is printed loudly, listed in the results file, and makes the script exit with status 1.
-At T = 1 each prompt uses a fixed seed; repeats with the same seed must reproduce the same tokens.
+At temperature 0 every method's tokens must equal AR's token for token (lossless greedy decoding):
+any mismatch is printed loudly, listed in the results file, and makes the script exit with status 1.
+At temperature 1 each prompt uses a fixed seed; repeats with the same seed must reproduce the same tokens.
 
     JAX_PLATFORMS=cpu python experiments/end_to_end.py            # full run (30-60 min, 2 CPU cores)
     JAX_PLATFORMS=cpu python experiments/end_to_end.py --quick    # ~3 min smoke run, writes to /tmp
@@ -49,10 +51,10 @@ import numpy as np
 from flax import nnx
 
 from tevjax.convert.tokenizer import chat_prompt_ids
+from tevjax.decode import engine
 from tevjax.decode.engine import DecodeConfig, Decoder
 from tevjax.loading import load_models
 from tevjax.models.cache import KVCache
-from tevjax.models.layers import causal_mask
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tevjax.prompts import DATASETS, load_prompt_sets  # noqa: E402
@@ -122,34 +124,40 @@ def device_memory(decoder: Decoder, prompt: list[int]) -> dict[str, float | None
 # ------------------------------------------------------------------------------------- tree-pass cost
 
 
-def tree_pass_costs(target, capacity: int, prefix: int, sizes: list[int], calls: int) -> dict[int, list[float]]:
-    """Seconds of one target forward (logits included) over n tokens, for each n in `sizes`.
+def tree_pass_costs(target, drafter, capacity: int, prefix: int, sizes: list[int],
+                    calls: int) -> dict[int, list[float]]:
+    """Seconds of the engine's `tree_pass` stage (logits included) over n tree slots, for each n in `sizes`.
 
-    The same call the engine makes for its tree pass: `n` new tokens at slots prefix..prefix+n-1
-    of a `capacity`-slot cache, visible prefix + an [n, n] block mask. The cache is donated and
-    threaded through the calls (as in the engine) so no call pays for a cache copy. Round-robin
-    over sizes so that machine noise is shared.
+    n = 1 is the autoregressive step (`root_trees`, no taps, as a Decoder without a drafter); n > 1
+    is a speculative round's target pass over a DDTree of budget n - 1 (`draft_trees` on random
+    draft logits, built outside the timing) with the drafter's tap layers requested. The root sits
+    at slot `prefix` of a `capacity`-slot cache. The cache is donated and threaded through the
+    calls (as in the engine) so no call pays for a cache copy. Round-robin over sizes so that
+    machine noise is shared.
     """
     tgd, tstate = nnx.split(target)
+    taps = drafter.cfg.target_layer_ids
 
     # Donation is safe: each call's returned cache replaces the argument, nothing else holds it.
-    @functools.partial(jax.jit, donate_argnums=(1,))
-    def forward(tstate, cache, tokens, positions, write_pos, mask):
-        out = nnx.merge(tgd, tstate)(tokens, positions, cache, write_pos, mask)
-        return out.logits, out.cache
+    @functools.partial(jax.jit, donate_argnums=(1,), static_argnames=("taps",))
+    def timed_pass(tstate, cache, trees, cache_len, taps):
+        out = engine.tree_pass(nnx.merge(tgd, tstate), trees, cache_len, cache, taps)
+        return out.logits, out.hidden, out.cache
 
     cache = KVCache.init(target.cfg, 1, capacity)
-    rng = np.random.default_rng(0)
-    inputs = {}
-    for n in sizes:
-        tokens = jnp.asarray(rng.integers(0, target.cfg.vocab_size, (1, n)), jnp.int32)
-        positions = (prefix + jnp.arange(n, dtype=jnp.int32))[None]
-        inputs[n] = (tokens, positions, jnp.asarray([prefix], jnp.int32), causal_mask(n)[None])
+    cache_len = jnp.asarray([prefix], jnp.int32)
+    key_root, key_draft = jax.random.split(jax.random.key(0))
+    root = jax.random.randint(key_root, (1,), 0, target.cfg.vocab_size, jnp.int32)
+    g, v = drafter.cfg.block_size - 1, target.cfg.vocab_size
+    draft_logits = 4.0 * jax.random.normal(key_draft, (1, g, v))  # [1, G, V]
+    inputs = {n: (engine.root_trees(root), ()) if n == 1 else (engine.draft_trees(draft_logits, root, n - 1), taps)
+              for n in sizes}
     times: dict[int, list[float]] = {n: [] for n in sizes}
     for i in range(calls + 2):  # two warm-up rounds (compile + first dispatch)
         for n in sizes:
+            trees, n_taps = inputs[n]
             t0 = time.perf_counter()
-            logits, cache = forward(tstate, cache, *inputs[n])
+            logits, _, cache = timed_pass(tstate, cache, trees, cache_len, taps=n_taps)
             jax.block_until_ready(logits)
             if i >= 2:
                 times[n].append(time.perf_counter() - t0)
@@ -210,7 +218,7 @@ def first_difference(a: list[int], b: list[int]) -> int:
 
 
 def summarize(runs, datasets, keys, temperatures, repeats):
-    """runs[(T, ds, method, B)] = list over prompts of lists over repeats of Run -> cell rows."""
+    """runs[(temperature, ds, method, budget)] = list over prompts of lists over repeats of Run -> cell rows."""
     rows = []
     for t in temperatures:
         for ds in [*datasets, ALL]:
@@ -321,7 +329,7 @@ def parse_args(argv):
     p.add_argument("--seed", type=int, default=0, help="gsm_symbolic seed and base of the sampling seeds")
     p.add_argument("--tree-pass-calls", type=int, default=15, help="timed calls per size for the tree-pass ratio")
     p.add_argument("--quick", action="store_true",
-                   help="~3 min smoke run: 1 prompt per dataset, 8 new tokens, B = 8, 1 repeat; "
+                   help="~3 min smoke run: 1 prompt per dataset, 8 new tokens, budget 8, 1 repeat; "
                         f"writes {QUICK_RESULTS} unless --out is given")
     p.add_argument("--out", type=Path, default=None, help=f"results markdown (default {RESULTS}); the plot "
                    "goes next to it as .png, raw numbers as .json")
@@ -374,10 +382,10 @@ def main(argv=None) -> int:
     del probe
     print(f"cache capacity {capacity} slots for every method", flush=True)
 
-    # Target tree-pass cost: one forward over B+1 tokens vs one token.
+    # Target tree-pass cost: the engine's tree pass over budget + 1 slots vs the root alone.
     prefix = int(np.median([len(p) for p in all_ids]))
     sizes = [1] + [b + 1 for b in args.budgets]
-    tp = tree_pass_costs(models.target, capacity, prefix, sizes, args.tree_pass_calls)
+    tp = tree_pass_costs(models.target, models.drafter, capacity, prefix, sizes, args.tree_pass_calls)
     tp_med = {n: float(np.median(v)) for n, v in tp.items()}
     tree_pass = {b: {"ms": 1e3 * tp_med[b + 1], "ratio": tp_med[b + 1] / tp_med[1],
                      "ratio_lo": float(np.percentile(tp[b + 1], 10) / tp_med[1]),
@@ -418,7 +426,7 @@ def main(argv=None) -> int:
                         run = run_once(decoders[key], prompt, seed)
                         runs.setdefault((temperature, ds, *key), [[] for _ in ids[ds]])[pi].append(run)
                         done_timed += 1
-                    # Losslessness (T = 0) and seed reproducibility (every T), checked as we go.
+                    # Losslessness (temperature 0) and seed reproducibility (every temperature), checked as we go.
                     ar = runs[(temperature, ds, "ar", 0)][pi][r]
                     for key in keys:
                         this = runs[(temperature, ds, *key)][pi]

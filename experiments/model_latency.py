@@ -1,24 +1,28 @@
 """Load time, one-token decode step and one-pass tree verification on the embedded SmolLM2.
 
-Measured in one run (CPU or whatever `jax.devices()[0]` is; the target is float32):
+Every timed pass is one of the engine's own round stages (`tevjax.decode.engine`), jitted on its
+own; the KV caches are the engine's too (`Decoder.prefill` of a `--prefix`-token chat prefix: all
+but the last token cached, the last one the root, the capacity the engine allocates). Measured in
+one run (CPU or whatever `jax.devices()[0]` is; the target is float32):
 
 * load: GGUF -> HF conversion into a fresh temporary cache directory, the cached
   `prepare_smollm2()` call that follows it, `load_hf_target` and the tokenizer;
-* step: the jitted target forward with T = 1 over a KV cache that holds a `--prefix`-token chat
-  prefix (the autoregressive decode step);
-* tree pass: the same forward over N = B + 1 in `--nodes` tokens with a real DDTree mask
-  (`build_ddtree` on random peaked marginals, positions prefix + depth, the drafter's tap layers
-  requested as the engine does), i.e. the target half of a speculative round;
-* for context, the fresh (untrained) DFlash drafter's block pass (block 16, with the log-softmax the
-  engine applies) and the jitted DDTree builder at B = 16 on [15, V] random peaked log-marginals.
+* step: `tree_pass` over `root_trees`, one token and no taps (the autoregressive decode step of a
+  `Decoder` without a drafter);
+* tree pass: `tree_pass` over N = budget + 1 slots for each N in `--nodes`, on a real DDTree
+  (`draft_trees` on random peaked marginals; positions prefix + depth, the drafter's tap layers
+  requested), i.e. the target half of a speculative round;
+* for context, the fresh (untrained) DFlash drafter's block pass (`draft`, block 16) and the DDTree
+  builder stage (`draft_trees`: the log-softmax and the builder) at budget 16 on [G, V] random peaked
+  marginals (G = block_size - 1 = 15).
 
 All passes are timed round-robin: every round calls each of them once, in the same order, so
 noise on the shared host hits all of them alike; the ratio to the one-token step is the ratio of
 medians, and its spread is the 10-90% range of the per-round ratios. The ratio of the minima is
 listed too: on a shared host the minimum is the figure least disturbed by other processes.
 Every target pass donates the KV cache and threads the returned one into the next call, as the
-engine's donated state does, so no call copies the cache. Writes land at slots >= prefix, so the
-prefix every call reads is never modified. Prints a markdown table and writes
+engine's donated state does, so no call copies the cache. Writes land at slots >= cache_len (the
+root's slot), so the cached prefix every call reads is never modified. Prints a markdown table and writes
 experiments/results/model_latency.md.
 
     python experiments/model_latency.py                       # defaults: prefix 256, 40 rounds
@@ -42,25 +46,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from tevjax.builder import build_ddtree
 from tevjax.convert.embedded import prepare_smollm2
 from tevjax.convert.hf import load_hf_target
 from tevjax.convert.tokenizer import chat_prompt_ids, load_tokenizer
+from tevjax.decode import engine
 from tevjax.loading import SMOLLM2_MASK_TOKEN, fresh_drafter
-from tevjax.models.cache import KVCache
-from tevjax.models.dflash import DrafterCache, features_from_output
-from tevjax.models.layers import causal_mask
-from tevjax.models.transformer import forward
 from report import emit  # experiments/report.py (scripts run from this folder)
 
 # Filler for a realistic chat prefix; the content does not change the cost, only the length does.
 FILLER = ("Please summarise the following notes on speculative decoding for a short report. "
           "A small drafter proposes several tokens, the large target checks them in one pass, "
           "and every accepted token saves one sequential step of the target model. ")
-
-
-def _bucket(n: int, size: int) -> int:
-    return max(size, -(-n // size) * size)
 
 
 def _prefix_ids(tok, length: int) -> list[int]:
@@ -74,7 +70,7 @@ def _prefix_ids(tok, length: int) -> list[int]:
 
 
 def _peaked_log_marginals(rng: np.random.Generator, depth: int, vocab: int) -> np.ndarray:
-    """[depth, V] log-probabilities: noisy logits with one boosted token per depth (top-1
+    """[G, V] log-probabilities (G = depth): noisy logits with one boosted token per depth (top-1
     probability roughly 0.3-0.9), like a drafter that is fairly sure of its first choice."""
     logits = 2.0 * rng.standard_normal((depth, vocab))
     peak = rng.integers(0, vocab, depth)
@@ -91,7 +87,7 @@ def _stats(x: np.ndarray) -> tuple[float, float, float, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prefix", type=int, default=256, help="committed tokens in the KV cache")
-    ap.add_argument("--nodes", type=int, nargs="+", default=[9, 17, 33, 65], help="tree sizes N = B + 1")
+    ap.add_argument("--nodes", type=int, nargs="+", default=[9, 17, 33, 65], help="tree sizes N = budget + 1")
     ap.add_argument("--iters", type=int, default=40, help="timed round-robin rounds (>= 30)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed rounds after compiling")
     ap.add_argument("--max-new-tokens", type=int, default=128,
@@ -130,64 +126,51 @@ def main() -> None:
     drafter = fresh_drafter(cfg, seed=args.seed, block_size=16, mask_token_id=SMOLLM2_MASK_TOKEN)
     dcfg = drafter.cfg
     taps = dcfg.target_layer_ids
-    tgd, tstate = nnx.split(target)
-    dgd, dstate = nnx.split(drafter)
     p = args.prefix
-    capacity = _bucket(p + 1 + args.max_new_tokens + max(args.nodes), 128)
-    if p + max(args.nodes) > cfg.max_position_embeddings:
-        raise SystemExit(f"prefix {p} + N {max(args.nodes)} exceeds {cfg.max_position_embeddings} positions")
+    # The engine's prefill and cache sizing, for the largest tree (the capacity is what a Decoder
+    # allocates for this prefix with --max-new-tokens and budget max(--nodes) - 1).
+    decoder = engine.Decoder(target, drafter, engine.DecodeConfig(budget=max(args.nodes) - 1,
+                                                                  max_new_tokens=args.max_new_tokens))
+    try:
+        capacity = decoder.shapes([p])[1]
+    except ValueError as e:
+        raise SystemExit(f"--prefix {p}: {e}") from None
+    tgd, tstate, dgd, dstate = decoder.tgd, decoder.tstate, decoder.dgd, decoder.dstate
 
     # ------------------------------------------------------------------ prefix in both caches
-    prefix = jnp.asarray([_prefix_ids(tok, p)], jnp.int32)  # [1, P]
-    zero = jnp.zeros((1,), jnp.int32)
-
-    @jax.jit
-    def prefill(tstate, dstate, tokens):
-        pos = jnp.arange(p, dtype=jnp.int32)[None]
-        out = forward(tgd, tstate, tokens, pos, KVCache.init(cfg, 1, capacity), zero,
-                      causal_mask(p)[None], hidden_layers=taps, compute_logits=False)
-        d = nnx.merge(dgd, dstate)
-        dcache = d.append_context(DrafterCache.init(dcfg, 1, capacity),
-                                  features_from_output(out, dcfg, cfg), pos, zero)
-        return out.cache, dcache
-
-    cache, dcache = jax.block_until_ready(prefill(tstate, dstate, prefix))
-    write_pos = jnp.asarray([p], jnp.int32)
+    state = jax.block_until_ready(decoder.prefill([_prefix_ids(tok, p)]))
+    cache, dcache = state.target_cache, state.drafter_cache
+    cache_len, root = state.cache_len, state.root  # [1]: prefix - 1 cached tokens; the root is the last
 
     # ------------------------------------------------------------------ the timed functions
-    # Each target pass donates the cache (argument 1) and returns the new one, like the engine.
+    # The engine's stages, each jitted on its own. Each target pass donates the cache (argument 1)
+    # and returns the new one, as the engine's donated state does; its writes land at slots
+    # >= cache_len, so the prefix every call reads is never modified.
     @functools.partial(jax.jit, donate_argnums=(1,))
-    def step(tstate, cache, token):
-        """Autoregressive step: one token at position P, no hidden taps (as verifier="ar")."""
-        out = forward(tgd, tstate, token, write_pos[:, None], cache, write_pos, jnp.ones((1, 1, 1), bool))
+    def step(tstate, cache, cache_len, root):
+        """Autoregressive step: the root alone, no hidden taps (a Decoder without a drafter)."""
+        out = engine.tree_pass(nnx.merge(tgd, tstate), engine.root_trees(root), cache_len, cache)
         return out.logits, out.cache
 
     @functools.partial(jax.jit, donate_argnums=(1,))
-    def tree_pass(tstate, cache, tokens, depth, ancestors):
-        """Target half of a round: N tree tokens at P + depth under the ancestor mask, taps on."""
-        out = forward(tgd, tstate, tokens, write_pos[:, None] + depth, cache, write_pos, ancestors,
-                      hidden_layers=taps)
-        return out.logits, features_from_output(out, dcfg, cfg), out.cache
+    def tree_pass(tstate, cache, cache_len, trees):
+        """Target half of a round: N tree slots at cache_len + depth under the ancestor mask, taps on."""
+        out = engine.tree_pass(nnx.merge(tgd, tstate), trees, cache_len, cache, taps)
+        return out.logits, out.hidden, out.cache
 
     @jax.jit
-    def draft(tstate, dstate, dcache, root):
-        """Drafter block pass + the log-softmax the engine applies before building the tree."""
-        d, t = nnx.merge(dgd, dstate), nnx.merge(tgd, tstate)
-        block = d.block_tokens(root)
-        pos = write_pos[:, None] + jnp.arange(dcfg.block_size, dtype=jnp.int32)
-        return jax.nn.log_softmax(d(t, block, pos, dcache, write_pos), axis=-1)
+    def draft(tstate, dstate, dcache, cache_len, root):
+        """Drafter block pass: draft logits [1, G, V]."""
+        return engine.draft(nnx.merge(dgd, dstate), nnx.merge(tgd, tstate), root, cache_len, dcache)
 
-    build16 = jax.jit(build_ddtree, static_argnums=2)
+    build = jax.jit(engine.draft_trees, static_argnums=2)  # log-softmax + DDTree builder
 
     rng = np.random.default_rng(args.seed)
-    root = prefix[:, -1]
-    lm = jnp.asarray(_peaked_log_marginals(rng, dcfg.block_size - 1, cfg.vocab_size))
+    lm = jnp.asarray(_peaked_log_marginals(rng, dcfg.block_size - 1, cfg.vocab_size))[None]  # [1, G, V]
     trees = {}
     for n in args.nodes:
-        tree, _ = build_ddtree(lm, root[0], n - 1)
-        trees[n] = (tree.tokens[None], tree.depth[None], tree.ancestors[None])
-        print(f"N={n}: tree of {int(tree.size)} nodes, max depth {int(tree.depth.max())}", flush=True)
-    token = root[:, None]
+        trees[n] = build(lm, root, n - 1)
+        print(f"N={n}: tree of {int(trees[n].size[0])} nodes, max depth {int(trees[n].depth.max())}", flush=True)
 
     names = ["step"] + [f"tree{n}" for n in args.nodes] + ["draft", "build16"]
     times = {k: [] for k in names}
@@ -195,14 +178,14 @@ def main() -> None:
 
     def call(name):
         if name == "step":
-            logits, box["cache"] = step(tstate, box["cache"], token)
+            logits, box["cache"] = step(tstate, box["cache"], cache_len, root)
             return logits
         if name == "draft":
-            return draft(tstate, dstate, dcache, root)
+            return draft(tstate, dstate, dcache, cache_len, root)
         if name == "build16":
-            return build16(lm, root[0], 16)
-        logits, feats, box["cache"] = tree_pass(tstate, box["cache"], *trees[int(name[4:])])
-        return logits, feats
+            return build(lm, root, 16)
+        logits, hidden, box["cache"] = tree_pass(tstate, box["cache"], cache_len, trees[int(name[4:])])
+        return logits, hidden
 
     t0 = time.perf_counter()
     for name in names:  # compile
@@ -231,7 +214,7 @@ def main() -> None:
         f" {platform.processor() or platform.machine()}; jax {jax.__version__}; **{dev.platform.upper()},"
         f" float32** weights and compute. Target: SmolLM2-135M-Instruct (embedded Q4_1 GGUF,"
         f" dequantised to float32), {cfg.num_layers} layers, D = {cfg.hidden_size}, V = {cfg.vocab_size}."
-        f" KV cache: {p}-token chat prefix, capacity {capacity} slots (what the engine allocates for"
+        f" KV cache: {p}-token chat prefix (engine prefill), capacity {capacity} slots (what the engine allocates for"
         f" this prefix with max_new_tokens = {args.max_new_tokens}). Batch 1.",
         f"Timing: {args.iters} round-robin rounds after {args.warmup} warm-up rounds; each round calls"
         f" every pass once; host load average at the end: {load_end:.1f} (shared, noisy machine).",
@@ -265,9 +248,9 @@ def main() -> None:
     row("target step (AR decode)", "step", 1)
     for n in args.nodes:
         row(f"target tree pass, B = {n - 1}", f"tree{n}", n)
-    row(f"drafter block pass (fresh, {dcfg.num_layers} layers, block {dcfg.block_size}) + log-softmax",
-        "draft", dcfg.block_size)
-    row(f"DDTree builder, B = 16, [{dcfg.block_size - 1}, {cfg.vocab_size}] marginals", "build16", 0)
+    row(f"drafter block pass (fresh, {dcfg.num_layers} layers, block {dcfg.block_size})", "draft", dcfg.block_size)
+    row(f"DDTree builder (log-softmax + build), B = 16, [{dcfg.block_size - 1}, {cfg.vocab_size}] marginals",
+        "build16", 0)
     lines.append("")
     if 17 in args.nodes:
         round_ms = float(np.median(times["draft"]) + np.median(times["build16"]) + np.median(times["tree17"]))
