@@ -148,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="wrap text prompts in the model's chat template (default: on)")
     gen.add_argument("--max-new-tokens", type=_positive_int("--max-new-tokens"), default=128)
     gen.add_argument("--temperature", type=_temperature, default=0.0, help="0 = greedy (default)")
-    gen.add_argument("--budget", type=_positive_int("--budget"), default=16, help="draft tree budget B (non-root nodes)")
+    gen.add_argument("--budget", type=_positive_int("--budget"), default=16, help="draft tree budget (non-root nodes)")
     gen.add_argument("--verifier", default="tev",
                      help=f"{', '.join(verifier_choices(autoregressive=False))} (default tev), or "
                           f"{AUTOREGRESSIVE} (no drafter: the autoregressive baseline)")
@@ -353,7 +353,7 @@ def cmd_generate(args) -> int:
                     print(record["text"])
                 print(f"[tevjax] {len(g.tokens)} tokens in {seconds:.2f} s "
                       f"({record['tokens_per_second']} tok/s), {g.rounds} rounds, tau {g.tau:.2f}, "
-                      f"verifier {args.verifier}, budget {record['budget']}, T {args.temperature} "
+                      f"verifier {args.verifier}, budget {record['budget']}, temperature {args.temperature} "
                       f"(compile {compile_seconds:.1f} s, load {load_seconds:.1f} s)", flush=True)
     return 0
 

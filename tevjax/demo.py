@@ -48,7 +48,7 @@ def main(*, max_new_tokens: int = 64, budget: int = 16, samples: int = 50_000, s
     for p in ids:
         spec.compile([p])
         ar.compile([p])
-    print(f"compiled DDTree+TEV (B = {budget}) and the autoregressive baseline in {time.perf_counter() - t0:.1f} s\n")
+    print(f"compiled DDTree+TEV (budget {budget}) and the autoregressive baseline in {time.perf_counter() - t0:.1f} s\n")
 
     totals = {"spec_tokens": 0, "spec_s": 0.0, "ar_tokens": 0, "ar_s": 0.0}
     for prompt, p in zip(PROMPTS, ids):

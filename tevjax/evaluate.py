@@ -105,8 +105,9 @@ def evaluate(models, texts: list[str], *, budgets=(4, 8, 16, 32), temperature: f
 def format_table(result: dict) -> str:
     """A markdown table of one `evaluate` result."""
     ar = result["ar"]
-    lines = [f"{result['num_prompts']} prompts, {result['max_new_tokens']} new tokens, T = {result['temperature']}, "
-             f"verifier {result['verifier']}, batch {result['batch_size']}; AR {ar['tokens_per_s']:.2f} tok/s",
+    lines = [f"{result['num_prompts']} prompts, {result['max_new_tokens']} new tokens, "
+             f"temperature {result['temperature']}, verifier {result['verifier']}, batch {result['batch_size']}; "
+             f"AR {ar['tokens_per_s']:.2f} tok/s",
              "", "| budget | tau | tok/s | SR vs AR | greedy == AR |", "|---:|---:|---:|---:|:---:|"]
     for r in result["budgets"]:
         same = "n/a" if r["mismatches"] is None else ("yes" if r["mismatches"] == 0 else f"NO ({r['mismatches']})")
