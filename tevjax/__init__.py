@@ -28,8 +28,9 @@ Layers of the package (each knows nothing of the ones after it):
   models    `Transformer` (Llama/Qwen3 target), `DFlashDrafter`: thin Flax NNX modules
   convert   HF safetensors, GGUF, tokenizers, DFlash checkpoints, the embedded SmolLM2 default
   decode    `Decoder`: draft -> build -> one target tree pass -> verify -> commit, jitted
+  train     `generate_data`, `Trainer` / `train`: token + exit losses, one optax step over a mesh
 
-The core names are imported eagerly; model, conversion and decoding names load on first use, so
+The core names are imported eagerly; model, conversion, decoding and training names load on first use, so
 `import tevjax` for the tree math does not import Flax or transformers.
 """
 
@@ -71,6 +72,15 @@ _LAZY = {
     "Decoder": "tevjax.decode.engine",
     "Generation": "tevjax.decode.engine",
     "load_models": "tevjax.loading",
+    "load_target": "tevjax.loading",
+    # training
+    "RolloutConfig": "tevjax.train.rollout",
+    "generate_data": "tevjax.train.rollout",
+    "TrainConfig": "tevjax.train.step",
+    "Trainer": "tevjax.train.step",
+    "train": "tevjax.train.run",
+    "export_run": "tevjax.train.run",
+    "make_mesh": "tevjax.sharding",
 }
 
 __all__ = [
