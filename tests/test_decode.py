@@ -242,3 +242,31 @@ def test_prompt_lengths_share_one_compilation_per_bucket(models):
     dec.generate([[5] * 20])  # the next prompt bucket: one more prefill compile, not one per prompt;
     prefill = next(iter(dec._prefill_fns.values()))  # the loop's shapes depend on the capacity only
     assert prefill._cache_size() == 2 and dec._generate._cache_size() == 1
+
+
+@pytest.mark.parametrize("verifier", [AR, "tev"])
+def test_kept_hidden_states_equal_one_forward_over_the_text(models, verifier):
+    """`hidden_layers` returns, for every committed token but the last, the target's tapped hidden
+    states: what one causal forward over prompt + output computes (the last layer final-normed)."""
+    from tevjax.models.dflash import tapped_hidden
+
+    target, _ = models
+    layers = (0, 1)  # tiny_config has 2 layers: layer 1 is the last one (read final-normed)
+    gens = _decoder(models, verifier, hidden_layers=layers).generate(PROMPTS)
+    plain = _decoder(models, verifier).generate(PROMPTS)
+    for prompt, g, p in zip(PROMPTS, gens, plain):
+        assert g.tokens == p.tokens and p.hidden is None
+        text = prompt + g.tokens[:-1]
+        t = len(text)
+        out = target(jnp.asarray([text]), jnp.arange(t)[None], KVCache.init(target.cfg, 1, t),
+                     jnp.zeros((1,), jnp.int32), causal_mask(t)[None], hidden_layers=layers, compute_logits=False)
+        ref = np.asarray(tapped_hidden(out, layers, target.cfg.num_layers)[0])
+        assert g.hidden.shape == ref.shape == (t, 2, target.cfg.hidden_size)
+        np.testing.assert_allclose(g.hidden, ref, atol=3e-5, rtol=1e-5)
+
+
+def test_hidden_layers_are_checked():
+    with pytest.raises(ValueError, match="hidden_layers"):
+        DecodeConfig(hidden_layers=(1, 1))
+    with pytest.raises(ValueError, match="hidden_layers"):
+        DecodeConfig(hidden_layers=(-1,))

@@ -41,7 +41,7 @@ from flax import nnx
 
 from tevjax.builder import build_ddtree
 from tevjax.models.cache import KVCache
-from tevjax.models.dflash import DFlashDrafter, DrafterCache, features_from_output
+from tevjax.models.dflash import DFlashDrafter, DrafterCache, features_from_hidden, tapped_hidden
 from tevjax.models.layers import causal_mask
 from tevjax.models.transformer import Transformer
 from tevjax.seeding import seed_key
@@ -64,6 +64,10 @@ class DecodeConfig:
     prompt_bucket: int = 64  # prefill lengths are rounded up to a multiple of this
     capacity_bucket: int = 128  # cache capacities are rounded up to a multiple of this
     capacity: int | None = None  # force a cache capacity (must fit prompt + max_new + N)
+    # Target layers whose hidden states (as a drafter taps them, `tapped_hidden`) are kept for every
+    # committed token, prompt included: `Generation.hidden`. Regeneration then yields a drafter's
+    # training features with no second pass over the text.
+    hidden_layers: tuple[int, ...] = ()
 
     def __post_init__(self):
         if self.verifier == "ar":
@@ -80,6 +84,10 @@ class DecodeConfig:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.prompt_bucket < 1 or self.capacity_bucket < 1:
             raise ValueError("prompt_bucket and capacity_bucket must be >= 1")
+        layers = tuple(int(i) for i in self.hidden_layers)
+        if any(i < 0 for i in layers) or len(set(layers)) != len(layers):
+            raise ValueError(f"hidden_layers must be distinct layer indices >= 0, got {self.hidden_layers!r}")
+        object.__setattr__(self, "hidden_layers", layers)
 
 
 @jax.tree_util.register_dataclass
@@ -97,6 +105,7 @@ class DecodeState:
     keys: jax.Array  # [B] PRNG keys, one stream per row
     rounds: jax.Array  # [B] int32 rounds while the row was active
     block_total: jax.Array  # [B] int32 sum of output-block lengths (bonus included) before EOS/length cuts
+    hidden: jax.Array | None  # [B, S, R, D] kept hidden states by cache slot (R = len(hidden_layers)); or None
 
 
 @dataclasses.dataclass
@@ -107,6 +116,9 @@ class Generation:
     rounds: int
     tau: float  # mean output-block length per round, bonus token included
     stop: str  # "eos" | "length"
+    # [T - 1, R, D] hidden states of prompt + tokens at cfg.hidden_layers (T = their total length;
+    # the last token's are never computed: no pass has read it yet); None unless requested.
+    hidden: np.ndarray | None = None
 
 
 def _bucket(n: int, size: int) -> int:
@@ -130,13 +142,16 @@ def _prefill(tstate, dstate, tokens, lengths, keys, *, tgd, dgd, cfg: DecodeConf
     zeros = jnp.zeros((b,), jnp.int32)
     cache = KVCache.init(target.cfg, b, capacity)
     drafter = nnx.merge(dgd, dstate) if dgd is not None else None
-    taps = drafter.cfg.target_layer_ids if drafter is not None else ()
+    taps = _taps(drafter, cfg)
     out = target(pre, positions, cache, zeros, mask, hidden_layers=taps, compute_logits=False)
-    dcache = None
+    feats, kept = _split_hidden(out, taps, drafter, cfg, target.cfg)
+    dcache = hidden = None
     if drafter is not None:
         # Padded prompt positions (>= length - 1) land above the row's context length: invisible.
-        feats = features_from_output(out, drafter.cfg, target.cfg)
         dcache = drafter.append_context(DrafterCache.init(drafter.cfg, b, capacity), feats, positions, zeros)
+    if kept is not None:
+        # Slots >= length - 1 hold padding's states until the rounds overwrite them.
+        hidden = jnp.zeros((b, capacity) + kept.shape[2:], kept.dtype).at[:, :tp].set(kept)
     root = jnp.take_along_axis(tokens, (lengths - 1)[:, None], axis=1)[:, 0]
     return DecodeState(
         target_cache=out.cache,
@@ -149,7 +164,24 @@ def _prefill(tstate, dstate, tokens, lengths, keys, *, tgd, dgd, cfg: DecodeConf
         keys=keys,
         rounds=zeros,
         block_total=zeros,
+        hidden=hidden,
     )
+
+
+def _taps(drafter: DFlashDrafter | None, cfg: DecodeConfig) -> tuple[int, ...]:
+    """Target layers a pass must return: the drafter's taps and the kept ones (static, sorted)."""
+    return tuple(sorted(set(drafter.cfg.target_layer_ids if drafter is not None else ()) | set(cfg.hidden_layers)))
+
+
+def _split_hidden(out, taps, drafter, cfg: DecodeConfig, target_cfg):
+    """(drafter context features [B, T, F] or None, kept hidden states [B, T, R, D] or None) of a
+    pass that returned `taps`."""
+    if not taps:
+        return None, None
+    hidden = tapped_hidden(out, taps, target_cfg.num_layers)
+    pick = lambda layers: hidden[..., [taps.index(i) for i in layers], :]  # noqa: E731 - static gather
+    feats = features_from_hidden(pick(drafter.cfg.target_layer_ids)) if drafter is not None else None
+    return feats, (pick(cfg.hidden_layers) if cfg.hidden_layers else None)
 
 
 # ------------------------------------------------------------------------------- round stages
@@ -188,23 +220,32 @@ def tree_pass(target: Transformer, trees: DraftTree, cache_len: jax.Array, cache
                   hidden_layers=taps)
 
 
-def commit(out, ver, state: DecodeState, drafter: DFlashDrafter | None, target_cfg) -> tuple[KVCache, DrafterCache | None]:
+def commit(out, ver, state: DecodeState, drafter: DFlashDrafter | None, cfg: DecodeConfig,
+           target_cfg) -> tuple[KVCache, DrafterCache | None, jax.Array | None]:
     """Caches after accepting `ver`'s path: the path's target K/V moved to contiguous slots after
-    the root, and (speculative) the drafter context extended by the root + path features."""
+    the root; with a drafter, its context extended by the root + path features; with
+    `cfg.hidden_layers`, the kept hidden states of the root + path written at the same slots."""
     # The root already sits at slot cache_len; path node i moves from cache_len + node to
     # cache_len + i (i = 1..num_accepted). move_slots reads before it writes, so overlaps are safe.
     src = jnp.where(ver.path >= 0, state.cache_len[:, None] + ver.path, -1)
     target_cache = out.cache.move_slots(src, state.cache_len + 1)
-    if drafter is None:
-        return target_cache, state.drafter_cache
+    taps = _taps(drafter, cfg)
+    if not taps:
+        return target_cache, state.drafter_cache, state.hidden
     b = state.root.shape[0]
-    feats = features_from_output(out, drafter.cfg, target_cfg)  # [B, N, F]
+    feats, kept = _split_hidden(out, taps, drafter, cfg, target_cfg)  # [B, N, F], [B, N, R, D]
     # Root + accepted path (unused tail entries repeat the root: they land above the new
     # context length, where they are invisible and overwritten next round).
     nodes = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), jnp.maximum(ver.path, 0)], axis=1)
-    ctx = jnp.take_along_axis(feats, nodes[..., None], axis=1)
-    ctx_pos = state.cache_len[:, None] + jnp.arange(nodes.shape[1], dtype=jnp.int32)
-    return target_cache, drafter.append_context(state.drafter_cache, ctx, ctx_pos, state.cache_len)
+    slots = state.cache_len[:, None] + jnp.arange(nodes.shape[1], dtype=jnp.int32)
+    drafter_cache, hidden = state.drafter_cache, state.hidden
+    if drafter is not None:
+        ctx = jnp.take_along_axis(feats, nodes[..., None], axis=1)
+        drafter_cache = drafter.append_context(state.drafter_cache, ctx, slots, state.cache_len)
+    if kept is not None:
+        rows = jnp.take_along_axis(kept, nodes[..., None, None], axis=1)
+        hidden = hidden.at[jnp.arange(b)[:, None], slots].set(rows.astype(hidden.dtype), mode="drop")
+    return target_cache, drafter_cache, hidden
 
 
 def emit(ver, state: DecodeState, cfg: DecodeConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -237,15 +278,14 @@ def _round(tstate, dstate, state: DecodeState, *, tgd, dgd, cfg: DecodeConfig) -
     if drafter is not None:
         trees = draft_trees(draft(drafter, target, state.root, state.cache_len, state.drafter_cache),
                             state.root, cfg.budget)
-        taps = drafter.cfg.target_layer_ids
     else:
-        trees, taps = root_trees(state.root), ()
-    out = tree_pass(target, trees, state.cache_len, state.target_cache, taps)
+        trees = root_trees(state.root)
+    out = tree_pass(target, trees, state.cache_len, state.target_cache, _taps(drafter, cfg))
     # On a root-only tree every verifier is plain sampling; fixing "tev" there keeps the
     # autoregressive random stream independent of cfg.verifier.
     method = cfg.verifier if drafter is not None else "tev"
     ver = jax.vmap(lambda k, t, l: verify(k, t, l, cfg.temperature, method))(sub, trees, out.logits)
-    target_cache, drafter_cache = commit(out, ver, state, drafter, target.cfg)
+    target_cache, drafter_cache, hidden = commit(out, ver, state, drafter, cfg, target.cfg)
     out_buf, num_out, finished = emit(ver, state, cfg)
 
     return DecodeState(
@@ -259,6 +299,7 @@ def _round(tstate, dstate, state: DecodeState, *, tgd, dgd, cfg: DecodeConfig) -
         keys=keys,
         rounds=state.rounds + active.astype(jnp.int32),
         block_total=state.block_total + jnp.where(active, ver.num_tokens, 0),
+        hidden=hidden,
     )
 
 
@@ -371,21 +412,26 @@ class Decoder:
         """One jitted round (consumes `state`); the building block of `stream`."""
         return self._round(self.tstate, self.dstate, state)
 
-    def results(self, state: DecodeState) -> list[Generation]:
+    def results(self, state: DecodeState, prompt_lengths: Sequence[int] | None = None) -> list[Generation]:
+        """Per-row results; `Generation.hidden` needs `cfg.hidden_layers` and the prompt lengths."""
         out, num_out = np.asarray(state.out), np.asarray(state.num_out)
         rounds, total = np.asarray(state.rounds), np.asarray(state.block_total)
+        hidden = np.asarray(state.hidden) if state.hidden is not None and prompt_lengths is not None else None
         gens = []
         for i in range(out.shape[0]):
             toks = out[i, : num_out[i]].tolist()
             stop = "eos" if toks and toks[-1] in self.cfg.eos_ids else "length"
+            # Slots [0, prompt + tokens - 1) were all written: every token but the last was a root
+            # or an accepted node of some pass, and later rounds only write at higher slots.
+            kept = hidden[i, : prompt_lengths[i] + len(toks) - 1] if hidden is not None else None
             gens.append(Generation(tokens=toks, rounds=int(rounds[i]),
-                                   tau=float(total[i] / max(rounds[i], 1)), stop=stop))
+                                   tau=float(total[i] / max(rounds[i], 1)), stop=stop, hidden=kept))
         return gens
 
     def generate(self, prompts: Sequence[Sequence[int]], seed: int = 0) -> list[Generation]:
         """Generates for a batch of prompts in one jitted while-loop."""
         state = self.run(self.prefill(prompts, seed))
-        return self.results(state)
+        return self.results(state, [len(p) for p in prompts])
 
     def stream(self, prompts: Sequence[Sequence[int]], seed: int = 0) -> Iterator[tuple[list[list[int]], DecodeState]]:
         """Python-loop twin: yields (new tokens per row, state) after every round."""

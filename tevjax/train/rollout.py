@@ -19,14 +19,16 @@ letters follow the legend in `tevjax/__init__.py`, and n = len(taps)):
     records.json   per record: prompt index, prompt length, response length, stop reason
 
 Responses are the target's own greedy continuations, decoded with tevjax's `Decoder` (the
-autoregressive path, batched), as the DFlash and ExitTrain recipes build their data. Features are
-then read from one batched causal forward over prompt + response (`sequence_hidden`): the same
-computation the decoder performs token by token, done once per sequence, which costs a few
-percent of generation (measured in the manifest's timings) and keeps every tap of the sequence,
-prompt included. They are cached on disk rather than recomputed during training because a
-training step's drafter work is comparable to a full target forward over the sequence (which
-would halve training throughput on CPU); bfloat16 keeps the range of tapped activations (they
-reach ~25k at position 0, beyond float16's 65k only by a factor of 2.6) at half float32's size.
+autoregressive path, batched), as the DFlash and ExitTrain recipes build their data. The decoder
+also keeps the tapped hidden states of every token it commits (`DecodeConfig.hidden_layers`), so
+the features come with the responses at no extra cost; the last token of a record, which no pass
+has read, gets zeros (no anchor's context reaches it). `sequence_hidden` computes the same states
+with one causal forward over a text (a check, and the way to re-tap existing records). Shards
+written before the decoder kept hidden states used `sequence_hidden` (same values to float32
+rounding before the bfloat16 cast). Features are cached on disk rather than recomputed during
+training because one target forward over a batch costs as much as a whole training step
+(`experiments/results/train_throughput.md`); bfloat16 keeps the range of tapped activations
+(they reach ~25k at position 0, too close to float16's 65k) at half float32's size.
 
 Resume: shards are the unit of work. A restarted run (`--resume`) checks that its configuration
 equals the manifest's and generates only the shards that are missing, so no record is lost or
@@ -291,7 +293,7 @@ def generate_data(loaded, cfg: RolloutConfig, out_dir: str | os.PathLike, *, res
     _write_json_atomic(out / MANIFEST, manifest)
 
     decoder = Decoder(loaded.target, None, DecodeConfig(  # no drafter: autoregressive greedy
-        temperature=0.0, max_new_tokens=cfg.max_new_tokens, eos_ids=loaded.eos_ids))
+        temperature=0.0, max_new_tokens=cfg.max_new_tokens, eos_ids=loaded.eos_ids, hidden_layers=cfg.taps))
     total_prompts = sum(e - s for _, _, s, e in todo)
     bar = None
     if progress and todo:
@@ -306,28 +308,28 @@ def generate_data(loaded, cfg: RolloutConfig, out_dir: str | os.PathLike, *, res
         t0 = time.perf_counter()
         gens = decoder.generate([r["prompt_ids"] for r in batch])
         t1 = time.perf_counter()
-        records = []
+        records, feats = [], []
         for r, g in zip(batch, gens):
             p = r["prompt_ids"]
             records.append({"tokens": p + g.tokens, "loss_mask": [0] * len(p) + [1] * len(g.tokens),
                             "prompt_index": r["index"], "prompt_len": len(p), "response_len": len(g.tokens),
                             "stop": g.stop})
-        feats = sequence_hidden(loaded.target, [r["tokens"] for r in records], cfg.taps)
+            feats.append(np.concatenate([g.hidden, np.zeros((1,) + g.hidden.shape[1:], g.hidden.dtype)]))
         t2 = time.perf_counter()
         _write_shard(out / SHARDS / name, records, feats)
         manifest["shards"][name] = _shard_summary(out / SHARDS / name)
         timings = manifest["timings"]
         timings["generate_seconds"] = timings.get("generate_seconds", 0.0) + (t1 - t0)
-        timings["feature_seconds"] = timings.get("feature_seconds", 0.0) + (t2 - t1)
+        timings["pack_seconds"] = timings.get("pack_seconds", 0.0) + (t2 - t1)
         _write_json_atomic(out / MANIFEST, manifest)
         new_tokens = sum(r["response_len"] for r in records)
         tokens_done += new_tokens
         rate = tokens_done / (time.perf_counter() - t_start)
         if bar is not None:
             bar.update(end - start)
-            bar.set_postfix_str(f"{rate:.0f} tok/s, shard {name}, features {100 * (t2 - t1) / (t2 - t0):.0f}% of the time")
+            bar.set_postfix_str(f"{rate:.0f} tok/s, shard {name}")
         log(json.dumps({"shard": name, "records": len(records), "response_tokens": new_tokens,
-                        "generate_s": round(t1 - t0, 2), "features_s": round(t2 - t1, 2),
+                        "generate_s": round(t1 - t0, 2), "pack_s": round(t2 - t1, 2),
                         "tok_per_s": round(rate, 1)}))
     if bar is not None:
         bar.close()
