@@ -270,3 +270,17 @@ def test_hidden_layers_are_checked():
         DecodeConfig(hidden_layers=(1, 1))
     with pytest.raises(ValueError, match="hidden_layers"):
         DecodeConfig(hidden_layers=(-1,))
+
+
+def test_prompt_and_config_types_are_checked(models):
+    dec = _decoder(models, AR)
+    for prompts, match in (([1, 2, 3], "pass \\[ids\\]"), (["hello"], "must be a list of token ids"),
+                           ([[1.0, 2.5]], "token ids must be integers"), ("hello", "list of token-id lists"),
+                           ([[1, True]], "token ids must be integers")):
+        with pytest.raises(TypeError, match=match):
+            dec.generate(prompts)
+    with pytest.raises(TypeError, match="temperature must be a number"):
+        DecodeConfig(temperature="0.5")
+    with pytest.raises(TypeError, match="budget must be an int"):
+        DecodeConfig(budget=2.5)
+    assert dec.generate([np.asarray([1, 5, 7], np.int64)])[0].tokens  # numpy ids are fine

@@ -247,20 +247,57 @@ def build_parser() -> argparse.ArgumentParser:
 # ------------------------------------------------------------------------------------- generate
 
 
-def _read_prompts(args) -> list[str] | list[list[int]]:
+def _read_prompts(args) -> tuple[list[str] | list[list[int]], list[str]]:
+    """(prompts, where each came from) -- "--prompt", or "line 3 of FILE" for error messages."""
     if args.prompt_ids is not None:
-        return [args.prompt_ids]
+        return [args.prompt_ids], ["--prompt-ids"]
     if args.prompt is not None:
         if not args.prompt.strip():
             raise CliError("--prompt is empty")
-        return [args.prompt]
+        return [args.prompt], ["--prompt"]
+    name = str(args.batch_file)
     if not args.batch_file.is_file():
-        raise CliError(f"--batch-file {str(args.batch_file)!r}: no such file")
-    lines = [ln.rstrip("\n") for ln in args.batch_file.read_text(encoding="utf-8").splitlines()]
-    prompts = [ln for ln in lines if ln.strip()]
+        raise CliError(f"--batch-file {name!r}: no such file")
+    raw = args.batch_file.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        raise CliError(f"--batch-file {name!r}: not UTF-8 text (bad byte 0x{raw[e.start]:02x} on line {line})") from None
+    text = text.removeprefix("\ufeff")  # a byte-order mark is not part of the first prompt
+    # One prompt per "\n"-terminated line: str.splitlines() would also split at form feeds,
+    # U+2028 and other characters that belong inside a prompt.
+    prompts, where = [], []
+    for n, line in enumerate(text.split("\n"), start=1):
+        line = line.removesuffix("\r")
+        if line.strip():
+            prompts.append(line)
+            where.append(f"line {n} of {name}")
     if not prompts:
-        raise CliError(f"--batch-file {str(args.batch_file)!r} holds no prompts")
-    return prompts
+        raise CliError(f"--batch-file {name!r} holds no prompts")
+    return prompts, where
+
+
+def _check_positions(args, speculative: bool) -> None:
+    """Refuses, before the slow model load, a --max-new-tokens / --budget the target cannot hold
+    even for a one-token prompt (the position limit is read from the config alone)."""
+    from tevjax.models.config import ModelConfig
+
+    if args.target == "smollm2":
+        from tevjax.convert.embedded import prepare_smollm2
+
+        config_dir = prepare_smollm2()
+    else:
+        config_dir = Path(args.target)
+        if not (config_dir / "config.json").is_file():
+            return  # load_models names what is missing
+    limit = ModelConfig.from_hf_config(config_dir).max_position_embeddings
+    slots = args.budget + 1 if speculative else 1
+    need = 1 + args.max_new_tokens + slots
+    if need > limit:
+        what = f"{slots} tree slots (--budget {args.budget} + root)" if speculative else "1 slot for the next token"
+        raise CliError(f"a 1-token prompt + --max-new-tokens {args.max_new_tokens} + {what} = {need} exceeds "
+                       f"the target's {limit} positions")
 
 
 def _encode(models, prompts, chat: bool) -> list[list[int]]:
@@ -273,19 +310,25 @@ def _encode(models, prompts, chat: bool) -> list[list[int]]:
         from tevjax.convert.tokenizer import chat_prompt_ids
 
         if not getattr(tok, "chat_template", None):
-            raise CliError("this target's tokenizer has no chat template: use --no-chat")
+            source = Path(getattr(tok, "name_or_path", "") or ".") / "tokenizer_config.json"
+            raise CliError(f"this target's tokenizer has no chat template ({source} has no 'chat_template'): "
+                           "use --no-chat")
         return [chat_prompt_ids(tok, p) for p in prompts]
     return [tok.encode(p, add_special_tokens=False) for p in prompts]
 
 
 def _decode(models, ids: list[int]) -> str:
-    return models.tokenizer.decode(ids, skip_special_tokens=True) if models.tokenizer is not None else ""
+    """The text of `ids`; without a tokenizer, the ids themselves (never an empty line)."""
+    if models.tokenizer is None:
+        return json.dumps(ids)
+    return models.tokenizer.decode(ids, skip_special_tokens=True)
 
 
 def cmd_generate(args) -> int:
     _check_verifier(args.verifier, autoregressive=True)
     speculative = args.verifier != AUTOREGRESSIVE
-    prompts = _read_prompts(args)  # cheap checks before the (slow) model load
+    prompts, where = _read_prompts(args)  # cheap checks before the (slow) model load
+    _check_positions(args, speculative)
 
     from tevjax.decode.engine import DecodeConfig, Decoder
     from tevjax.loading import load_models
@@ -297,12 +340,18 @@ def cmd_generate(args) -> int:
         print(f"tevjax: note: {note}", file=sys.stderr)
     ids = _encode(models, prompts, args.chat)
     vocab = models.target_cfg.vocab_size
+    limit = models.target_cfg.max_position_embeddings
+    slots = args.budget + 1 if speculative else 1
+    # Every prompt is checked before any is generated, so a bad line 2 costs no generation of line 1.
     for i, p in enumerate(ids):
         if not p:
-            raise CliError(f"prompt {i} encodes to no tokens")
+            raise CliError(f"prompt {i} ({where[i]}) encodes to no tokens")
         bad = [t for t in p if not 0 <= t < vocab]
         if bad:
-            raise CliError(f"prompt {i} holds token id {bad[0]} outside the vocabulary [0, {vocab})")
+            raise CliError(f"prompt {i} ({where[i]}) holds token id {bad[0]} outside the vocabulary [0, {vocab})")
+        if len(p) + args.max_new_tokens + slots > limit:
+            raise CliError(f"prompt {i} ({where[i]}) is {len(p)} tokens: with --max-new-tokens {args.max_new_tokens} "
+                           f"and {slots} tree slots it exceeds the target's {limit} positions")
 
     # Without a drafter the config's verifier is never used: any valid name will do.
     cfg = DecodeConfig(verifier=args.verifier if speculative else "tev", budget=args.budget,
@@ -324,7 +373,8 @@ def cmd_generate(args) -> int:
                 if detok is not None:
                     print(detok.feed(new[0]), end="", flush=True)
             gens = decoder.results(state)
-            print(detok.flush() if detok is not None else "")
+            # Without a tokenizer the ids are the output (printed once, at the end).
+            print(detok.flush() if detok is not None else _decode(models, gens[0].tokens))
         else:
             gens = decoder.generate(batch, seed=args.seed)
         seconds = time.perf_counter() - t1

@@ -75,6 +75,15 @@ class DecodeConfig:
                              "Decoder(target, None, cfg)")
         if self.verifier not in VERIFIERS:
             raise ValueError(f"unknown verifier {self.verifier!r}; choose one of {sorted(VERIFIERS)}")
+        for name in ("budget", "max_new_tokens", "prompt_bucket", "capacity_bucket"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
+                raise TypeError(f"DecodeConfig.{name} must be an int, got {value!r} ({type(value).__name__})")
+        if self.capacity is not None and (not isinstance(self.capacity, (int, np.integer)) or isinstance(self.capacity, bool)):
+            raise TypeError(f"DecodeConfig.capacity must be an int or None, got {self.capacity!r}")
+        if not isinstance(self.temperature, (int, float, np.integer, np.floating)) or isinstance(self.temperature, bool):
+            raise TypeError(f"DecodeConfig.temperature must be a number, got {self.temperature!r} "
+                            f"({type(self.temperature).__name__})")
         t = float(self.temperature)
         if not math.isfinite(t) or t < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
@@ -312,6 +321,20 @@ def _generate(tstate, dstate, state: DecodeState, *, tgd, dgd, cfg: DecodeConfig
 # ------------------------------------------------------------------------------------- the engine
 
 
+def _check_prompt_types(prompts) -> None:
+    """TypeError unless `prompts` is a sequence of sequences of integer token ids (a flat list of
+    ids, text or float ids would otherwise be misread or silently truncated)."""
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (Sequence, np.ndarray)):
+        raise TypeError(f"prompts must be a list of token-id lists, got {type(prompts).__name__}")
+    for i, p in enumerate(prompts):
+        if isinstance(p, (str, bytes)) or not isinstance(p, (Sequence, np.ndarray)):
+            hint = " (for one prompt pass [ids], a list holding one list)" if isinstance(p, (int, np.integer)) else ""
+            raise TypeError(f"prompt {i} must be a list of token ids, got {type(p).__name__}{hint}")
+        for t in p:
+            if not isinstance(t, (int, np.integer)) or isinstance(t, bool):
+                raise TypeError(f"prompt {i} holds {t!r} ({type(t).__name__}): token ids must be integers")
+
+
 class Decoder:
     """Speculative (or autoregressive) generation with a target and, optionally, a DFlash drafter.
 
@@ -360,9 +383,11 @@ class Decoder:
             capacity = _bucket(need, self.cfg.capacity_bucket)
         limit = self.target_cfg.max_position_embeddings
         if longest + self.cfg.max_new_tokens + self.tree_slots > limit:
+            slots = (f"{self.tree_slots} tree slots (budget {self.cfg.budget} + root)" if self.speculative
+                     else "1 slot for the next token")
             raise ValueError(
-                f"prompt of {longest} tokens + max_new_tokens {self.cfg.max_new_tokens} exceeds the "
-                f"model's {limit} positions")
+                f"prompt of {longest} tokens + max_new_tokens {self.cfg.max_new_tokens} + {slots} = "
+                f"{longest + self.cfg.max_new_tokens + self.tree_slots} exceeds the model's {limit} positions")
         return tp, capacity
 
     def _prefill_fn(self, capacity: int):
@@ -373,6 +398,7 @@ class Decoder:
 
     def prefill(self, prompts: Sequence[Sequence[int]], seed: int = 0) -> DecodeState:
         """Initial state for a batch of token-id prompts (each of length >= 1)."""
+        _check_prompt_types(prompts)
         if not prompts:
             raise ValueError("no prompts given")
         lengths = [len(p) for p in prompts]
