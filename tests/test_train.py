@@ -168,11 +168,12 @@ def test_training_trees_are_the_decoders_trees(target):
     anchors = jnp.asarray([[7, 16, 25]], jnp.int32)
     z = drafter.logits(target, drafter.train_hidden(target, feats, jnp.asarray(tokens), anchors))
     train_trees = draft_trees(z[0], jnp.asarray(tokens[0, [7, 16, 25]]), 8)
+    dec = Decoder(target, drafter, DecodeConfig(budget=8, max_new_tokens=4))
+    draft_fn = jax.jit(lambda st: draft(drafter, target, st.root, st.cache_len, st.drafter_cache))
     for j, a in enumerate([7, 16, 25]):
         # The decoder at context tokens[:a + 1]: prefill tokens[:a], root tokens[a], one draft.
-        dec = Decoder(target, drafter, DecodeConfig(budget=8, max_new_tokens=4))
         state = dec.prefill([tokens[0, : a + 1].tolist()])
-        logits = draft(drafter, target, state.root, state.cache_len, state.drafter_cache)
+        logits = draft_fn(state)
         dec_tree = draft_trees(logits, state.root, 8)
         np.testing.assert_allclose(np.asarray(logits[0]), np.asarray(z[0, j]), atol=2e-5)
         for field in ("tokens", "parents", "depth", "valid"):

@@ -173,17 +173,17 @@ def test_full_prefix_scoring_equals_per_anchor_tree_passes():
     flat = draft_trees(log_q, roots, budget)
     trees = jax.tree.map(lambda x: x.reshape((b, e) + x.shape[1:]), flat)
     fast = np.asarray(score_trees(target, tokens, anchors, trees))
+    # The decoder's way, one anchor at a time: the cache holds the prefix before the anchor and the
+    # tree pass writes the tree at slot `anchor` (it sees slots < anchor: later slots of this full
+    # prefill are masked out and overwritten), at positions anchor + depth.
+    cap = q + budget + 1
+    pre = target(tokens, jnp.broadcast_to(jnp.arange(q), (b, q)), KVCache.init(tcfg, b, cap),
+                 jnp.zeros((b,), jnp.int32), jnp.broadcast_to(causal_mask(q), (b, q, q)))
+    one = jax.jit(lambda cache, tree, a: tree_pass(target, tree, a, cache).logits)
     for i in range(b):
+        cache_i = jax.tree.map(lambda x: x[:, i:i + 1], pre.cache)
         for j in range(e):
-            a = int(anchors[i, j])
-            # The decoder's way: prefill tokens[:a] (all but the root) into a cache, then one tree pass.
-            cap = a + budget + 1
-            cache = KVCache.init(tcfg, 1, cap)
-            if a:
-                pre = tokens[i:i + 1, :a]
-                out = target(pre, jnp.arange(a)[None], cache, jnp.zeros((1,), jnp.int32), causal_mask(a)[None])
-                cache = out.cache
             tree = jax.tree.map(lambda x: x[i:i + 1, j], trees)
-            ref = tree_pass(target, tree, jnp.asarray([a], jnp.int32), cache).logits[0]
+            ref = one(cache_i, tree, anchors[i, j:j + 1])[0]
             valid = np.asarray(tree.valid[0])
             np.testing.assert_allclose(fast[i, j][valid], np.asarray(ref)[valid], atol=2e-5, rtol=1e-5)

@@ -217,6 +217,17 @@ def _train_step(state: TrainState, tstate, batch: Batch, *, dgd, ogd, tgd, cfg: 
     return new, metrics
 
 
+@functools.lru_cache(maxsize=16)
+def _jitted_step(dgd, ogd, tgd, cfg: TrainConfig, mesh):
+    """The jitted, sharded step for one (model structure, config, mesh): cached, so Trainers of the
+    same run (a resume in the same process, tests, sweeps) share one compilation."""
+    rep = replicated(mesh)
+    batch_shard = Batch(tokens=batch_sharding(mesh, 2), loss_mask=batch_sharding(mesh, 2),
+                        features=batch_sharding(mesh, 3), length=batch_sharding(mesh, 1))
+    step = functools.partial(_train_step, dgd=dgd, ogd=ogd, tgd=tgd, cfg=cfg)
+    return jax.jit(step, in_shardings=(rep, rep, batch_shard), out_shardings=(rep, rep), donate_argnums=(0,))
+
+
 class Trainer:
     """Holds the graph definitions, the frozen target and the jitted, mesh-sharded step.
 
@@ -239,11 +250,7 @@ class Trainer:
         rep = replicated(mesh)
         self.tstate = jax.device_put(tstate, rep)
         self._init = (params, opt)
-        step = functools.partial(_train_step, dgd=self.dgd, ogd=self.ogd, tgd=self.tgd, cfg=cfg)
-        batch_shard = Batch(tokens=batch_sharding(mesh, 2), loss_mask=batch_sharding(mesh, 2),
-                            features=batch_sharding(mesh, 3), length=batch_sharding(mesh, 1))
-        self._step = jax.jit(step, in_shardings=(rep, rep, batch_shard), out_shardings=(rep, rep),
-                             donate_argnums=(0,))
+        self._step = _jitted_step(self.dgd, self.ogd, self.tgd, cfg, mesh)
 
     def init_state(self) -> TrainState:
         params, opt = self._init
