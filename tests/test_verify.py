@@ -304,3 +304,33 @@ def test_bfloat16_logits_match_their_float32_upcast():
     for method in METHODS:
         for t in (0.0, 0.7):
             chex_equal(verify(key, tree, bf16, t, method), verify(key, tree, up, t, method))
+
+
+def test_one_temperature_rule_for_tiny_and_invalid_values():
+    """Below GREEDY_BELOW (1e-5) every entry point is greedy, concrete or traced: 1 / temperature would
+    overflow float32 at 1e-39 and below (once it made 1e-46 sample like 1.0 and 1e-39 emit token 0).
+    Concrete negative, NaN and infinite temperatures raise; traced ones follow `law.samples`."""
+    from tevjax.law import GREEDY_BELOW, is_greedy, samples
+
+    tree = DraftTree.from_parents(jnp.array([5, 1, 2, 3]), jnp.array([-1, 0, 0, 1]))
+    logits = jnp.asarray(np.random.default_rng(0).standard_normal((4, 6)) * 3, jnp.float32)
+    greedy = verify(jax.random.key(0), tree, logits, 0.0)
+    traced = jax.jit(lambda t, k: verify(k, tree, logits, t))
+    for t in (1e-46, 1e-39, 1e-8, GREEDY_BELOW / 2):
+        assert is_greedy(t) is True
+        for key in range(5):
+            for out in (verify(jax.random.key(key), tree, logits, t), traced(jnp.float32(t), jax.random.key(key))):
+                assert int(out.bonus_token) == int(greedy.bonus_token) and int(out.exit_node) == int(greedy.exit_node)
+        np.testing.assert_array_equal(exit_law(tree, logits, t).exit_prob, exit_law(tree, logits, 0.0).exit_prob)
+    assert is_greedy(GREEDY_BELOW) is False and bool(samples(jnp.float32(GREEDY_BELOW)))
+    # At 1e-5 itself it samples, and stays finite (a proper, very peaked law).
+    law = exit_law(tree, logits, GREEDY_BELOW)
+    assert np.all(np.isfinite(np.asarray(law.exit_prob))) and abs(float(law.exit_prob.sum()) - 1) < 1e-5
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="temperature must be a finite number >= 0"):
+            verify(jax.random.key(0), tree, logits, bad)
+        with pytest.raises(ValueError, match="temperature must be a finite number >= 0"):
+            exit_law(tree, logits, bad)
+    # Traced invalid values cannot raise: NaN and negative decode greedily, +inf samples uniformly.
+    assert not bool(samples(jnp.float32(float("nan")))) and not bool(samples(jnp.float32(-1.0)))
+    assert bool(samples(jnp.float32(float("inf"))))

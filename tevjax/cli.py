@@ -147,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                      help="wrap text prompts in the model's chat template (default: on)")
     gen.add_argument("--max-new-tokens", type=_positive_int("--max-new-tokens"), default=128)
-    gen.add_argument("--temperature", type=_temperature, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--temperature", type=_temperature, default=0.0, help="0 = greedy (default); any value below 1e-5 is greedy too")
     gen.add_argument("--budget", type=_positive_int("--budget"), default=16, help="draft tree budget (non-root nodes)")
     gen.add_argument("--verifier", default="tev",
                      help=f"{', '.join(verifier_choices(autoregressive=False))} (default tev), or "

@@ -24,6 +24,7 @@ run in TF32 on GPUs. Shape letters follow the legend in `tevjax/__init__.py`.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Literal
 
 import jax
@@ -32,7 +33,7 @@ import jax.numpy as jnp
 from tevjax import sampling
 from tevjax.tree import DraftTree, check_tree_logits
 
-__all__ = ["PROPAGATION", "ExitLaw", "exit_law", "is_greedy"]
+__all__ = ["GREEDY_BELOW", "PROPAGATION", "ExitLaw", "exit_law", "is_greedy", "samples"]
 
 Propagation = Literal["matrix", "scan"]
 
@@ -76,12 +77,30 @@ class EdgeStats:
         return self.logits[node].astype(jnp.float32) * self.inv_temperature
 
 
+# One rule for every entry point (API, CLI, traced temperatures): a temperature below this is
+# greedy. Below it, 1 / temperature in float32 either overflows (1e-39 and smaller) or scales
+# logit gaps past float32's range of exp, so "sampling" would be argmax with extra steps or
+# garbage; the paper's released code uses the same threshold.
+GREEDY_BELOW = 1e-5
+
+
 def is_greedy(temperature: Any) -> bool | None:
-    """True/False for a concrete temperature, None when it is traced (decided at run time)."""
+    """True (temperature < GREEDY_BELOW) or False for a concrete temperature, None when it is traced
+    (decided at run time by `samples`). A concrete negative, NaN or infinite temperature raises."""
     try:
-        return float(temperature) == 0.0
+        t = float(temperature)
     except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError, TypeError):
         return None
+    if not math.isfinite(t) or t < 0:
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+    return t < GREEDY_BELOW
+
+
+def samples(temperature: jax.Array) -> jax.Array:
+    """Run-time form of `not is_greedy` for a traced temperature. It cannot raise, so an invalid
+    traced value falls on a documented side: NaN and negative temperatures decode greedily;
+    +inf samples uniformly over the vocabulary (1 / inf = 0)."""
+    return temperature >= GREEDY_BELOW
 
 
 def _sample_stats(tree: DraftTree, logits: jax.Array, temperature: jax.Array) -> EdgeStats:
@@ -106,14 +125,14 @@ def _greedy_stats(tree: DraftTree, logits: jax.Array) -> EdgeStats:
 
 
 def edge_stats(tree: DraftTree, logits: jax.Array, temperature: Any) -> EdgeStats:
-    """Per-edge target probabilities; greedy (point masses) when temperature == 0."""
+    """Per-edge target probabilities; greedy (point masses) when temperature < GREEDY_BELOW."""
     greedy = is_greedy(temperature)
     if greedy is True:
         return _greedy_stats(tree, logits)
     if greedy is False:
         return _sample_stats(tree, logits, jnp.asarray(temperature, jnp.float32))
     t = jnp.asarray(temperature, jnp.float32)
-    return jax.lax.cond(t > 0, lambda: _sample_stats(tree, logits, t), lambda: _greedy_stats(tree, logits))
+    return jax.lax.cond(samples(t), lambda: _sample_stats(tree, logits, t), lambda: _greedy_stats(tree, logits))
 
 
 def _prefix_by_levels(tree: DraftTree, factor: jax.Array, levels: int) -> jax.Array:

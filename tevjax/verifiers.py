@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from tevjax import sampling
-from tevjax.law import EdgeStats, _greedy_stats, _sample_stats, is_greedy, law_from_edges
+from tevjax.law import EdgeStats, _greedy_stats, _sample_stats, is_greedy, law_from_edges, samples
 from tevjax.tree import DraftTree, check_tree_logits
 
 __all__ = ["VerifyOutput", "verify", "VERIFIERS"]
@@ -161,7 +161,8 @@ def verify(
       tree: the draft tree (N slots).
       logits: [N, V] target logits; row i is the next-token logits after the prefix ending at node i.
         May contain -inf; padding rows are ignored.
-      temperature: float >= 0 (Python number or traced scalar); 0 = greedy.
+      temperature: float >= 0 (Python number or traced scalar); below `law.GREEDY_BELOW` (1e-5)
+        greedy. A concrete negative, NaN or infinite value raises; for traced ones see `law.samples`.
       method: "tev" (default), "predraw" or "sequential". All give the same output law.
 
     Jittable (``method`` static) and `vmap`-composable over keys, trees, logits and temperatures.
@@ -176,4 +177,4 @@ def verify(
     t = jnp.asarray(temperature, jnp.float32)
     if greedy is False:
         return sample(key, tree, logits, t)
-    return jax.lax.cond(t > 0, lambda: sample(key, tree, logits, t), lambda: _greedy(key, tree, logits))
+    return jax.lax.cond(samples(t), lambda: sample(key, tree, logits, t), lambda: _greedy(key, tree, logits))

@@ -58,7 +58,7 @@ class DecodeConfig:
 
     budget: int = 16  # non-root tree nodes per round (unused without a drafter)
     verifier: str = "tev"  # a name in tevjax.verifiers.VERIFIERS: "tev" | "predraw" | "sequential"
-    temperature: float = 0.0  # 0 = greedy
+    temperature: float = 0.0  # below 1e-5 (tevjax.law.GREEDY_BELOW) = greedy
     max_new_tokens: int = 128
     eos_ids: tuple[int, ...] = ()
     prompt_bucket: int = 64  # prefill lengths are rounded up to a multiple of this
