@@ -2,6 +2,7 @@
 
 import json
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -208,3 +209,14 @@ def test_target_without_tokenizer_prints_ids(capsys, tiny_dir):
     assert code == 0, err
     ids = json.loads(out.strip().splitlines()[0])
     assert isinstance(ids, list) and len(ids) == 4 and all(isinstance(t, int) for t in ids)
+
+
+def test_nonfinite_weights_fail_loudly(tmp_path, capsys, tiny_dir):
+    _, model = tiny_dir
+    bad = random_model(model.cfg, seed=5)
+    emb = bad.embed_tokens.embedding
+    emb.set_value(emb.get_value() * jnp.nan)
+    save_hf_target(bad, tmp_path)
+    code, out, err = _run(capsys, "generate", "--target", str(tmp_path), "--prompt-ids", "1,2,3",
+                          "--max-new-tokens", "4", "--json")
+    assert code == 2 and "produced non-finite logits for prompt 0 (--prompt-ids)" in err and out == ""

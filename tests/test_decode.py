@@ -284,3 +284,18 @@ def test_prompt_and_config_types_are_checked(models):
     with pytest.raises(TypeError, match="budget must be an int"):
         DecodeConfig(budget=2.5)
     assert dec.generate([np.asarray([1, 5, 7], np.int64)])[0].tokens  # numpy ids are fine
+
+
+def test_nonfinite_logits_stop_the_row_and_emit_nothing(models):
+    """A row whose target logits turn NaN (here: a corrupted embedding row) stops with stop
+    "nonfinite" and no garbage tokens; the other rows of the batch are unaffected."""
+    target, drafter = models
+    poisoned = random_model(target.cfg, seed=0)
+    emb = poisoned.embed_tokens.embedding
+    emb.set_value(emb.get_value().at[17].set(jnp.nan))
+    prompts = [[1, 5, 7], [1, 17, 3]]  # token 17 poisons row 1 from its first pass on
+    for d in (None, drafter):
+        dec = Decoder(poisoned, d, DecodeConfig(max_new_tokens=8, budget=4, prompt_bucket=16, capacity=64))
+        gens = dec.generate(prompts)
+        assert gens[1].stop == "nonfinite" and gens[1].tokens == []
+        assert gens[0].stop != "nonfinite" and gens[0].tokens == dec.generate(prompts[:1])[0].tokens

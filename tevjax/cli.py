@@ -358,6 +358,7 @@ def cmd_generate(args) -> int:
                        temperature=args.temperature, max_new_tokens=args.max_new_tokens, eos_ids=models.eos_ids)
     decoder = Decoder(models.target, models.drafter if speculative else None, cfg)
     stream = not args.json and len(ids) == 1
+    failed: list[str] = []
     for start in range(0, len(ids), args.batch_size):
         batch = ids[start: start + args.batch_size]
         decoder.shapes([len(p) for p in batch])  # capacity / position checks before compiling
@@ -379,6 +380,9 @@ def cmd_generate(args) -> int:
             gens = decoder.generate(batch, seed=args.seed)
         seconds = time.perf_counter() - t1
         for j, g in enumerate(gens):
+            if g.stop == "nonfinite":  # reported after the rows that did finish are printed
+                failed.append(f"prompt {start + j} ({where[start + j]})")
+                continue
             record = {
                 "prompt": prompts[start + j] if isinstance(prompts[start + j], str) else None,
                 "prompt_ids": batch[j],
@@ -405,6 +409,9 @@ def cmd_generate(args) -> int:
                       f"({record['tokens_per_second']} tok/s), {g.rounds} rounds, tau {g.tau:.2f}, "
                       f"verifier {args.verifier}, budget {record['budget']}, temperature {args.temperature} "
                       f"(compile {compile_seconds:.1f} s, load {load_seconds:.1f} s)", flush=True)
+    if failed:
+        raise CliError(f"the target {args.target!r} produced non-finite logits for {', '.join(failed)}: its weights "
+                       f"are damaged or overflow in this dtype; no tokens were emitted from that point")
     return 0
 
 

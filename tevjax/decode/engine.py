@@ -115,6 +115,7 @@ class DecodeState:
     rounds: jax.Array  # [B] int32 rounds while the row was active
     block_total: jax.Array  # [B] int32 sum of output-block lengths (bonus included) before EOS/length cuts
     hidden: jax.Array | None  # [B, S, R, D] kept hidden states by cache slot (R = len(hidden_layers)); or None
+    nonfinite: jax.Array  # [B] bool the target gave this row a non-finite logit: stopped, that round unemitted
 
 
 @dataclasses.dataclass
@@ -124,7 +125,7 @@ class Generation:
     tokens: list[int]
     rounds: int
     tau: float  # mean output-block length per round, bonus token included
-    stop: str  # "eos" | "length"
+    stop: str  # "eos" | "length" | "nonfinite" (the target's logits were NaN/inf: damaged weights or overflow)
     # [T - 1, R, D] hidden states of prompt + tokens at cfg.hidden_layers (T = their total length;
     # the last token's are never computed: no pass has read it yet); None unless requested.
     hidden: np.ndarray | None = None
@@ -174,6 +175,7 @@ def _prefill(tstate, dstate, tokens, lengths, keys, *, tgd, dgd, cfg: DecodeConf
         rounds=zeros,
         block_total=zeros,
         hidden=hidden,
+        nonfinite=jnp.zeros((b,), bool),
     )
 
 
@@ -257,11 +259,13 @@ def commit(out, ver, state: DecodeState, drafter: DFlashDrafter | None, cfg: Dec
     return target_cache, drafter_cache, hidden
 
 
-def emit(ver, state: DecodeState, cfg: DecodeConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Writes the block (accepted tokens + bonus), cut at the first EOS and at max_new_tokens, into
-    the output buffer -> (out [B, max_new_tokens], num_out [B], finished [B])."""
+def emit(ver, state: DecodeState, cfg: DecodeConfig, active: jax.Array | None = None
+         ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Writes the block (accepted tokens + bonus) of the `active` rows (default: not done), cut at
+    the first EOS and at max_new_tokens, into the output buffer -> (out [B, max_new_tokens],
+    num_out [B], finished [B])."""
     b = state.root.shape[0]
-    active = ~state.done
+    active = ~state.done if active is None else active
     block_tokens, count = ver.tokens, ver.num_tokens
     j = jnp.arange(block_tokens.shape[1], dtype=jnp.int32)
     eos = jnp.isin(block_tokens, jnp.asarray(cfg.eos_ids or (-2,), jnp.int32)) & (j < count[:, None])
@@ -294,8 +298,13 @@ def _round(tstate, dstate, state: DecodeState, *, tgd, dgd, cfg: DecodeConfig) -
     # autoregressive random stream independent of cfg.verifier.
     method = cfg.verifier if drafter is not None else "tev"
     ver = jax.vmap(lambda k, t, l: verify(k, t, l, cfg.temperature, method))(sub, trees, out.logits)
+    # A NaN/inf logit (damaged weights, overflow) would be verified into garbage tokens: that row
+    # stops here, emits nothing from this round and reports it (one read of the logits).
+    finite = jnp.all(jnp.isfinite(out.logits) | ~trees.valid[..., None], axis=(1, 2))
+    bad = active & ~finite
+    active = active & finite
     target_cache, drafter_cache, hidden = commit(out, ver, state, drafter, cfg, target.cfg)
-    out_buf, num_out, finished = emit(ver, state, cfg)
+    out_buf, num_out, finished = emit(ver, state, cfg, active)
 
     return DecodeState(
         target_cache=target_cache,
@@ -304,11 +313,12 @@ def _round(tstate, dstate, state: DecodeState, *, tgd, dgd, cfg: DecodeConfig) -
         root=jnp.where(active, ver.bonus_token, state.root),
         out=out_buf,
         num_out=num_out,
-        done=state.done | finished,
+        done=state.done | finished | bad,
         keys=keys,
         rounds=state.rounds + active.astype(jnp.int32),
         block_total=state.block_total + jnp.where(active, ver.num_tokens, 0),
         hidden=hidden,
+        nonfinite=state.nonfinite | bad,
     )
 
 
@@ -442,11 +452,12 @@ class Decoder:
         """Per-row results; `Generation.hidden` needs `cfg.hidden_layers` and the prompt lengths."""
         out, num_out = np.asarray(state.out), np.asarray(state.num_out)
         rounds, total = np.asarray(state.rounds), np.asarray(state.block_total)
+        nonfinite = np.asarray(state.nonfinite)
         hidden = np.asarray(state.hidden) if state.hidden is not None and prompt_lengths is not None else None
         gens = []
         for i in range(out.shape[0]):
             toks = out[i, : num_out[i]].tolist()
-            stop = "eos" if toks and toks[-1] in self.cfg.eos_ids else "length"
+            stop = "nonfinite" if nonfinite[i] else "eos" if toks and toks[-1] in self.cfg.eos_ids else "length"
             # Slots [0, prompt + tokens - 1) were all written: every token but the last was a root
             # or an accepted node of some pass, and later rounds only write at higher slots.
             kept = hidden[i, : prompt_lengths[i] + len(toks) - 1] if hidden is not None else None
