@@ -226,15 +226,22 @@ def _config_dict(cfg: RolloutConfig, target_name: str, target_cfg) -> dict:
             "target_config": dataclasses.asdict(target_cfg)}
 
 
+def settings_diff(saved: dict, now: dict, prefix: str = "") -> list[str]:
+    """Readable differences between saved settings and the current ones (nested dicts, JSON values):
+    what `--resume` of a data directory or a training run refuses."""
+    out = []
+    for k in sorted(set(saved) | set(now)):
+        a, b = saved.get(k), now.get(k)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += settings_diff(a, b, f"{prefix}{k}.")
+        elif a != b:
+            out.append(f"{prefix}{k}: {a!r} saved, {b!r} now")
+    return out
+
+
 def _check_resume(manifest: dict, expected: dict, data_dir: Path) -> None:
-    diffs = []
-    for key, want in expected.items():
-        have = manifest.get(key)
-        if isinstance(want, dict) and isinstance(have, dict):
-            diffs += [f"{key}.{k}: {have.get(k)!r} in the directory, {v!r} now"
-                      for k, v in want.items() if json.loads(json.dumps(v)) != have.get(k)]
-        elif json.loads(json.dumps(want)) != have:
-            diffs.append(f"{key}: {have!r} in the directory, {want!r} now")
+    now = json.loads(json.dumps(expected))  # tuples -> lists, as the manifest holds them
+    diffs = settings_diff({k: manifest.get(k) for k in now}, now)
     if diffs:
         raise ValueError(f"--resume: {data_dir} was generated with other settings: " + "; ".join(diffs))
 

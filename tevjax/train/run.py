@@ -31,6 +31,7 @@ import numpy as np
 from tevjax.models.dflash import DFlashConfig, DFlashDrafter
 from tevjax.sharding import global_batch_array, make_mesh
 from tevjax.train.dataset import Batch, TrainData
+from tevjax.train.rollout import settings_diff
 from tevjax.train.step import TrainConfig, Trainer, TrainState
 
 __all__ = ["RunError", "export_run", "load_run", "train"]
@@ -93,17 +94,6 @@ def load_run(run_dir: str | os.PathLike) -> dict:
         raise RunError(f"{path}: unreadable ({e})") from None
 
 
-def _diff(a: dict, b: dict, prefix: str = "") -> list[str]:
-    out = []
-    for k in sorted(set(a) | set(b)):
-        va, vb = a.get(k), b.get(k)
-        if isinstance(va, dict) and isinstance(vb, dict):
-            out += _diff(va, vb, f"{prefix}{k}.")
-        elif va != vb:
-            out.append(f"{prefix}{k}: {va!r} in the run, {vb!r} now")
-    return out
-
-
 def train(target, drafter: DFlashDrafter, data_dir: str | os.PathLike, run_dir: str | os.PathLike,
           cfg: TrainConfig, *, target_name: str, resume: bool = False, until: int | None = None,
           mesh=None, checkpoint_every_s: float = 300.0, eval_every_s: float = 600.0, keep: int = 3,
@@ -123,7 +113,7 @@ def train(target, drafter: DFlashDrafter, data_dir: str | os.PathLike, run_dir: 
     if (run / RUN_FILE).exists():
         if not resume:
             raise RunError(f"{run} already holds a training run: pass --resume to continue it, or choose a new --out")
-        diffs = _diff(load_run(run), record)
+        diffs = settings_diff(load_run(run), record)
         if diffs:
             raise RunError(f"--resume: {run} was started with other settings: " + "; ".join(diffs[:6]))
     else:
