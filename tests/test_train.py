@@ -23,7 +23,7 @@ from tevjax.convert.dflash_ckpt import load_dflash
 from tevjax.decode.engine import DecodeConfig, Decoder, draft, draft_trees
 from tevjax.loading import LoadedTarget
 from tevjax.models import KVCache, causal_mask
-from tevjax.models.dflash import DFlashConfig, DFlashDrafter, features_from_output
+from tevjax.models.dflash import DFlashConfig, DFlashDrafter, draft_vocab_from_counts, features_from_output
 from tevjax.sharding import make_mesh
 from tevjax.testing import random_model, tiny_config
 from tevjax.train.dataset import Batch, TrainData
@@ -284,3 +284,28 @@ def test_cli_errors_are_one_line(capsys, argv, message):
     assert code == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1, err
+
+
+def test_a_run_keeps_its_draft_vocabulary_and_its_shards(tmp_path, data_dir, target):
+    quiet = dict(progress=False, log=lambda _: None, target_name="tiny", heldout_records=4)
+    data = tmp_path / "data"
+    shutil.copytree(data_dir, data)
+    cfg = DFlashConfig.for_target(target.cfg, num_layers=1, block_size=BS, mask_token_id=5, target_layer_ids=TAPS,
+                                  draft_vocab_size=64)
+    counts = TrainData(data, "train").token_counts(target.cfg.vocab_size)
+    assert counts.sum() == TrainData(data, "train").response_tokens  # every supervised token, once
+    ids = draft_vocab_from_counts(counts, 64, always=(2,))
+    train(target, DFlashDrafter(cfg, rngs=nnx.Rngs(0), draft_vocab=ids), data, tmp_path / "r", CFG, until=2, **quiet)
+    before = TrainData(data, "train")
+    # More data arrives; the resumed run reads its recorded shards and its own vocabulary, whatever
+    # vocabulary the drafter it is handed carries.
+    shutil.copytree(data / "shards" / "train-00000", data / "shards" / "train-00099")
+    assert len(TrainData(data, "train")) > len(before)
+    other = DFlashDrafter(cfg, rngs=nnx.Rngs(0), draft_vocab=np.arange(64))
+    state = train(target, other, data, tmp_path / "r", CFG, resume=True, **quiet)
+    assert int(state.step) == CFG.steps
+    record = json.loads((tmp_path / "r" / "run.json").read_text())
+    assert record["train_shards"] == before.shard_names
+    export_run(tmp_path / "r", tmp_path / "x", target.cfg)
+    _, exported = load_dflash(tmp_path / "x", target.cfg)
+    np.testing.assert_array_equal(np.asarray(exported.vocab_ids()), ids)

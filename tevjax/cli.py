@@ -187,6 +187,9 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--taps", type=_int_list("--taps"), default=None,
                     help="target layers the drafter reads (default: every layer stored in --data)")
     tr.add_argument("--init", default=None, help="start from this DFlash drafter directory instead of a fresh one")
+    tr.add_argument("--draft-vocab", type=_nonnegative_int("--draft-vocab"), default=0,
+                    help="fresh drafter: score only the K most frequent response tokens of --data (plus end-of-turn) "
+                         "through those rows of the target's LM head; 0 = the whole vocabulary")
     tr.add_argument("--exit-lambda", type=_nonnegative_float("--exit-lambda"), default=0.1, help="0 = token loss only")
     tr.add_argument("--exit-weight", default="w", help="w (default), w_depth, P_floored or P_rescaled")
     tr.add_argument("--exit-budget", type=_positive_int("--exit-budget"), default=8, help="tree budget of the exit loss")
@@ -461,11 +464,13 @@ def cmd_train(args) -> int:
         raise CliError(f"--data {str(args.data)!r}: no such directory")
     if args.init is not None and not Path(args.init).is_dir():
         raise CliError(f"--init {args.init!r}: no such drafter directory")
+    if args.init is not None and args.draft_vocab:
+        raise CliError("--draft-vocab chooses a fresh drafter's vocabulary; an --init drafter keeps its own")
     from flax import nnx
 
     from tevjax.convert.dflash_ckpt import load_dflash
     from tevjax.loading import load_target, mask_token_for
-    from tevjax.models.dflash import DFlashConfig, DFlashDrafter
+    from tevjax.models.dflash import DFlashConfig, DFlashDrafter, draft_vocab_from_counts
     from tevjax.train.rollout import read_manifest
     from tevjax.train.run import train
     from tevjax.train.step import TrainConfig
@@ -480,10 +485,20 @@ def cmd_train(args) -> int:
         _, drafter = load_dflash(args.init, loaded.target_cfg, dtype=args.dtype, param_dtype="float32")
     else:
         taps = args.taps or tuple(manifest["rollout"]["taps"])
+        vocab_size = loaded.target_cfg.vocab_size
+        if args.draft_vocab > vocab_size:
+            raise CliError(f"--draft-vocab {args.draft_vocab} exceeds the target's vocabulary ({vocab_size})")
         dcfg = DFlashConfig.for_target(loaded.target_cfg, num_layers=args.layers, block_size=args.block_size,
                                        mask_token_id=mask_token_for(loaded.target_cfg, loaded.tokenizer),
-                                       target_layer_ids=taps, dtype=args.dtype, param_dtype="float32")
-        drafter = DFlashDrafter(dcfg, rngs=nnx.Rngs(args.seed))
+                                       target_layer_ids=taps, dtype=args.dtype, param_dtype="float32",
+                                       draft_vocab_size=args.draft_vocab or None)
+        vocab = None
+        if args.draft_vocab:
+            from tevjax.train.dataset import TrainData
+
+            counts = TrainData(args.data, "train").token_counts(vocab_size)
+            vocab = draft_vocab_from_counts(counts, args.draft_vocab, always=loaded.eos_ids)
+        drafter = DFlashDrafter(dcfg, rngs=nnx.Rngs(args.seed), draft_vocab=vocab)
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch, anchors=args.anchors, seq_len=args.seq_len,
                       lr=args.lr, warmup=args.warmup, weight_decay=args.weight_decay,
                       gamma=args.gamma or None, exit_lambda=args.exit_lambda, exit_weight=args.exit_weight,

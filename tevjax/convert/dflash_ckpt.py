@@ -15,6 +15,11 @@ out as `inter`, the config's intermediate_size)::
     layers.{i}.post_attention_layernorm.weight  [D]
     layers.{i}.mlp.{gate,up,down}_proj.weight   [inter, D], [inter, D], [D, inter]
     norm.weight                                 [D]
+    draft_vocab                                 [Vd] int32, only with dflash_config.draft_vocab_size
+
+`draft_vocab` (a tevjax extension, absent from released drafters) lists the token ids of a
+reduced draft vocabulary in increasing order; the drafter then scores only those rows of the
+target's LM head.
 
 HF `nn.Linear` weights are [out, in] and flax kernels [in, out], hence the transposes. A `model.`
 prefix on every name (some re-exports add one) is accepted when loading; saving writes the
@@ -37,13 +42,14 @@ from flax import nnx
 
 from tevjax.convert.hf import CheckpointError, WeightRule, checkpoint_config_path, read_safetensors_dir
 from tevjax.models.config import ModelConfig
-from tevjax.models.dflash import DFlashConfig, DFlashDrafter
+from tevjax.models.dflash import DFlashConfig, DFlashDrafter, check_draft_vocab
 
 __all__ = ["dflash_weight_rules", "load_dflash", "load_drafter_params", "save_dflash"]
 
 CONFIG_FILE = "config.json"
 SAFETENSORS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+DRAFT_VOCAB = "draft_vocab"
 # Recomputed buffers that some exports carry; skipping them is safe.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -108,7 +114,7 @@ def load_drafter_params(drafter: DFlashDrafter, tensors: Mapping[str, np.ndarray
     if covered != set(params):  # the table itself is wrong for this module: a library bug
         raise AssertionError(f"DFlash conversion table out of sync with the module: table-only "
                              f"{sorted(covered - set(params))}, module-only {sorted(set(params) - covered)}")
-    expected = {r.hf_name for r in rules}
+    expected = {r.hf_name for r in rules} | ({DRAFT_VOCAB} if cfg.draft_vocab_size is not None else set())
     tensors = _canonical_names(tensors, expected)
     missing = sorted(expected - set(tensors))
     extra = sorted(n for n in tensors if n not in expected and not n.endswith(_IGNORED_SUFFIXES))
@@ -125,6 +131,11 @@ def load_drafter_params(drafter: DFlashDrafter, tensors: Mapping[str, np.ndarray
     if extra:
         warnings.warn(f"DFlash checkpoint: skipping unexpected tensor(s) {', '.join(extra)}", stacklevel=2)
 
+    if cfg.draft_vocab_size is not None:
+        try:
+            drafter.draft_vocab.set_value(check_draft_vocab(tensors[DRAFT_VOCAB], cfg))
+        except ValueError as e:
+            raise CheckpointError(f"tensor {DRAFT_VOCAB!r}: {e}") from None
     dtype = jnp.dtype(cfg.param_dtype)
     for rule in rules:
         x = np.asarray(tensors[rule.hf_name])
@@ -193,6 +204,8 @@ def save_dflash(drafter: DFlashDrafter, cfg: DFlashConfig, path: str | os.PathLi
     for rule in dflash_weight_rules(cfg):
         value = np.asarray(jax.device_get(params[rule.param].get_value()))
         tensors[rule.hf_name] = np.ascontiguousarray(rule.to_hf(value).astype(store))
+    if cfg.draft_vocab_size is not None:
+        tensors[DRAFT_VOCAB] = np.ascontiguousarray(np.asarray(jax.device_get(drafter.vocab_ids()), np.int32))
     hf_config = cfg.to_hf_config()
     hf_config["dtype"] = store.name
     config_bytes = (json.dumps(hf_config, indent=2) + "\n").encode("utf-8")

@@ -4,8 +4,9 @@ One round for every row of the batch at once (B rows, N = budget + 1 tree slots,
 draft rows per block, the maximum tree depth)::
 
     block  = [root, MASK x G] at positions cache_len .. cache_len + G
-    q      = drafter(block | context K/V)                   [B, G, V]   per-depth draft marginals
-    tree   = build_ddtree(log q, root, budget)               [B, N]      best-first DDTree
+    q      = drafter(block | context K/V)                   [B, G, Vd]  per-depth draft marginals
+    tree   = build_ddtree(log q, root, budget)               [B, N]      best-first DDTree (ids via
+                                                                         the draft vocabulary, Vd <= V)
     target(tree.tokens @ cache_len + depth, mask = prefix + tree.ancestors)  -> logits [B, N, V]
     out    = verify(key, tree, logits, temperature, method)  accepted path + bonus token
     commit : K/V of the accepted path moved to contiguous slots after the root, the target
@@ -203,19 +204,26 @@ def _split_hidden(out, taps, drafter, cfg: DecodeConfig, target_cfg):
 
 def draft(drafter: DFlashDrafter, target: Transformer, root: jax.Array, cache_len: jax.Array,
           drafter_cache: DrafterCache) -> jax.Array:
-    """Draft logits [B, G, V] (G = block_size - 1) of the block [root, MASK x G] at positions cache_len + 0..G."""
+    """Draft logits [B, G, Vd] (G = block_size - 1, Vd the draft vocabulary) of the block
+    [root, MASK x G] at positions cache_len + 0..G."""
     positions = cache_len[:, None] + jnp.arange(drafter.cfg.block_size, dtype=jnp.int32)
     return drafter(target, drafter.block_tokens(root), positions, drafter_cache, cache_len)
 
 
-def draft_trees(draft_logits: jax.Array, root: jax.Array, budget: int) -> DraftTree:
-    """DDTree trees [B, N] from draft logits [B, G, V]: per-depth log-marginals, then the builder.
+def draft_trees(draft_logits: jax.Array, root: jax.Array, budget: int, vocab: jax.Array | None = None) -> DraftTree:
+    """DDTree trees [B, N] from draft logits [B, G, Vd]: per-depth log-marginals, then the builder.
 
-    Training calls this same function on detached logits, so its trees are the decoder's trees.
+    `vocab` [Vd] maps a drafter's reduced vocabulary to token ids (`DFlashDrafter.vocab_ids()`;
+    None: logits index token ids). The root is a token id already. Training calls this same
+    function on detached logits, so its trees are the decoder's trees.
     """
     log_q = jax.nn.log_softmax(draft_logits.astype(jnp.float32), axis=-1)
     trees, _ = jax.vmap(build_ddtree, in_axes=(0, 0, None))(log_q, root, budget)
-    return trees
+    if vocab is None:
+        return trees
+    drafted = trees.valid & (trees.parents >= 0)
+    return dataclasses.replace(trees, tokens=jnp.where(drafted, jnp.take(vocab, jnp.maximum(trees.tokens, 0)),
+                                                       trees.tokens))
 
 
 def root_trees(root: jax.Array) -> DraftTree:
@@ -290,7 +298,7 @@ def _round(tstate, dstate, state: DecodeState, *, tgd, dgd, cfg: DecodeConfig) -
     drafter = nnx.merge(dgd, dstate) if dgd is not None else None
     if drafter is not None:
         trees = draft_trees(draft(drafter, target, state.root, state.cache_len, state.drafter_cache),
-                            state.root, cfg.budget)
+                            state.root, cfg.budget, drafter.vocab_ids())
     else:
         trees = root_trees(state.root)
     out = tree_pass(target, trees, state.cache_len, state.target_cache, _taps(drafter, cfg))

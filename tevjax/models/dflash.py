@@ -45,6 +45,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from tevjax.models.cache import KVCache
@@ -54,8 +55,11 @@ from tevjax.models.layers import NEG_INF, RMSNorm, SwiGLU, apply_rope, rope_inv_
 __all__ = [
     "DFlashConfig",
     "DFlashDrafter",
+    "DraftVocab",
     "DrafterCache",
+    "check_draft_vocab",
     "default_target_layer_ids",
+    "draft_vocab_from_counts",
     "features_from_hidden",
     "features_from_output",
     "tapped_hidden",
@@ -143,6 +147,10 @@ class DFlashConfig:
     input_embedding_scale: float = 1.0
     output_multiplier: float = 1.0
     final_logit_softcapping: float | None = None
+    # A reduced draft vocabulary (EAGLE-3's idea): the drafter scores only these many target
+    # tokens, through the matching rows of the target's LM head (`DFlashDrafter.draft_vocab`
+    # holds the ids). None: the whole vocabulary, as every released drafter.
+    draft_vocab_size: int | None = None
     dtype: str = "float32"
     param_dtype: str = "float32"
 
@@ -167,6 +175,11 @@ class DFlashConfig:
             raise ValueError(
                 f"DFlashConfig.target_layer_ids={ids} reach past num_target_layers={self.num_target_layers}"
             )
+        if self.draft_vocab_size is not None and not (
+                isinstance(self.draft_vocab_size, int) and not isinstance(self.draft_vocab_size, bool)
+                and 1 <= self.draft_vocab_size <= self.vocab_size):
+            raise ValueError(f"DFlashConfig.draft_vocab_size must be None or an int in [1, vocab_size="
+                             f"{self.vocab_size}], got {self.draft_vocab_size!r}")
         if not 0 <= int(self.mask_token_id) < self.vocab_size:
             raise ValueError(f"DFlashConfig.mask_token_id={self.mask_token_id} is outside [0, vocab_size={self.vocab_size})")
         for name in ("dtype", "param_dtype"):
@@ -180,6 +193,11 @@ class DFlashConfig:
     def num_features(self) -> int:
         """n: how many target layers are concatenated into one context feature."""
         return len(self.target_layer_ids)
+
+    @property
+    def draft_vocab_dim(self) -> int:
+        """Vd: the width of the draft logits (the draft vocabulary, or the whole vocabulary)."""
+        return self.vocab_size if self.draft_vocab_size is None else self.draft_vocab_size
 
     @property
     def feature_dim(self) -> int:
@@ -200,6 +218,7 @@ class DFlashConfig:
         intermediate_size: int | None = None,
         dtype: str | None = None,
         param_dtype: str | None = None,
+        draft_vocab_size: int | None = None,
     ) -> "DFlashConfig":
         """A fresh drafter for `target_cfg`, with the target's layer sizes (as the public training
         recipe builds a draft config from the target's).
@@ -233,6 +252,7 @@ class DFlashConfig:
             target_layer_ids=ids,
             mask_token_id=mask_token_id,
             num_target_layers=target_cfg.num_layers,
+            draft_vocab_size=draft_vocab_size,
             dtype=dtype or target_cfg.dtype,
             param_dtype=param_dtype or target_cfg.param_dtype,
         )
@@ -321,6 +341,7 @@ class DFlashConfig:
             input_embedding_scale=float(drafting("input_embedding_scale", 1.0)),
             output_multiplier=float(drafting("output_multiplier", 1.0)),
             final_logit_softcapping=None if softcap is None or float(softcap) <= 0 else float(softcap),
+            draft_vocab_size=_optional_int(drafting("draft_vocab_size"), "dflash_config.draft_vocab_size", source),
             dtype=base.dtype,
             param_dtype=base.param_dtype,
         )
@@ -341,6 +362,8 @@ class DFlashConfig:
             dcfg["output_multiplier"] = self.output_multiplier
         if self.final_logit_softcapping is not None:
             dcfg["final_logit_softcapping"] = self.final_logit_softcapping
+        if self.draft_vocab_size is not None:
+            dcfg["draft_vocab_size"] = self.draft_vocab_size
         out: dict[str, Any] = {
             "architectures": [HF_ARCHITECTURE],
             "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
@@ -373,6 +396,45 @@ class DFlashConfig:
         if self.rope_scaling is not None:
             out["rope_scaling"] = {"rope_type": "llama3", **dataclasses.asdict(self.rope_scaling)}
         return out
+
+
+def check_draft_vocab(ids, cfg: DFlashConfig) -> jax.Array:
+    """Validated draft-vocabulary ids as int32 [Vd]: `cfg.draft_vocab_size` distinct ids in
+    [0, vocab_size), strictly increasing (lookups use a binary search)."""
+    x = np.asarray(ids)
+    if x.dtype.kind not in "iu":
+        raise ValueError(f"draft vocabulary ids must be integers, got dtype {x.dtype}")
+    if x.shape != (cfg.draft_vocab_size,):
+        raise ValueError(f"draft vocabulary has shape {x.shape}, the config says ({cfg.draft_vocab_size},)")
+    if x.size and (x.min() < 0 or x.max() >= cfg.vocab_size):
+        raise ValueError(f"draft vocabulary ids must lie in [0, {cfg.vocab_size}), got [{x.min()}, {x.max()}]")
+    if np.any(np.diff(x) <= 0):
+        raise ValueError("draft vocabulary ids must be strictly increasing (sorted, no repeats)")
+    return jnp.asarray(x, jnp.int32)
+
+
+def draft_vocab_from_counts(counts, size: int, *, always: Sequence[int] = ()) -> np.ndarray:
+    """The `size` most frequent ids of `counts` [V] (ties: the lower id, which in a BPE vocabulary
+    is the earlier, more frequent merge), plus every id in `always` (e.g. the end-of-turn ids),
+    sorted: a draft vocabulary for `DFlashDrafter(..., draft_vocab=...)`."""
+    counts = np.asarray(counts)
+    if not 1 <= size <= counts.shape[0]:
+        raise ValueError(f"draft vocabulary size {size} is outside [1, {counts.shape[0]}]")
+    forced = sorted({int(i) for i in always})
+    if len(forced) > size:
+        raise ValueError(f"{len(forced)} required ids do not fit a draft vocabulary of {size}")
+    score = counts.astype(np.float64).copy()
+    score[forced] = np.inf
+    order = np.lexsort((np.arange(counts.shape[0]), -score))
+    return np.sort(order[:size]).astype(np.int32)
+
+
+def _optional_int(value, name: str, source) -> int | None:
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{source}: {name} must be an int, got {value!r}")
+    return value
 
 
 # The drafter's context cache has the target cache's layout ([L, B, S, K, Dh] keys and values,
@@ -458,18 +520,38 @@ class DFlashLayer(nnx.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+class DraftVocab(nnx.Variable):
+    """The ids [Vd] of a reduced draft vocabulary, strictly increasing: part of the checkpoint
+    (tensor `draft_vocab`), never trained (the optimizer and the gradients take `nnx.Param` only)."""
+
+
 class DFlashDrafter(nnx.Module):
     """The DFlash drafter: `fc`, `hidden_norm`, `layers[i]`, `norm` (the public tensor names).
 
     It owns no embedding or LM head: every entry point takes the target model (anything with
-    `embed(tokens) -> [.., D]` and `logits(final_hidden) -> [.., V] float32`, e.g.
+    `embed(tokens) -> [.., D]` and `logits(final_hidden, rows) -> [.., V] float32`, e.g.
     `tevjax.models.transformer.Transformer`) and reads those from it. All methods are pure reads
     of the parameters, so they can be jitted, vmapped and differentiated w.r.t. the drafter alone
     (the target is then a constant).
+
+    Draft logits are over the drafter's vocabulary of Vd = `cfg.draft_vocab_dim` entries: the
+    whole target vocabulary (index = token id), or with `cfg.draft_vocab_size` the ids in
+    `draft_vocab` (index j = token draft_vocab[j]; `token_ids` and `draft_index` convert). A
+    reduced vocabulary cuts the LM head, the drafter's dominant cost, by V / Vd; tokens outside
+    it are never drafted, which costs acceptance but never exactness (verification reads only
+    the target).
     """
 
-    def __init__(self, cfg: DFlashConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: DFlashConfig, *, rngs: nnx.Rngs, draft_vocab=None):
         self.cfg = cfg
+        if cfg.draft_vocab_size is None:
+            if draft_vocab is not None:
+                raise ValueError("draft_vocab given, but the config has no draft_vocab_size")
+            self.draft_vocab = None
+        else:
+            # Placeholder ids 0..Vd-1 until the real ones are set (from data, or a checkpoint).
+            self.draft_vocab = DraftVocab(jnp.arange(cfg.draft_vocab_size, dtype=jnp.int32) if draft_vocab is None
+                                          else check_draft_vocab(draft_vocab, cfg))
         self.fc = nnx.Linear(cfg.feature_dim, cfg.hidden_size, use_bias=False, dtype=jnp.dtype(cfg.dtype),
                              param_dtype=jnp.dtype(cfg.param_dtype),
                              kernel_init=nnx.initializers.normal(0.02), rngs=rngs)
@@ -498,10 +580,31 @@ class DFlashDrafter(nnx.Module):
             x = x * jnp.asarray(self.cfg.input_embedding_scale, x.dtype)
         return x
 
+    def vocab_ids(self) -> jax.Array | None:
+        """[Vd] int32 token ids of the draft vocabulary, or None for the whole vocabulary."""
+        return None if self.draft_vocab is None else self.draft_vocab[...]
+
+    def token_ids(self, index: jax.Array) -> jax.Array:
+        """Draft-vocabulary indices [...] -> target token ids [...]."""
+        ids = self.vocab_ids()
+        return index if ids is None else jnp.take(ids, jnp.clip(index, 0, ids.shape[0] - 1))
+
+    def draft_index(self, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Target token ids [...] -> (draft-vocabulary index [...], inside the draft vocabulary [...]).
+        Ids outside it get index 0 and False."""
+        tokens = jnp.asarray(tokens, jnp.int32)
+        ids = self.vocab_ids()
+        if ids is None:
+            return tokens, (tokens >= 0) & (tokens < self.cfg.vocab_size)
+        idx = jnp.clip(jnp.searchsorted(ids, tokens), 0, ids.shape[0] - 1).astype(jnp.int32)
+        inside = ids[idx] == tokens
+        return jnp.where(inside, idx, 0), inside
+
     def logits(self, target, hidden: jax.Array) -> jax.Array:
-        """Final-normed drafter hidden states [..., D] -> draft logits [..., V] float32 through the
-        target's LM head (and the optional output multiplier and soft cap)."""
-        logits = target.logits(hidden).astype(jnp.float32)
+        """Final-normed drafter hidden states [..., D] -> draft logits [..., Vd] float32 through the
+        target's LM head (the draft vocabulary's rows of it; then the optional output multiplier
+        and soft cap)."""
+        logits = target.logits(hidden, self.vocab_ids()).astype(jnp.float32)
         if self.cfg.output_multiplier != 1.0:
             logits = logits * self.cfg.output_multiplier
         if self.cfg.final_logit_softcapping is not None:
@@ -567,7 +670,7 @@ class DFlashDrafter(nnx.Module):
 
     def __call__(self, target, block_tokens: jax.Array, positions: jax.Array, cache: DrafterCache,
                  ctx_len: jax.Array) -> jax.Array:
-        """Draft logits [B, G, V] float32 for block positions 1..G.
+        """Draft logits [B, G, Vd] float32 for block positions 1..G (over the draft vocabulary).
 
         block_tokens [B, G + 1] (normally `block_tokens(last_committed)`); positions [B, G + 1]
         (normally anchor + arange(block_size)); cache slots < ctx_len[b] are the visible context.
@@ -621,7 +724,7 @@ class DFlashDrafter(nnx.Module):
     def train_logits(self, target, features: jax.Array, tokens: jax.Array, anchors: jax.Array, *,
                      positions: jax.Array | None = None, context_mask: jax.Array | None = None,
                      anchor_chunk: int | None = None) -> jax.Array:
-        """`train_hidden` through the target's LM head -> [B, M, G, V] float32.
+        """`train_hidden` through the target's LM head -> [B, M, G, Vd] float32.
 
         Row k-1 of anchor a is the draft distribution of tokens[a + k] (the public training
         label). This materialises B*M*G*V floats; losses that only need a few logsumexps

@@ -153,18 +153,24 @@ class Transformer(nnx.Module):
         """tokens [...] int -> [..., D] in the compute dtype."""
         return self.embed_tokens(tokens).astype(self.cfg.dtype)
 
-    def logits(self, final_hidden: jax.Array) -> jax.Array:
+    def logits(self, final_hidden: jax.Array, rows: jax.Array | None = None) -> jax.Array:
         """[..., D] -> [..., V] float32 (lm_head, or the tied embedding matrix).
 
+        `rows` [Vd] int selects vocabulary entries: the result is then [..., Vd], column j scoring
+        token rows[j] (a drafter's reduced vocabulary reads only those rows of the head).
         Inputs stay in the compute dtype (bf16 tensor cores on GPU) with float32 accumulation,
         so no float32 copy of the V x D matrix is made.
         """
         dt = jnp.dtype(self.cfg.dtype)
         if self.lm_head is None:
             w = self.embed_tokens.embedding[...]
+            if rows is not None:
+                w = jnp.take(w, rows, axis=0)
             return jnp.einsum("...d,vd->...v", final_hidden.astype(dt), w.astype(dt),
                               preferred_element_type=jnp.float32)
         w = self.lm_head.kernel[...]
+        if rows is not None:
+            w = jnp.take(w, rows, axis=1)
         return jnp.einsum("...d,dv->...v", final_hidden.astype(dt), w.astype(dt),
                           preferred_element_type=jnp.float32)
 

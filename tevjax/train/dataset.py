@@ -39,14 +39,23 @@ class Batch:
 class TrainData:
     """The records of one split ("train" or "heldout") of a data directory, memory-mapped."""
 
-    def __init__(self, data_dir: str | os.PathLike, split: str = "train"):
+    def __init__(self, data_dir: str | os.PathLike, split: str = "train", shards: list[str] | None = None):
+        """`shards` names the shards to read (default: every complete shard of `split`): a training
+        run records its list, so a resume reads the same records while `tevjax data` adds more."""
         self.dir = Path(data_dir)
         self.manifest = read_manifest(self.dir)
         self.taps = tuple(self.manifest["rollout"]["taps"])
         self.hidden_size = int(self.manifest["target_config"]["hidden_size"])
-        shards = sorted(p for p in (self.dir / SHARDS).glob(f"{split}-*") if p.is_dir())
-        if not shards:
-            raise FileNotFoundError(f"{self.dir}: no {split!r} shards yet (is `tevjax data` still running?)")
+        if shards is None:
+            shards = sorted(p for p in (self.dir / SHARDS).glob(f"{split}-*") if p.is_dir())
+            if not shards:
+                raise FileNotFoundError(f"{self.dir}: no {split!r} shards yet (is `tevjax data` still running?)")
+        else:
+            shards = [self.dir / SHARDS / name for name in shards]
+            missing = [p.name for p in shards if not p.is_dir()]
+            if missing:
+                raise FileNotFoundError(f"{self.dir}: shard(s) {', '.join(missing)} are missing")
+        self.shard_names = [p.name for p in shards]
         self._shards = []
         index = []
         for s, path in enumerate(shards):
@@ -66,6 +75,15 @@ class TrainData:
     @property
     def response_tokens(self) -> int:
         return int(sum(int(np.asarray(sh["loss_mask"]).sum()) for sh in self._shards))
+
+    def token_counts(self, vocab_size: int) -> np.ndarray:
+        """[V] int64 how often each token id is a supervised (response) token: the statistics a
+        reduced draft vocabulary is chosen from."""
+        counts = np.zeros(vocab_size, np.int64)
+        for sh in self._shards:
+            tokens = np.asarray(sh["tokens"])[np.asarray(sh["loss_mask"]).astype(bool)]
+            counts += np.bincount(tokens, minlength=vocab_size)[:vocab_size]
+        return counts
 
     def tap_columns(self, layer_ids: tuple[int, ...]) -> list[int]:
         """Positions of the drafter's tapped layers among the stored taps."""

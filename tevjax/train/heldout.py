@@ -46,7 +46,7 @@ def _evaluate(dstate, tstate, batch: Batch, key, *, dgd, tgd, budgets, anchors):
     b, t = batch.tokens.shape
     keys = jax.random.split(key, b)
     anc, valid = jax.vmap(sample_anchors, in_axes=(0, 0, None))(keys, batch.loss_mask, anchors)
-    z = drafter.logits(target, drafter.train_hidden(target, batch.features, batch.tokens, anc))  # [B, M, G, V]
+    z = drafter.logits(target, drafter.train_hidden(target, batch.features, batch.tokens, anc))  # [B, M, G, Vd]
     g = z.shape[2]
     pos = anc[..., None] + jnp.arange(1, g + 1)
     inside = pos < t
@@ -54,12 +54,12 @@ def _evaluate(dstate, tstate, batch: Batch, key, *, dgd, tgd, budgets, anchors):
     rows = jnp.arange(b)[:, None, None]
     truth = batch.tokens[rows, pos_c]
     truth_ok = inside & batch.loss_mask[rows, pos_c] & valid[..., None]
-    hit = (jnp.argmax(z, axis=-1) == truth) & truth_ok
+    hit = (drafter.token_ids(jnp.argmax(z, axis=-1)) == truth) & truth_ok
     out = {"acc_hits": jnp.sum(hit, axis=(0, 1)), "acc_count": jnp.sum(truth_ok, axis=(0, 1)),
            "anchors": jnp.sum(valid)}
     roots = jnp.take_along_axis(batch.tokens, anc, axis=1).reshape(-1)
     for budget in budgets:
-        trees = draft_trees(z.reshape(b * anchors, g, -1), roots, budget)
+        trees = draft_trees(z.reshape(b * anchors, g, -1), roots, budget, drafter.vocab_ids())
         depth = jax.vmap(greedy_accepted_depth)(trees.tokens, trees.parents, trees.valid,
                                                 truth.reshape(b * anchors, g), truth_ok.reshape(b * anchors, g))
         out[f"tau_{budget}"] = jnp.sum(jnp.where(valid.reshape(-1), 1 + depth, 0))

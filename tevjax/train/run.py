@@ -28,7 +28,7 @@ from typing import Callable
 import jax
 import numpy as np
 
-from tevjax.models.dflash import DFlashConfig, DFlashDrafter
+from tevjax.models.dflash import DFlashConfig, DFlashDrafter, check_draft_vocab
 from tevjax.sharding import global_batch_array, make_mesh
 from tevjax.train.dataset import Batch, TrainData
 from tevjax.train.rollout import settings_diff
@@ -39,6 +39,7 @@ __all__ = ["RunError", "export_run", "load_run", "train"]
 RUN_FILE = "run.json"
 CKPT_DIR = "checkpoints"
 LOG_FILE = "log.jsonl"
+DRAFT_VOCAB_FILE = "draft_vocab.npy"  # the run's draft vocabulary (a reduced one only)
 
 
 class RunError(ValueError):
@@ -78,10 +79,17 @@ def _restore(mgr, abstract: TrainState, run_dir: Path) -> tuple[TrainState, dict
     return out.state, out.meta
 
 
-def _run_record(cfg: TrainConfig, dcfg: DFlashConfig, data_dir: Path, target: str) -> dict:
+def _run_record(cfg: TrainConfig, dcfg: DFlashConfig, data_dir: Path, target: str, shards: list[str]) -> dict:
     return {"train": dataclasses.asdict(cfg), "drafter": dcfg.to_hf_config(),
             "drafter_dtype": {"dtype": dcfg.dtype, "param_dtype": dcfg.param_dtype},
-            "data": str(Path(data_dir).absolute()), "target": target}
+            "data": str(Path(data_dir).absolute()), "target": target, "train_shards": shards}
+
+
+def _read_draft_vocab(run: Path, dcfg: DFlashConfig):
+    try:
+        return check_draft_vocab(np.load(run / DRAFT_VOCAB_FILE), dcfg)
+    except (OSError, ValueError) as e:
+        raise RunError(f"{run / DRAFT_VOCAB_FILE}: unreadable draft vocabulary ({e})") from None
 
 
 def load_run(run_dir: str | os.PathLike) -> dict:
@@ -106,22 +114,31 @@ def train(target, drafter: DFlashDrafter, data_dir: str | os.PathLike, run_dir: 
     from tevjax.train.heldout import HeldoutEval
 
     run = Path(run_dir)
-    data = TrainData(data_dir, "train")
-    columns = data.tap_columns(drafter.cfg.target_layer_ids)
-    record = _run_record(cfg, drafter.cfg, Path(data_dir), target_name)
-    record = json.loads(json.dumps(record))
+    saved = None
     if (run / RUN_FILE).exists():
         if not resume:
             raise RunError(f"{run} already holds a training run: pass --resume to continue it, or choose a new --out")
-        diffs = settings_diff(load_run(run), record)
+        saved = load_run(run)
+    # A resume reads the shards the run started with, even if `tevjax data` has added more since.
+    data = TrainData(data_dir, "train", shards=saved.get("train_shards") if saved else None)
+    columns = data.tap_columns(drafter.cfg.target_layer_ids)
+    record = _run_record(cfg, drafter.cfg, Path(data_dir), target_name, data.shard_names)
+    record = json.loads(json.dumps(record))
+    vocab_file = run / DRAFT_VOCAB_FILE
+    if saved is not None:
+        diffs = settings_diff(saved, record)
         if diffs:
             raise RunError(f"--resume: {run} was started with other settings: " + "; ".join(diffs[:6]))
+        if drafter.draft_vocab is not None:  # the run's own draft vocabulary, not one recounted now
+            drafter.draft_vocab.set_value(_read_draft_vocab(run, drafter.cfg))
     else:
         if resume:
             raise RunError(f"--resume: {run} holds no training run to resume")
         if run.exists() and any(run.iterdir()):
             raise RunError(f"{run} exists and is not empty: choose a new --out")
         run.mkdir(parents=True, exist_ok=True)
+        if drafter.draft_vocab is not None:
+            np.save(vocab_file, np.asarray(jax.device_get(drafter.vocab_ids()), np.int32))
         tmp = run / (RUN_FILE + ".tmp")
         tmp.write_text(json.dumps(record, indent=1), encoding="utf-8")
         os.replace(tmp, run / RUN_FILE)
@@ -240,6 +257,8 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, target_cf
     if target_cfg is not None:
         dcfg.check_target(target_cfg)
     drafter = nnx.eval_shape(lambda: DFlashDrafter(dcfg, rngs=nnx.Rngs(0)))
+    if drafter.draft_vocab is not None:
+        drafter.draft_vocab.set_value(_read_draft_vocab(run, dcfg))
     mgr = _checkpoint_manager(run)
     step = mgr.latest_step()
     if step is None:

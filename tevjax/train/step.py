@@ -9,7 +9,8 @@ A step, for every sequence of the batch:
 1. M anchors sampled where the anchor and its next token are supervised (`sample_anchors`,
    keyed by fold_in(seed key, step): the step is a pure function of (state, batch));
 2. the drafter's block forward at every anchor against the sequence's context features
-   (`DFlashDrafter.train_hidden`), the target's LM head -> draft logits z [B, M, G, V];
+   (`DFlashDrafter.train_hidden`), the target's LM head -> draft logits z [B, M, G, Vd] over the
+   drafter's vocabulary (Vd = V, or a reduced draft vocabulary: labels outside it are not counted);
 3. token loss on all M anchors;
 4. (lambda > 0) on E evenly spread anchors: DDTree trees built from the DETACHED draft logits with
    the decoder's own stage function (`draft_trees`), scored by the frozen target in ONE pass per
@@ -166,15 +167,18 @@ def loss_terms(drafter: DFlashDrafter, target: Transformer, batch: Batch, key: j
     keys = jax.random.split(key, b)
     anchors, valid = jax.vmap(sample_anchors, in_axes=(0, 0, None))(keys, batch.loss_mask, cfg.anchors)
     hidden = drafter.train_hidden(target, batch.features, batch.tokens, anchors)  # [B, M, G, D]
-    z = drafter.logits(target, hidden)  # [B, M, G, V] float32
+    z = drafter.logits(target, hidden)  # [B, M, G, Vd] float32
     lse = jax.nn.logsumexp(z, axis=-1)  # [B, M, G]
-    tok = token_loss_terms(lse, z, batch.tokens, batch.loss_mask, anchors, valid, cfg.gamma)
+    labels, in_vocab = drafter.draft_index(batch.tokens)  # [B, T] draft-vocabulary indices
+    tok = token_loss_terms(lse, z, labels, batch.loss_mask & in_vocab, anchors, valid, cfg.gamma)
     loss = ratio(tok)
     metrics = {"loss_tok": ratio(tok), "blocks": jnp.sum(valid.astype(jnp.float32))}
 
-    # Top-1 agreement with the data token at block position 1 (a cheap running diagnostic).
-    label1 = batch.tokens[jnp.arange(b)[:, None], jnp.minimum(anchors + 1, t - 1)]
-    hit1 = (jnp.argmax(z[:, :, 0], axis=-1) == label1) & valid
+    # Top-1 agreement with the data token at block position 1 (a cheap running diagnostic; a
+    # label outside the draft vocabulary counts as a miss).
+    pos1 = jnp.minimum(anchors + 1, t - 1)
+    rows = jnp.arange(b)[:, None]
+    hit1 = (jnp.argmax(z[:, :, 0], axis=-1) == labels[rows, pos1]) & in_vocab[rows, pos1] & valid
     metrics["acc1"] = jnp.sum(hit1) / jnp.maximum(jnp.sum(valid), 1)
 
     if cfg.exit_on:
@@ -182,7 +186,8 @@ def loss_terms(drafter: DFlashDrafter, target: Transformer, batch: Batch, key: j
         ze, lse_e, ae, ve = z[:, sel], lse[:, sel], anchors[:, sel], valid[:, sel]
         e, g, v = ze.shape[1:]
         roots = jnp.take_along_axis(batch.tokens, ae, axis=1)
-        flat = draft_trees(jax.lax.stop_gradient(ze).reshape(b * e, g, v), roots.reshape(b * e), cfg.exit_budget)
+        flat = draft_trees(jax.lax.stop_gradient(ze).reshape(b * e, g, v), roots.reshape(b * e), cfg.exit_budget,
+                           drafter.vocab_ids())
         trees = jax.tree.map(lambda x: x.reshape((b, e) + x.shape[1:]), flat)
         tlogits = jax.lax.stop_gradient(score_trees(target, batch.tokens, ae, trees))
 
@@ -192,7 +197,9 @@ def loss_terms(drafter: DFlashDrafter, target: Transformer, batch: Batch, key: j
             return exit_weights(law, tree, edge, cfg.exit_weight), law.coverage
 
         omega, coverage = jax.vmap(jax.vmap(weights))(trees, tlogits)
-        ex = exit_loss_terms(lse_e, ze, trees, omega, ve)
+        # Drafted nodes are in the draft vocabulary by construction; the gather reads their index.
+        node_index = drafter.draft_index(trees.tokens)[0]
+        ex = exit_loss_terms(lse_e, ze, dataclasses.replace(trees, tokens=node_index), omega, ve)
         loss = loss + cfg.exit_lambda * ratio(ex)
         metrics["loss_exit"] = ratio(ex)
         metrics["coverage"] = jnp.sum(jnp.where(ve, coverage, 0.0)) / jnp.maximum(jnp.sum(ve), 1)
@@ -203,8 +210,8 @@ def loss_terms(drafter: DFlashDrafter, target: Transformer, batch: Batch, key: j
 # ------------------------------------------------------------------------------------ the step
 
 
-def _train_step(state: TrainState, tstate, batch: Batch, *, dgd, ogd, tgd, cfg: TrainConfig):
-    drafter = nnx.merge(dgd, state.params)
+def _train_step(state: TrainState, tstate, dconst, batch: Batch, *, dgd, ogd, tgd, cfg: TrainConfig):
+    drafter = nnx.merge(dgd, state.params, dconst)
     optimizer = nnx.merge(ogd, state.opt)
     target = nnx.merge(tgd, tstate)
     key = jax.random.fold_in(jax.random.wrap_key_data(state.key), state.step)
@@ -225,7 +232,7 @@ def _jitted_step(dgd, ogd, tgd, cfg: TrainConfig, mesh):
     batch_shard = Batch(tokens=batch_sharding(mesh, 2), loss_mask=batch_sharding(mesh, 2),
                         features=batch_sharding(mesh, 3), length=batch_sharding(mesh, 1))
     step = functools.partial(_train_step, dgd=dgd, ogd=ogd, tgd=tgd, cfg=cfg)
-    return jax.jit(step, in_shardings=(rep, rep, batch_shard), out_shardings=(rep, rep), donate_argnums=(0,))
+    return jax.jit(step, in_shardings=(rep, rep, rep, batch_shard), out_shardings=(rep, rep), donate_argnums=(0,))
 
 
 class Trainer:
@@ -243,12 +250,14 @@ class Trainer:
             raise ValueError(f"batch size {cfg.batch_size} is not divisible by the mesh's data axis ({mesh.shape['data']})")
         self.cfg, self.mesh = cfg, mesh
         self.tx = make_optimizer(cfg)
-        self.dgd, params = nnx.split(drafter, nnx.Param)
+        # Parameters are trained; the rest of the drafter (a draft vocabulary) is a constant.
+        self.dgd, params, dconst = nnx.split(drafter, nnx.Param, ...)
         optimizer = nnx.Optimizer(drafter, self.tx, wrt=nnx.Param)
         self.ogd, opt = nnx.split(optimizer)
         self.tgd, tstate = nnx.split(target)
         rep = replicated(mesh)
         self.tstate = jax.device_put(tstate, rep)
+        self.dconst = jax.device_put(dconst, rep)
         self._init = (params, opt)
         self._step = _jitted_step(self.dgd, self.ogd, self.tgd, cfg, mesh)
 
@@ -265,7 +274,7 @@ class Trainer:
                             jax.eval_shape(self.init_state))
 
     def step(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
-        return self._step(state, self.tstate, batch)
+        return self._step(state, self.tstate, self.dconst, batch)
 
     def drafter(self, state: TrainState) -> DFlashDrafter:
-        return nnx.merge(self.dgd, jax.device_get(state.params))
+        return nnx.merge(self.dgd, jax.device_get(state.params), jax.device_get(self.dconst))
