@@ -47,7 +47,7 @@ import numpy as np
 
 from tevjax.tree import DraftTree
 
-__all__ = ["build_ddtree"]
+__all__ = ["build_ddtree", "build_ddtree_from_top"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -115,6 +115,21 @@ def build_ddtree(
     # float32 before top_k: exact for bf16/f16 (the cast is monotone and lossless), and XLA:CPU has
     # a fast top-k only for float32 (bf16 falls back to a full sort, ~100x slower at V = 151936).
     top_vals, top_ids = jax.lax.top_k(log_marginals.astype(jnp.float32), k)  # [G, k] each
+    return build_ddtree_from_top(top_vals, top_ids, root_token, budget)
+
+
+def build_ddtree_from_top(top_vals: jax.Array, top_ids: jax.Array, root_token: jax.Array, budget: int
+                          ) -> tuple[DraftTree, jax.Array]:
+    """`build_ddtree` from each depth's top k = min(budget, V) log-probabilities `top_vals` [G, k]
+    (float32, descending, as `jax.lax.top_k` returns them) and their token ids `top_ids` [G, k].
+
+    Only the top k of a depth can enter the tree (see the module docstring), so this is the whole
+    builder after its first step; a caller whose vocabulary is split over devices computes the top
+    k per device and merges them (the decoder on a mesh) instead of gathering [G, V]. budget >= 1.
+    """
+    root_token = jnp.asarray(root_token, jnp.int32)
+    k = top_vals.shape[-1]
+    n = budget + 1
     pair_row_P, pair_rank_P = _candidate_pairs(budget, k)
 
     def grow_one_depth(beam, row):

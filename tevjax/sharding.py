@@ -1,10 +1,20 @@
-"""Device meshes and the one table of sharding rules.
+"""Device meshes, the one table of sharding rules, and the logical axes of every array.
 
 tevjax names the axes of its arrays logically (batch, vocab, embed, heads, ...) and maps those names
-to the axes of a device mesh here, and only here. Training today is data parallel: the batch is
-split over `data`, every parameter and the optimizer state are replicated, and XLA inserts the
-all-reduce of the gradients (this is what "pmapped across GPUs" means with current JAX: `pmap` is
-legacy and implemented on jit + shard_map; one jit over a mesh is the modern form).
+to the axes of a (`data`, `model`) device mesh here, and only here:
+
+* `LOGICAL_RULES`: logical axis -> mesh axis, the one table every sharded array reads;
+* `TARGET_AXES`, `DRAFTER_AXES`, `CACHE_AXES`: the logical axes of every parameter of the target
+  (`Transformer`) and the DFlash drafter, keyed by parameter path, and of the K/V caches;
+* `param_shardings` / `shard_model` / `cache_shardings`: NamedShardings derived from those tables,
+  with a shape assertion per array and a ValueError naming the dimension when a mesh axis does
+  not divide what it shards.
+
+Data parallelism splits the batch over `data`; tensor parallelism (Megatron style) splits the
+attention heads, the key/value heads, the MLP width and the vocabulary over `model`, so every
+matmul runs on its own slice of the weights and XLA inserts one all-reduce of the [B, T, D]
+activations after `o_proj` and `down_proj`. One jit over a mesh is the modern form of "pmapped
+across GPUs" (`pmap` is legacy and implemented on jit + shard_map).
 
 Multi-host: call `initialize_distributed` first (it runs `jax.distributed.initialize` when
 coordinator flags or the usual cluster environment variables are present); the mesh then spans
@@ -15,27 +25,87 @@ every process's devices and each process feeds its own slice of the global batch
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-__all__ = ["LOGICAL_RULES", "batch_sharding", "global_batch_array", "initialize_distributed", "logical_spec",
-           "make_mesh", "parse_mesh", "replicated"]
+__all__ = ["CACHE_AXES", "DRAFTER_AXES", "LOGICAL_RULES", "TARGET_AXES", "batch_sharding", "cache_shardings",
+           "check_batch", "global_batch_array", "host_array", "initialize_distributed", "logical_sharding",
+           "logical_spec", "make_mesh", "param_shardings", "parse_mesh", "place", "put", "replicated", "shard_model",
+           "shardings_by_path"]
 
 # Logical axis name -> mesh axis (None: replicated). The one table every sharded array reads.
+#
+# The LM head and the embedding are split over the vocabulary, not over the model width. Measured
+# on 4 forced CPU devices (experiments/lm_head_sharding.py, results/lm_head_sharding.md): with
+# `embed` sharded, each tree pass all-reduces the whole [B, N, V] logits (the contraction over D
+# leaves partial sums), and the verifier then reads them replicated; with `vocab` sharded, a
+# device computes its own [B, N, V / M] columns and every reduction over V (log-sum-exp, argmax,
+# the sampler's Gumbel-max) combines only [B, N] partial results. The embedding lookup of a
+# vocab-sharded table costs one all-reduce of the [B, T, D] embeddings, which is the size of one
+# activation, far below [B, N, V].
 LOGICAL_RULES: Mapping[str, str | None] = {
     "batch": "data",
     "sequence": None,
-    "vocab": None,
+    "vocab": "model",
     "embed": None,
-    "heads": None,
-    "kv_heads": None,
-    "mlp": None,
+    "heads": "model",  # query heads (H, or the fused H * Dh axis of a projection)
+    "kv_heads": "model",  # key/value heads (K, or K * Dh)
+    "mlp": "model",  # the MLP width (intermediate_size)
+    "head_dim": None,
+    "features": None,  # the drafter's concatenated tapped hidden states (F = n * D)
+    "draft_vocab": None,  # the ids of a reduced draft vocabulary (an index table, read whole)
     "cache_slots": None,
     "layers": None,
 }
+
+# Logical axes of one decoder layer's parameters, shared by the target (stacked on a leading
+# `layers` axis) and the drafter (a list of layers). A projection's fused output H * Dh is named
+# `heads`: splitting it into M equal slices keeps whole heads together when M divides H.
+_LAYER_AXES: Mapping[str, tuple[str, ...]] = {
+    "input_layernorm.scale": ("embed",),
+    "post_attention_layernorm.scale": ("embed",),
+    "self_attn.q_proj.kernel": ("embed", "heads"),
+    "self_attn.q_proj.bias": ("heads",),
+    "self_attn.k_proj.kernel": ("embed", "kv_heads"),
+    "self_attn.k_proj.bias": ("kv_heads",),
+    "self_attn.v_proj.kernel": ("embed", "kv_heads"),
+    "self_attn.v_proj.bias": ("kv_heads",),
+    "self_attn.o_proj.kernel": ("heads", "embed"),
+    "self_attn.o_proj.bias": ("embed",),
+    "self_attn.q_norm.scale": ("head_dim",),
+    "self_attn.k_norm.scale": ("head_dim",),
+    "mlp.gate_proj.kernel": ("embed", "mlp"),
+    "mlp.up_proj.kernel": ("embed", "mlp"),
+    "mlp.down_proj.kernel": ("mlp", "embed"),
+}
+
+# Parameter path (dots; `*` matches one list index) -> logical axes, for every parameter of
+# `tevjax.models.transformer.Transformer`...
+TARGET_AXES: Mapping[str, tuple[str, ...]] = {
+    "embed_tokens.embedding": ("vocab", "embed"),
+    **{f"layers.{name}": ("layers", *axes) for name, axes in _LAYER_AXES.items()},
+    "norm.scale": ("embed",),
+    "lm_head.kernel": ("embed", "vocab"),
+}
+# ... and of `tevjax.models.dflash.DFlashDrafter` (its embedding and LM head are the target's).
+DRAFTER_AXES: Mapping[str, tuple[str, ...]] = {
+    "fc.kernel": ("features", "embed"),
+    "hidden_norm.scale": ("embed",),
+    **{f"layers.*.{name}": axes for name, axes in _LAYER_AXES.items()},
+    "norm.scale": ("embed",),
+    "draft_vocab": ("draft_vocab",),
+}
+# `KVCache.k` / `.v` [L, B, S, K, Dh] (the target's cache and the drafter's context cache).
+CACHE_AXES: tuple[str, ...] = ("layers", "batch", "cache_slots", "kv_heads", "head_dim")
+
+# What a sharded logical axis counts, for error messages: splitting must not cut one of these.
+_UNITS = {"heads": "query heads (num_heads)", "kv_heads": "key/value heads (num_kv_heads)",
+          "mlp": "MLP width (intermediate_size)", "vocab": "vocabulary entries (vocab_size)",
+          "batch": "batch rows", "embed": "model width (hidden_size)"}
 
 
 def logical_spec(*names: str | None) -> PartitionSpec:
@@ -44,6 +114,169 @@ def logical_spec(*names: str | None) -> PartitionSpec:
     if unknown:
         raise ValueError(f"unknown logical axis {unknown[0]!r}; known: {sorted(LOGICAL_RULES)}")
     return PartitionSpec(*(None if n is None else LOGICAL_RULES[n] for n in names))
+
+
+def logical_sharding(mesh: Mesh, axes: Sequence[str | None], shape: Sequence[int] | None = None, *,
+                     units: Mapping[str, int] | None = None, what: str = "array") -> NamedSharding:
+    """The NamedSharding of an array of `shape` whose axes carry the logical names `axes`.
+
+    A logical axis whose mesh axis is absent from `mesh` is not split. `units` counts the
+    indivisible pieces of an axis when they are coarser than its elements (a fused H * Dh
+    projection axis has H units): a mesh axis that does not divide them raises a ValueError naming
+    the dimension, `what` it belongs to, and both sizes. Without a `shape` nothing is checked.
+    """
+    if shape is None:
+        shape = [0] * len(axes)  # 0 is divisible by every size
+    if len(axes) != len(shape):
+        raise ValueError(f"{what}: {len(axes)} logical axes {tuple(axes)} for an array of shape {tuple(shape)}")
+    spec, taken = [], set()
+    for logical, mesh_axis, size in zip(axes, logical_spec(*axes), shape):
+        if mesh_axis is None or mesh_axis not in mesh.shape or mesh_axis in taken:
+            # A mesh axis can split only one axis of an array; a second use stays replicated.
+            spec.append(None)
+            continue
+        n = mesh.shape[mesh_axis]
+        count = (units or {}).get(logical, size)
+        if count % n or size % n:
+            raise ValueError(f"mesh axis {mesh_axis!r} of size {n} does not divide the {count} "
+                             f"{_UNITS.get(logical, logical)} of {what}")
+        spec.append(mesh_axis)
+        taken.add(mesh_axis)
+    return NamedSharding(mesh, PartitionSpec(*spec))
+
+
+def _dims(cfg) -> dict[str, tuple[int, int]]:
+    """Logical axis -> (array size, indivisible units) of a target `ModelConfig` or a `DFlashConfig`."""
+    h, k, dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    same = lambda n: (n, n)  # noqa: E731
+    dims = {"vocab": same(cfg.vocab_size), "embed": same(cfg.hidden_size), "heads": (h * dh, h),
+            "kv_heads": (k * dh, k), "mlp": same(cfg.intermediate_size), "layers": same(cfg.num_layers),
+            "head_dim": same(dh)}
+    if hasattr(cfg, "feature_dim"):  # a drafter
+        dims["features"] = same(cfg.feature_dim)
+        dims["draft_vocab"] = same(cfg.draft_vocab_dim)
+    return dims
+
+
+def _path_parts(path) -> tuple[str, ...]:
+    """A pytree path of an `nnx.State` leaf as attribute names ("layers", "0", "fc", "kernel")."""
+    parts = []
+    for key in path:
+        if isinstance(key, jax.tree_util.DictKey):
+            parts.append(str(key.key))
+        elif isinstance(key, jax.tree_util.SequenceKey):
+            parts.append(str(key.idx))
+        elif isinstance(key, jax.tree_util.GetAttrKey) and key.name != "value":  # a Variable's value
+            parts.append(key.name)
+    return tuple(parts)
+
+
+def _matches(pattern: tuple[str, ...], parts: tuple[str, ...]) -> bool:
+    return len(pattern) == len(parts) and all(p == q or (p == "*" and q.isdigit()) for p, q in zip(pattern, parts))
+
+
+def _table(model) -> tuple[Mapping[str, tuple[str, ...]], Any, str]:
+    from tevjax.models.dflash import DFlashDrafter
+    from tevjax.models.transformer import Transformer
+
+    if isinstance(model, Transformer):
+        return TARGET_AXES, model.cfg, "the target"
+    if isinstance(model, DFlashDrafter):
+        return DRAFTER_AXES, model.cfg, "the drafter"
+    raise TypeError(f"no sharding table for {type(model).__name__}: expected a Transformer or a DFlashDrafter")
+
+
+def param_shardings(model, mesh: Mesh, tree: Any = None, *, optimizer: bool = False) -> Any:
+    """NamedShardings of a model's arrays, read from its logical-axes table (`TARGET_AXES` for a
+    `Transformer`, `DRAFTER_AXES` for a `DFlashDrafter`) through `LOGICAL_RULES`.
+
+    `tree` defaults to `nnx.state(model)`; it may be any part of it (e.g. the `nnx.Param` of
+    `nnx.split`), or, with `optimizer=True`, an optimizer's state, whose moment trees end in the
+    parameter paths (`opt_state.0.mu.fc.kernel` takes the sharding of `fc.kernel`) and whose
+    scalars (step counts) are replicated. Every array's shape is asserted against the config; an
+    array the table does not name raises (no parameter is replicated by omission).
+    """
+    from flax import nnx
+
+    table, cfg, what = _table(model)
+    tree = nnx.state(model) if tree is None else tree
+    dims = _dims(cfg)
+    rows = [(tuple(k.split(".")), axes) for k, axes in table.items()]
+
+    def one(path, leaf):
+        parts = _path_parts(path)
+        name = ".".join(parts)
+        found = [(pat, axes) for pat, axes in rows
+                 if _matches(pat, parts) or (optimizer and len(parts) > len(pat) and _matches(pat, parts[-len(pat):]))]
+        if not found:
+            if optimizer and np.ndim(leaf) == 0:
+                return replicated(mesh)
+            raise ValueError(f"{what} array {name!r} has no row in its logical-axes table (tevjax/sharding.py)")
+        pat, axes = max(found, key=lambda row: len(row[0]))  # the longest (most specific) pattern
+        want = tuple(dims[a][0] for a in axes)
+        if tuple(np.shape(leaf)) != want:
+            raise AssertionError(f"{what} array {name!r} has shape {tuple(np.shape(leaf))}; its logical axes "
+                                 f"{axes} and the config say {want}")
+        return logical_sharding(mesh, axes, want, units={a: dims[a][1] for a in axes},
+                                what=f"{what} array {name!r}")
+
+    return jax.tree_util.tree_map_with_path(one, tree)
+
+
+def shardings_by_path(model, mesh: Mesh) -> dict[tuple[str, ...], NamedSharding]:
+    """`param_shardings` of every array of `model`, keyed by attribute path ("layers", "0", "fc",
+    "kernel"): what a checkpoint loader looks up as it converts each tensor."""
+    flat = jax.tree_util.tree_flatten_with_path(param_shardings(model, mesh))[0]
+    return {_path_parts(path): s for path, s in flat}
+
+
+def place(x: np.ndarray, dtype, sharding: NamedSharding | None) -> jax.Array:
+    """A converted host tensor as a device array of `dtype`: on the default device without a
+    sharding, else straight into `sharding` (`put`: each device gets its slice, no full copy)."""
+    if sharding is None:
+        return jax.numpy.asarray(x, dtype=dtype)
+    return put(np.asarray(x, dtype=dtype), sharding)
+
+
+def shard_model(model, mesh: Mesh):
+    """Moves every array of `model` (a `Transformer` or `DFlashDrafter`) to its sharding on
+    `mesh`, in place; returns the model. Arrays already placed so are not copied."""
+    from flax import nnx
+
+    state = nnx.state(model)
+    nnx.update(model, jax.device_put(state, param_shardings(model, mesh, state)))
+    return model
+
+
+def cache_shardings(mesh: Mesh, cache, what: str = "the KV cache"):
+    """A `KVCache` of NamedShardings for `cache` (arrays or shapes, [L, B, S, K, Dh]): rows over
+    `data`, key/value heads over `model` (see `CACHE_AXES`)."""
+    from tevjax.models.cache import KVCache
+
+    s = logical_sharding(mesh, CACHE_AXES, cache.k.shape, what=what)
+    return KVCache(k=s, v=s)
+
+
+def check_batch(mesh: Mesh, batch: int, what: str = "the batch") -> None:
+    """ValueError unless the mesh's `data` axis divides `batch` rows."""
+    logical_sharding(mesh, ("batch",), (batch,), what=what)
+
+
+def put(x: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """A host array placed straight into `sharding`: each device receives only its own slice (no
+    full copy on one device first), and in a multi-host run each process fills its own devices
+    from its copy of `x`."""
+    x = np.asarray(x)
+    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+
+def host_array(x: jax.Array) -> np.ndarray:
+    """The whole of a (possibly multi-host) global array as a numpy array on this host."""
+    if getattr(x, "is_fully_addressable", True):
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
 def parse_mesh(text: str) -> dict[str, int]:
@@ -64,6 +297,8 @@ def make_mesh(data: int | None = None, model: int = 1, devices=None) -> Mesh:
     takes every device not used by `model`."""
     devices = list(jax.devices() if devices is None else devices)
     if data is None:
+        if model > len(devices):
+            raise ValueError(f"mesh model={model} needs at least {model} devices, {len(devices)} are present")
         if len(devices) % model:
             raise ValueError(f"model={model} does not divide the {len(devices)} devices")
         data = len(devices) // model

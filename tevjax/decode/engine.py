@@ -24,6 +24,14 @@ is the Python-loop twin over the same jitted round (one host sync per round) for
 Autoregressive decoding is a `Decoder` without a drafter (`Decoder(target, None, cfg)`): the
 same rounds with a root-only tree (N = 1), so its speed is measured with the same model code,
 cache and sampler. Whether a round drafts is static: the drafter's graphdef is None or not.
+
+On a device mesh (`Decoder(..., mesh=mesh)`) the weights carry the shardings of
+`tevjax.sharding`'s tables (heads, key/value heads, MLP width and vocabulary over `model`), the
+state carries `STATE_AXES` (rows over `data`, the caches' key/value heads over `model`), and the
+prefill and the loop are jitted with those shardings as inputs and outputs, so the state keeps its
+layout from round to round. Rows are independent (each has its own PRNG stream, `DecodeState.keys`,
+derived from the seed and the row index), so a row's output does not depend on how rows are
+split over `data`.
 """
 
 from __future__ import annotations
@@ -40,17 +48,18 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from tevjax.builder import build_ddtree
-from tevjax.models.cache import KVCache
+from tevjax.builder import build_ddtree_from_top
+from tevjax.models.cache import KVCache, scatter_rows
 from tevjax.models.dflash import DFlashDrafter, DrafterCache, features_from_hidden, tapped_hidden
 from tevjax.models.layers import causal_mask
 from tevjax.models.transformer import Transformer
 from tevjax.seeding import seed_key
+from tevjax.sharding import CACHE_AXES, LOGICAL_RULES, check_batch, host_array, logical_sharding, param_shardings, put
 from tevjax.tree import DraftTree
 from tevjax.verifiers import VERIFIERS, verify
 
-__all__ = ["DecodeConfig", "DecodeState", "Decoder", "Generation", "commit", "draft", "draft_trees", "emit",
-           "root_trees", "tree_pass"]
+__all__ = ["DecodeConfig", "DecodeState", "Decoder", "Generation", "STATE_AXES", "commit", "draft", "draft_trees",
+           "emit", "root_trees", "state_shardings", "tree_pass"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -119,6 +128,33 @@ class DecodeState:
     nonfinite: jax.Array  # [B] bool the target gave this row a non-finite logit: stopped, that round unemitted
 
 
+# Logical axes of every `DecodeState` field (`tevjax.sharding.LOGICAL_RULES` maps them to mesh axes).
+STATE_AXES: dict[str, tuple[str | None, ...]] = {
+    "target_cache": CACHE_AXES,
+    "drafter_cache": CACHE_AXES,
+    "cache_len": ("batch",),
+    "root": ("batch",),
+    "out": ("batch", None),
+    "num_out": ("batch",),
+    "done": ("batch",),
+    "keys": ("batch",),
+    "rounds": ("batch",),
+    "block_total": ("batch",),
+    "hidden": ("batch", "cache_slots", None, "embed"),
+    "nonfinite": ("batch",),
+}
+
+
+def state_shardings(mesh, *, drafter: bool, hidden: bool) -> DecodeState:
+    """A `DecodeState` of NamedShardings (from `STATE_AXES`) for a decoder with or without a
+    drafter and kept hidden states. The specs do not depend on the sizes; the sizes are checked
+    where they are known (`Decoder.prefill`: rows; `param_shardings`: heads)."""
+    named = {f.name: logical_sharding(mesh, STATE_AXES[f.name]) for f in dataclasses.fields(DecodeState)}
+    cache = KVCache(k=named["target_cache"], v=named["target_cache"])
+    return DecodeState(**{**named, "target_cache": cache, "drafter_cache": cache if drafter else None,
+                          "hidden": named["hidden"] if hidden else None})
+
+
 @dataclasses.dataclass
 class Generation:
     """One row's result."""
@@ -139,13 +175,16 @@ def _bucket(n: int, size: int) -> int:
 # ------------------------------------------------------------------------------------- pure steps
 
 
-def _prefill(tstate, dstate, tokens, lengths, keys, *, tgd, dgd, cfg: DecodeConfig, capacity: int):
+def _prefill(tstate, dstate, tokens, lengths, key_data, *, tgd, dgd, cfg: DecodeConfig, capacity: int):
     """Prefill prompt[:-1] (padded to the bucket) into fresh caches; the last prompt token is the root.
 
-    tokens [B, Tp+1] (prompt left-aligned, padded), lengths [B] prompt lengths >= 1.
+    tokens [B, Tp+1] (prompt left-aligned, padded), lengths [B] prompt lengths >= 1, key_data: the
+    seed's key data; row r samples with fold_in(seed key, r), whatever the batch and its split.
     """
     target: Transformer = nnx.merge(tgd, tstate)
     b, tp1 = tokens.shape
+    base = jax.random.wrap_key_data(key_data)
+    keys = jax.vmap(lambda r: jax.random.fold_in(base, r))(jnp.arange(b))
     tp = tp1 - 1
     pre = tokens[:, :tp]
     positions = jnp.broadcast_to(jnp.arange(tp, dtype=jnp.int32), (b, tp))
@@ -210,15 +249,64 @@ def draft(drafter: DFlashDrafter, target: Transformer, root: jax.Array, cache_le
     return drafter(target, drafter.block_tokens(root), positions, drafter_cache, cache_len)
 
 
-def draft_trees(draft_logits: jax.Array, root: jax.Array, budget: int, vocab: jax.Array | None = None) -> DraftTree:
+def _top_marginals(draft_logits: jax.Array, budget: int, vocab_axis: str | None = None):
+    """The top k = min(budget, Vd) draft log-probabilities [B, G, k] of every depth and their
+    indices, from draft logits [B, G, Vd].
+
+    With `vocab_axis` (inside `shard_map`) the last axis holds this device's contiguous slice of
+    the vocabulary: the log-softmax combines per-device maxima and sums ([B, G] each), and every
+    device's own top k are merged (an all-gather of [B, G, k] per device) instead of gathering the
+    [B, G, Vd] logits. The merged top k equal the global top k, ties included (lower index first),
+    while the normaliser rounds differently from one device's sum (so tensor-parallel trees may
+    break near-ties of the beam differently; greedy outputs cannot change).
+    """
+    x = draft_logits.astype(jnp.float32)
+    if vocab_axis is None:
+        log_q = jax.nn.log_softmax(x, axis=-1)
+        return jax.lax.top_k(log_q, min(budget, x.shape[-1]))
+    local = x.shape[-1]
+    shifted = x - jax.lax.pmax(jnp.max(x, axis=-1, keepdims=True), vocab_axis)
+    log_q = shifted - jnp.log(jax.lax.psum(jnp.sum(jnp.exp(shifted), axis=-1, keepdims=True), vocab_axis))
+    k = min(budget, local * jax.lax.axis_size(vocab_axis))
+    vals, ids = jax.lax.top_k(log_q, min(k, local))
+    ids = ids + jax.lax.axis_index(vocab_axis) * local
+    vals = jax.lax.all_gather(vals, vocab_axis, axis=2, tiled=True)  # [B, G, devices x k], by device
+    ids = jax.lax.all_gather(ids, vocab_axis, axis=2, tiled=True)
+    vals, pick = jax.lax.top_k(vals, k)
+    return vals, jnp.take_along_axis(ids, pick, axis=-1)
+
+
+def draft_trees(draft_logits: jax.Array, root: jax.Array, budget: int, vocab: jax.Array | None = None,
+                mesh=None) -> DraftTree:
     """DDTree trees [B, N] from draft logits [B, G, Vd]: per-depth log-marginals, then the builder.
 
     `vocab` [Vd] maps a drafter's reduced vocabulary to token ids (`DFlashDrafter.vocab_ids()`;
     None: logits index token ids). The root is a token id already. Training calls this same
     function on detached logits, so its trees are the decoder's trees.
+
+    With a `mesh` the builder runs under `shard_map`: each device builds its own rows (`data`) from
+    its own slice of the vocabulary (`model`; see `_top_marginals`). XLA cannot split a top-k
+    itself, so without this it would all-gather the whole [B, G, Vd] draft logits onto every device.
     """
-    log_q = jax.nn.log_softmax(draft_logits.astype(jnp.float32), axis=-1)
-    trees, _ = jax.vmap(build_ddtree, in_axes=(0, 0, None))(log_q, root, budget)
+    if mesh is None:
+        vals, ids = _top_marginals(draft_logits, budget)
+        trees, _ = jax.vmap(build_ddtree_from_top, in_axes=(0, 0, 0, None))(vals, ids, root, budget)
+    else:
+        vocab_axis = LOGICAL_RULES["vocab"]
+        devices = dict(mesh.shape).get(vocab_axis, 1)
+        split = devices > 1 and draft_logits.shape[-1] % devices == 0
+
+        def local(logits, roots):
+            vals, ids = _top_marginals(logits, budget, vocab_axis if split else None)
+            return jax.vmap(build_ddtree_from_top, in_axes=(0, 0, 0, None))(vals, ids, roots, budget)[0]
+
+        rows = logical_sharding(mesh, ("batch",), root.shape).spec
+        spec = logical_sharding(mesh, ("batch", None, "vocab" if split else None), draft_logits.shape).spec
+        # check_vma=False: the builder's scans start from constants that then vary by row, which
+        # the varying-axes type check rejects; the trees are per row (`data`) and the same on every
+        # `model` device (each merges the same top k), as out_specs says.
+        trees = jax.shard_map(local, mesh=mesh, in_specs=(spec, rows), out_specs=rows,
+                              check_vma=False)(draft_logits, root)
     if vocab is None:
         return trees
     drafted = trees.valid & (trees.parents >= 0)
@@ -262,8 +350,7 @@ def commit(out, ver, state: DecodeState, drafter: DFlashDrafter | None, cfg: Dec
         ctx = jnp.take_along_axis(feats, nodes[..., None], axis=1)
         drafter_cache = drafter.append_context(state.drafter_cache, ctx, slots, state.cache_len)
     if kept is not None:
-        rows = jnp.take_along_axis(kept, nodes[..., None, None], axis=1)
-        hidden = hidden.at[jnp.arange(b)[:, None], slots].set(rows.astype(hidden.dtype), mode="drop")
+        hidden = scatter_rows(hidden, slots, jnp.take_along_axis(kept, nodes[..., None, None], axis=1))
     return target_cache, drafter_cache, hidden
 
 
@@ -272,7 +359,6 @@ def emit(ver, state: DecodeState, cfg: DecodeConfig, active: jax.Array | None = 
     """Writes the block (accepted tokens + bonus) of the `active` rows (default: not done), cut at
     the first EOS and at max_new_tokens, into the output buffer -> (out [B, max_new_tokens],
     num_out [B], finished [B])."""
-    b = state.root.shape[0]
     active = ~state.done if active is None else active
     block_tokens, count = ver.tokens, ver.num_tokens
     j = jnp.arange(block_tokens.shape[1], dtype=jnp.int32)
@@ -282,13 +368,13 @@ def emit(ver, state: DecodeState, cfg: DecodeConfig, active: jax.Array | None = 
     count = jnp.minimum(count, cfg.max_new_tokens - state.num_out)
     count = jnp.where(active, count, 0)
     cols = jnp.where(j[None, :] < count[:, None], state.num_out[:, None] + j[None, :], cfg.max_new_tokens)
-    out_buf = state.out.at[jnp.arange(b)[:, None], cols].set(block_tokens, mode="drop")
+    out_buf = scatter_rows(state.out, cols, block_tokens)
     num_out = state.num_out + count
     finished = active & (has_eos | (num_out >= cfg.max_new_tokens))
     return out_buf, num_out, finished
 
 
-def _round(tstate, dstate, state: DecodeState, *, tgd, dgd, cfg: DecodeConfig) -> DecodeState:
+def _round(tstate, dstate, state: DecodeState, *, tgd, dgd, cfg: DecodeConfig, mesh=None) -> DecodeState:
     """One draft -> build -> tree pass -> verify -> commit -> emit round for every row."""
     target: Transformer = nnx.merge(tgd, tstate)
     active = ~state.done
@@ -298,7 +384,7 @@ def _round(tstate, dstate, state: DecodeState, *, tgd, dgd, cfg: DecodeConfig) -
     drafter = nnx.merge(dgd, dstate) if dgd is not None else None
     if drafter is not None:
         trees = draft_trees(draft(drafter, target, state.root, state.cache_len, state.drafter_cache),
-                            state.root, cfg.budget, drafter.vocab_ids())
+                            state.root, cfg.budget, drafter.vocab_ids(), mesh)
     else:
         trees = root_trees(state.root)
     out = tree_pass(target, trees, state.cache_len, state.target_cache, _taps(drafter, cfg))
@@ -330,9 +416,9 @@ def _round(tstate, dstate, state: DecodeState, *, tgd, dgd, cfg: DecodeConfig) -
     )
 
 
-def _generate(tstate, dstate, state: DecodeState, *, tgd, dgd, cfg: DecodeConfig) -> DecodeState:
+def _generate(tstate, dstate, state: DecodeState, *, tgd, dgd, cfg: DecodeConfig, mesh=None) -> DecodeState:
     """All rounds in one `lax.while_loop` (no host round-trip per round)."""
-    body = functools.partial(_round, tstate, dstate, tgd=tgd, dgd=dgd, cfg=cfg)
+    body = functools.partial(_round, tstate, dstate, tgd=tgd, dgd=dgd, cfg=cfg, mesh=mesh)
     return jax.lax.while_loop(lambda s: jnp.any(~s.done), body, state)
 
 
@@ -358,21 +444,40 @@ class Decoder:
 
     The models are split once into graphdef + state; the states travel as jit arguments (never as
     closure constants). Compiled functions are cached per (batch, prompt bucket, capacity).
+
+    With a `mesh` (`tevjax.sharding.make_mesh`) the weights are placed with their shardings (no
+    copy if they already are), and prefill, round and loop run over the mesh with the state's
+    rows over `data` and its heads over `model`. `prefill` needs a row count the `data` axis
+    divides; `generate` and `stream` pad the batch with copies of the last prompt and drop them.
     """
 
-    def __init__(self, target: Transformer, drafter: DFlashDrafter | None, cfg: DecodeConfig):
+    def __init__(self, target: Transformer, drafter: DFlashDrafter | None, cfg: DecodeConfig, mesh=None):
         if drafter is not None:
             drafter.cfg.check_target(target.cfg)
         self.cfg = cfg
         self.target_cfg = target.cfg
+        self.mesh = mesh
         self.tgd, self.tstate = nnx.split(target)
         # dgd is None <=> no drafter: the static switch the jitted rounds and prefill branch on.
         self.dgd, self.dstate = nnx.split(drafter) if drafter is not None else (None, None)
-        statics = dict(tgd=self.tgd, dgd=self.dgd, cfg=cfg)
+        statics = dict(tgd=self.tgd, dgd=self.dgd, cfg=cfg, mesh=mesh)
+        shard: dict[str, Any] = {}
+        self._prefill_shardings: dict[str, Any] = {}
+        if mesh is not None:
+            tshard = param_shardings(target, mesh, self.tstate)
+            dshard = param_shardings(drafter, mesh, self.dstate) if drafter is not None else None
+            self.tstate = jax.device_put(self.tstate, tshard)
+            self.dstate = jax.device_put(self.dstate, dshard) if drafter is not None else None
+            sshard = state_shardings(mesh, drafter=drafter is not None, hidden=bool(cfg.hidden_layers))
+            shard = dict(in_shardings=(tshard, dshard, sshard), out_shardings=sshard)
+            rows = logical_sharding(mesh, ("batch", None))
+            self._prefill_shardings = dict(
+                in_shardings=(tshard, dshard, rows, logical_sharding(mesh, ("batch",)), logical_sharding(mesh, (None,))),
+                out_shardings=sshard)
         # Donating the state is safe: each round's output state replaces its input and nothing
         # else holds a reference, so XLA can update the caches in place instead of copying them.
-        self._round = jax.jit(functools.partial(_round, **statics), donate_argnums=(2,))
-        self._generate = jax.jit(functools.partial(_generate, **statics), donate_argnums=(2,))
+        self._round = jax.jit(functools.partial(_round, **statics), donate_argnums=(2,), **shard)
+        self._generate = jax.jit(functools.partial(_generate, **statics), donate_argnums=(2,), **shard)
         self._prefill_fns: dict[int, Any] = {}
 
     # -- shapes
@@ -411,8 +516,20 @@ class Decoder:
     def _prefill_fn(self, capacity: int):
         if capacity not in self._prefill_fns:
             self._prefill_fns[capacity] = jax.jit(functools.partial(
-                _prefill, tgd=self.tgd, dgd=self.dgd, cfg=self.cfg, capacity=capacity))
+                _prefill, tgd=self.tgd, dgd=self.dgd, cfg=self.cfg, capacity=capacity), **self._prefill_shardings)
         return self._prefill_fns[capacity]
+
+    @property
+    def row_multiple(self) -> int:
+        """The batch sizes `prefill` takes are multiples of this (the mesh's `data` axis, or 1)."""
+        return 1 if self.mesh is None else dict(self.mesh.shape).get("data", 1)
+
+    def _padded(self, prompts: Sequence[Sequence[int]]) -> list[Sequence[int]]:
+        """`prompts` plus copies of the last one up to a multiple of `row_multiple`; the copies'
+        rows come after every real row, so the real rows' PRNG streams (by row index) are unchanged."""
+        _check_prompt_types(prompts)
+        prompts = list(prompts)
+        return prompts + [prompts[-1]] * (-len(prompts) % self.row_multiple) if prompts else prompts
 
     def prefill(self, prompts: Sequence[Sequence[int]], seed: int = 0) -> DecodeState:
         """Initial state for a batch of token-id prompts (each of length >= 1)."""
@@ -427,18 +544,24 @@ class Decoder:
             if bad:
                 raise ValueError(f"prompt {i} holds token id {bad[0]} outside the vocabulary [0, {self.target_cfg.vocab_size})")
         tp, capacity = self.shapes(lengths)
+        if self.mesh is not None:
+            check_batch(self.mesh, len(prompts), f"a batch of {len(prompts)} prompts (Decoder.generate pads it)")
         tokens = np.zeros((len(prompts), tp + 1), np.int32)
         for i, p in enumerate(prompts):
             tokens[i, : len(p)] = p
-        keys = jax.vmap(lambda r: jax.random.fold_in(seed_key(seed), r))(jnp.arange(len(prompts)))
-        return self._prefill_fn(capacity)(self.tstate, self.dstate, jnp.asarray(tokens),
-                                          jnp.asarray(lengths, jnp.int32), keys)
+        lengths = np.asarray(lengths, np.int32)
+        key_data = np.asarray(jax.random.key_data(seed_key(seed)))
+        if self.mesh is not None:  # each device receives its own rows only (and multi-host safe)
+            args = [put(x, s) for x, s in zip((tokens, lengths, key_data), self._prefill_shardings["in_shardings"][2:])]
+        else:
+            args = [jnp.asarray(x) for x in (tokens, lengths, key_data)]
+        return self._prefill_fn(capacity)(self.tstate, self.dstate, *args)
 
     def compile(self, prompts: Sequence[Sequence[int]], *, streaming: bool = False) -> float:
         """Compiles prefill and the generation loop (or, for `stream`, the single round) for this
         batch shape ahead of time, so that timed runs exclude compilation; returns seconds spent."""
         t0 = time.perf_counter()
-        state = self.prefill(prompts)
+        state = self.prefill(self._padded(prompts))
         fn = self._round if streaming else self._generate
         jax.block_until_ready(fn.lower(self.tstate, self.dstate, state).compile())
         return time.perf_counter() - t0
@@ -458,12 +581,13 @@ class Decoder:
 
     def results(self, state: DecodeState, prompt_lengths: Sequence[int] | None = None) -> list[Generation]:
         """Per-row results; `Generation.hidden` needs `cfg.hidden_layers` and the prompt lengths."""
-        out, num_out = np.asarray(state.out), np.asarray(state.num_out)
-        rounds, total = np.asarray(state.rounds), np.asarray(state.block_total)
-        nonfinite = np.asarray(state.nonfinite)
-        hidden = np.asarray(state.hidden) if state.hidden is not None and prompt_lengths is not None else None
+        out, num_out = host_array(state.out), host_array(state.num_out)
+        rounds, total = host_array(state.rounds), host_array(state.block_total)
+        nonfinite = host_array(state.nonfinite)
+        hidden = host_array(state.hidden) if state.hidden is not None and prompt_lengths is not None else None
         gens = []
-        for i in range(out.shape[0]):
+        rows = out.shape[0] if prompt_lengths is None else len(prompt_lengths)  # padding rows dropped
+        for i in range(rows):
             toks = out[i, : num_out[i]].tolist()
             stop = "nonfinite" if nonfinite[i] else "eos" if toks and toks[-1] in self.cfg.eos_ids else "length"
             # Slots [0, prompt + tokens - 1) were all written: every token but the last was a root
@@ -475,17 +599,18 @@ class Decoder:
 
     def generate(self, prompts: Sequence[Sequence[int]], seed: int = 0) -> list[Generation]:
         """Generates for a batch of prompts in one jitted while-loop."""
-        state = self.run(self.prefill(prompts, seed))
+        state = self.run(self.prefill(self._padded(prompts), seed))
         return self.results(state, [len(p) for p in prompts])
 
     def stream(self, prompts: Sequence[Sequence[int]], seed: int = 0) -> Iterator[tuple[list[list[int]], DecodeState]]:
-        """Python-loop twin: yields (new tokens per row, state) after every round."""
-        state = self.prefill(prompts, seed)
+        """Python-loop twin: yields (new tokens per row, state) after every round (the state may hold
+        padding rows after the prompts' rows on a mesh: see `row_multiple`)."""
+        state = self.prefill(self._padded(prompts), seed)
         seen = np.zeros(len(prompts), int)
         while True:
             state = self.step(state)
-            num_out, out = np.asarray(state.num_out), np.asarray(state.out)
+            num_out, out = host_array(state.num_out), host_array(state.out)
             yield [out[i, seen[i]: num_out[i]].tolist() for i in range(len(prompts))], state
-            seen = num_out
-            if bool(np.all(np.asarray(state.done))):
+            seen = num_out[: len(prompts)]
+            if bool(np.all(host_array(state.done))):
                 return

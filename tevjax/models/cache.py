@@ -14,7 +14,21 @@ import jax.numpy as jnp
 
 from tevjax.models.config import ModelConfig
 
-__all__ = ["KVCache"]
+__all__ = ["KVCache", "scatter_rows"]
+
+
+def scatter_rows(buf: jax.Array, idx: jax.Array, values: jax.Array, *, axis: int = 0) -> jax.Array:
+    """`buf` with `values[.., b, t, ..]` written at slot `idx[b, t]` of row b (a slot index past
+    the end is dropped).
+
+    buf has its rows at `axis` and its slots right after; values has the same layout with T in
+    place of the slots; idx is [B, T]. Written as a vmap over rows, not with an arange row index:
+    XLA then partitions the write by rows, so a batch split over devices writes its own rows and
+    gathers nothing (an explicit row index makes it all-gather the indices and the values).
+    """
+    lead = (slice(None),) * axis
+    return jax.vmap(lambda row, i, v: row.at[lead + (i,)].set(v.astype(row.dtype), mode="drop"),
+                    in_axes=(axis, 0, axis), out_axes=axis)(buf, idx, values)
 
 
 @jax.tree_util.register_dataclass
@@ -60,13 +74,13 @@ class KVCache:
         b, m = src.shape
         if b != self.batch:
             raise ValueError(f"KVCache.move_slots: src has {b} rows, cache has {self.batch}")
-        rows = jnp.arange(b)[:, None]
         take = jnp.clip(src, 0, self.capacity - 1)
         dst = dst_start[:, None] + jnp.arange(m)[None, :]
         # Skipped or out-of-range destinations get index S, which `mode="drop"` ignores.
         dst = jnp.where((src >= 0) & (dst >= 0) & (dst < self.capacity), dst, self.capacity)
 
-        def move(x):  # x: [L, B, S, K, Dh]
-            return x.at[:, rows, dst].set(x[:, rows, take], mode="drop")
+        def move(x):  # x: [L, B, S, K, Dh]; the read happens before the write
+            moved = jax.vmap(lambda row, t: row[:, t], in_axes=(1, 0), out_axes=1)(x, take)  # [L, B, M, K, Dh]
+            return scatter_rows(x, dst, moved, axis=1)
 
         return KVCache(k=move(self.k), v=move(self.v))

@@ -48,7 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from tevjax.models.cache import KVCache
+from tevjax.models.cache import KVCache, scatter_rows
 from tevjax.models.config import ModelConfig, RopeScaling, read_config_json, with_overrides
 from tevjax.models.layers import NEG_INF, RMSNorm, SwiGLU, apply_rope, rope_inv_freq
 
@@ -648,15 +648,11 @@ class DFlashDrafter(nnx.Module):
         where they are invisible and the next append overwrites them.
         """
         k, v = self._context_kv(self.project_context(features), jnp.asarray(positions, jnp.int32))
-        b, t = features.shape[:2]
+        t = features.shape[1]
         slots = jnp.asarray(write_pos, jnp.int32)[:, None] + jnp.arange(t, dtype=jnp.int32)  # [B, T]
         # Out-of-range slots become S, which mode="drop" ignores (a negative index would wrap).
         slots = jnp.where((slots >= 0) & (slots < cache.capacity), slots, cache.capacity)
-        rows = jnp.arange(b, dtype=jnp.int32)[:, None]
-        return DrafterCache(
-            k=cache.k.at[:, rows, slots].set(k.astype(cache.k.dtype), mode="drop"),
-            v=cache.v.at[:, rows, slots].set(v.astype(cache.v.dtype), mode="drop"),
-        )
+        return DrafterCache(k=scatter_rows(cache.k, slots, k, axis=1), v=scatter_rows(cache.v, slots, v, axis=1))
 
     def hidden(self, target, block_tokens: jax.Array, positions: jax.Array, cache: DrafterCache,
                ctx_len: jax.Array) -> jax.Array:

@@ -105,9 +105,10 @@ class DecoderLayer(nnx.Module):
         layer: traced layer index; write_idx [B, T] slot of each new token (S = dropped).
         """
         q, k, v = self.self_attn.qkv(self.input_layernorm(x), positions, inv_freq)
-        rows = jnp.arange(x.shape[0])[:, None]
-        cache_k = cache_k.at[layer, rows, write_idx].set(k.astype(cache_k.dtype), mode="drop")
-        cache_v = cache_v.at[layer, rows, write_idx].set(v.astype(cache_v.dtype), mode="drop")
+        # A vmap over rows (see `scatter_rows`): a batch split over devices writes its own rows.
+        write = jax.vmap(lambda c, i, u: c.at[layer, i].set(u.astype(c.dtype), mode="drop"),
+                         in_axes=(1, 0, 0), out_axes=1)
+        cache_k, cache_v = write(cache_k, write_idx, k), write(cache_v, write_idx, v)
         k_all = jax.lax.dynamic_index_in_dim(cache_k, layer, 0, keepdims=False)  # [B, S, K, Dh]
         v_all = jax.lax.dynamic_index_in_dim(cache_v, layer, 0, keepdims=False)
         x = x + self.self_attn.out(attention(q, k_all.astype(q.dtype), v_all.astype(q.dtype), mask))
