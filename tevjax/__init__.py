@@ -81,6 +81,8 @@ _LAZY = {
     "train": "tevjax.train.run",
     "export_run": "tevjax.train.run",
     "make_mesh": "tevjax.sharding",
+    "param_shardings": "tevjax.sharding",
+    "shard_model": "tevjax.sharding",
 }
 
 __all__ = [

@@ -125,6 +125,16 @@ def _prompt_ids(text):
     return ids
 
 
+def _add_mesh_args(parser, default: str) -> None:
+    """--mesh and the multi-host flags (generate, eval and train share them)."""
+    parser.add_argument("--mesh", default=None,
+                        help=f"device mesh data=D,model=M: rows over D devices, heads/MLP/vocabulary over M "
+                             f"(default: {default})")
+    parser.add_argument("--coordinator", default=None, help="multi-host: coordinator address host:port")
+    parser.add_argument("--num-processes", type=_positive_int("--num-processes"), default=None)
+    parser.add_argument("--process-id", type=_nonnegative_int("--process-id"), default=None)
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse, but a usage error is one line (the usage text stays available through --help)."""
 
@@ -158,6 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                      help="compute dtype (default: the checkpoint's; use float32 on CPU)")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
+    _add_mesh_args(gen, "one device")
     gen.set_defaults(func=cmd_generate)
 
     data = sub.add_parser("data", help="regenerate training data: ShareGPT prompts, target responses, tapped features")
@@ -206,10 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--until", type=_positive_int("--until"), default=None, help="stop (with a checkpoint) after this step")
     tr.add_argument("--checkpoint-every", type=_positive_float("--checkpoint-every"), default=300.0, help="seconds")
     tr.add_argument("--eval-every", type=_positive_float("--eval-every"), default=600.0, help="seconds between held-out evaluations")
-    tr.add_argument("--mesh", default=None, help="device mesh, e.g. data=8 (default: all devices on `data`)")
-    tr.add_argument("--coordinator", default=None, help="multi-host: coordinator address host:port")
-    tr.add_argument("--num-processes", type=_positive_int("--num-processes"), default=None)
-    tr.add_argument("--process-id", type=_nonnegative_int("--process-id"), default=None)
+    _add_mesh_args(tr, "every device on data")
     tr.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                     help="compute dtype (bfloat16 on GPUs keeps float32 master weights)")
     tr.add_argument("--no-progress", action="store_true")
@@ -235,6 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--batch-size", type=_positive_int("--batch-size"), default=1)
     ev.add_argument("--seed", type=int, default=0)
     ev.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    _add_mesh_args(ev, "one device")
     ev.set_defaults(func=cmd_eval)
 
     demo = sub.add_parser("demo", help="the main demonstration on the embedded default")
@@ -331,13 +340,14 @@ def cmd_generate(args) -> int:
     _check_verifier(args.verifier, autoregressive=True)
     speculative = args.verifier != AUTOREGRESSIVE
     prompts, where = _read_prompts(args)  # cheap checks before the (slow) model load
+    mesh = _mesh(args, default_all=False)
     _check_positions(args, speculative)
 
-    from tevjax.decode.engine import DecodeConfig, Decoder
+    from tevjax.decode.engine import DecodeConfig
     from tevjax.loading import load_models
 
     t0 = time.perf_counter()
-    models = load_models(args.target, args.drafter, dtype=args.dtype)
+    models = load_models(args.target, args.drafter, dtype=args.dtype, mesh=mesh)
     load_seconds = time.perf_counter() - t0
     for note in models.notes:
         print(f"tevjax: note: {note}", file=sys.stderr)
@@ -359,8 +369,9 @@ def cmd_generate(args) -> int:
     # Without a drafter the config's verifier is never used: any valid name will do.
     cfg = DecodeConfig(verifier=args.verifier if speculative else "tev", budget=args.budget,
                        temperature=args.temperature, max_new_tokens=args.max_new_tokens, eos_ids=models.eos_ids)
-    decoder = Decoder(models.target, models.drafter if speculative else None, cfg)
-    stream = not args.json and len(ids) == 1
+    decoder = _decoder(models.target, models.drafter if speculative else None, cfg, mesh)
+    # Streaming prints row 0 as it grows; a multi-host job prints once, at the end.
+    stream = not args.json and len(ids) == 1 and (mesh is None or jax_process_count() == 1)
     failed: list[str] = []
     for start in range(0, len(ids), args.batch_size):
         batch = ids[start: start + args.batch_size]
@@ -418,6 +429,24 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def jax_process_count() -> int:
+    import jax
+
+    return jax.process_count()
+
+
+def _decoder(target, drafter, cfg, mesh):
+    """A Decoder; a mesh that does not fit the models (heads, vocabulary) is a one-line error."""
+    from tevjax.decode.engine import Decoder
+
+    try:
+        return Decoder(target, drafter, cfg, mesh=mesh)
+    except ValueError as e:
+        if mesh is None:
+            raise
+        raise CliError(f"--mesh {dict(mesh.shape)}: {e}") from None
+
+
 def cmd_data(args) -> int:
     from tevjax.loading import load_target
     from tevjax.models.dflash import default_target_layer_ids
@@ -447,12 +476,19 @@ def cmd_data(args) -> int:
     return 0
 
 
-def _mesh(args):
+def _mesh(args, *, default_all: bool):
+    """The --mesh device mesh (after joining a multi-host job), or None for one device when
+    neither --mesh nor a multi-host job asks for one and `default_all` is False."""
     from tevjax.sharding import initialize_distributed, make_mesh, parse_mesh
 
-    initialize_distributed(args.coordinator, args.num_processes, args.process_id)
-    sizes = parse_mesh(args.mesh) if args.mesh else {}
-    return make_mesh(sizes.get("data"), sizes.get("model", 1))
+    try:
+        distributed = initialize_distributed(args.coordinator, args.num_processes, args.process_id)
+        if not (args.mesh or distributed or default_all):
+            return None
+        sizes = parse_mesh(args.mesh) if args.mesh else {}
+        return make_mesh(sizes.get("data"), sizes.get("model", 1))
+    except ValueError as e:
+        raise CliError(str(e) if str(e).startswith("--") else f"--mesh {args.mesh or ''}: {e}") from None
 
 
 def cmd_train(args) -> int:
@@ -476,8 +512,8 @@ def cmd_train(args) -> int:
     from tevjax.train.step import TrainConfig
 
     manifest = read_manifest(args.data)
-    mesh = _mesh(args)
-    loaded = load_target(args.target, dtype=args.dtype)
+    mesh = _mesh(args, default_all=True)
+    loaded = load_target(args.target, dtype=args.dtype, mesh=mesh)
     if manifest["target_config"]["vocab_size"] != loaded.target_cfg.vocab_size or \
             manifest["target_config"]["num_layers"] != loaded.target_cfg.num_layers:
         raise CliError(f"--data {str(args.data)!r} was generated by another target ({manifest['target']!r})")
@@ -525,15 +561,16 @@ def cmd_eval(args) -> int:
     from tevjax.evaluate import evaluate, format_table, load_eval_prompts
 
     _check_verifier(args.verifier, autoregressive=False)  # eval measures the baseline itself
+    mesh = _mesh(args, default_all=False)
     texts = load_eval_prompts(args.prompts, args.num_prompts, seed=args.seed)
     from tevjax.loading import load_models
 
-    models = load_models(args.target, args.drafter)
+    models = load_models(args.target, args.drafter, mesh=mesh)
     for note in models.notes:
         print(f"tevjax: note: {note}", file=sys.stderr)
     result = evaluate(models, texts, budgets=args.budgets, temperature=args.temperature, verifier=args.verifier,
                       max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, seed=args.seed,
-                      log=lambda line: print(line, file=sys.stderr, flush=True))
+                      log=lambda line: print(line, file=sys.stderr, flush=True), mesh=mesh)
     result["prompts"] = args.prompts
     if args.json:
         print(json.dumps(result))

@@ -63,8 +63,9 @@ def _run(decoder, prompts: list[list[int]], batch_size: int, seed: int):
 
 def evaluate(models, texts: list[str], *, budgets=(4, 8, 16, 32), temperature: float = 0.0,
              verifier: str = "tev", max_new_tokens: int = 128, batch_size: int = 1, seed: int = 0,
-             log: Callable[[str], None] = print) -> dict:
-    """Measures AR and speculative decoding on the same prompts; returns a JSON-ready dict."""
+             log: Callable[[str], None] = print, mesh=None) -> dict:
+    """Measures AR and speculative decoding on the same prompts (on `mesh`'s devices if given);
+    returns a JSON-ready dict."""
     from tevjax.convert.tokenizer import chat_prompt_ids
     from tevjax.decode.engine import DecodeConfig, Decoder
 
@@ -72,13 +73,14 @@ def evaluate(models, texts: list[str], *, budgets=(4, 8, 16, 32), temperature: f
         raise ValueError("this target has no tokenizer: evaluation prompts are text")
     prompts = [chat_prompt_ids(models.tokenizer, t) for t in texts]
     base = dict(temperature=temperature, max_new_tokens=max_new_tokens, eos_ids=models.eos_ids)
-    ar = Decoder(models.target, None, DecodeConfig(**base))  # no drafter: autoregressive
+    ar = Decoder(models.target, None, DecodeConfig(**base), mesh=mesh)  # no drafter: autoregressive
     ar_gens, ar_s = _run(ar, prompts, batch_size, seed)
     ar_tokens = sum(len(g.tokens) for g in ar_gens)
     log(json.dumps({"method": "ar", "tokens": ar_tokens, "seconds": round(ar_s, 3)}))
     rows = []
     for budget in budgets:
-        dec = Decoder(models.target, models.drafter, DecodeConfig(verifier=verifier, budget=int(budget), **base))
+        dec = Decoder(models.target, models.drafter, DecodeConfig(verifier=verifier, budget=int(budget), **base),
+                      mesh=mesh)
         gens, secs = _run(dec, prompts, batch_size, seed)
         tokens = sum(len(g.tokens) for g in gens)
         rounds = sum(g.rounds for g in gens)

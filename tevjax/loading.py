@@ -21,6 +21,7 @@ from tevjax.convert.tokenizer import load_tokenizer
 from tevjax.models.config import ModelConfig
 from tevjax.models.dflash import DFlashConfig, DFlashDrafter
 from tevjax.models.transformer import Transformer
+from tevjax.sharding import shard_model
 
 __all__ = ["LoadedModels", "LoadedTarget", "load_models", "load_target", "fresh_drafter", "mask_token_for", "TRAINED_DRAFTERS",
            "SMOLLM2_MASK_TOKEN"]
@@ -95,8 +96,9 @@ class LoadedTarget:
     notes: list[str]
 
 
-def load_target(target: str = EMBEDDED, *, dtype: str | None = None) -> LoadedTarget:
-    """Loads a target (the embedded name or an HF directory) and its tokenizer."""
+def load_target(target: str = EMBEDDED, *, dtype: str | None = None, mesh=None) -> LoadedTarget:
+    """Loads a target (the embedded name or an HF directory) and its tokenizer; with a `mesh`, the
+    weights are placed straight into their shardings (`tevjax.sharding`)."""
     notes: list[str] = []
     if target == EMBEDDED:
         hf_dir = prepare_smollm2()
@@ -104,7 +106,7 @@ def load_target(target: str = EMBEDDED, *, dtype: str | None = None) -> LoadedTa
         hf_dir = Path(target)
         if not hf_dir.is_dir():
             raise FileNotFoundError(f"--target {target!r}: not a directory (use 'smollm2' or a Hugging Face model directory)")
-    target_cfg, model = load_hf_target(hf_dir, dtype=dtype)
+    target_cfg, model = load_hf_target(hf_dir, dtype=dtype, mesh=mesh)
     tokenizer = None
     if (Path(hf_dir) / "tokenizer.json").exists() or (Path(hf_dir) / "tokenizer_config.json").exists():
         tokenizer = load_tokenizer(hf_dir)
@@ -118,18 +120,19 @@ def load_target(target: str = EMBEDDED, *, dtype: str | None = None) -> LoadedTa
 
 
 def load_models(target: str = EMBEDDED, drafter: str | os.PathLike | None = None, *,
-                dtype: str | None = None, drafter_seed: int = 0) -> LoadedModels:
-    """Loads the target (embedded name or HF directory), its tokenizer and a drafter."""
+                dtype: str | None = None, drafter_seed: int = 0, mesh=None) -> LoadedModels:
+    """Loads the target (embedded name or HF directory), its tokenizer and a drafter; with a
+    `mesh`, every weight is placed in its sharding as it is loaded."""
     if drafter is not None and not Path(drafter).is_dir():  # fail before the slow target load
         raise FileNotFoundError(f"--drafter {str(drafter)!r}: no such checkpoint directory")
-    loaded = load_target(target, dtype=dtype)
+    loaded = load_target(target, dtype=dtype, mesh=mesh)
     target_cfg, notes = loaded.target_cfg, list(loaded.notes)
 
     trained = True
     if drafter is not None:
-        _, draft_model = load_dflash(Path(drafter), target_cfg, dtype=dtype)
+        _, draft_model = load_dflash(Path(drafter), target_cfg, dtype=dtype, mesh=mesh)
     elif target == EMBEDDED and (TRAINED_DRAFTERS[EMBEDDED] / "config.json").exists():
-        _, draft_model = load_dflash(TRAINED_DRAFTERS[EMBEDDED], target_cfg, dtype=dtype)
+        _, draft_model = load_dflash(TRAINED_DRAFTERS[EMBEDDED], target_cfg, dtype=dtype, mesh=mesh)
         notes.append(f"drafter: the project's trained SmolLM2 drafter ({TRAINED_DRAFTERS[EMBEDDED]})")
     else:
         trained = False
@@ -138,6 +141,8 @@ def load_models(target: str = EMBEDDED, drafter: str | os.PathLike | None = None
         except ValueError:
             mask = None
         draft_model = fresh_drafter(target_cfg, seed=drafter_seed, mask_token_id=mask)
+        if mesh is not None:
+            shard_model(draft_model, mesh)
         notes.append(
             f"drafter: none given or available, so a freshly initialised (UNTRAINED) DFlash drafter "
             f"with seed {drafter_seed} is used; output is still exact, but tau will be close to 1"

@@ -326,17 +326,32 @@ def initialize_distributed(coordinator: str | None = None, num_processes: int | 
                            process_id: int | None = None) -> bool:
     """Runs `jax.distributed.initialize` for a multi-host job; returns whether it did.
 
-    With explicit flags they are used; otherwise JAX's cluster auto-detection runs when one of
-    the usual variables is set (JAX_COORDINATOR_ADDRESS, SLURM_JOB_ID, OMPI_COMM_WORLD_SIZE, ...).
-    A single-host run without them does nothing.
+    Flags win over the environment: JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID
+    (the last two are read here; jax itself reads only the first). With a coordinator but no
+    process count, or under SLURM / Open MPI, JAX's cluster auto-detection fills in the rest. A
+    single-host run without any of them does nothing.
     """
-    if coordinator is not None:
-        if num_processes is None or process_id is None:
-            raise ValueError("--coordinator needs --num-processes and --process-id")
+    env = os.environ
+
+    def env_int(name):
+        if name not in env:
+            return None
+        try:
+            return int(env[name])
+        except ValueError:
+            raise ValueError(f"{name}={env[name]!r} is not an integer") from None
+
+    from_flags = coordinator is not None
+    coordinator = coordinator or env.get("JAX_COORDINATOR_ADDRESS")
+    num_processes = num_processes if num_processes is not None else env_int("JAX_NUM_PROCESSES")
+    process_id = process_id if process_id is not None else env_int("JAX_PROCESS_ID")
+    if coordinator is not None and num_processes is not None and process_id is not None:
         jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
                                    process_id=process_id)
         return True
-    if any(v in os.environ for v in ("JAX_COORDINATOR_ADDRESS", "SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE")):
+    if from_flags:
+        raise ValueError("--coordinator needs --num-processes and --process-id")
+    if coordinator is not None or any(v in env for v in ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE")):
         jax.distributed.initialize()
         return True
     return False

@@ -43,6 +43,7 @@ from flax import nnx
 from tevjax.convert.hf import CheckpointError, WeightRule, checkpoint_config_path, read_safetensors_dir
 from tevjax.models.config import ModelConfig
 from tevjax.models.dflash import DFlashConfig, DFlashDrafter, check_draft_vocab
+from tevjax.sharding import place, shardings_by_path
 
 __all__ = ["dflash_weight_rules", "load_dflash", "load_drafter_params", "save_dflash"]
 
@@ -100,12 +101,14 @@ def _canonical_names(tensors: Mapping[str, np.ndarray], expected: set[str]) -> d
     return out
 
 
-def load_drafter_params(drafter: DFlashDrafter, tensors: Mapping[str, np.ndarray], *, strict: bool = True) -> None:
+def load_drafter_params(drafter: DFlashDrafter, tensors: Mapping[str, np.ndarray], *, strict: bool = True,
+                        mesh=None) -> None:
     """Fills every parameter of `drafter` from public-named tensors (in place, cast to param_dtype).
 
     Missing tensors always raise; unexpected ones raise when `strict` (else they are skipped with
     a warning). Both lists are reported by name in one message; a wrong source shape raises
-    naming the tensor with expected and actual shapes.
+    naming the tensor with expected and actual shapes. With a `mesh`, each tensor goes straight
+    into its sharding as it is converted.
     """
     cfg: DFlashConfig = drafter.cfg
     rules = dflash_weight_rules(cfg)
@@ -131,9 +134,11 @@ def load_drafter_params(drafter: DFlashDrafter, tensors: Mapping[str, np.ndarray
     if extra:
         warnings.warn(f"DFlash checkpoint: skipping unexpected tensor(s) {', '.join(extra)}", stacklevel=2)
 
+    shardings = shardings_by_path(drafter, mesh) if mesh is not None else {}
     if cfg.draft_vocab_size is not None:
         try:
-            drafter.draft_vocab.set_value(check_draft_vocab(tensors[DRAFT_VOCAB], cfg))
+            drafter.draft_vocab.set_value(place(check_draft_vocab(tensors[DRAFT_VOCAB], cfg), jnp.int32,
+                                                shardings.get((DRAFT_VOCAB,))))
         except ValueError as e:
             raise CheckpointError(f"tensor {DRAFT_VOCAB!r}: {e}") from None
     dtype = jnp.dtype(cfg.param_dtype)
@@ -147,18 +152,19 @@ def load_drafter_params(drafter: DFlashDrafter, tensors: Mapping[str, np.ndarray
         if tuple(value.shape) != want:  # a table bug rather than a checkpoint bug
             raise AssertionError(f"{rule.hf_name} -> {'.'.join(rule.param)}: converted shape "
                                  f"{value.shape} != parameter shape {want}")
-        var.set_value(jnp.asarray(value, dtype=dtype))
+        var.set_value(place(value, dtype, shardings.get(rule.param)))
 
 
 def load_dflash(path: str | os.PathLike, target_cfg: ModelConfig | None = None, *,
                 dtype: str | None = None, param_dtype: str | None = None,
-                strict: bool = True) -> tuple[DFlashConfig, DFlashDrafter]:
+                strict: bool = True, mesh=None) -> tuple[DFlashConfig, DFlashDrafter]:
     """Loads a public-format DFlash drafter directory.
 
     `target_cfg`, when given, is checked against the drafter (hidden size, vocabulary, tapped
     layers). `dtype` / `param_dtype` override the compute / storage dtypes (default: the
     checkpoint's `dtype`/`torch_dtype` for both). The module skeleton is built with
-    `nnx.eval_shape`, so no random weights are materialised.
+    `nnx.eval_shape`, so no random weights are materialised; with a `mesh` every weight is placed
+    straight into its sharding.
     """
     path, config_path = checkpoint_config_path(path, "a DFlash checkpoint")
     overrides = {k: v for k, v in (("dtype", dtype), ("param_dtype", param_dtype)) if v is not None}
@@ -168,7 +174,7 @@ def load_dflash(path: str | os.PathLike, target_cfg: ModelConfig | None = None, 
     tensors = read_safetensors_dir(path)
     drafter = nnx.eval_shape(lambda: DFlashDrafter(cfg, rngs=nnx.Rngs(0)))
     try:
-        load_drafter_params(drafter, tensors, strict=strict)
+        load_drafter_params(drafter, tensors, strict=strict, mesh=mesh)
     except CheckpointError as e:
         raise CheckpointError(f"{path}: {e}") from e
     return cfg, drafter

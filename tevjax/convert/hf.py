@@ -25,6 +25,7 @@ from flax import nnx
 
 from tevjax.models.config import ModelConfig, read_config_json
 from tevjax.models.transformer import Transformer
+from tevjax.sharding import place, shardings_by_path
 
 __all__ = [
     "CheckpointError",
@@ -212,12 +213,14 @@ def _model_param_paths(model: nnx.Module) -> set[tuple[str, ...]]:
     return {tuple(str(p) for p in path) for path, v in nnx.iter_graph(model) if isinstance(v, nnx.Param)}
 
 
-def load_target_params(model: Transformer, state: Mapping[str, np.ndarray]) -> None:
+def load_target_params(model: Transformer, state: Mapping[str, np.ndarray], *, mesh=None) -> None:
     """Fills every parameter of `model` from HF-named tensors (in place, cast to param_dtype).
 
     Unmapped and missing tensors are reported together by name; a wrong source shape raises
     naming the tensor with expected and actual shapes. With tied embeddings an `lm_head.weight`
-    is accepted only if it equals the embedding (some exporters write the tied copy).
+    is accepted only if it equals the embedding (some exporters write the tied copy). With a
+    `mesh`, each tensor goes straight from the host into its sharding (`tevjax.sharding`) as it is
+    converted: no device ever holds a whole replicated copy first.
     """
     cfg: ModelConfig = model.cfg
     rules = target_weight_rules(cfg)
@@ -247,6 +250,7 @@ def load_target_params(model: Transformer, state: Mapping[str, np.ndarray]) -> N
                               f"{cfg.num_layers} layers; " + "; ".join(parts))
 
     dtype = jnp.dtype(cfg.param_dtype)
+    shardings = shardings_by_path(model, mesh) if mesh is not None else {}
     for rule in rules:
         converted = []
         for name in rule.names(cfg.num_layers):
@@ -260,7 +264,7 @@ def load_target_params(model: Transformer, state: Mapping[str, np.ndarray]) -> N
         if tuple(value.shape) != want:  # a table bug rather than a checkpoint bug
             raise AssertionError(f"{rule.hf_name} -> {'.'.join(rule.param)}: converted shape "
                                  f"{value.shape} != parameter shape {want}")
-        var.set_value(jnp.asarray(value, dtype=dtype))
+        var.set_value(place(value, dtype, shardings.get(rule.param)))
 
 
 def checkpoint_config_path(path: str | os.PathLike, what: str) -> tuple[str, str]:
@@ -274,11 +278,12 @@ def checkpoint_config_path(path: str | os.PathLike, what: str) -> tuple[str, str
     return path, config_path
 
 
-def load_hf_target(path: str | os.PathLike, *, dtype: str | None = None) -> tuple[ModelConfig, Transformer]:
+def load_hf_target(path: str | os.PathLike, *, dtype: str | None = None, mesh=None) -> tuple[ModelConfig, Transformer]:
     """Loads an HF Llama / Qwen3 checkpoint directory into a `Transformer`.
 
     `dtype` sets both compute and storage dtypes (default: the checkpoint's `torch_dtype`).
-    The model skeleton is built with `nnx.eval_shape`, so no random weights are materialised.
+    The model skeleton is built with `nnx.eval_shape`, so no random weights are materialised;
+    with a `mesh` every weight is placed straight into its sharding.
     """
     path, config_path = checkpoint_config_path(path, "an HF checkpoint")
     overrides = {} if dtype is None else {"dtype": dtype, "param_dtype": dtype}
@@ -286,7 +291,7 @@ def load_hf_target(path: str | os.PathLike, *, dtype: str | None = None) -> tupl
     state = read_safetensors_dir(path)
     model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
     try:
-        load_target_params(model, state)
+        load_target_params(model, state, mesh=mesh)
     except CheckpointError as e:
         raise CheckpointError(f"{path}: {e}") from e
     return cfg, model
