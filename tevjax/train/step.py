@@ -21,6 +21,10 @@ A step, for every sequence of the batch:
 Gradients reach the drafter's parameters only: the target (whose embedding and LM head the
 drafter shares) is a constant of the differentiated function, and the optimizer is an
 `nnx.Optimizer` over `nnx.Param` of the drafter alone.
+
+On a (`data`, `model`) mesh the batch is split over `data` and every array of the target, the
+drafter, the optimizer's moments and the state takes its sharding from the tables of
+`tevjax.sharding` (heads, MLP width and vocabulary over `model`; a `model` axis of 1 replicates).
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ from tevjax.law import edge_stats, law_from_edges
 from tevjax.models.cache import KVCache
 from tevjax.models.dflash import DFlashDrafter
 from tevjax.models.transformer import Transformer
-from tevjax.sharding import batch_sharding, replicated
+from tevjax.sharding import batch_sharding, param_shardings, replicated
 from tevjax.train.dataset import Batch
 from tevjax.train.objectives import (EXIT_WEIGHTS, exit_loss_terms, exit_weights, ratio, sample_anchors,
                                      token_loss_terms)
@@ -161,8 +165,9 @@ def score_trees(target: Transformer, tokens: jax.Array, anchors: jax.Array, tree
 
 
 def loss_terms(drafter: DFlashDrafter, target: Transformer, batch: Batch, key: jax.Array,
-               cfg: TrainConfig) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """(loss, metrics) of one global batch; differentiable in the drafter only."""
+               cfg: TrainConfig, mesh=None) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """(loss, metrics) of one global batch; differentiable in the drafter only. With a `mesh`, the
+    exit loss builds its trees per device (`draft_trees(..., mesh)`), not from gathered logits."""
     b, t = batch.tokens.shape
     keys = jax.random.split(key, b)
     anchors, valid = jax.vmap(sample_anchors, in_axes=(0, 0, None))(keys, batch.loss_mask, cfg.anchors)
@@ -187,7 +192,7 @@ def loss_terms(drafter: DFlashDrafter, target: Transformer, batch: Batch, key: j
         e, g, v = ze.shape[1:]
         roots = jnp.take_along_axis(batch.tokens, ae, axis=1)
         flat = draft_trees(jax.lax.stop_gradient(ze).reshape(b * e, g, v), roots.reshape(b * e), cfg.exit_budget,
-                           drafter.vocab_ids())
+                           drafter.vocab_ids(), mesh)
         trees = jax.tree.map(lambda x: x.reshape((b, e) + x.shape[1:]), flat)
         tlogits = jax.lax.stop_gradient(score_trees(target, batch.tokens, ae, trees))
 
@@ -210,12 +215,12 @@ def loss_terms(drafter: DFlashDrafter, target: Transformer, batch: Batch, key: j
 # ------------------------------------------------------------------------------------ the step
 
 
-def _train_step(state: TrainState, tstate, dconst, batch: Batch, *, dgd, ogd, tgd, cfg: TrainConfig):
+def _train_step(state: TrainState, tstate, dconst, batch: Batch, *, dgd, ogd, tgd, cfg: TrainConfig, mesh=None):
     drafter = nnx.merge(dgd, state.params, dconst)
     optimizer = nnx.merge(ogd, state.opt)
     target = nnx.merge(tgd, tstate)
     key = jax.random.fold_in(jax.random.wrap_key_data(state.key), state.step)
-    grad_fn = nnx.value_and_grad(lambda d: loss_terms(d, target, batch, key, cfg), has_aux=True)
+    grad_fn = nnx.value_and_grad(lambda d: loss_terms(d, target, batch, key, cfg, mesh), has_aux=True)
     (_, metrics), grads = grad_fn(drafter)
     metrics["grad_norm"] = optax.global_norm(grads)
     optimizer.update(drafter, grads)
@@ -224,24 +229,34 @@ def _train_step(state: TrainState, tstate, dconst, batch: Batch, *, dgd, ogd, tg
     return new, metrics
 
 
+def _frozen(tree) -> tuple:
+    """A hashable form of a pytree of shardings (its structure and leaves): an lru_cache key."""
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef, tuple(leaves)
+
+
 @functools.lru_cache(maxsize=16)
-def _jitted_step(dgd, ogd, tgd, cfg: TrainConfig, mesh):
-    """The jitted, sharded step for one (model structure, config, mesh): cached, so Trainers of the
-    same run (a resume in the same process, tests, sweeps) share one compilation."""
-    rep = replicated(mesh)
+def _jitted_step(dgd, ogd, tgd, cfg: TrainConfig, mesh, shardings: tuple):
+    """The jitted, sharded step for one (model structure, config, mesh, shardings): cached, so
+    Trainers of the same run (a resume in the same process, tests, sweeps) share one compilation.
+    `shardings` holds `_frozen` (state, target, drafter constants) shardings."""
+    state_s, tstate_s, dconst_s = (jax.tree.unflatten(treedef, leaves) for treedef, leaves in shardings)
     batch_shard = Batch(tokens=batch_sharding(mesh, 2), loss_mask=batch_sharding(mesh, 2),
                         features=batch_sharding(mesh, 3), length=batch_sharding(mesh, 1))
-    step = functools.partial(_train_step, dgd=dgd, ogd=ogd, tgd=tgd, cfg=cfg)
-    return jax.jit(step, in_shardings=(rep, rep, rep, batch_shard), out_shardings=(rep, rep), donate_argnums=(0,))
+    step = functools.partial(_train_step, dgd=dgd, ogd=ogd, tgd=tgd, cfg=cfg, mesh=mesh)
+    return jax.jit(step, in_shardings=(state_s, tstate_s, dconst_s, batch_shard),
+                   out_shardings=(state_s, replicated(mesh)), donate_argnums=(0,))
 
 
 class Trainer:
     """Holds the graph definitions, the frozen target and the jitted, mesh-sharded step.
 
-    The batch is split over the mesh's `data` axis; the state and the target are replicated; the
-    loss's sums run over the global batch, so XLA all-reduces the gradients and the step equals
-    the single-device step on the same global batch. The state is donated: each step's output
-    replaces its input and nothing else holds it.
+    The batch is split over the mesh's `data` axis; the target, the parameters and the optimizer
+    state take the shardings of `tevjax.sharding`'s tables (split over `model` where it is > 1,
+    replicated otherwise); the loss's sums run over the global batch, so XLA all-reduces the
+    gradients and the step equals the single-device step on the same global batch (to float32
+    rounding of the split sums). The state is donated: each step's output replaces its input and
+    nothing else holds it.
     """
 
     def __init__(self, drafter: DFlashDrafter, target: Transformer, cfg: TrainConfig, mesh):
@@ -256,22 +271,26 @@ class Trainer:
         self.ogd, opt = nnx.split(optimizer)
         self.tgd, tstate = nnx.split(target)
         rep = replicated(mesh)
-        self.tstate = jax.device_put(tstate, rep)
-        self.dconst = jax.device_put(dconst, rep)
+        # One table for everything: the optimizer's moments take their parameter's sharding.
+        self.state_shardings = TrainState(params=param_shardings(drafter, mesh, params),
+                                          opt=param_shardings(drafter, mesh, opt, optimizer=True), step=rep, key=rep)
+        tshard, dshard = param_shardings(target, mesh, tstate), param_shardings(drafter, mesh, dconst)
+        self.tstate = jax.device_put(tstate, tshard)
+        self.dconst = jax.device_put(dconst, dshard)
         self._init = (params, opt)
-        self._step = _jitted_step(self.dgd, self.ogd, self.tgd, cfg, mesh)
+        self._step = _jitted_step(self.dgd, self.ogd, self.tgd, cfg, mesh,
+                                  tuple(_frozen(t) for t in (self.state_shardings, tshard, dshard)))
 
     def init_state(self) -> TrainState:
         params, opt = self._init
         key = jax.random.key_data(jax.random.key(self.cfg.seed))
         state = TrainState(params=params, opt=opt, step=jnp.zeros((), jnp.int32), key=key)
-        return jax.device_put(state, replicated(self.mesh))
+        return jax.device_put(state, self.state_shardings)
 
     def abstract_state(self) -> TrainState:
-        """Shapes, dtypes and (replicated) shardings of the state: the restore target."""
-        rep = replicated(self.mesh)
-        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep),
-                            jax.eval_shape(self.init_state))
+        """Shapes, dtypes and shardings of the state: the restore target."""
+        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                            jax.eval_shape(self.init_state), self.state_shardings)
 
     def step(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
         return self._step(state, self.tstate, self.dconst, batch)
