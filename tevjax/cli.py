@@ -174,6 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--taps", type=_int_list("--taps"), default=None,
                       help="target layers whose hidden states are stored (default: 5 evenly spaced from 1 to L-3, plus L-1)")
     data.add_argument("--seed", type=int, default=0, help="prompt order")
+    data.add_argument("--responses", choices=["target", "sharegpt"], default="target",
+                      help="training responses: the target's greedy continuations (default), or ShareGPT's original "
+                           "first replies (cheap extra text: one prefill per record); held-out records are always the target's")
     data.add_argument("--no-progress", action="store_true", help="no progress bar (JSON lines only)")
     data.set_defaults(func=cmd_data)
 
@@ -436,7 +439,7 @@ def cmd_data(args) -> int:
     cfg = RolloutConfig(num_prompts=args.num_prompts, heldout_prompts=args.heldout,
                         heldout_records=min(args.heldout_records, args.heldout),
                         max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
-                        batch_size=args.batch_size, taps=taps, seed=args.seed)
+                        batch_size=args.batch_size, taps=taps, seed=args.seed, responses=args.responses)
     manifest = generate_data(loaded, cfg, args.out, resume=args.resume, progress=not args.no_progress,
                              log=lambda line: print(line, file=sys.stderr, flush=True))
     shards = manifest["shards"].values()
