@@ -187,6 +187,7 @@ def train(target, drafter: DFlashDrafter, data_dir: str | os.PathLike, run_dir: 
         return {"step": step, "data_position": step * cfg.batch_size, "seed": cfg.seed, "records": len(data)}
 
     def write_log(entry):
+        entry = {**entry, "time": round(time.time(), 1)}  # wall clock, for the run's time line
         if pid == 0:
             with open(log_path, "a", encoding="utf-8") as f:
                 f.write(json.dumps(entry) + "\n")
