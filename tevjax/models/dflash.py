@@ -413,18 +413,23 @@ def check_draft_vocab(ids, cfg: DFlashConfig) -> jax.Array:
     return jnp.asarray(x, jnp.int32)
 
 
-def draft_vocab_from_counts(counts, size: int, *, always: Sequence[int] = ()) -> np.ndarray:
+def draft_vocab_from_counts(counts, size: int, *, always: Sequence[int] = (), never: Sequence[int] = ()) -> np.ndarray:
     """The `size` most frequent ids of `counts` [V] (ties: the lower id, which in a BPE vocabulary
-    is the earlier, more frequent merge), plus every id in `always` (e.g. the end-of-turn ids),
-    sorted: a draft vocabulary for `DFlashDrafter(..., draft_vocab=...)`."""
+    is the earlier, more frequent merge), plus every id in `always` (e.g. the end-of-turn ids) and
+    none in `never` (e.g. the drafter's mask token, which text never holds), sorted: a draft
+    vocabulary for `DFlashDrafter(..., draft_vocab=...)`."""
     counts = np.asarray(counts)
     if not 1 <= size <= counts.shape[0]:
         raise ValueError(f"draft vocabulary size {size} is outside [1, {counts.shape[0]}]")
     forced = sorted({int(i) for i in always})
     if len(forced) > size:
         raise ValueError(f"{len(forced)} required ids do not fit a draft vocabulary of {size}")
+    banned = sorted({int(i) for i in never} - set(forced))
+    if counts.shape[0] - len(banned) < size:
+        raise ValueError(f"excluding {len(banned)} ids leaves fewer than {size} for the draft vocabulary")
     score = counts.astype(np.float64).copy()
     score[forced] = np.inf
+    score[banned] = -np.inf
     order = np.lexsort((np.arange(counts.shape[0]), -score))
     return np.sort(order[:size]).astype(np.int32)
 
