@@ -39,8 +39,8 @@ FILES = [
     ("tests/test_kv_cache.py", "model: KV cache, prefill + steps == full forward"),
     ("tests/test_dflash.py", "model: DFlash drafter parity and properties"),
     ("tests/test_presets.py", "model: full-size Qwen3/Llama configs trace"),
-    ("tests/test_model_parity.py", "model: parity with transformers (needs torch)"),
     ("tests/test_decode.py", "engine: greedy speculative == autoregressive, sampling law"),
+    ("tests/test_model_parity.py", "model: parity with transformers (needs torch)"),
 ]
 # The CPU dry run: one quick test per kind, so every path of this stage runs in seconds.
 TINY = [

@@ -15,7 +15,8 @@
 #
 # tevjax is imported from this working tree (PYTHONPATH is set from this script's location);
 # $PYTHON picks the interpreter (default python3). JAX_PLATFORMS is passed through unchanged.
-# $TIME_SCALE (percent, default 100) scales every stage's time limit, e.g. for a busy shared CPU.
+# $TIME_SCALE (percent, default 100) scales every stage's time limit, e.g. for a busy shared CPU;
+# $STAGES (e.g. "c_engine d_train") runs only those stages, e.g. to rerun one within a device budget.
 set -u
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -56,6 +57,7 @@ child_cpu() {  # user + system seconds of this shell's finished children (cutime
 }
 for entry in "${BUDGETS[@]}"; do
     stage="${entry%%:*}"
+    case " ${STAGES:-${!MODULE[*]}} " in *" $stage "*) ;; *) continue ;; esac
     budget=$(( ${entry##*:} * ${TIME_SCALE:-100} / 100 ))
     md="$OUT/$stage.md"
     log="$OUT/$stage.log"
