@@ -184,7 +184,7 @@ def stage_table(name, batch, r) -> list[str]:
     return lines + [""]
 
 
-def speedup_rows(name, batch, r, nodes, round_n) -> list[str]:
+def speedup_rows(name, batch, r, nodes, round_n, block_size) -> list[str]:
     ms = {k: float(np.median(v)) for k, v in r["ms"].items()}
     ar = ms.get("AR round (engine, no drafter)", ms.get("AR step"))
     rows = []
@@ -199,22 +199,24 @@ def speedup_rows(name, batch, r, nodes, round_n) -> list[str]:
         if n == round_n and f"round, N = {n}" in ms:
             candidates.append(("measured round", ms[f"round, N = {n}"]))
         for how, t in candidates:
-            # A round emits at most N tokens (the deepest path plus the bonus), so larger tau is impossible.
-            sr = " | ".join(f"{tau * ar / t:.2f}" if tau <= n else "-" for tau in TAUS)
+            # A round emits the accepted path plus the bonus: at most min(N, block size) tokens, so a
+            # larger tau is impossible.
+            sr = " | ".join(f"{tau * ar / t:.2f}" if tau <= min(n, block_size) else "-" for tau in TAUS)
             rows.append(f"| {name} | {batch} | {n} | {how} | {t:.2f} | {ar:.2f} | {t / ar:.2f} | {sr} |")
     return rows
 
 
-def report(header, results, nodes, round_n, notes) -> list[str]:
+def report(header, results, nodes, round_n, block_size, notes) -> list[str]:
     lines = header + ["## Implied speedup", "",
                       "SR = tau x (AR round ms) / (round ms): the speedup over autoregressive decoding in the "
                       "same engine if the drafter reached mean output-block length tau (bonus included). "
-                      "Break-even tau = round / AR round.", "",
+                      "Break-even tau = round / AR round; '-' where tau exceeds what a round can emit "
+                      "(min(N, block size) tokens).", "",
                       "| target | batch | N | round | round ms | AR round ms | break-even tau | "
                       + " | ".join(f"SR @ tau {t}" for t in TAUS) + " |",
                       "|---|---:|---:|---|---:|---:|---:|" + "---:|" * len(TAUS)]
     for (name, batch), r in results.items():
-        lines += speedup_rows(name, batch, r, nodes, round_n)
+        lines += speedup_rows(name, batch, r, nodes, round_n, block_size)
     lines += ["", "## Stages", ""]
     for (name, batch), r in results.items():
         lines += stage_table(name, batch, r)
@@ -263,8 +265,8 @@ def main(argv=None) -> int:
                                          prefix=prefix, iters=iters, temperature=temperature, deadline=deadline)
         print(f"{name} batch {batch}: " + ", ".join(f"{k} {np.median(v):.2f} ms"
                                                     for k, v in results[(name, batch)]["ms"].items()), flush=True)
-        write(args.out, report(header, results, nodes, round_budget + 1, notes))
-    lines = report(header, results, nodes, round_budget + 1, notes)
+        write(args.out, report(header, results, nodes, round_budget + 1, dcfg.block_size, notes))
+    lines = report(header, results, nodes, round_budget + 1, dcfg.block_size, notes)
     write(args.out, lines)
     print("\n".join(lines))
     return 0
