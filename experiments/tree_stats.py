@@ -53,22 +53,27 @@ def mass_by_depth_rank(depth: np.ndarray, rank: np.ndarray, mass: np.ndarray, va
     return table
 
 
-EXIT_KINDS = ("internal", "leaf below horizon", "leaf at horizon")
+EXIT_KINDS = ("root", "internal", "leaf below horizon", "leaf at horizon")
 
 
 def exit_kind(parents: np.ndarray, depth: np.ndarray, valid: np.ndarray, horizon: int) -> np.ndarray:
-    """[N] where a target continuation that exits at each node leaves the tree: 0 internal (the
-    node has drafted children; the exit takes the residual mass rho < 1), 1 a leaf below the
-    draft horizon (the budget ran out: all of P(v) leaves), 2 a leaf at the horizon (depth = G:
-    the drafter could not go deeper); -1 padding. A root without children is a leaf below the
-    horizon. The law itself treats both leaf kinds alike (rho = 1); paper Sec. 5 separates them
-    because only below the horizon can more budget extend the tree.
+    """[N] index into `EXIT_KINDS` of where a target continuation that exits at each node leaves
+    the tree; -1 for padding:
+
+    0 root: no drafted depth-1 token matched (whatever the tree's shape);
+    1 internal: a non-root node with drafted children; the exit takes its residual mass rho < 1;
+    2 leaf below the draft horizon: the budget ran out there, all of P(v) leaves;
+    3 leaf at the horizon (depth = G): the drafter could not go deeper.
+
+    The law treats both leaf kinds alike (rho = 1); paper Sec. 5 separates them because only
+    below the horizon can more budget extend the tree.
     """
     parents, depth, valid = np.asarray(parents), np.asarray(depth), np.asarray(valid, bool)
     n = parents.shape[0]
     has_child = np.zeros(n, bool)
     has_child[parents[valid & (parents >= 0)]] = True
-    kind = np.where(has_child, 0, np.where(depth >= horizon, 2, 1))
+    kind = np.where(has_child, 1, np.where(depth >= horizon, 3, 2))
+    kind = np.where(np.arange(n) == 0, 0, kind)
     return np.where(valid, kind, -1)
 
 

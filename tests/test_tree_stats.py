@@ -36,10 +36,11 @@ def test_mass_by_depth_rank_sums_cells_and_clips_ranks():
 
 
 def test_exit_kind_separates_internal_nodes_and_both_leaf_kinds():
-    assert exit_kind(PARENTS, DEPTH, VALID, horizon=2).tolist() == [0, 0, 1, 2, 1, -1]
-    assert exit_kind(PARENTS, DEPTH, VALID, horizon=3).tolist() == [0, 0, 1, 1, 1, -1]
-    # A root-only tree exits at a leaf below the horizon.
-    assert exit_kind(np.array([-1]), np.array([0]), np.array([True]), horizon=1).tolist() == [1]
+    # root 0; node 1 has a child (internal); nodes 2 and 4 are depth-1 leaves; node 3 a depth-2 leaf.
+    assert exit_kind(PARENTS, DEPTH, VALID, horizon=2).tolist() == [0, 1, 2, 3, 2, -1]
+    assert exit_kind(PARENTS, DEPTH, VALID, horizon=3).tolist() == [0, 1, 2, 2, 2, -1]
+    # A root-only tree exits at the root.
+    assert exit_kind(np.array([-1]), np.array([0]), np.array([True]), horizon=1).tolist() == [0]
 
 
 def test_block_length_moments_by_hand():
