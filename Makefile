@@ -16,7 +16,7 @@ export PYTHONUNBUFFERED := 1
 
 EXP_STAMP := $(VENV)/.stamp-experiments
 
-.PHONY: demo test test-slow test-all bench bench-e2e install clean
+.PHONY: demo test test-slow test-all bench bench-e2e experiments install clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -58,6 +58,15 @@ bench: $(TEST_STAMP)
 
 bench-e2e: $(EXP_STAMP)
 	$(PY) experiments/end_to_end.py
+
+# The paper-claim experiments in full mode (~10-15 min each on 2 cores); each writes
+# experiments/results/<name>.md, .json and .png (see experiments/README.md). DRAFTER=DIR measures a
+# given DFlash checkpoint instead of load_models("smollm2")'s drafter.
+EXP_DRAFTER := $(if $(DRAFTER),--drafter $(DRAFTER))
+
+experiments: $(BASE_STAMP)
+	$(PY) experiments/fixed_tree_equivalence.py $(EXP_DRAFTER)
+	$(PY) experiments/exit_mass.py $(EXP_DRAFTER)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

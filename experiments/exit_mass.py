@@ -155,8 +155,8 @@ def parse_args(argv):
                    help="DFlash checkpoint directory; repeat to compare (default: load_models('smollm2')'s)")
     p.add_argument("--label", action="append", default=None, help="a name per --drafter, in the same order")
     p.add_argument("--prompts", default="heldout", help="prompt set (tevjax eval --prompts syntax; default heldout)")
-    p.add_argument("--num-prompts", type=int, default=8)
-    p.add_argument("--rounds-per-prompt", type=int, default=6, help="decoding rounds captured per prompt (at most)")
+    p.add_argument("--num-prompts", type=int, default=12)
+    p.add_argument("--rounds-per-prompt", type=int, default=8, help="decoding rounds captured per prompt (at most)")
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--budgets", type=int, nargs="+", default=[4, 8, 16, 32, 64])
     p.add_argument("--heat-budget", type=int, default=None,
