@@ -16,7 +16,7 @@ export PYTHONUNBUFFERED := 1
 
 EXP_STAMP := $(VENV)/.stamp-experiments
 
-.PHONY: demo test test-slow test-all bench bench-e2e gpu-dry-run install clean
+.PHONY: demo test test-slow test-all bench bench-e2e gpu-dry-run experiments install clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -64,6 +64,15 @@ bench-e2e: $(EXP_STAMP)
 GPU_DRY_RUN_OUT ?= build/gpu-dry-run
 gpu-dry-run: $(TEST_STAMP)
 	JAX_PLATFORMS=cpu PYTHON=$(abspath $(PY)) bash experiments/gpu/run.sh $(GPU_DRY_RUN_OUT) --tiny
+
+# The paper-claim experiments in full mode (~10-15 min each on 2 cores); each writes
+# experiments/results/<name>.md, .json and .png (see experiments/README.md). DRAFTER=DIR measures a
+# given DFlash checkpoint instead of load_models("smollm2")'s drafter.
+EXP_DRAFTER := $(if $(DRAFTER),--drafter $(DRAFTER))
+
+experiments: $(BASE_STAMP)
+	$(PY) experiments/fixed_tree_equivalence.py $(EXP_DRAFTER)
+	$(PY) experiments/exit_mass.py $(EXP_DRAFTER)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
