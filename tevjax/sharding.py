@@ -57,7 +57,10 @@ LOGICAL_RULES: Mapping[str, str | None] = {
     "mlp": "model",  # the MLP width (intermediate_size)
     "head_dim": None,
     "features": None,  # the drafter's concatenated tapped hidden states (F = n * D)
-    "draft_vocab": None,  # the ids of a reduced draft vocabulary (an index table, read whole)
+    # The ids of a reduced draft vocabulary: Vd int32s that every device reads whole to pick the
+    # draft vocabulary's columns of its logits (and to map tree indices back to token ids); split,
+    # each device would need the other devices' ids, so replicating them is both cheaper and simpler.
+    "draft_vocab": None,
     "cache_slots": None,
     "layers": None,
 }

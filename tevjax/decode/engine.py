@@ -242,11 +242,15 @@ def _split_hidden(out, taps, drafter, cfg: DecodeConfig, target_cfg):
 
 
 def draft(drafter: DFlashDrafter, target: Transformer, root: jax.Array, cache_len: jax.Array,
-          drafter_cache: DrafterCache) -> jax.Array:
+          drafter_cache: DrafterCache, mesh=None) -> jax.Array:
     """Draft logits [B, G, Vd] (G = block_size - 1, Vd the draft vocabulary) of the block
-    [root, MASK x G] at positions cache_len + 0..G."""
+    [root, MASK x G] at positions cache_len + 0..G. On a mesh whose vocabulary axis is split, a
+    reduced draft vocabulary's columns are taken from whole-vocabulary logits
+    (`DFlashDrafter.logits(select_after=True)`), so no slice of the LM head moves per round."""
     positions = cache_len[:, None] + jnp.arange(drafter.cfg.block_size, dtype=jnp.int32)
-    return drafter(target, drafter.block_tokens(root), positions, drafter_cache, cache_len)
+    hidden = drafter.hidden(target, drafter.block_tokens(root), positions, drafter_cache, cache_len)
+    split = mesh is not None and dict(mesh.shape).get(LOGICAL_RULES["vocab"], 1) > 1
+    return drafter.logits(target, hidden, select_after=split)
 
 
 def _top_marginals(draft_logits: jax.Array, budget: int, vocab_axis: str | None = None):
@@ -383,7 +387,7 @@ def _round(tstate, dstate, state: DecodeState, *, tgd, dgd, cfg: DecodeConfig, m
 
     drafter = nnx.merge(dgd, dstate) if dgd is not None else None
     if drafter is not None:
-        trees = draft_trees(draft(drafter, target, state.root, state.cache_len, state.drafter_cache),
+        trees = draft_trees(draft(drafter, target, state.root, state.cache_len, state.drafter_cache, mesh),
                             state.root, cfg.budget, drafter.vocab_ids(), mesh)
     else:
         trees = root_trees(state.root)

@@ -607,11 +607,22 @@ class DFlashDrafter(nnx.Module):
         inside = ids[idx] == tokens
         return jnp.where(inside, idx, 0), inside
 
-    def logits(self, target, hidden: jax.Array) -> jax.Array:
+    def logits(self, target, hidden: jax.Array, *, select_after: bool = False) -> jax.Array:
         """Final-normed drafter hidden states [..., D] -> draft logits [..., Vd] float32 through the
         target's LM head (the draft vocabulary's rows of it; then the optional output multiplier
-        and soft cap)."""
-        logits = target.logits(hidden, self.vocab_ids()).astype(jnp.float32)
+        and soft cap).
+
+        `select_after` scores the whole vocabulary and then takes the draft vocabulary's columns.
+        Under a vocabulary-split LM head (`--mesh model=M`) this moves [..., Vd] logits between
+        devices, where reading the head's rows first all-reduces a [D, Vd] slice of the weight on
+        every call (experiments/results/lm_head_sharding.md); on one device it costs V / Vd times
+        the matmul, so the decoder asks for it only on a mesh.
+        """
+        ids = self.vocab_ids()
+        if select_after and ids is not None:
+            logits = jnp.take(target.logits(hidden), ids, axis=-1).astype(jnp.float32)
+        else:
+            logits = target.logits(hidden, ids).astype(jnp.float32)
         if self.cfg.output_multiplier != 1.0:
             logits = logits * self.cfg.output_multiplier
         if self.cfg.final_logit_softcapping is not None:

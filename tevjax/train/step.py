@@ -45,7 +45,7 @@ from tevjax.law import edge_stats, law_from_edges
 from tevjax.models.cache import KVCache
 from tevjax.models.dflash import DFlashDrafter
 from tevjax.models.transformer import Transformer
-from tevjax.sharding import batch_sharding, param_shardings, replicated
+from tevjax.sharding import batch_sharding, check_batch, param_shardings, replicated
 from tevjax.train.dataset import Batch
 from tevjax.train.objectives import (EXIT_WEIGHTS, exit_loss_terms, exit_weights, ratio, sample_anchors,
                                      token_loss_terms)
@@ -261,8 +261,7 @@ class Trainer:
 
     def __init__(self, drafter: DFlashDrafter, target: Transformer, cfg: TrainConfig, mesh):
         drafter.cfg.check_target(target.cfg)
-        if cfg.batch_size % mesh.shape["data"]:
-            raise ValueError(f"batch size {cfg.batch_size} is not divisible by the mesh's data axis ({mesh.shape['data']})")
+        check_batch(mesh, cfg.batch_size, f"the training batch (batch_size {cfg.batch_size})")
         self.cfg, self.mesh = cfg, mesh
         self.tx = make_optimizer(cfg)
         # Parameters are trained; the rest of the drafter (a draft vocabulary) is a constant.
