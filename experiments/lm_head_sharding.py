@@ -7,7 +7,11 @@ two stages those matrices touch in a decoding round:
 * head + verify: logits [B, N, V] = hidden [B, N, D] @ head, then TEV at temperature 1 on every
   row (what a tree pass and the verifier do);
 * embed: the lookup of the [B, N] tree tokens, its result then needed whole on every device (the
-  next layer's input).
+  next layer's input);
+* draft head: a drafter with a reduced vocabulary of Vd ids scores [B, G, D] hidden states
+  through those columns of the (vocabulary-split) head, either by taking the head's columns
+  first (`DFlashDrafter.logits`) or by scoring the whole vocabulary and taking the logits'
+  columns after (`select_after=True`, what the decoder uses on a mesh).
 
 For each choice it reports the bytes the compiled program moves between devices (the sum of the
 result sizes of its collectives, read from the HLO text: deterministic) and the median wall time
@@ -71,6 +75,8 @@ def main():
     parser.add_argument("--width", type=int, default=576)  # SmolLM2-135M
     parser.add_argument("--rows", type=int, default=4)
     parser.add_argument("--budget", type=int, default=16)
+    parser.add_argument("--draft-vocab", type=int, default=16384)  # the shipped drafter's
+    parser.add_argument("--block", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args()
@@ -92,6 +98,22 @@ def main():
     def embed(e, tokens):
         return jax.lax.with_sharding_constraint(jnp.take(e, tokens, axis=0), whole)
 
+    draft_hidden = jnp.asarray(rng.standard_normal((b, args.block - 1, d), np.float32))
+    draft_ids = jnp.asarray(np.sort(rng.choice(v, args.draft_vocab, replace=False)), jnp.int32)
+
+    def draft_rows_first(h, w, ids):
+        return jnp.einsum("bgd,dv->bgv", h, jnp.take(w, ids, axis=1))
+
+    def draft_select_after(h, w, ids):
+        return jnp.take(jnp.einsum("bgd,dv->bgv", h, w), ids, axis=-1)
+
+    def measure(name, stage, fn, fargs):
+        total, kinds = collective_bytes(fn.lower(*fargs).compile().as_text())
+        ms = timed(fn, fargs, args.repeats)
+        cells[(name, stage)] = (total, ms)
+        detail = ", ".join(f"{k} {s / 1024:.1f}" for k, s in sorted(kinds.items())) or "none"
+        rows.append(f"| {name} | {stage} | {total / 1024:.1f} | {detail} | {ms:.2f} |")
+
     rows, cells = [], {}
     for name, head_spec, embed_spec in (("vocab", P(None, "model"), P("model", None)),
                                         ("embed", P("model", None), P(None, "model")),
@@ -100,19 +122,21 @@ def main():
         e = jax.device_put(np.ascontiguousarray(head.T), NamedSharding(mesh, embed_spec))
         for stage, fn, fargs in (("head + verify", jax.jit(head_verify), (hidden, w, trees, keys)),
                                  ("embed", jax.jit(embed), (e, trees.tokens))):
-            total, kinds = collective_bytes(fn.lower(*fargs).compile().as_text())
-            ms = timed(fn, fargs, args.repeats)
-            cells[(name, stage)] = (total, ms)
-            detail = ", ".join(f"{k} {s / 1024:.1f}" for k, s in sorted(kinds.items())) or "none"
-            rows.append(f"| {name} | {stage} | {total / 1024:.1f} | {detail} | {ms:.2f} |")
+            measure(name, stage, fn, fargs)
+        if name == "vocab":
+            for stage, fn in (("draft head, columns first", draft_rows_first),
+                              ("draft head, select after", draft_select_after)):
+                measure(name, stage, jax.jit(fn), (draft_hidden, w, draft_ids))
     logits_kib = b * n * v * 4 / 1024
+    first, after = cells[("vocab", "draft head, columns first")], cells[("vocab", "draft head, select after")]
     lines = [
         "# LM head and embedding: vocabulary- or width-sharded",
         "",
         f"Device: {m} forced CPU devices (`XLA_FLAGS=--xla_force_host_platform_device_count={m}`) on "
         f"{os.cpu_count()} shared CPU cores ({platform.machine()}), jax {jax.__version__}; mesh data=1, "
         f"model={m}; B = {b} rows, N = {n} tree slots (budget {args.budget}), V = {v:,}, D = {d}, float32; "
-        f"TEV at temperature 1. Median of {args.repeats} calls after warm-up.",
+        f"TEV at temperature 1; draft head: G = {args.block - 1} block positions, Vd = {args.draft_vocab:,} "
+        f"draft ids. Median of {args.repeats} calls after warm-up.",
         "Command: `python experiments/lm_head_sharding.py`",
         "",
         f"KiB moved = the summed result sizes of the compiled program's collectives (the [B, N, V] logits "
@@ -123,7 +147,16 @@ def main():
         *rows,
         "",
         f"Per round, vocab-sharded moves {(cells[('vocab', 'head + verify')][0] + cells[('vocab', 'embed')][0]) / 1024:.1f} "
-        f"KiB and width-sharded {(cells[('embed', 'head + verify')][0] + cells[('embed', 'embed')][0]) / 1024:.1f} KiB.",
+        f"KiB and width-sharded {(cells[('embed', 'head + verify')][0] + cells[('embed', 'embed')][0]) / 1024:.1f} KiB; "
+        f"head + verify time, width- / vocab-sharded: "
+        f"{cells[('embed', 'head + verify')][1] / cells[('vocab', 'head + verify')][1]:.2f}x.",
+        f"Draft head under the vocabulary split: columns first moves {first[0] / 1024:.1f} KiB per call, select "
+        f"after {after[0] / 1024:.1f} KiB ({first[0] / max(after[0], 1):.1f}x less); time, columns first / "
+        f"select after: {first[1] / after[1]:.2f}x.",
+        "",
+        "How to read: the bytes are exact properties of the compiled programs and are what a GPU pays over "
+        "its interconnect. The times are not a GPU's: forced CPU devices share this machine's cores and "
+        "memory, so a collective is a memory copy, and the times are only comparable within this run.",
     ]
     emit(lines, args.out)
 

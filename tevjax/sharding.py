@@ -44,9 +44,9 @@ __all__ = ["CACHE_AXES", "DRAFTER_AXES", "LOGICAL_RULES", "TARGET_AXES", "batch_
 # `embed` sharded, each tree pass all-reduces the whole [B, N, V] logits (the contraction over D
 # leaves partial sums), and the verifier then reads them replicated; with `vocab` sharded, a
 # device computes its own [B, N, V / M] columns and every reduction over V (log-sum-exp, argmax,
-# the sampler's Gumbel-max) combines only [B, N] partial results. The embedding lookup of a
-# vocab-sharded table costs one all-reduce of the [B, T, D] embeddings, which is the size of one
-# activation, far below [B, N, V].
+# the sampler's Gumbel-max) combines only [B, N] partial results (SmolLM2 shapes, B = 4, N = 17:
+# 33 KiB moved per tree pass + verify against 13,056 KiB). The embedding lookup of a vocab-sharded
+# table costs one all-reduce of the [B, T, D] embeddings, as much as the width split's all-gather.
 LOGICAL_RULES: Mapping[str, str | None] = {
     "batch": "data",
     "sequence": None,
