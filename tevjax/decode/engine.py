@@ -117,6 +117,10 @@ class DecodeState:
     block_total: jax.Array  # [B] int32 sum of output-block lengths (bonus included) before EOS/length cuts
     hidden: jax.Array | None  # [B, S, R, D] kept hidden states by cache slot (R = len(hidden_layers)); or None
     nonfinite: jax.Array  # [B] bool the target gave this row a non-finite logit: stopped, that round unemitted
+    # [Vd, D] the target's LM-head rows of a reduced draft vocabulary, gathered once at prefill:
+    # re-gathering them in every round cost about a fifth of a target step. None: no drafter, or
+    # a drafter over the whole vocabulary (which reads the head in place).
+    draft_head: jax.Array | None = None
 
 
 @dataclasses.dataclass
@@ -177,6 +181,7 @@ def _prefill(tstate, dstate, tokens, lengths, keys, *, tgd, dgd, cfg: DecodeConf
         block_total=zeros,
         hidden=hidden,
         nonfinite=jnp.zeros((b,), bool),
+        draft_head=drafter.head_rows(target) if drafter is not None else None,
     )
 
 
@@ -203,11 +208,12 @@ def _split_hidden(out, taps, drafter, cfg: DecodeConfig, target_cfg):
 
 
 def draft(drafter: DFlashDrafter, target: Transformer, root: jax.Array, cache_len: jax.Array,
-          drafter_cache: DrafterCache) -> jax.Array:
+          drafter_cache: DrafterCache, head: jax.Array | None = None) -> jax.Array:
     """Draft logits [B, G, Vd] (G = block_size - 1, Vd the draft vocabulary) of the block
-    [root, MASK x G] at positions cache_len + 0..G."""
+    [root, MASK x G] at positions cache_len + 0..G. `head`: `drafter.head_rows(target)`, gathered
+    once (`DecodeState.draft_head`); None gathers the rows in this call."""
     positions = cache_len[:, None] + jnp.arange(drafter.cfg.block_size, dtype=jnp.int32)
-    return drafter(target, drafter.block_tokens(root), positions, drafter_cache, cache_len)
+    return drafter(target, drafter.block_tokens(root), positions, drafter_cache, cache_len, head)
 
 
 def draft_trees(draft_logits: jax.Array, root: jax.Array, budget: int, vocab: jax.Array | None = None) -> DraftTree:
@@ -297,8 +303,8 @@ def _round(tstate, dstate, state: DecodeState, *, tgd, dgd, cfg: DecodeConfig) -
 
     drafter = nnx.merge(dgd, dstate) if dgd is not None else None
     if drafter is not None:
-        trees = draft_trees(draft(drafter, target, state.root, state.cache_len, state.drafter_cache),
-                            state.root, cfg.budget, drafter.vocab_ids())
+        logits = draft(drafter, target, state.root, state.cache_len, state.drafter_cache, state.draft_head)
+        trees = draft_trees(logits, state.root, cfg.budget, drafter.vocab_ids())
     else:
         trees = root_trees(state.root)
     out = tree_pass(target, trees, state.cache_len, state.target_cache, _taps(drafter, cfg))
@@ -327,6 +333,7 @@ def _round(tstate, dstate, state: DecodeState, *, tgd, dgd, cfg: DecodeConfig) -
         block_total=state.block_total + jnp.where(active, ver.num_tokens, 0),
         hidden=hidden,
         nonfinite=state.nonfinite | bad,
+        draft_head=state.draft_head,
     )
 
 
