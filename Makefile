@@ -16,7 +16,7 @@ export PYTHONUNBUFFERED := 1
 
 EXP_STAMP := $(VENV)/.stamp-experiments
 
-.PHONY: demo test test-slow test-all bench bench-e2e install clean
+.PHONY: demo test test-slow test-all bench bench-e2e gpu-dry-run experiments install clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -58,6 +58,21 @@ bench: $(TEST_STAMP)
 
 bench-e2e: $(EXP_STAMP)
 	$(PY) experiments/end_to_end.py
+
+# The GPU script (experiments/gpu/run.sh: correctness, verifier stage, engine costs, training) on
+# CPU with tiny shapes: every stage really runs, in under 3 minutes; results in $(GPU_DRY_RUN_OUT).
+GPU_DRY_RUN_OUT ?= build/gpu-dry-run
+gpu-dry-run: $(TEST_STAMP)
+	JAX_PLATFORMS=cpu PYTHON=$(abspath $(PY)) bash experiments/gpu/run.sh $(GPU_DRY_RUN_OUT) --tiny
+
+# The paper-claim experiments in full mode (~10-15 min each on 2 cores); each writes
+# experiments/results/<name>.md, .json and .png (see experiments/README.md). DRAFTER=DIR measures a
+# given DFlash checkpoint instead of load_models("smollm2")'s drafter.
+EXP_DRAFTER := $(if $(DRAFTER),--drafter $(DRAFTER))
+
+experiments: $(BASE_STAMP)
+	$(PY) experiments/fixed_tree_equivalence.py $(EXP_DRAFTER)
+	$(PY) experiments/exit_mass.py $(EXP_DRAFTER)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

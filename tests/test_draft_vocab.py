@@ -46,6 +46,7 @@ def test_vocabulary_from_counts_is_the_top_k_with_forced_ids():
     # Ties go to the lower id; a forced id displaces the least frequent of the rest.
     np.testing.assert_array_equal(draft_vocab_from_counts(counts, 2), [1, 2])
     np.testing.assert_array_equal(draft_vocab_from_counts(counts, 3, always=(4,)), [1, 2, 4])
+    np.testing.assert_array_equal(draft_vocab_from_counts(counts, 3, never=(2,)), [0, 1, 5])
     with pytest.raises(ValueError, match="outside"):
         draft_vocab_from_counts(counts, 7)
 

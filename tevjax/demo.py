@@ -19,7 +19,7 @@ PROMPTS = (
 )
 
 
-def main(*, max_new_tokens: int = 64, budget: int = 16, samples: int = 50_000, skip_models: bool = False) -> None:
+def main(*, max_new_tokens: int = 64, budget: int = 8, samples: int = 50_000, skip_models: bool = False) -> None:
     print("=" * 78)
     print("Part 1. The canonical exit law on a fixed tree (paper Sec. 3-4)")
     print("=" * 78)

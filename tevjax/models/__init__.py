@@ -2,7 +2,8 @@
 
 from tevjax.models.cache import KVCache
 from tevjax.models.config import PRESETS, ModelConfig, RopeScaling
-from tevjax.models.layers import NEG_INF, RMSNorm, SwiGLU, apply_rope, attention, causal_mask, rope_inv_freq
+from tevjax.models.layers import (NEG_INF, RMSNorm, SwiGLU, apply_rope, attention, causal_mask, matmul_precision,
+                                  rope_inv_freq)
 from tevjax.models.transformer import (
     ForwardOutput,
     Transformer,
@@ -25,5 +26,6 @@ __all__ = [
     "causal_mask",
     "forward",
     "full_mask",
+    "matmul_precision",
     "rope_inv_freq",
 ]

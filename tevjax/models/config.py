@@ -112,7 +112,8 @@ class ModelConfig:
     """Static shape and numerics of a decoder-only target model.
 
     `dtype` is the compute dtype (activations, KV cache); `param_dtype` the storage dtype of the
-    weights. Norm statistics, softmax and logits are always computed in float32.
+    weights. Norm statistics, softmax and logits are always computed in float32; float32 compute
+    uses true float32 matmuls on every backend (no TF32 on GPUs: `layers.matmul_precision`).
     """
 
     architecture: str  # "llama" | "qwen3"

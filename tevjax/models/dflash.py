@@ -50,7 +50,7 @@ from flax import nnx
 
 from tevjax.models.cache import KVCache
 from tevjax.models.config import ModelConfig, RopeScaling, read_config_json, with_overrides
-from tevjax.models.layers import NEG_INF, RMSNorm, SwiGLU, apply_rope, rope_inv_freq
+from tevjax.models.layers import NEG_INF, RMSNorm, SwiGLU, apply_rope, matmul_precision, rope_inv_freq
 
 __all__ = [
     "DFlashConfig",
@@ -413,18 +413,23 @@ def check_draft_vocab(ids, cfg: DFlashConfig) -> jax.Array:
     return jnp.asarray(x, jnp.int32)
 
 
-def draft_vocab_from_counts(counts, size: int, *, always: Sequence[int] = ()) -> np.ndarray:
+def draft_vocab_from_counts(counts, size: int, *, always: Sequence[int] = (), never: Sequence[int] = ()) -> np.ndarray:
     """The `size` most frequent ids of `counts` [V] (ties: the lower id, which in a BPE vocabulary
-    is the earlier, more frequent merge), plus every id in `always` (e.g. the end-of-turn ids),
-    sorted: a draft vocabulary for `DFlashDrafter(..., draft_vocab=...)`."""
+    is the earlier, more frequent merge), plus every id in `always` (e.g. the end-of-turn ids) and
+    none in `never` (e.g. the drafter's mask token, which text never holds), sorted: a draft
+    vocabulary for `DFlashDrafter(..., draft_vocab=...)`."""
     counts = np.asarray(counts)
     if not 1 <= size <= counts.shape[0]:
         raise ValueError(f"draft vocabulary size {size} is outside [1, {counts.shape[0]}]")
     forced = sorted({int(i) for i in always})
     if len(forced) > size:
         raise ValueError(f"{len(forced)} required ids do not fit a draft vocabulary of {size}")
+    banned = sorted({int(i) for i in never} - set(forced))
+    if counts.shape[0] - len(banned) < size:
+        raise ValueError(f"excluding {len(banned)} ids leaves fewer than {size} for the draft vocabulary")
     score = counts.astype(np.float64).copy()
     score[forced] = np.inf
+    score[banned] = -np.inf
     order = np.lexsort((np.arange(counts.shape[0]), -score))
     return np.sort(order[:size]).astype(np.int32)
 
@@ -458,13 +463,15 @@ def _context_block_attention(q, k_ctx, v_ctx, ctx_visible, k_blk, v_blk):
     kh = k_ctx.shape[2]
     qg = q.reshape(b, t, kh, h // kh, dh)
     scale = 1.0 / math.sqrt(dh)
-    s_ctx = jnp.einsum("btkgd,bskd->bkgts", qg, k_ctx, preferred_element_type=jnp.float32) * scale
+    f32 = dict(preferred_element_type=jnp.float32, precision=matmul_precision(q.dtype))
+    s_ctx = jnp.einsum("btkgd,bskd->bkgts", qg, k_ctx, **f32) * scale
     s_ctx = jnp.where(ctx_visible[:, None, None, None, :], s_ctx, NEG_INF)
-    s_blk = jnp.einsum("btkgd,bukd->bkgtu", qg, k_blk, preferred_element_type=jnp.float32) * scale
+    s_blk = jnp.einsum("btkgd,bukd->bkgtu", qg, k_blk, **f32) * scale
     probs = jax.nn.softmax(jnp.concatenate([s_ctx, s_blk], axis=-1), axis=-1)
     p_ctx, p_blk = probs[..., : k_ctx.shape[1]], probs[..., k_ctx.shape[1]:]
-    out = jnp.einsum("bkgts,bskd->btkgd", p_ctx.astype(v_ctx.dtype), v_ctx, preferred_element_type=jnp.float32)
-    out = out + jnp.einsum("bkgtu,bukd->btkgd", p_blk.astype(v_blk.dtype), v_blk, preferred_element_type=jnp.float32)
+    f32 = dict(preferred_element_type=jnp.float32, precision=matmul_precision(v_ctx.dtype))
+    out = jnp.einsum("bkgts,bskd->btkgd", p_ctx.astype(v_ctx.dtype), v_ctx, **f32)
+    out = out + jnp.einsum("bkgtu,bukd->btkgd", p_blk.astype(v_blk.dtype), v_blk, **f32)
     return out.reshape(b, t, h, dh).astype(q.dtype)
 
 
@@ -473,7 +480,7 @@ class DFlashAttention(nnx.Module):
 
     def __init__(self, cfg: DFlashConfig, *, rngs: nnx.Rngs):
         kw = dict(use_bias=False, dtype=jnp.dtype(cfg.dtype), param_dtype=jnp.dtype(cfg.param_dtype),
-                  kernel_init=nnx.initializers.normal(0.02), rngs=rngs)
+                  precision=matmul_precision(cfg.dtype), kernel_init=nnx.initializers.normal(0.02), rngs=rngs)
         d, h, k, dh = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_proj = nnx.Linear(d, h * dh, **kw)
         self.k_proj = nnx.Linear(d, k * dh, **kw)
@@ -553,7 +560,7 @@ class DFlashDrafter(nnx.Module):
             self.draft_vocab = DraftVocab(jnp.arange(cfg.draft_vocab_size, dtype=jnp.int32) if draft_vocab is None
                                           else check_draft_vocab(draft_vocab, cfg))
         self.fc = nnx.Linear(cfg.feature_dim, cfg.hidden_size, use_bias=False, dtype=jnp.dtype(cfg.dtype),
-                             param_dtype=jnp.dtype(cfg.param_dtype),
+                             param_dtype=jnp.dtype(cfg.param_dtype), precision=matmul_precision(cfg.dtype),
                              kernel_init=nnx.initializers.normal(0.02), rngs=rngs)
         nkw = dict(eps=cfg.rms_norm_eps, dtype=cfg.dtype, param_dtype=cfg.param_dtype, rngs=rngs)
         self.hidden_norm = RMSNorm(cfg.hidden_size, **nkw)

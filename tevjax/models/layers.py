@@ -4,7 +4,8 @@ Shape letters follow the legend in `tevjax/__init__.py` (here T: query tokens, S
 
 Numerics: every reduction that decides a probability (RMS statistics, attention scores, softmax)
 runs in float32 whatever the compute dtype; masking uses the finite `NEG_INF` so a fully masked
-row (padding) gives a uniform softmax instead of NaN.
+row (padding) gives a uniform softmax instead of NaN. Every matmul states its precision
+(`matmul_precision`): float32 compute means true float32 products on every backend.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ __all__ = [
     "attention",
     "causal_attention",
     "causal_mask",
+    "matmul_precision",
     "rope_inv_freq",
 ]
 
@@ -33,6 +35,19 @@ __all__ = [
 # any real score, while a row with no visible key stays finite (uniform weights, no NaN), and it
 # is far from float32's limit so subtracting a row maximum never overflows to -inf.
 NEG_INF: float = -1e30
+
+
+def matmul_precision(dtype) -> jax.lax.Precision:
+    """The precision of a matmul whose operands have `dtype`: HIGHEST for float32, DEFAULT otherwise.
+
+    With precision left unset, XLA may run float32 matmuls on GPUs in TF32 (operands rounded to a
+    10-bit mantissa, ~1e-3 relative error): a "float32" model would then differ from the same model
+    on CPU, and from transformers in float32, by far more than the parity tests' 1e-5 tolerances.
+    HIGHEST keeps float32 what it says (on CPUs it changes nothing). bfloat16 and float16 operands
+    use DEFAULT: their products are exact in the tensor cores' float32 accumulators, and every
+    matmul whose result decides a probability asks for a float32 result (`preferred_element_type`).
+    """
+    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else jax.lax.Precision.DEFAULT
 
 
 class RMSNorm(nnx.Module):
@@ -98,7 +113,8 @@ class SwiGLU(nnx.Module):
     """down(silu(gate(x)) * up(x)); no biases (Llama / Qwen3 MLP)."""
 
     def __init__(self, dim: int, hidden: int, *, dtype, param_dtype, rngs: nnx.Rngs):
-        kw = dict(use_bias=False, dtype=jnp.dtype(dtype), param_dtype=jnp.dtype(param_dtype), rngs=rngs)
+        kw = dict(use_bias=False, dtype=jnp.dtype(dtype), param_dtype=jnp.dtype(param_dtype),
+                  precision=matmul_precision(dtype), rngs=rngs)
         self.gate_proj = nnx.Linear(dim, hidden, **kw)
         self.up_proj = nnx.Linear(dim, hidden, **kw)
         self.down_proj = nnx.Linear(hidden, dim, **kw)
@@ -122,12 +138,13 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.
     if mask.shape != (b, t, k.shape[1]):
         raise ValueError(f"attention: mask shape {mask.shape} != (B, T, S) = {(b, t, k.shape[1])}")
     qg = q.reshape(b, t, kh, h // kh, dh)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32,
+                        precision=matmul_precision(q.dtype))
     scores = scores * (1.0 / math.sqrt(dh))
     scores = jnp.where(mask[:, None, None, :, :], scores, NEG_INF)
     probs = jax.nn.softmax(scores, axis=-1)
     out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v,
-                     preferred_element_type=jnp.float32)
+                     preferred_element_type=jnp.float32, precision=matmul_precision(v.dtype))
     return out.reshape(b, t, h, dh).astype(q.dtype)
 
 
@@ -172,7 +189,8 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, first: jax.Array,
         vj = jax.lax.dynamic_slice_in_dim(v, start, kb, axis=1)
         slot = start + jnp.arange(kb, dtype=jnp.int32)
         visible = (slot >= j * kb)[None, None, :] & (slot[None, None, :] <= query_slot[:, :, None])  # [B, T, kb]
-        scores = jnp.einsum("btkgd,bskd->bkgts", qg, kj, preferred_element_type=jnp.float32) * scale
+        scores = jnp.einsum("btkgd,bskd->bkgts", qg, kj, preferred_element_type=jnp.float32,
+                            precision=matmul_precision(q.dtype)) * scale
         scores = jnp.where(visible[:, None, None, :, :], scores, NEG_INF)
         m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
         # Block 0 always holds slot 0, visible to every query, so m is a real score from the
@@ -180,7 +198,8 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, first: jax.Array,
         p = jnp.exp(scores - m_new[..., None])
         corr = jnp.exp(m - m_new)
         acc = acc * corr[..., None] + jnp.einsum("bkgts,bskd->bkgtd", p.astype(v.dtype), vj,
-                                                 preferred_element_type=jnp.float32)
+                                                 preferred_element_type=jnp.float32,
+                                                 precision=matmul_precision(v.dtype))
         return m_new, l * corr + jnp.sum(p, axis=-1), acc
 
     g = h // kh

@@ -7,9 +7,10 @@ One call handles prefill, single-token decode and the one-pass tree verification
 The K/V of the T new tokens go to cache slots `write_pos[b] + t`; query t sees every slot below
 `write_pos[b]` (the committed prefix) and new slot `write_pos[b] + t'` iff `block_mask[b, t, t']`.
 A tree pass passes `tree.ancestors` with positions `prefix_len + tree.depth`; a causal run
-(prefill, one chunk of a prompt at a time) passes `block_mask=None`, which means the lower-triangular
-block and takes `causal_attention`: no [T, S] mask or score matrix, keys read only up to the run. Worked example of the combined [T, S] mask for one row with
-write_pos = 2, T = 3, S = 6 and the tree block mask of a root with two children::
+(prefill, one chunk of a prompt at a time) passes `block_mask=None`, which means the
+lower-triangular block and takes `causal_attention`: no [T, S] mask or score matrix, keys read only
+up to the run. Worked example of the combined [T, S] mask for one row with write_pos = 2, T = 3,
+S = 6 and the tree block mask of a root with two children::
 
     block_mask        combined mask (slots 0-1 prefix, 2-4 new, 5 empty)
     [1 0 0]           [1 1 | 1 0 0 | 0]
@@ -32,7 +33,8 @@ from flax import nnx
 
 from tevjax.models.cache import KVCache
 from tevjax.models.config import ModelConfig
-from tevjax.models.layers import RMSNorm, SwiGLU, apply_rope, attention, causal_attention, rope_inv_freq
+from tevjax.models.layers import (RMSNorm, SwiGLU, apply_rope, attention, causal_attention, matmul_precision,
+                                  rope_inv_freq)
 
 __all__ = [
     "Attention",
@@ -61,11 +63,12 @@ class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         d, h, k, dh = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         kw = dict(dtype=jnp.dtype(cfg.dtype), param_dtype=jnp.dtype(cfg.param_dtype), rngs=rngs)
+        lin = dict(kw, use_bias=cfg.attention_bias, precision=matmul_precision(cfg.dtype))
         self.num_heads, self.num_kv_heads, self.head_dim = h, k, dh
-        self.q_proj = nnx.Linear(d, h * dh, use_bias=cfg.attention_bias, **kw)
-        self.k_proj = nnx.Linear(d, k * dh, use_bias=cfg.attention_bias, **kw)
-        self.v_proj = nnx.Linear(d, k * dh, use_bias=cfg.attention_bias, **kw)
-        self.o_proj = nnx.Linear(h * dh, d, use_bias=cfg.attention_bias, **kw)
+        self.q_proj = nnx.Linear(d, h * dh, **lin)
+        self.k_proj = nnx.Linear(d, k * dh, **lin)
+        self.v_proj = nnx.Linear(d, k * dh, **lin)
+        self.o_proj = nnx.Linear(h * dh, d, **lin)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(dh, eps=cfg.rms_norm_eps, **kw)
             self.k_norm = RMSNorm(dh, eps=cfg.rms_norm_eps, **kw)
@@ -151,7 +154,7 @@ class Transformer(nnx.Module):
             self.lm_head = None
         else:
             self.lm_head = nnx.Linear(cfg.hidden_size, cfg.vocab_size, use_bias=False, dtype=dtype,
-                                      param_dtype=param_dtype, rngs=rngs)
+                                      param_dtype=param_dtype, precision=matmul_precision(dtype), rngs=rngs)
 
     def embed(self, tokens: jax.Array) -> jax.Array:
         """tokens [...] int -> [..., D] in the compute dtype."""
@@ -171,12 +174,12 @@ class Transformer(nnx.Module):
             if rows is not None:
                 w = jnp.take(w, rows, axis=0)
             return jnp.einsum("...d,vd->...v", final_hidden.astype(dt), w.astype(dt),
-                              preferred_element_type=jnp.float32)
+                              preferred_element_type=jnp.float32, precision=matmul_precision(dt))
         w = self.lm_head.kernel[...]
         if rows is not None:
             w = jnp.take(w, rows, axis=1)
         return jnp.einsum("...d,dv->...v", final_hidden.astype(dt), w.astype(dt),
-                          preferred_element_type=jnp.float32)
+                          preferred_element_type=jnp.float32, precision=matmul_precision(dt))
 
     def __call__(
         self,

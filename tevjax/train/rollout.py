@@ -58,6 +58,7 @@ from tevjax.models.transformer import Transformer
 __all__ = ["RolloutConfig", "generate_data", "sequence_hidden", "read_manifest", "MANIFEST", "FORMAT_VERSION"]
 
 MANIFEST = "manifest.json"
+RESPONSES = ("target", "sharegpt")
 FORMAT_VERSION = 1
 SHARDS = "shards"
 _TMP = ".tmp-"
@@ -75,8 +76,15 @@ class RolloutConfig:
     batch_size: int = 64  # prompts per generate call = records per shard
     taps: tuple[int, ...]  # target layers whose hidden states are stored
     seed: int = 0  # prompt order
+    # "target": training responses are the target's greedy continuations (the recipe).
+    # "sharegpt": ShareGPT's original first reply, truncated at max_new_tokens (cheap: one
+    # prefill pass per record for the features, no decoding). Held-out records are always the
+    # target's, so training-time evaluations read what decoding will meet.
+    responses: str = "target"
 
     def __post_init__(self):
+        if self.responses not in RESPONSES:
+            raise ValueError(f"responses must be one of {', '.join(RESPONSES)}, got {self.responses!r}")
         for name in ("num_prompts", "max_new_tokens", "max_prompt_tokens", "batch_size"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -165,17 +173,25 @@ def sequence_hidden(target: Transformer, sequences: Sequence[Sequence[int]], tap
 
 def _select_prompts(tokenizer, cfg: RolloutConfig) -> tuple[list[dict], list[dict]]:
     """(held-out rows, training rows): ShareGPT first turns in a fixed order, chat template applied,
-    prompts over `max_prompt_tokens` skipped. Held-out prompts come first in that order."""
+    prompts over `max_prompt_tokens` skipped. Held-out prompts come first in that order, so they
+    are the same whatever `cfg.responses` is; with ShareGPT responses, training rows also need
+    an original reply (rows get its text as "reply")."""
     from tevjax.convert.tokenizer import chat_prompt_ids
-    from tevjax.prompts import sharegpt_prompts
+    from tevjax.prompts import sharegpt_first_replies, sharegpt_prompts
 
     want = cfg.heldout_prompts + cfg.num_prompts
     pool = sharegpt_prompts(None, seed=cfg.seed)
+    replies = sharegpt_first_replies() if cfg.responses == "sharegpt" else {}
     rows = []
     for p in pool:
+        training = len(rows) >= cfg.heldout_prompts
+        if training and cfg.responses == "sharegpt" and p.id not in replies:
+            continue
         ids = chat_prompt_ids(tokenizer, p.text)
         if len(ids) <= cfg.max_prompt_tokens:
             rows.append({"id": p.id, "text": p.text, "prompt_ids": ids})
+            if training and replies:
+                rows[-1]["reply"] = replies[p.id]
             if len(rows) == want:
                 break
     if len(rows) < want:
@@ -222,8 +238,32 @@ def _write_shard(final: Path, records: list[dict], features: list[np.ndarray]) -
 
 
 def _config_dict(cfg: RolloutConfig, target_name: str, target_cfg) -> dict:
-    return {"rollout": dataclasses.asdict(cfg), "target": target_name,
-            "target_config": dataclasses.asdict(target_cfg)}
+    rollout = dataclasses.asdict(cfg)
+    if rollout["responses"] == "target":  # the default: absent, as in manifests that predate the field
+        del rollout["responses"]
+    return {"rollout": rollout, "target": target_name, "target_config": dataclasses.asdict(target_cfg)}
+
+
+def _reply_ids(tokenizer, row: dict, eos_ids, max_new_tokens: int) -> tuple[list[int], str]:
+    """A training row's original reply as response ids, the way the target would emit it: the chat
+    template's rendering of the assistant turn after the prompt, up to and including its
+    end-of-turn token, cut at `max_new_tokens` -> (ids, stop reason "eos" or "length")."""
+    from tevjax.convert.tokenizer import chat_prompt_ids
+
+    prompt = row["prompt_ids"]
+    full = chat_prompt_ids(tokenizer, [{"role": "user", "content": row["text"]},
+                                       {"role": "assistant", "content": row["reply"]}],
+                           add_generation_prompt=False)
+    if full[: len(prompt)] != prompt:
+        raise ValueError("the chat template renders a user + assistant exchange with another prefix than the "
+                         "user turn alone: cannot place ShareGPT replies after the prompt")
+    reply = full[len(prompt):]
+    ends = [i for i, t in enumerate(reply) if t in eos_ids]
+    if ends:
+        reply = reply[: ends[0] + 1]
+    if len(reply) > max_new_tokens:
+        return reply[:max_new_tokens], "length"
+    return reply, "eos" if ends else "length"
 
 
 def settings_diff(saved: dict, now: dict, prefix: str = "") -> list[str]:
@@ -272,6 +312,8 @@ def generate_data(loaded, cfg: RolloutConfig, out_dir: str | os.PathLike, *, res
         if out.exists() and any(out.iterdir()):
             raise FileExistsError(f"{out} exists and is not empty: choose a new --out")
         out.mkdir(parents=True, exist_ok=True)
+        if prompts is not None and cfg.responses == "sharegpt":
+            raise ValueError("ShareGPT responses belong to ShareGPT prompts: given prompts need responses='target'")
         if prompts is None:
             if loaded.tokenizer is None:
                 raise ValueError(f"target {loaded.name!r} has no tokenizer: data generation needs one for the chat template")
@@ -313,15 +355,24 @@ def generate_data(loaded, cfg: RolloutConfig, out_dir: str | os.PathLike, *, res
             break
         batch = rows[split][start:end]
         t0 = time.perf_counter()
-        gens = decoder.generate([r["prompt_ids"] for r in batch])
-        t1 = time.perf_counter()
         records, feats = [], []
-        for r, g in zip(batch, gens):
+        if split == "train" and cfg.responses == "sharegpt":
+            replies = [_reply_ids(loaded.tokenizer, r, loaded.eos_ids, cfg.max_new_tokens) for r in batch]
+            seqs = [r["prompt_ids"] + ids for r, (ids, _) in zip(batch, replies)]
+            feats = sequence_hidden(loaded.target, seqs, cfg.taps)  # one causal forward per record
+            responses = [(ids, stop) for ids, stop in replies]
+        else:
+            gens = decoder.generate([r["prompt_ids"] for r in batch])
+            responses = [(g.tokens, g.stop) for g in gens]
+            # The decoder kept every committed token's states; the last token, which no pass has
+            # read, gets zeros (no anchor's context reaches it).
+            feats = [np.concatenate([g.hidden, np.zeros((1,) + g.hidden.shape[1:], g.hidden.dtype)]) for g in gens]
+        t1 = time.perf_counter()
+        for r, (tokens, stop) in zip(batch, responses):
             p = r["prompt_ids"]
-            records.append({"tokens": p + g.tokens, "loss_mask": [0] * len(p) + [1] * len(g.tokens),
-                            "prompt_index": r["index"], "prompt_len": len(p), "response_len": len(g.tokens),
-                            "stop": g.stop})
-            feats.append(np.concatenate([g.hidden, np.zeros((1,) + g.hidden.shape[1:], g.hidden.dtype)]))
+            records.append({"tokens": p + list(tokens), "loss_mask": [0] * len(p) + [1] * len(tokens),
+                            "prompt_index": r["index"], "prompt_len": len(p), "response_len": len(tokens),
+                            "stop": stop})
         t2 = time.perf_counter()
         _write_shard(out / SHARDS / name, records, feats)
         manifest["shards"][name] = _shard_summary(out / SHARDS / name)

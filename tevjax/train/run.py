@@ -180,12 +180,14 @@ def train(target, drafter: DFlashDrafter, data_dir: str | os.PathLike, run_dir: 
         bar = tqdm(total=last_step, initial=start, unit="step", desc="tevjax train", dynamic_ncols=True)
     log_path = run / LOG_FILE
     t_ckpt = t_eval = time.monotonic()
-    t0, blocks = time.monotonic(), 0.0
+    # Blocks of every step are summed on the device (no host sync per step) and read when logged.
+    t0, blocks = time.monotonic(), jax.numpy.zeros((), jax.numpy.float32)
 
     def meta_now(step):
         return {"step": step, "data_position": step * cfg.batch_size, "seed": cfg.seed, "records": len(data)}
 
     def write_log(entry):
+        entry = {**entry, "time": round(time.time(), 1)}  # wall clock, for the run's time line
         if pid == 0:
             with open(log_path, "a", encoding="utf-8") as f:
                 f.write(json.dumps(entry) + "\n")
@@ -196,12 +198,12 @@ def train(target, drafter: DFlashDrafter, data_dir: str | os.PathLike, run_dir: 
             host = data.batch(rows, columns, cfg.seq_len)
             batch = Batch(**{k: global_batch_array(mesh, v) for k, v in host.items()})
             state, metrics = trainer.step(state, batch)
+            blocks = blocks + metrics["blocks"]
             if bar is not None or (step + 1) % 10 == 0 or step + 1 == last_step:
                 m = {k: float(v) for k, v in jax.device_get(metrics).items()}
-                blocks += m["blocks"]
                 if any(not math.isfinite(v) for v in m.values()):
                     raise RunError(f"step {step + 1}: non-finite training metrics {m} (lower --lr?)")
-                rate = blocks / max(time.monotonic() - t0, 1e-9)
+                rate = float(blocks) / max(time.monotonic() - t0, 1e-9)
                 entry = {"step": step + 1, **{k: round(v, 5) for k, v in m.items()}, "blocks_per_s": round(rate, 2)}
                 write_log(entry)
                 if bar is not None:

@@ -1,0 +1,47 @@
+"""The GPU script's dry run: experiments/gpu/run.sh --tiny on CPU really runs every stage.
+
+Each stage must leave its markdown file with a table holding measured numbers, and must exit
+cleanly (a stage that crashed or ran out of time writes an 'incomplete' note instead). The time
+limits are scaled up (TIME_SCALE) so that a busy shared machine does not turn slowness into a
+failure here; `make gpu-dry-run` runs with the real limits.
+"""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+STAGES = ("a_correctness", "b_verifier", "c_engine", "d_train")
+
+
+def _numeric_table_rows(text: str) -> list[str]:
+    """Markdown table rows (not header or rule lines) with at least one cell holding a number."""
+    rows = [line for line in text.splitlines() if line.startswith("|") and not re.match(r"^\|[-:| ]+\|$", line)]
+    body = rows[1:] if rows else []  # the first row of a table is its header
+    return [r for r in body if any(re.fullmatch(r"[-+]?\d[\d,]*(\.\d+)?%?( \(.*\))?", c.strip())
+                                   for c in r.strip("|").split("|"))]
+
+
+@pytest.mark.slow
+def test_gpu_script_dry_run_writes_every_stage(tmp_path):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHON=sys.executable, TIME_SCALE="1000")
+    proc = subprocess.run(["bash", str(ROOT / "experiments/gpu/run.sh"), str(tmp_path), "--tiny"], env=env,
+                          capture_output=True, text=True, timeout=3600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = (tmp_path / "summary.md").read_text()
+    for stage in STAGES:
+        md = tmp_path / f"{stage}.md"
+        assert md.is_file(), f"{stage}: no results file\n{summary}"
+        text = md.read_text()
+        assert "Stage incomplete" not in text, f"{stage} did not finish:\n{text[-3000:]}"
+        assert re.search(r"^- jax \d", text, re.M) and "Device: " in text, f"{stage}: results are not stamped"
+        assert _numeric_table_rows(text), f"{stage}: no table with numbers:\n{text}"
+        assert re.search(rf"^\| {stage} \| 0 \|", summary, re.M), summary
+    # Stage a really ran tests, and they passed.
+    total = next(line for line in (tmp_path / "a_correctness.md").read_text().splitlines() if "**total**" in line)
+    passed, failed, errors = (int(c) for c in total.strip("|").split("|")[2:5])
+    assert passed > 0 and failed == 0 and errors == 0, total
