@@ -23,8 +23,12 @@ its peak before the first prefill. The tevjax/transformers ratio pairs the two s
 same length run back to back: ratio of medians, with the range min(tevjax)/max(transformers) ..
 max(tevjax)/min(transformers) over the repeats. Both frameworks use every host core.
 
-    nice -n 15 python experiments/prefill.py --sizes 512 2048          # writes experiments/results/prefill.md
-    nice -n 15 python experiments/prefill.py --sizes 8159 --out experiments/results/prefill_8k.md
+    nice -n 19 python experiments/prefill.py      # 512, 2048, 8159: experiments/results/prefill.md (+ .json)
+    nice -n 19 python experiments/prefill.py --sizes 8159 --chunk 512 --out /tmp/prefill_8k.md
+
+The raw measurements (every repeat) go to the report's name with `.json`, rewritten after each
+subprocess, so a run cut short keeps what it measured. A subprocess past `--timeout` is reported as
+not finished, with the time it was given.
 """
 
 from __future__ import annotations
@@ -149,7 +153,11 @@ def _run_worker(impl: str, length: int, args) -> dict:
            "--max-new-tokens", str(args.max_new_tokens), "--chunk", str(args.chunk)]
     print(f"[{time.strftime('%H:%M:%S')}] {impl} at {length} tokens ...", flush=True)
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        print(f"    did not finish in {args.timeout:.0f} s", flush=True)
+        return dict(impl=impl, tokens=length, timeout_s=args.timeout)
     if proc.returncode != 0:
         raise SystemExit(f"{impl} at {length} tokens failed:\n{proc.stderr[-3000:]}")
     result = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -174,6 +182,7 @@ def main() -> None:
     ap.add_argument("--worker", choices=IMPLS, help=argparse.SUPPRESS)
     default_out = Path(__file__).parent / "results" / "prefill.md"
     ap.add_argument("--out", default=str(default_out))
+    ap.add_argument("--from-json", help="write the report of a run's raw measurements (its .json) without measuring")
     args = ap.parse_args()
     if args.worker:
         print(json.dumps(worker(args.worker, args.sizes[0], args.repeats, args.max_new_tokens, args.chunk)))
@@ -182,28 +191,46 @@ def main() -> None:
         raise SystemExit("--repeats must be >= 1")
 
     t_start = time.perf_counter()
+    raw_path = Path(args.out).with_suffix(".json")
     results: dict[tuple[int, str], dict] = {}
-    for length in args.sizes:
-        for impl in args.impls:
-            if impl == "onepass" and length > args.onepass_max:
-                continue
-            results[(length, impl)] = _run_worker(impl, length, args)
+    if args.from_json:
+        raw = json.loads(Path(args.from_json).read_text())
+        out, argv, nice = args.out, raw["argv"], raw["nice"]
+        args = ap.parse_args(argv)  # the measuring run's settings
+        args.out = out
+        results = {(r["tokens"], r["impl"]): r for r in raw["results"]}
+        raw_path.write_text(json.dumps(raw, indent=1) + "\n")
+        total = "total run: see the raw file's wall_s"
+    else:
+        argv, nice = sys.argv[1:], os.nice(0)
+        raw_path.parent.mkdir(parents=True, exist_ok=True)
+        for length in args.sizes:
+            for impl in args.impls:
+                if impl == "onepass" and length > args.onepass_max:
+                    continue
+                results[(length, impl)] = _run_worker(impl, length, args)
+                raw_path.write_text(json.dumps(dict(argv=argv, nice=nice, results=list(results.values())),
+                                               indent=1) + "\n")
+        total = f"total run {time.perf_counter() - t_start:.0f} s"
+    unfinished = {key: r for key, r in results.items() if "timeout_s" in r}
+    results = {key: r for key, r in results.items() if "timeout_s" not in r}
 
     import jax  # the device line only
     import torch
     import transformers
 
     dev = jax.devices()[0]
-    cmd = "python " + " ".join([Path(sys.argv[0]).as_posix()] + sys.argv[1:])
+    cmd = "python " + " ".join([Path(sys.argv[0]).as_posix()] + argv)
     lines = [
         "# Prefill: tevjax (chunked) against transformers on SmolLM2-135M-Instruct",
         "",
-        f"Command: `{cmd}` (total run {time.perf_counter() - t_start:.0f} s).",
+        f"Command: `{cmd}` ({total}).",
         f"Device: {dev.platform}, {os.cpu_count()} host cores, {platform.processor() or platform.machine()}; "
         f"jax {jax.__version__}, torch {torch.__version__}, transformers {transformers.__version__}; float32 "
         f"weights and compute, batch 1. The host is shared (a training job ran at normal priority; this "
-        f"script under `nice -n 15`), so absolute figures are noisy; each length's implementations ran "
-        f"back to back.",
+        f"script at niceness {nice}), so absolute figures are noisy (the load average column is the "
+        f"host's 1-minute load at the end of each subprocess); each length's implementations ran back to "
+        f"back. Raw measurements: `{raw_path.name}`.",
         f"tevjax: `Decoder.prefill`, chunks of {args.chunk} tokens, cache capacity as `generate` allocates "
         f"for --max-new-tokens {args.max_new_tokens}. transformers: `model(ids, use_cache=True, logits_to_keep=1)`"
         f" (attention: {next((r['attention'] for r in results.values() if 'attention' in r), '-')}). "
@@ -218,6 +245,8 @@ def main() -> None:
         p10, p50, p90 = np.percentile(length / t, [10, 50, 90])
         lines.append(f"| {length} | {impl} | {p50:.1f} | {p10:.1f}-{p90:.1f} | {np.median(t):.2f} |"
                      f" {r['first_s']:.2f} | {r['peak_rss_mb']:.0f} | {r['rss_before_mb']:.0f} | {r['load_avg']:.1f} |")
+    for (length, impl), r in unfinished.items():
+        lines.append(f"| {length} | {impl} | did not finish in {r['timeout_s']:.0f} s | | | | | | |")
     lines += ["", "## Same-run ratios (tok/s of the first / the second; range over the repeats)", "",
               "| prompt tokens | ratio | median ratio | range |", "|---:|---|---:|---:|"]
     for length in args.sizes:
@@ -228,13 +257,24 @@ def main() -> None:
                              f" {tb.min() / ta.max():.2f}-{tb.max() / ta.min():.2f} |")
     goals = []
     for length in args.sizes:
-        if (length, "tevjax") in results and (length, "transformers") in results and length >= 2048:
-            ta = np.median(results[(length, "tevjax")]["times_s"])
-            tb = np.median(results[(length, "transformers")]["times_s"])
+        tev, ref = results.get((length, "tevjax")), results.get((length, "transformers"))
+        if (length, "tevjax") in unfinished:
+            # Compile, one untimed and `repeats` timed prefills did not fit: each took > timeout / (repeats + 1).
+            bound = length * (args.repeats + 1) / unfinished[(length, "tevjax")]["timeout_s"]
+            goals.append(f"* {length} tokens: tevjax did not finish {args.repeats + 1} prefills in "
+                         f"{unfinished[(length, 'tevjax')]['timeout_s']:.0f} s, so its tok/s is below {bound:.1f}"
+                         + (f" against transformers' {length / np.median(ref['times_s']):.1f}: NOT met." if ref else "."))
+        if (length, "transformers") in unfinished:
+            bound = length * (args.repeats + 1) / unfinished[(length, "transformers")]["timeout_s"]
+            goals.append(f"* {length} tokens: transformers did not finish {args.repeats + 1} prefills in "
+                         f"{unfinished[(length, 'transformers')]['timeout_s']:.0f} s either (below {bound:.1f} tok/s): "
+                         f"the comparison at this length is not measured.")
+        if tev and ref and length >= 2048:
+            ta, tb = np.median(tev["times_s"]), np.median(ref["times_s"])
             goals.append(f"* {length} tokens: tevjax tok/s >= transformers': {'met' if ta <= tb else 'NOT met'}"
                          f" ({tb / ta:.2f}x).")
-        if (length, "tevjax") in results and length >= 8000:
-            rss = results[(length, "tevjax")]["peak_rss_mb"]
+        if tev and length >= 8000:
+            rss = tev["peak_rss_mb"]
             goals.append(f"* {length} tokens: tevjax peak RSS < 3 GB: {'met' if rss < 3072 else 'NOT met'} ({rss:.0f} MB).")
     if goals:
         lines += ["", "## Goals", "", *goals]

@@ -198,6 +198,8 @@ def test_a_broken_verifier_is_detected(small_models, exact_first3, monkeypatch):
         ({"temperature": float("nan")}, "temperature must be a finite number >= 0"),
         ({"budget": 0}, "budget must be >= 1"),
         ({"max_new_tokens": 0}, "max_new_tokens must be >= 1"),
+        ({"prefill_chunk": 0}, r"DecodeConfig.prefill_chunk must be >= 1, got 0"),
+        ({"prompt_bucket": -8}, r"DecodeConfig.prompt_bucket must be >= 1, got -8"),
     ],
 )
 def test_bad_config_is_rejected(kwargs, message):

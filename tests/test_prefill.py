@@ -7,6 +7,7 @@ block) and lead to the same tokens, greedy and sampled, with and without a draft
 """
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -16,12 +17,15 @@ from flax import nnx
 
 from tevjax.decode import DecodeConfig, Decoder
 from tevjax.models import KVCache, attention, causal_mask, full_mask
+from tevjax.decode import engine
 from tevjax.models.dflash import DFlashConfig, DFlashDrafter, DrafterCache
 from tevjax.models.layers import causal_attention
+from tevjax.models.transformer import Transformer
 from tevjax.testing import random_model, tiny_config
 
 LAYERS = (0, 1)  # kept hidden states: every layer of the 2-layer tiny target (the last one final-normed)
-# Lengths 45 and 30 span several chunks, 17 is not a multiple of any chunk, 1 prefills nothing.
+# prompt[:-1] (what prefill writes) of 44 and 29 tokens spans several chunks, 16 is exactly one
+# 16-token chunk (and three 5-token chunks and a part), 2 is part of one, 0 prefills nothing.
 PROMPT_LENGTHS = (45, 3, 30, 1, 17)
 
 
@@ -169,3 +173,49 @@ def test_compile_needs_only_shapes(models, monkeypatch, caplog):
     again = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Compiling")]
     assert not [m for m in again if any(f"jit({name})" in m for name in engine_programs)], again
     assert len(gens) == 2 and all(len(g.tokens) == 8 or g.stop == "eos" for g in gens)
+
+
+def all_eqns(jaxpr):
+    """Every equation of a jaxpr, those of its sub-jaxprs (loop bodies, scans, pjit) included."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                    yield from all_eqns(sub.jaxpr)
+                elif isinstance(sub, jax.extend.core.Jaxpr):
+                    yield from all_eqns(sub)
+
+
+def test_prefill_chunk_builds_no_chunk_by_cache_array():
+    """The traced prefill chunk (abstract target and drafter, nothing runs) holds no value with
+    both a chunk axis C and a cache axis S, nor a [C, C] block: no causal mask and no full score
+    matrix, whatever its dtype. The one-pass prefill under a [C, C] causal block mask, traced the
+    same way, holds both, so the check can see them."""
+    cfg = tiny_config("llama", max_position_embeddings=2048)
+    dcfg = DFlashConfig.for_target(cfg, num_layers=1, block_size=4, mask_token_id=cfg.vocab_size - 1)
+    target = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    drafter = nnx.eval_shape(lambda: DFlashDrafter(dcfg, rngs=nnx.Rngs(0)))
+    dec = Decoder(target, drafter, DecodeConfig(budget=4, max_new_tokens=8, prompt_bucket=8, prefill_chunk=40))
+    lengths = [300, 120]
+    c, (_, s) = dec.chunk_size(lengths), dec.shapes(lengths)
+    assert (c, s) == (40, 384) and s > 256  # S spans two key blocks; C, S and 2C collide with no other axis
+    state = dec._abstract_state(len(lengths), s)
+    chunk = functools.partial(engine._prefill_chunk, tgd=dec.tgd, dgd=dec.dgd, cfg=dec.cfg)
+    tokens = jax.ShapeDtypeStruct((len(lengths), c), jnp.int32)
+    jaxpr = jax.make_jaxpr(chunk)(dec.tstate, dec.dstate, state, tokens, jnp.int32(0)).jaxpr
+
+    def chunk_by_cache(jaxpr):
+        shapes = {tuple(v.aval.shape) for e in all_eqns(jaxpr) for v in e.outvars if hasattr(v.aval, "shape")}
+        return sorted(sh for sh in shapes if (c in sh and s in sh) or sh[-2:] == (c, c))
+
+    assert chunk_by_cache(jaxpr) == []
+
+    def one_pass(tstate, tokens):
+        model = nnx.merge(dec.tgd, tstate)
+        b = tokens.shape[0]
+        return model(tokens, jnp.broadcast_to(jnp.arange(c), (b, c)), KVCache.init(cfg, b, s), jnp.zeros((b,), jnp.int32),
+                     jnp.broadcast_to(causal_mask(c), (b, c, c)), compute_logits=False).cache
+
+    found = chunk_by_cache(jax.make_jaxpr(one_pass)(dec.tstate, tokens).jaxpr)
+    assert (2, c, s) in found and (2, c, c) in found, found

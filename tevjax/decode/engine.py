@@ -110,8 +110,9 @@ class DecodeConfig:
             raise ValueError(f"budget must be >= 1, got {self.budget}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.prompt_bucket < 1 or self.capacity_bucket < 1 or self.prefill_chunk < 1:
-            raise ValueError("prompt_bucket, capacity_bucket and prefill_chunk must be >= 1")
+        for name in ("prompt_bucket", "capacity_bucket", "prefill_chunk"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"DecodeConfig.{name} must be >= 1, got {getattr(self, name)}")
         layers = tuple(int(i) for i in self.hidden_layers)
         if any(i < 0 for i in layers) or len(set(layers)) != len(layers):
             raise ValueError(f"hidden_layers must be distinct layer indices >= 0, got {self.hidden_layers!r}")
