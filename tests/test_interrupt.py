@@ -140,6 +140,8 @@ def test_cli_sigint_prints_finished_prompts_and_exits_130(tmp_path, scripted_dir
     records = [json.loads(line) for line in out.splitlines()]
     assert [r["text"] for r in records] == ["ok"] and records[0]["stop"] == "eos"
     assert records[0]["prompt"] == "a" and records[0]["tokens"] == CHAIN[1:]
-    # One loop call is aimed at CALL_SECONDS; the rest is printing and interpreter shutdown.
+    # One loop call is aimed at CALL_SECONDS; the rest is printing and interpreter shutdown. Measured
+    # 0.9 s at host load 3, but 17.5 s under `nice -n 19` at load 14 on 2 cores (the process barely
+    # ran): the bound is generous so the test is not flaky; an uninterrupted run would take minutes.
     print(f"exited {waited:.2f} s after SIGINT")
-    assert waited < 10.0, f"exit took {waited:.1f} s after SIGINT"
+    assert waited < 45.0, f"exit took {waited:.1f} s after SIGINT"
