@@ -159,9 +159,9 @@ def main() -> None:
         return out.logits, out.hidden, out.cache
 
     @jax.jit
-    def draft(tstate, dstate, dcache, cache_len, root):
-        """Drafter block pass: draft logits [1, G, V]."""
-        return engine.draft(nnx.merge(dgd, dstate), nnx.merge(tgd, tstate), root, cache_len, dcache)
+    def draft(tstate, dstate, dcache, cache_len, root, head):
+        """Drafter block pass: draft logits [1, G, V] (`head`: the engine's pre-gathered draft head)."""
+        return engine.draft(nnx.merge(dgd, dstate), nnx.merge(tgd, tstate), root, cache_len, dcache, head)
 
     build = jax.jit(engine.draft_trees, static_argnums=2)  # log-softmax + DDTree builder
 
@@ -181,7 +181,7 @@ def main() -> None:
             logits, box["cache"] = step(tstate, box["cache"], cache_len, root)
             return logits
         if name == "draft":
-            return draft(tstate, dstate, dcache, cache_len, root)
+            return draft(tstate, dstate, dcache, cache_len, root, state.draft_head)
         if name == "build16":
             return build(lm, root, 16)
         logits, hidden, box["cache"] = tree_pass(tstate, box["cache"], cache_len, trees[int(name[4:])])

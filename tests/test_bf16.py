@@ -24,6 +24,7 @@ from tevjax.decode import engine
 from tevjax.models.dflash import DFlashConfig, DFlashDrafter
 from tevjax.models.transformer import Transformer
 from tevjax.testing import random_model, tiny_config
+from test_prefill import all_eqns
 
 LOGIT_ERROR = 0.125
 MARGIN = 2 * LOGIT_ERROR
@@ -79,37 +80,36 @@ def test_bf16_greedy_matches_float32_where_the_margin_exceeds_the_bound():
 
 def _dot_precisions(jaxpr) -> list:
     """(operand dtype, precision, result dtype) of every dot_general in a jaxpr, sub-jaxprs included."""
-    found = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "dot_general":
-            found.append((eqn.invars[0].aval.dtype, eqn.params["precision"], eqn.outvars[0].aval.dtype))
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (tuple, list)) else (value,):
-                if isinstance(sub, jax.extend.core.ClosedJaxpr):
-                    found += _dot_precisions(sub.jaxpr)
-                elif isinstance(sub, jax.extend.core.Jaxpr):
-                    found += _dot_precisions(sub)
-    return found
+    return [(e.invars[0].aval.dtype, e.params["precision"], e.outvars[0].aval.dtype)
+            for e in all_eqns(jaxpr) if e.primitive.name == "dot_general"]
 
 
-def _round_jaxpr(cfg):
-    """The jaxpr of one speculative round (drafter, builder, target tree pass, verifier, commit),
-    traced on abstract models and state (nothing is initialised or compiled)."""
+def _engine_jaxprs(cfg):
+    """The jaxprs of one speculative round (drafter, builder, target tree pass, verifier, commit) and
+    of one prefill chunk (the causal path), traced on abstract models and state (nothing is
+    initialised or compiled)."""
     dcfg = DFlashConfig.for_target(cfg, num_layers=2, block_size=4, mask_token_id=cfg.vocab_size - 1,
                                    target_layer_ids=(0, 2))
     target = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
     drafter = nnx.eval_shape(lambda: DFlashDrafter(dcfg, rngs=nnx.Rngs(0)))
     decoder = engine.Decoder(target, drafter, engine.DecodeConfig(budget=4, temperature=1.0, max_new_tokens=8))
-    state = jax.eval_shape(lambda: decoder.prefill([[5, 6, 7]]))
-    fn = functools.partial(engine._round, tgd=decoder.tgd, dgd=decoder.dgd, cfg=decoder.cfg)
-    return jax.make_jaxpr(fn)(decoder.tstate, decoder.dstate, state).jaxpr
+    _, capacity = decoder.shapes([3])
+    state = decoder._abstract_state(1, capacity)
+    statics = dict(tgd=decoder.tgd, dgd=decoder.dgd, cfg=decoder.cfg)
+    tokens = jax.ShapeDtypeStruct((1, decoder.chunk_size([3])), jnp.int32)
+    return (jax.make_jaxpr(functools.partial(engine._round, **statics))(decoder.tstate, decoder.dstate, state).jaxpr,
+            jax.make_jaxpr(functools.partial(engine._prefill_chunk, **statics))(
+                decoder.tstate, decoder.dstate, state, tokens, jnp.int32(0)).jaxpr)
 
 
 def test_float32_matmuls_are_true_float32_and_bf16_ones_accumulate_logits_in_float32():
-    # float32: every product HIGHEST (GPUs would otherwise run TF32 and miss the parity tolerances).
-    dots = _dot_precisions(_round_jaxpr(CFG32))
-    assert dots and all(p is not None and all(x == jax.lax.Precision.HIGHEST for x in p) for _, p, _ in dots), dots
+    # float32: every product HIGHEST (GPUs would otherwise run TF32 and miss the parity tolerances),
+    # in the rounds and in the causal path of prefill alike.
+    for jaxpr in _engine_jaxprs(CFG32):
+        dots = _dot_precisions(jaxpr)
+        assert dots and all(p is not None and all(x == jax.lax.Precision.HIGHEST for x in p) for _, p, _ in dots), dots
     # bf16: tensor-core products; attention scores and the logits (V-wide outputs) come out float32.
-    dots = _dot_precisions(_round_jaxpr(CFG16))
-    assert all(dt == jnp.bfloat16 for dt, _, _ in dots), dots
-    assert any(out == jnp.float32 for _, _, out in dots)
+    for jaxpr in _engine_jaxprs(CFG16):
+        dots = _dot_precisions(jaxpr)
+        assert dots and all(dt == jnp.bfloat16 for dt, _, _ in dots), dots
+        assert any(out == jnp.float32 for _, _, out in dots)

@@ -111,20 +111,19 @@ def test_generate_json_matches_autoregressive_greedy(capsys, tiny_dir):
 SCRIPTED = "🙂 é".encode()
 
 
-@pytest.fixture(scope="module")
-def scripted_dir(tmp_path_factory):
+def write_scripted_target(path, successors, max_positions: int = 64):
+    """Saves a 1-layer target (with the tiny byte tokenizer) whose greedy next token after t is
+    successors[t]: layer outputs are zero, so the last hidden state is t's normalised embedding,
+    and lm_head row successors[t] is 50 times that embedding."""
     from safetensors.numpy import load_file, save_file
 
-    path = tmp_path_factory.mktemp("scripted")
-    vocab = len(tiny_vocab())
-    save_hf_target(random_model(tiny_config("llama", num_layers=1, max_position_embeddings=64,
-                                            vocab_size=vocab), seed=3), path)
+    save_hf_target(random_model(tiny_config("llama", num_layers=1, max_position_embeddings=max_positions,
+                                            vocab_size=len(tiny_vocab())), seed=3), path)
     tensors = load_file(path / "model.safetensors")
     emb = tensors["model.embed_tokens.weight"]
     emb /= np.linalg.norm(emb, axis=1, keepdims=True)
-    chain = [len(SPECIALS) + b for b in b"a" + SCRIPTED] + [2]  # byte b is token 3 + b; 2 = EOS
     head = np.zeros_like(emb)
-    for t, succ in zip(chain, chain[1:]):
+    for t, succ in successors:
         head[succ] = emb[t] * 50.0
     for name in tensors:
         if name.endswith(("o_proj.weight", "down_proj.weight")):
@@ -133,6 +132,13 @@ def scripted_dir(tmp_path_factory):
     tensors["lm_head.weight"] = head
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
     write_tok_dir(tiny_meta(), path)
+
+
+@pytest.fixture(scope="module")
+def scripted_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("scripted")
+    chain = [len(SPECIALS) + b for b in b"a" + SCRIPTED] + [2]  # byte b is token 3 + b; 2 = EOS
+    write_scripted_target(path, zip(chain, chain[1:]))
     return path, chain[0]
 
 

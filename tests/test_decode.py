@@ -198,6 +198,8 @@ def test_a_broken_verifier_is_detected(small_models, exact_first3, monkeypatch):
         ({"temperature": float("nan")}, "temperature must be a finite number >= 0"),
         ({"budget": 0}, "budget must be >= 1"),
         ({"max_new_tokens": 0}, "max_new_tokens must be >= 1"),
+        ({"prefill_chunk": 0}, r"DecodeConfig.prefill_chunk must be >= 1, got 0"),
+        ({"prompt_bucket": -8}, r"DecodeConfig.prompt_bucket must be >= 1, got -8"),
     ],
 )
 def test_bad_config_is_rejected(kwargs, message):
@@ -237,11 +239,11 @@ def test_prompt_lengths_share_one_compilation_per_bucket(models):
     dec = _decoder(models, "tev", max_new_tokens=6, capacity=None)
     for prompt in ([1, 2], [1, 2, 3, 4, 5], [3] * 9, [4] * 15):  # all within one 16-token bucket
         dec.generate([prompt])
-    assert dec._generate._cache_size() == 1
-    assert len(dec._prefill_fns) == 1 and next(iter(dec._prefill_fns.values()))._cache_size() == 1
-    dec.generate([[5] * 20])  # the next prompt bucket: one more prefill compile, not one per prompt;
-    prefill = next(iter(dec._prefill_fns.values()))  # the loop's shapes depend on the capacity only
-    assert prefill._cache_size() == 2 and dec._generate._cache_size() == 1
+    assert dec._loop._cache_size() == 1
+    assert len(dec._empty_fns) == 1 and dec._prefill_chunk._cache_size() == 1
+    dec.generate([[5] * 20])  # the next prompt bucket: one more prefill chunk shape (32 tokens), not
+    # one per prompt; the loop's shapes depend on the capacity only
+    assert dec._prefill_chunk._cache_size() == 2 and dec._loop._cache_size() == 1
 
 
 @pytest.mark.parametrize("verifier", [AR, "tev"])

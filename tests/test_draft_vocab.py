@@ -96,6 +96,44 @@ def test_logits_are_the_full_logits_columns_and_lookups_invert(target):
     assert bool(jnp.all(inside)) and full.vocab_ids() is None
 
 
+@pytest.mark.parametrize("architecture", ["llama", "qwen3"])  # untied lm_head, tied embedding
+def test_a_pre_gathered_head_gives_the_same_logits(architecture):
+    model = random_model(tiny_config(architecture, num_layers=4), seed=5)
+    assert (model.lm_head is None) == (architecture == "qwen3")
+    ids = jnp.asarray(_vocab(model, 40))
+    head = model.head_rows(ids)
+    assert head.shape == (40, model.cfg.hidden_size)
+    h = jax.random.normal(jax.random.key(1), (2, 3, model.cfg.hidden_size))
+    got, ref = np.asarray(model.logits(h, ids, head=head)), np.asarray(model.logits(h, ids))
+    if model.lm_head is None:  # the same rows in the same layout: bit for bit
+        np.testing.assert_array_equal(got, ref)
+    else:  # head_rows stores the [D, V] kernel's columns as [Vd, D] rows: float32 rounding only
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(model.logits(h, ids)), np.asarray(model.logits(h))[..., np.asarray(ids)],
+                               rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="head has 39 rows for 40 vocabulary ids"):
+        model.logits(h, ids, head=head[:39])
+
+
+def test_the_decoder_gathers_the_draft_head_once_at_prefill(target):
+    ids = _vocab(target, 60)
+    small = DFlashDrafter(_cfg(target, 60), rngs=nnx.Rngs(3), draft_vocab=ids)
+    full = DFlashDrafter(_cfg(target, None), rngs=nnx.Rngs(3))
+    prompts = [[7, 8, 9, 10]]
+    state = Decoder(target, small, DecodeConfig(budget=4, max_new_tokens=8)).prefill(prompts)
+    np.testing.assert_array_equal(np.asarray(state.draft_head), np.asarray(target.head_rows(jnp.asarray(ids))))
+    # The round passes it on unchanged, and its draft equals the per-call gather's.
+    dec = Decoder(target, small, DecodeConfig(budget=4, max_new_tokens=8))
+    after = dec.step(dec.prefill(prompts))
+    np.testing.assert_array_equal(np.asarray(after.draft_head), np.asarray(state.draft_head))
+    from tevjax.decode.engine import draft
+    args = (target, state.root, state.cache_len, state.drafter_cache)
+    np.testing.assert_array_equal(np.asarray(draft(small, *args, state.draft_head)), np.asarray(draft(small, *args)))
+    # Nothing to gather without a reduced vocabulary, or without a drafter.
+    assert Decoder(target, full, DecodeConfig(budget=4, max_new_tokens=8)).prefill(prompts).draft_head is None
+    assert Decoder(target, None, DecodeConfig(max_new_tokens=8)).prefill(prompts).draft_head is None
+
+
 def test_checkpoint_round_trip_and_errors(target, tmp_path):
     ids = _vocab(target, 40)
     cfg = _cfg(target, 40)

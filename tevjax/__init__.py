@@ -71,6 +71,7 @@ _LAZY = {
     "DecodeConfig": "tevjax.decode.engine",
     "Decoder": "tevjax.decode.engine",
     "Generation": "tevjax.decode.engine",
+    "Interrupted": "tevjax.decode.engine",
     "load_models": "tevjax.loading",
     "load_target": "tevjax.loading",
     # training

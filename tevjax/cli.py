@@ -347,7 +347,7 @@ def cmd_generate(args) -> int:
     mesh = _mesh(args, default_all=False)
     _check_positions(args, speculative)
 
-    from tevjax.decode.engine import DecodeConfig
+    from tevjax.decode.engine import DecodeConfig, Interrupted
     from tevjax.loading import load_models
 
     t0 = time.perf_counter()
@@ -377,27 +377,12 @@ def cmd_generate(args) -> int:
     # Streaming prints row 0 as it grows; a multi-host job prints once, at the end.
     stream = not args.json and len(ids) == 1 and (mesh is None or jax_process_count() == 1)
     failed: list[str] = []
-    for start in range(0, len(ids), args.batch_size):
-        batch = ids[start: start + args.batch_size]
-        decoder.shapes([len(p) for p in batch])  # capacity / position checks before compiling
-        compile_seconds = decoder.compile(batch, streaming=stream)
-        t1 = time.perf_counter()
-        if stream:
-            from tevjax.convert.tokenizer import StreamDetokenizer
 
-            # Holds back the bytes of an unfinished character (an emoji spans several tokens),
-            # so what streams is exactly the final text (_decode), never a stray U+FFFD.
-            detok = StreamDetokenizer(models.tokenizer) if models.tokenizer is not None else None
-            for new, state in decoder.stream(batch, seed=args.seed):
-                if detok is not None:
-                    print(detok.feed(new[0]), end="", flush=True)
-            gens = decoder.results(state)
-            # Without a tokenizer the ids are the output (printed once, at the end).
-            print(detok.flush() if detok is not None else _decode(models, gens[0].tokens))
-        else:
-            gens = decoder.generate(batch, seed=args.seed)
-        seconds = time.perf_counter() - t1
+    def report(start, batch, gens, seconds, compile_seconds):
+        """Prints a batch's records; None entries (rows an interrupt left unfinished) are skipped."""
         for j, g in enumerate(gens):
+            if g is None:
+                continue
             if g.stop == "nonfinite":  # reported after the rows that did finish are printed
                 failed.append(f"prompt {start + j} ({where[start + j]})")
                 continue
@@ -427,6 +412,37 @@ def cmd_generate(args) -> int:
                       f"({record['tokens_per_second']} tok/s), {g.rounds} rounds, tau {g.tau:.2f}, "
                       f"verifier {args.verifier}, budget {record['budget']}, temperature {args.temperature} "
                       f"(compile {compile_seconds:.1f} s, load {load_seconds:.1f} s)", flush=True)
+
+    for start in range(0, len(ids), args.batch_size):
+        batch = ids[start: start + args.batch_size]
+        decoder.shapes([len(p) for p in batch])  # capacity / position checks before compiling
+        compile_seconds = decoder.compile(batch, streaming=stream)
+        t1 = time.perf_counter()
+        if stream:
+            from tevjax.convert.tokenizer import StreamDetokenizer
+
+            # Holds back the bytes of an unfinished character (an emoji spans several tokens),
+            # so what streams is exactly the final text (_decode), never a stray U+FFFD.
+            detok = StreamDetokenizer(models.tokenizer) if models.tokenizer is not None else None
+            try:
+                for new, state in decoder.stream(batch, seed=args.seed):
+                    if detok is not None:
+                        print(detok.feed(new[0]), end="", flush=True)
+            except KeyboardInterrupt:
+                print(flush=True)  # end the partial line; main() reports the interrupt
+                raise
+            gens = decoder.results(state)
+            # Without a tokenizer the ids are the output (printed once, at the end).
+            print(detok.flush() if detok is not None else _decode(models, gens[0].tokens))
+        else:
+            try:
+                gens = decoder.generate(batch, seed=args.seed)
+            except Interrupted as e:
+                # Ctrl-C is answered after the loop call in flight (a fraction of a second): the
+                # rows of this batch that had finished are printed, then main() exits with 130.
+                report(start, batch, e.results or [], time.perf_counter() - t1, compile_seconds)
+                raise
+        report(start, batch, gens, time.perf_counter() - t1, compile_seconds)
     if failed:
         raise CliError(f"the target {args.target!r} produced non-finite logits for {', '.join(failed)}: its weights "
                        f"are damaged or overflow in this dtype; no tokens were emitted from that point")

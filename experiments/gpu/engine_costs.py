@@ -77,8 +77,8 @@ def measure(target, drafter, *, batch, nodes, round_budget, prefix, iters, tempe
         return out.logits, out.hidden, out.final_hidden, out.cache
 
     @jax.jit
-    def draft(tstate, dstate, dcache, cache_len, root):
-        return engine.draft(nnx.merge(dgd, dstate), nnx.merge(tgd, tstate), root, cache_len, dcache)
+    def draft(tstate, dstate, dcache, cache_len, root, head):
+        return engine.draft(nnx.merge(dgd, dstate), nnx.merge(tgd, tstate), root, cache_len, dcache, head)
 
     build = jax.jit(engine.draft_trees, static_argnums=2)
 
@@ -94,7 +94,7 @@ def measure(target, drafter, *, batch, nodes, round_budget, prefix, iters, tempe
     spec = engine.Decoder(target, drafter, dataclasses.replace(cfg, budget=round_budget))
     ar = engine.Decoder(target, None, cfg)
     box = {"cache": fresh(state0.target_cache), "vc": fresh(state0), "spec": fresh(state0),
-           "ar": dataclasses.replace(fresh(state0), drafter_cache=None)}
+           "ar": dataclasses.replace(fresh(state0), drafter_cache=None, draft_head=None)}
 
     def run_step():
         logits, box["cache"] = step(tstate, box["cache"], cache_len, root)
@@ -124,7 +124,7 @@ def measure(target, drafter, *, batch, nodes, round_budget, prefix, iters, tempe
     def draft_logits():
         # The drafter's real logits [B, G, V] for the builder (after "drafter block" compiled draft).
         if "logits" not in memo:
-            memo["logits"] = draft(tstate, dstate, state0.drafter_cache, cache_len, root)
+            memo["logits"] = draft(tstate, dstate, state0.drafter_cache, cache_len, root, state0.draft_head)
         return memo["logits"]
 
     def builder_item(n):
@@ -143,7 +143,7 @@ def measure(target, drafter, *, batch, nodes, round_budget, prefix, iters, tempe
     items = [("AR step", 1, lambda: run_step),
              ("AR round (engine, no drafter)", 1, lambda: run_round("ar")),
              ("drafter block", drafter.cfg.block_size,
-              lambda: lambda: draft(tstate, dstate, state0.drafter_cache, cache_len, root))]
+              lambda: lambda: draft(tstate, dstate, state0.drafter_cache, cache_len, root, state0.draft_head))]
     for n in nodes:
         items += [(f"builder, N = {n}", 0, functools.partial(builder_item, n)),
                   (f"tree pass, N = {n}", n, functools.partial(tree_item, n)),

@@ -19,8 +19,16 @@ slot cache_len; the drafter context cache holds the features of the same cache_l
 write of a round lands at slots >= cache_len, so a finished row's committed state is never
 touched and finished rows simply stop changing.
 
-The whole generation is one `lax.while_loop` inside one jit with the state donated; `Decoder.stream`
-is the Python-loop twin over the same jitted round (one host sync per round) for streaming.
+The rounds run in a `lax.while_loop` inside one jit with the state donated, which stops when every
+row is done or after a traced number of rounds: `Decoder.run` calls it repeatedly, sizing each call
+to take about `CALL_SECONDS`, so that Ctrl-C is answered between calls (`Interrupted`, carrying the
+rows already finished) while a long generation still makes few host round-trips. One compiled
+program serves every call: the round count is an argument, not a shape. `Decoder.stream` is the
+Python-loop twin over the same jitted round (one host sync per round) for streaming.
+
+Prefill writes prompt[:-1] into the caches in chunks of `DecodeConfig.prefill_chunk` tokens, each a
+causal run that attends to the cache so far (`Transformer` with `block_mask=None`): memory per
+chunk is bounded by the chunk, not the prompt, and one compiled chunk serves every prompt length.
 Autoregressive decoding is a `Decoder` without a drafter (`Decoder(target, None, cfg)`): the
 same rounds with a root-only tree (N = 1), so its speed is measured with the same model code,
 cache and sampler. Whether a round drafts is static: the drafter's graphdef is None or not.
@@ -36,9 +44,12 @@ split over `data`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
+import signal
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -51,15 +62,19 @@ from flax import nnx
 from tevjax.builder import build_ddtree_from_top
 from tevjax.models.cache import KVCache, scatter_rows
 from tevjax.models.dflash import DFlashDrafter, DrafterCache, features_from_hidden, tapped_hidden
-from tevjax.models.layers import causal_mask
 from tevjax.models.transformer import Transformer
 from tevjax.seeding import seed_key
 from tevjax.sharding import CACHE_AXES, LOGICAL_RULES, check_batch, host_array, logical_sharding, param_shardings, put
 from tevjax.tree import DraftTree
 from tevjax.verifiers import VERIFIERS, verify
 
-__all__ = ["DecodeConfig", "DecodeState", "Decoder", "Generation", "STATE_AXES", "commit", "draft", "draft_trees",
-           "emit", "root_trees", "state_shardings", "tree_pass"]
+__all__ = ["CALL_SECONDS", "DecodeConfig", "DecodeState", "Decoder", "Generation", "Interrupted", "STATE_AXES",
+           "commit", "draft", "draft_trees", "emit", "root_trees", "state_shardings", "tree_pass"]
+
+# Wall time one call of the jitted round loop aims at (`Decoder.run`): Ctrl-C is seen between calls,
+# so this bounds how late it is answered; each call costs one host sync (~0.1 ms), so a quarter
+# second keeps that overhead far below 1%.
+CALL_SECONDS = 0.25
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -71,7 +86,10 @@ class DecodeConfig:
     temperature: float = 0.0  # below 1e-5 (tevjax.law.GREEDY_BELOW) = greedy
     max_new_tokens: int = 128
     eos_ids: tuple[int, ...] = ()
-    prompt_bucket: int = 64  # prefill lengths are rounded up to a multiple of this
+    prompt_bucket: int = 64  # prompt lengths are rounded up to a multiple of this (cache capacity, prefill chunk)
+    # Prefill runs in causal chunks of at most this many tokens (shorter prompts: one chunk of
+    # their bucket), so its memory is set by the chunk and not by the prompt length.
+    prefill_chunk: int = 256
     capacity_bucket: int = 128  # cache capacities are rounded up to a multiple of this
     capacity: int | None = None  # force a cache capacity (must fit prompt + max_new + N)
     # Target layers whose hidden states (as a drafter taps them, `tapped_hidden`) are kept for every
@@ -85,7 +103,7 @@ class DecodeConfig:
                              "Decoder(target, None, cfg)")
         if self.verifier not in VERIFIERS:
             raise ValueError(f"unknown verifier {self.verifier!r}; choose one of {sorted(VERIFIERS)}")
-        for name in ("budget", "max_new_tokens", "prompt_bucket", "capacity_bucket"):
+        for name in ("budget", "max_new_tokens", "prompt_bucket", "capacity_bucket", "prefill_chunk"):
             value = getattr(self, name)
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
                 raise TypeError(f"DecodeConfig.{name} must be an int, got {value!r} ({type(value).__name__})")
@@ -101,8 +119,9 @@ class DecodeConfig:
             raise ValueError(f"budget must be >= 1, got {self.budget}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.prompt_bucket < 1 or self.capacity_bucket < 1:
-            raise ValueError("prompt_bucket and capacity_bucket must be >= 1")
+        for name in ("prompt_bucket", "capacity_bucket", "prefill_chunk"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"DecodeConfig.{name} must be >= 1, got {getattr(self, name)}")
         layers = tuple(int(i) for i in self.hidden_layers)
         if any(i < 0 for i in layers) or len(set(layers)) != len(layers):
             raise ValueError(f"hidden_layers must be distinct layer indices >= 0, got {self.hidden_layers!r}")
@@ -126,6 +145,10 @@ class DecodeState:
     block_total: jax.Array  # [B] int32 sum of output-block lengths (bonus included) before EOS/length cuts
     hidden: jax.Array | None  # [B, S, R, D] kept hidden states by cache slot (R = len(hidden_layers)); or None
     nonfinite: jax.Array  # [B] bool the target gave this row a non-finite logit: stopped, that round unemitted
+    # [Vd, D] the target's LM-head rows of a reduced draft vocabulary, gathered once at prefill:
+    # re-gathering them in every round cost about a fifth of a target step. None: no drafter, or
+    # a drafter over the whole vocabulary (which reads the head in place).
+    draft_head: jax.Array | None = None
 
 
 # Logical axes of every `DecodeState` field (`tevjax.sharding.LOGICAL_RULES` maps them to mesh axes).
@@ -142,17 +165,21 @@ STATE_AXES: dict[str, tuple[str | None, ...]] = {
     "block_total": ("batch",),
     "hidden": ("batch", "cache_slots", None, "embed"),
     "nonfinite": ("batch",),
+    # Every device's rows draft with all Vd rows. Replicated: it is only kept where the mesh does
+    # not split the vocabulary (a split one selects the columns after the head instead: `draft`).
+    "draft_head": (None, None),
 }
 
 
-def state_shardings(mesh, *, drafter: bool, hidden: bool) -> DecodeState:
+def state_shardings(mesh, *, drafter: bool, hidden: bool, head: bool = False) -> DecodeState:
     """A `DecodeState` of NamedShardings (from `STATE_AXES`) for a decoder with or without a
-    drafter and kept hidden states. The specs do not depend on the sizes; the sizes are checked
+    drafter, kept hidden states and a pre-gathered draft head. The specs do not depend on the sizes; the sizes are checked
     where they are known (`Decoder.prefill`: rows; `param_shardings`: heads)."""
     named = {f.name: logical_sharding(mesh, STATE_AXES[f.name]) for f in dataclasses.fields(DecodeState)}
     cache = KVCache(k=named["target_cache"], v=named["target_cache"])
     return DecodeState(**{**named, "target_cache": cache, "drafter_cache": cache if drafter else None,
-                          "hidden": named["hidden"] if hidden else None})
+                          "hidden": named["hidden"] if hidden else None,
+                          "draft_head": named["draft_head"] if head else None})
 
 
 @dataclasses.dataclass
@@ -175,39 +202,32 @@ def _bucket(n: int, size: int) -> int:
 # ------------------------------------------------------------------------------------- pure steps
 
 
-def _prefill(tstate, dstate, tokens, lengths, key_data, *, tgd, dgd, cfg: DecodeConfig, capacity: int):
-    """Prefill prompt[:-1] (padded to the bucket) into fresh caches; the last prompt token is the root.
+def _vocab_split(mesh) -> bool:
+    """Whether `mesh` splits the vocabulary axis (then a reduced draft vocabulary selects its
+    columns after the head: `draft`)."""
+    return mesh is not None and dict(mesh.shape).get(LOGICAL_RULES["vocab"], 1) > 1
 
-    tokens [B, Tp+1] (prompt left-aligned, padded), lengths [B] prompt lengths >= 1, key_data: the
-    seed's key data; row r samples with fold_in(seed key, r), whatever the batch and its split.
-    """
+
+def _empty_state(tstate, dstate, roots, lengths, key_data, *, tgd, dgd, cfg: DecodeConfig, capacity: int,
+                 mesh=None) -> DecodeState:
+    """The state before prefill: zero caches of `capacity` slots, each row's root (its last prompt
+    token, roots [B]) and cache_len = lengths - 1 (lengths [B] prompt lengths >= 1); the prefill
+    chunks then fill slots [0, cache_len). key_data: the seed's key data; row r samples with
+    fold_in(seed key, r), whatever the batch and its split over devices."""
     target: Transformer = nnx.merge(tgd, tstate)
-    b, tp1 = tokens.shape
     base = jax.random.wrap_key_data(key_data)
-    keys = jax.vmap(lambda r: jax.random.fold_in(base, r))(jnp.arange(b))
-    tp = tp1 - 1
-    pre = tokens[:, :tp]
-    positions = jnp.broadcast_to(jnp.arange(tp, dtype=jnp.int32), (b, tp))
-    mask = jnp.broadcast_to(causal_mask(tp), (b, tp, tp))
-    zeros = jnp.zeros((b,), jnp.int32)
-    cache = KVCache.init(target.cfg, b, capacity)
+    keys = jax.vmap(lambda r: jax.random.fold_in(base, r))(jnp.arange(roots.shape[0]))
     drafter = nnx.merge(dgd, dstate) if dgd is not None else None
-    taps = _taps(drafter, cfg)
-    out = target(pre, positions, cache, zeros, mask, hidden_layers=taps, compute_logits=False)
-    feats, kept = _split_hidden(out, taps, drafter, cfg, target.cfg)
-    dcache = hidden = None
-    if drafter is not None:
-        # Padded prompt positions (>= length - 1) land above the row's context length: invisible.
-        dcache = drafter.append_context(DrafterCache.init(drafter.cfg, b, capacity), feats, positions, zeros)
-    if kept is not None:
-        # Slots >= length - 1 hold padding's states until the rounds overwrite them.
-        hidden = jnp.zeros((b, capacity) + kept.shape[2:], kept.dtype).at[:, :tp].set(kept)
-    root = jnp.take_along_axis(tokens, (lengths - 1)[:, None], axis=1)[:, 0]
+    b = roots.shape[0]
+    zeros = jnp.zeros((b,), jnp.int32)
+    hidden = None
+    if cfg.hidden_layers:
+        hidden = jnp.zeros((b, capacity, len(cfg.hidden_layers), target.cfg.hidden_size), jnp.dtype(target.cfg.dtype))
     return DecodeState(
-        target_cache=out.cache,
-        drafter_cache=dcache,
+        target_cache=KVCache.init(target.cfg, b, capacity),
+        drafter_cache=DrafterCache.init(drafter.cfg, b, capacity) if drafter is not None else None,
         cache_len=(lengths - 1).astype(jnp.int32),
-        root=root.astype(jnp.int32),
+        root=roots.astype(jnp.int32),
         out=jnp.full((b, cfg.max_new_tokens), -1, jnp.int32),
         num_out=zeros,
         done=jnp.zeros((b,), bool),
@@ -216,7 +236,35 @@ def _prefill(tstate, dstate, tokens, lengths, key_data, *, tgd, dgd, cfg: Decode
         block_total=zeros,
         hidden=hidden,
         nonfinite=jnp.zeros((b,), bool),
+        draft_head=drafter.head_rows(target) if drafter is not None and not _vocab_split(mesh) else None,
     )
+
+
+def _prefill_chunk(tstate, dstate, state: DecodeState, tokens: jax.Array, start: jax.Array, *, tgd, dgd,
+                   cfg: DecodeConfig) -> DecodeState:
+    """Prefills one chunk: tokens [B, C] of every row's prompt at positions start .. start + C - 1
+    (start a traced scalar), a causal run over the caches so far. Writes the target K/V, the
+    drafter's context features and the kept hidden states at those slots.
+
+    Rows whose prompt ends inside or before the chunk carry padding there: it lands at slots >= the
+    row's cache_len, which no query sees and the rounds overwrite (as after any prefill with
+    padding). Slots past the capacity are dropped.
+    """
+    target: Transformer = nnx.merge(tgd, tstate)
+    drafter = nnx.merge(dgd, dstate) if dgd is not None else None
+    b, c = tokens.shape
+    positions = start + jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32), (b, c))
+    write_pos = jnp.full((b,), start, jnp.int32)
+    taps = _taps(drafter, cfg)
+    out = target(tokens, positions, state.target_cache, write_pos, None, hidden_layers=taps, compute_logits=False)
+    feats, kept = _split_hidden(out, taps, drafter, cfg, target.cfg)
+    dcache, hidden = state.drafter_cache, state.hidden
+    if drafter is not None:
+        dcache = drafter.append_context(dcache, feats, positions, write_pos)
+    if kept is not None:
+        slots = jnp.where(positions < hidden.shape[1], positions, hidden.shape[1])  # S: dropped
+        hidden = hidden.at[jnp.arange(b)[:, None], slots].set(kept.astype(hidden.dtype), mode="drop")
+    return dataclasses.replace(state, target_cache=out.cache, drafter_cache=dcache, hidden=hidden)
 
 
 def _taps(drafter: DFlashDrafter | None, cfg: DecodeConfig) -> tuple[int, ...]:
@@ -242,15 +290,16 @@ def _split_hidden(out, taps, drafter, cfg: DecodeConfig, target_cfg):
 
 
 def draft(drafter: DFlashDrafter, target: Transformer, root: jax.Array, cache_len: jax.Array,
-          drafter_cache: DrafterCache, mesh=None) -> jax.Array:
+          drafter_cache: DrafterCache, head: jax.Array | None = None, mesh=None) -> jax.Array:
     """Draft logits [B, G, Vd] (G = block_size - 1, Vd the draft vocabulary) of the block
-    [root, MASK x G] at positions cache_len + 0..G. On a mesh whose vocabulary axis is split, a
-    reduced draft vocabulary's columns are taken from whole-vocabulary logits
-    (`DFlashDrafter.logits(select_after=True)`), so no slice of the LM head moves per round."""
+    [root, MASK x G] at positions cache_len + 0..G. `head`: `drafter.head_rows(target)`, gathered
+    once (`DecodeState.draft_head`); None gathers the rows in this call. On a mesh whose
+    vocabulary axis is split, a reduced draft vocabulary's columns are taken from whole-vocabulary
+    logits instead (`DFlashDrafter.logits(select_after=True)`), so no slice of the LM head moves
+    per round."""
     positions = cache_len[:, None] + jnp.arange(drafter.cfg.block_size, dtype=jnp.int32)
     hidden = drafter.hidden(target, drafter.block_tokens(root), positions, drafter_cache, cache_len)
-    split = mesh is not None and dict(mesh.shape).get(LOGICAL_RULES["vocab"], 1) > 1
-    return drafter.logits(target, hidden, select_after=split)
+    return drafter.logits(target, hidden, head, select_after=_vocab_split(mesh))
 
 
 def _top_marginals(draft_logits: jax.Array, budget: int, vocab_axis: str | None = None):
@@ -387,8 +436,8 @@ def _round(tstate, dstate, state: DecodeState, *, tgd, dgd, cfg: DecodeConfig, m
 
     drafter = nnx.merge(dgd, dstate) if dgd is not None else None
     if drafter is not None:
-        trees = draft_trees(draft(drafter, target, state.root, state.cache_len, state.drafter_cache, mesh),
-                            state.root, cfg.budget, drafter.vocab_ids(), mesh)
+        logits = draft(drafter, target, state.root, state.cache_len, state.drafter_cache, state.draft_head, mesh)
+        trees = draft_trees(logits, state.root, cfg.budget, drafter.vocab_ids(), mesh)
     else:
         trees = root_trees(state.root)
     out = tree_pass(target, trees, state.cache_len, state.target_cache, _taps(drafter, cfg))
@@ -417,13 +466,73 @@ def _round(tstate, dstate, state: DecodeState, *, tgd, dgd, cfg: DecodeConfig, m
         block_total=state.block_total + jnp.where(active, ver.num_tokens, 0),
         hidden=hidden,
         nonfinite=state.nonfinite | bad,
+        draft_head=state.draft_head,
     )
 
 
-def _generate(tstate, dstate, state: DecodeState, *, tgd, dgd, cfg: DecodeConfig, mesh=None) -> DecodeState:
-    """All rounds in one `lax.while_loop` (no host round-trip per round)."""
+def _rounds(tstate, dstate, state: DecodeState, max_rounds: jax.Array, *, tgd, dgd, cfg: DecodeConfig,
+            mesh=None) -> DecodeState:
+    """Rounds in one `lax.while_loop` (no host round-trip per round) until every row is done or
+    `max_rounds` (a traced int32 scalar, so every count shares one compiled program) have run.
+    Running it again on its result continues exactly where it stopped: the loop carries nothing
+    but the state."""
     body = functools.partial(_round, tstate, dstate, tgd=tgd, dgd=dgd, cfg=cfg, mesh=mesh)
-    return jax.lax.while_loop(lambda s: jnp.any(~s.done), body, state)
+
+    def cond(carry):
+        s, i = carry
+        return (i < max_rounds) & jnp.any(~s.done)
+
+    state, _ = jax.lax.while_loop(cond, lambda carry: (body(carry[0]), carry[1] + 1), (state, jnp.int32(0)))
+    return state
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during `Decoder.run` (or `generate`), raised once the loop call in flight returned.
+
+    `state` is the state after that call: its rows with `done` set are complete. `results`, set by
+    `Decoder.generate`, holds one `Generation` per row, None for the rows that had not finished.
+    A KeyboardInterrupt, so code that does not look at the partial results behaves as before.
+    """
+
+    def __init__(self, state: DecodeState, results: list[Generation | None] | None = None):
+        super().__init__("generation interrupted")
+        self.state = state
+        self.results = results
+
+
+class _SigintFlag:
+    hit = False
+
+
+@contextlib.contextmanager
+def _deferred_sigint() -> Iterator[_SigintFlag]:
+    """Within the block a first SIGINT only sets `flag.hit` (the caller stops at its next check);
+    a second raises KeyboardInterrupt at once. Raising inside the loop could lose the donated state,
+    and with it the finished rows, so the first only asks. Installed only in the main thread and
+    over Python's default handler: a caller's own handler (e.g. the training loop's) is left alone."""
+    flag = _SigintFlag()
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield flag
+        return
+
+    def on_sigint(_signum, _frame):
+        if flag.hit:
+            raise KeyboardInterrupt
+        flag.hit = True
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield flag
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _next_rounds(rounds: int, seconds: float, most: int) -> int:
+    """Rounds for the next loop call after one of `rounds` rounds took `seconds`: proportional to
+    CALL_SECONDS, growing at most 2x per call (a fast first call may be an outlier), in [1, most]."""
+    scaled = int(rounds * CALL_SECONDS / max(seconds, 1e-6))
+    return max(1, min(2 * rounds, scaled, most))
 
 
 # ------------------------------------------------------------------------------------- the engine
@@ -466,23 +575,32 @@ class Decoder:
         self.dgd, self.dstate = nnx.split(drafter) if drafter is not None else (None, None)
         statics = dict(tgd=self.tgd, dgd=self.dgd, cfg=cfg, mesh=mesh)
         shard: dict[str, Any] = {}
-        self._prefill_shardings: dict[str, Any] = {}
+        self._chunk_shardings: dict[str, Any] = {}
+        self._empty_shardings: dict[str, Any] = {}
         if mesh is not None:
             tshard = param_shardings(target, mesh, self.tstate)
             dshard = param_shardings(drafter, mesh, self.dstate) if drafter is not None else None
             self.tstate = jax.device_put(self.tstate, tshard)
             self.dstate = jax.device_put(self.dstate, dshard) if drafter is not None else None
-            sshard = state_shardings(mesh, drafter=drafter is not None, hidden=bool(cfg.hidden_layers))
+            head = drafter is not None and drafter.vocab_ids() is not None and not _vocab_split(mesh)
+            sshard = state_shardings(mesh, drafter=drafter is not None, hidden=bool(cfg.hidden_layers), head=head)
+            scalar = logical_sharding(mesh, ())
+            rows = logical_sharding(mesh, ("batch",))
             shard = dict(in_shardings=(tshard, dshard, sshard), out_shardings=sshard)
-            rows = logical_sharding(mesh, ("batch", None))
-            self._prefill_shardings = dict(
-                in_shardings=(tshard, dshard, rows, logical_sharding(mesh, ("batch",)), logical_sharding(mesh, (None,))),
-                out_shardings=sshard)
-        # Donating the state is safe: each round's output state replaces its input and nothing
+            self._loop_shardings = dict(in_shardings=(tshard, dshard, sshard, scalar), out_shardings=sshard)
+            self._chunk_shardings = dict(in_shardings=(tshard, dshard, sshard, logical_sharding(mesh, ("batch", None)),
+                                                       scalar), out_shardings=sshard)
+            self._empty_shardings = dict(in_shardings=(tshard, dshard, rows, rows, logical_sharding(mesh, (None,))),
+                                         out_shardings=sshard)
+        else:
+            self._loop_shardings = {}
+        # Donating the state is safe: each call's output state replaces its input and nothing
         # else holds a reference, so XLA can update the caches in place instead of copying them.
         self._round = jax.jit(functools.partial(_round, **statics), donate_argnums=(2,), **shard)
-        self._generate = jax.jit(functools.partial(_generate, **statics), donate_argnums=(2,), **shard)
-        self._prefill_fns: dict[int, Any] = {}
+        self._loop = jax.jit(functools.partial(_rounds, **statics), donate_argnums=(2,), **self._loop_shardings)
+        self._prefill_chunk = jax.jit(functools.partial(_prefill_chunk, tgd=self.tgd, dgd=self.dgd, cfg=cfg),
+                                      donate_argnums=(2,), **self._chunk_shardings)
+        self._empty_fns: dict[int, Any] = {}
 
     # -- shapes
     @property
@@ -517,11 +635,22 @@ class Decoder:
                 f"{longest + self.cfg.max_new_tokens + self.tree_slots} exceeds the model's {limit} positions")
         return tp, capacity
 
-    def _prefill_fn(self, capacity: int):
-        if capacity not in self._prefill_fns:
-            self._prefill_fns[capacity] = jax.jit(functools.partial(
-                _prefill, tgd=self.tgd, dgd=self.dgd, cfg=self.cfg, capacity=capacity), **self._prefill_shardings)
-        return self._prefill_fns[capacity]
+    def chunk_size(self, prompt_lengths: Sequence[int]) -> int:
+        """Prefill chunk C: `cfg.prefill_chunk`, or the prompt bucket when that is smaller (a short
+        prompt is one chunk of its bucket, as long prompts are several of `prefill_chunk`)."""
+        return min(self.cfg.prefill_chunk, self.shapes(prompt_lengths)[0])
+
+    def _empty_fn(self, capacity: int):
+        if capacity not in self._empty_fns:
+            self._empty_fns[capacity] = jax.jit(functools.partial(
+                _empty_state, tgd=self.tgd, dgd=self.dgd, cfg=self.cfg, capacity=capacity, mesh=self.mesh),
+                **self._empty_shardings)
+        return self._empty_fns[capacity]
+
+    def _rows(self, x: np.ndarray, sharding_index: int, shardings: dict) -> jax.Array:
+        """A host array as a jit argument: on a mesh each device receives its own rows only
+        (multi-host safe); without one, a plain device array."""
+        return put(x, shardings["in_shardings"][sharding_index]) if self.mesh is not None else jnp.asarray(x)
 
     @property
     def row_multiple(self) -> int:
@@ -536,7 +665,12 @@ class Decoder:
         return prompts + [prompts[-1]] * (-len(prompts) % self.row_multiple) if prompts else prompts
 
     def prefill(self, prompts: Sequence[Sequence[int]], seed: int = 0) -> DecodeState:
-        """Initial state for a batch of token-id prompts (each of length >= 1)."""
+        """Initial state for a batch of token-id prompts (each of length >= 1).
+
+        prompt[:-1] goes into the caches chunk by chunk (the last prompt token is the root): one
+        jitted call per chunk, as many as the longest prompt needs, each waited for, so Ctrl-C
+        during a long prompt is answered after the chunk in flight.
+        """
         _check_prompt_types(prompts)
         if not prompts:
             raise ValueError("no prompts given")
@@ -547,37 +681,82 @@ class Decoder:
             bad = [t for t in p if not 0 <= int(t) < self.target_cfg.vocab_size]
             if bad:
                 raise ValueError(f"prompt {i} holds token id {bad[0]} outside the vocabulary [0, {self.target_cfg.vocab_size})")
-        tp, capacity = self.shapes(lengths)
+        _, capacity = self.shapes(lengths)
         if self.mesh is not None:
             check_batch(self.mesh, len(prompts), f"a batch of {len(prompts)} prompts (Decoder.generate pads it)")
-        tokens = np.zeros((len(prompts), tp + 1), np.int32)
+        c = self.chunk_size(lengths)
+        chunks = -(-(max(lengths) - 1) // c)  # covers the longest prompt[:-1]; 0 for one-token prompts
+        tokens = np.zeros((len(prompts), chunks * c), np.int32)
         for i, p in enumerate(prompts):
-            tokens[i, : len(p)] = p
-        lengths = np.asarray(lengths, np.int32)
+            tokens[i, : len(p) - 1] = p[:-1]
         key_data = np.asarray(jax.random.key_data(seed_key(seed)))
-        if self.mesh is not None:  # each device receives its own rows only (and multi-host safe)
-            args = [put(x, s) for x, s in zip((tokens, lengths, key_data), self._prefill_shardings["in_shardings"][2:])]
-        else:
-            args = [jnp.asarray(x) for x in (tokens, lengths, key_data)]
-        return self._prefill_fn(capacity)(self.tstate, self.dstate, *args)
+        roots = np.asarray([p[-1] for p in prompts], np.int32)
+        es = self._empty_shardings
+        state = self._empty_fn(capacity)(self.tstate, self.dstate, self._rows(roots, 2, es),
+                                         self._rows(np.asarray(lengths, np.int32), 3, es), self._rows(key_data, 4, es))
+        for i in range(chunks):
+            chunk = self._rows(tokens[:, i * c: (i + 1) * c], 3, self._chunk_shardings)
+            state = self._prefill_chunk(self.tstate, self.dstate, state, chunk, np.int32(i * c))
+            jax.block_until_ready(state)
+        return state
+
+    def _key_data_shape(self) -> jax.ShapeDtypeStruct:
+        return jax.eval_shape(lambda: jax.random.key_data(seed_key(0)))
+
+    def _abstract_state(self, batch: int, capacity: int) -> DecodeState:
+        """The shapes and dtypes of a `prefill` result, computed without running anything."""
+        i32 = jax.ShapeDtypeStruct((batch,), jnp.int32)
+        return jax.eval_shape(self._empty_fn(capacity), self.tstate, self.dstate, i32, i32, self._key_data_shape())
 
     def compile(self, prompts: Sequence[Sequence[int]], *, streaming: bool = False) -> float:
         """Compiles prefill and the generation loop (or, for `stream`, the single round) for this
-        batch shape ahead of time, so that timed runs exclude compilation; returns seconds spent."""
+        batch shape ahead of time, from the shapes alone (nothing runs), so that timed runs
+        exclude compilation; returns seconds spent."""
         t0 = time.perf_counter()
-        state = self.prefill(self._padded(prompts))
-        fn = self._round if streaming else self._generate
-        jax.block_until_ready(fn.lower(self.tstate, self.dstate, state).compile())
+        prompts = self._padded(prompts)
+        lengths = [len(p) for p in prompts]
+        _, capacity = self.shapes(lengths)
+        b = len(prompts)
+        state = self._abstract_state(b, capacity)
+        i32 = jax.ShapeDtypeStruct((), jnp.int32)
+        i32_b = jax.ShapeDtypeStruct((b,), jnp.int32)
+        self._empty_fn(capacity).lower(self.tstate, self.dstate, i32_b, i32_b, self._key_data_shape()).compile()
+        tokens = jax.ShapeDtypeStruct((b, self.chunk_size(lengths)), jnp.int32)
+        self._prefill_chunk.lower(self.tstate, self.dstate, state, tokens, i32).compile()
+        if streaming:
+            self._round.lower(self.tstate, self.dstate, state).compile()
+        else:
+            self._loop.lower(self.tstate, self.dstate, state, i32).compile()
         return time.perf_counter() - t0
 
     def compiled_loop(self, state: DecodeState):
-        """The ahead-of-time compiled generation loop for `state`'s shapes (e.g. for
-        `.memory_analysis()`); compiling again for known shapes hits jax's cache."""
-        return self._generate.lower(self.tstate, self.dstate, state).compile()
+        """The ahead-of-time compiled round loop for `state`'s shapes (e.g. for `.memory_analysis()`);
+        compiling again for known shapes hits jax's cache."""
+        return self._loop.lower(self.tstate, self.dstate, state, jax.ShapeDtypeStruct((), jnp.int32)).compile()
 
-    def run(self, state: DecodeState) -> DecodeState:
-        """Runs the jitted while-loop to completion (consumes `state`)."""
-        return self._generate(self.tstate, self.dstate, state)
+    def run(self, state: DecodeState, *, rounds_per_call: int | None = None) -> DecodeState:
+        """Runs rounds until every row is done (consumes `state`).
+
+        The jitted loop is called repeatedly, each call stopping after at most `rounds_per_call`
+        rounds (default: adapted from the last call's time so that a call takes about
+        CALL_SECONDS). The results do not depend on the split: a call continues exactly where the
+        last one stopped. Ctrl-C (in the main thread) is answered after the call in flight:
+        `Interrupted` then carries the state, whose finished rows are complete.
+        """
+        if rounds_per_call is not None and rounds_per_call < 1:
+            raise ValueError(f"rounds_per_call must be >= 1, got {rounds_per_call}")
+        rounds = rounds_per_call or 1
+        with _deferred_sigint() as sigint:
+            while True:
+                t0 = time.perf_counter()
+                state = self._loop(self.tstate, self.dstate, state, np.int32(rounds))
+                done = host_array(state.done)  # waits for the call: the bound on how late Ctrl-C is seen
+                if sigint.hit:
+                    raise Interrupted(state)
+                if done.all():
+                    return state
+                if rounds_per_call is None:
+                    rounds = _next_rounds(rounds, time.perf_counter() - t0, self.cfg.max_new_tokens)
 
     def step(self, state: DecodeState) -> DecodeState:
         """One jitted round (consumes `state`); the building block of `stream`."""
@@ -601,10 +780,20 @@ class Decoder:
                                    tau=float(total[i] / max(rounds[i], 1)), stop=stop, hidden=kept))
         return gens
 
-    def generate(self, prompts: Sequence[Sequence[int]], seed: int = 0) -> list[Generation]:
-        """Generates for a batch of prompts in one jitted while-loop."""
-        state = self.run(self.prefill(self._padded(prompts), seed))
-        return self.results(state, [len(p) for p in prompts])
+    def generate(self, prompts: Sequence[Sequence[int]], seed: int = 0, *,
+                 rounds_per_call: int | None = None) -> list[Generation]:
+        """Generates for a batch of prompts (`run` over `prefill`). On Ctrl-C raises `Interrupted`
+        with `results`: the `Generation` of every row that had finished, None for the others.
+        On a mesh the batch is padded to a multiple of `row_multiple` and the padding dropped."""
+        state = self.prefill(self._padded(prompts), seed)  # checks the prompts first
+        lengths = [len(p) for p in prompts]
+        try:
+            state = self.run(state, rounds_per_call=rounds_per_call)
+        except Interrupted as e:
+            done = host_array(e.state.done)
+            e.results = [g if d else None for g, d in zip(self.results(e.state, lengths), done)]
+            raise
+        return self.results(state, lengths)
 
     def stream(self, prompts: Sequence[Sequence[int]], seed: int = 0) -> Iterator[tuple[list[list[int]], DecodeState]]:
         """Python-loop twin: yields (new tokens per row, state) after every round (the state may hold

@@ -607,10 +607,17 @@ class DFlashDrafter(nnx.Module):
         inside = ids[idx] == tokens
         return jnp.where(inside, idx, 0), inside
 
-    def logits(self, target, hidden: jax.Array, *, select_after: bool = False) -> jax.Array:
+    def head_rows(self, target) -> jax.Array | None:
+        """[Vd, D] the target's LM-head rows of the reduced draft vocabulary (None for the whole
+        vocabulary): a decoder gathers them once and passes them to every `__call__` as `head`."""
+        ids = self.vocab_ids()
+        return None if ids is None else target.head_rows(ids)
+
+    def logits(self, target, hidden: jax.Array, head: jax.Array | None = None, *,
+               select_after: bool = False) -> jax.Array:
         """Final-normed drafter hidden states [..., D] -> draft logits [..., Vd] float32 through the
-        target's LM head (the draft vocabulary's rows of it; then the optional output multiplier
-        and soft cap).
+        target's LM head (the draft vocabulary's rows of it, or `head` = `head_rows(target)`; then
+        the optional output multiplier and soft cap).
 
         `select_after` scores the whole vocabulary and then takes the draft vocabulary's columns.
         Under a vocabulary-split LM head (`--mesh model=M`) this moves [..., Vd] logits between
@@ -622,7 +629,7 @@ class DFlashDrafter(nnx.Module):
         if select_after and ids is not None:
             logits = jnp.take(target.logits(hidden), ids, axis=-1).astype(jnp.float32)
         else:
-            logits = target.logits(hidden, ids).astype(jnp.float32)
+            logits = target.logits(hidden, ids, head=head).astype(jnp.float32)
         if self.cfg.output_multiplier != 1.0:
             logits = logits * self.cfg.output_multiplier
         if self.cfg.final_logit_softcapping is not None:
@@ -683,14 +690,15 @@ class DFlashDrafter(nnx.Module):
         return h[:, 1:]
 
     def __call__(self, target, block_tokens: jax.Array, positions: jax.Array, cache: DrafterCache,
-                 ctx_len: jax.Array) -> jax.Array:
+                 ctx_len: jax.Array, head: jax.Array | None = None) -> jax.Array:
         """Draft logits [B, G, Vd] float32 for block positions 1..G (over the draft vocabulary).
 
         block_tokens [B, G + 1] (normally `block_tokens(last_committed)`); positions [B, G + 1]
         (normally anchor + arange(block_size)); cache slots < ctx_len[b] are the visible context.
         Row j of the result is the drafter's distribution of the token at positions[:, j + 1].
+        `head`: the pre-gathered `head_rows(target)` (same logits, no per-call gather).
         """
-        return self.logits(target, self.hidden(target, block_tokens, positions, cache, ctx_len))
+        return self.logits(target, self.hidden(target, block_tokens, positions, cache, ctx_len), head)
 
     # ------------------------------------------------------------------ training
 

@@ -25,6 +25,7 @@ __all__ = [
     "SwiGLU",
     "apply_rope",
     "attention",
+    "causal_attention",
     "causal_mask",
     "matmul_precision",
     "rope_inv_freq",
@@ -145,6 +146,68 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.
     out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v,
                      preferred_element_type=jnp.float32, precision=matmul_precision(v.dtype))
     return out.reshape(b, t, h, dh).astype(q.dtype)
+
+
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, first: jax.Array, *, key_block: int = 256) -> jax.Array:
+    """`attention` for a causal run of T new tokens, without a [T, S] mask or score matrix.
+
+    q: [B, T, H, Dh]; k, v: [B, S, K, Dh], the whole cache with the run's own K/V already written
+    at slots first[b] + t; first: [B] int. Query t of row b sees exactly the slots <= first[b] + t
+    (the committed prefix and the causal part of its run): what `attention` computes with the
+    `full_mask` of a lower-triangular block mask, up to float rounding.
+
+    Why a second path: prefill over a long prompt is a causal run, and a [T, S] score matrix per
+    layer (plus the boolean mask) is what made an 8k-token prompt peak at 10 GB. Here keys are read
+    in blocks of `key_block` slots with a running (flash-style) softmax, and only the blocks below
+    max(first) + T are visited (a loop with a traced trip count), so a chunk at the start of a long
+    prompt does not pay for the empty slots after it. Forward only: the loop is a `while_loop`.
+
+    Worked example, S = 10, key_block = 4, T = 2, first = 5 (queries at slots 5 and 6)::
+
+        blocks visited  j = 0: slots 0-3   j = 1: slots 4-7   (ceil((5 + 2) / 4) = 2; slots 8-9 never read)
+        query at 5      sees 0-3           sees 4, 5
+        query at 6      sees 0-3           sees 4, 5, 6
+
+    A last block that would run past S is read at S - key_block instead (a clamped slice); its
+    slots below j * key_block were counted by the previous block and are masked out.
+    """
+    b, t, h, dh = q.shape
+    s, kh = k.shape[1], k.shape[2]
+    if h % kh:
+        raise ValueError(f"causal_attention: {h} query heads is not a multiple of {kh} kv heads")
+    kb = min(int(key_block), s)
+    qg = q.reshape(b, t, kh, h // kh, dh)
+    query_slot = jnp.asarray(first, jnp.int32)[:, None] + jnp.arange(t, dtype=jnp.int32)  # [B, T]
+    # Blocks holding any visible slot: up to the last query's own slot (capped at the cache).
+    num_blocks = (jnp.minimum(jnp.max(query_slot) + 1, s) + kb - 1) // kb
+    scale = 1.0 / math.sqrt(dh)
+
+    def body(j, carry):
+        m, l, acc = carry  # [B, K, G, T] running max and sum, [B, K, G, T, Dh] weighted values
+        start = jnp.minimum(j * kb, s - kb)
+        kj = jax.lax.dynamic_slice_in_dim(k, start, kb, axis=1)  # [B, kb, K, Dh]
+        vj = jax.lax.dynamic_slice_in_dim(v, start, kb, axis=1)
+        slot = start + jnp.arange(kb, dtype=jnp.int32)
+        visible = (slot >= j * kb)[None, None, :] & (slot[None, None, :] <= query_slot[:, :, None])  # [B, T, kb]
+        scores = jnp.einsum("btkgd,bskd->bkgts", qg, kj, preferred_element_type=jnp.float32,
+                            precision=matmul_precision(q.dtype)) * scale
+        scores = jnp.where(visible[:, None, None, :, :], scores, NEG_INF)
+        m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
+        # Block 0 always holds slot 0, visible to every query, so m is a real score from the
+        # first block on and masked entries (NEG_INF - m) contribute exactly 0 after it.
+        p = jnp.exp(scores - m_new[..., None])
+        corr = jnp.exp(m - m_new)
+        acc = acc * corr[..., None] + jnp.einsum("bkgts,bskd->bkgtd", p.astype(v.dtype), vj,
+                                                 preferred_element_type=jnp.float32,
+                                                 precision=matmul_precision(v.dtype))
+        return m_new, l * corr + jnp.sum(p, axis=-1), acc
+
+    g = h // kh
+    init = (jnp.full((b, kh, g, t), NEG_INF, jnp.float32), jnp.zeros((b, kh, g, t), jnp.float32),
+            jnp.zeros((b, kh, g, t, dh), jnp.float32))
+    _, l, acc = jax.lax.fori_loop(0, num_blocks, body, init)
+    out = acc / l[..., None]  # [B, K, G, T, Dh]
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, dh).astype(q.dtype)
 
 
 def causal_mask(t: int) -> jax.Array:

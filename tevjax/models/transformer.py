@@ -6,9 +6,11 @@ One call handles prefill, single-token decode and the one-pass tree verification
 
 The K/V of the T new tokens go to cache slots `write_pos[b] + t`; query t sees every slot below
 `write_pos[b]` (the committed prefix) and new slot `write_pos[b] + t'` iff `block_mask[b, t, t']`.
-Prefill passes a causal block mask; a tree pass passes `tree.ancestors` with positions
-`prefix_len + tree.depth`. Worked example of the combined [T, S] mask for one row with
-write_pos = 2, T = 3, S = 6 and the tree block mask of a root with two children::
+A tree pass passes `tree.ancestors` with positions `prefix_len + tree.depth`; a causal run
+(prefill, one chunk of a prompt at a time) passes `block_mask=None`, which means the
+lower-triangular block and takes `causal_attention`: no [T, S] mask or score matrix, keys read only
+up to the run. Worked example of the combined [T, S] mask for one row with write_pos = 2, T = 3,
+S = 6 and the tree block mask of a root with two children::
 
     block_mask        combined mask (slots 0-1 prefix, 2-4 new, 5 empty)
     [1 0 0]           [1 1 | 1 0 0 | 0]
@@ -31,7 +33,8 @@ from flax import nnx
 
 from tevjax.models.cache import KVCache
 from tevjax.models.config import ModelConfig
-from tevjax.models.layers import RMSNorm, SwiGLU, apply_rope, attention, matmul_precision, rope_inv_freq
+from tevjax.models.layers import (RMSNorm, SwiGLU, apply_rope, attention, causal_attention, matmul_precision,
+                                  rope_inv_freq)
 
 __all__ = [
     "Attention",
@@ -98,12 +101,13 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, **kw)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, **kw)
 
-    def __call__(self, x, *, positions, inv_freq, mask, cache_k, cache_v, layer, write_idx):
+    def __call__(self, x, *, positions, inv_freq, mask, cache_k, cache_v, layer, write_idx, write_pos):
         """One layer over the new tokens.
 
-        x [B, T, D]; mask [B, T, S]; cache_k/v: the full [L, B, S, K, Dh] stacks (scan carry,
-        so the write is an in-place scatter of T entries, not a copy of the layer's slab);
-        layer: traced layer index; write_idx [B, T] slot of each new token (S = dropped).
+        x [B, T, D]; mask [B, T, S], or None for a causal run starting at slots write_pos [B];
+        cache_k/v: the full [L, B, S, K, Dh] stacks (scan carry, so the write is an in-place
+        scatter of T entries, not a copy of the layer's slab); layer: traced layer index;
+        write_idx [B, T] slot of each new token (S = dropped).
         """
         q, k, v = self.self_attn.qkv(self.input_layernorm(x), positions, inv_freq)
         # A vmap over rows (see `scatter_rows`): a batch split over devices writes its own rows.
@@ -112,7 +116,9 @@ class DecoderLayer(nnx.Module):
         cache_k, cache_v = write(cache_k, write_idx, k), write(cache_v, write_idx, v)
         k_all = jax.lax.dynamic_index_in_dim(cache_k, layer, 0, keepdims=False)  # [B, S, K, Dh]
         v_all = jax.lax.dynamic_index_in_dim(cache_v, layer, 0, keepdims=False)
-        x = x + self.self_attn.out(attention(q, k_all.astype(q.dtype), v_all.astype(q.dtype), mask))
+        k_all, v_all = k_all.astype(q.dtype), v_all.astype(q.dtype)
+        a = attention(q, k_all, v_all, mask) if mask is not None else causal_attention(q, k_all, v_all, write_pos)
+        x = x + self.self_attn.out(a)
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, cache_k, cache_v
 
@@ -155,26 +161,41 @@ class Transformer(nnx.Module):
         """tokens [...] int -> [..., D] in the compute dtype."""
         return self.embed_tokens(tokens).astype(self.cfg.dtype)
 
-    def logits(self, final_hidden: jax.Array, rows: jax.Array | None = None) -> jax.Array:
+    def head_rows(self, rows: jax.Array) -> jax.Array:
+        """[Vd, D] the LM-head rows (or tied embedding rows) of token ids `rows` [Vd], in the compute
+        dtype: what `logits(h, rows)` multiplies by, gathered once so that a caller scoring the
+        same rows every round (a drafter's reduced vocabulary) can pass it back as `head`."""
+        dt = jnp.dtype(self.cfg.dtype)
+        if self.lm_head is None:
+            return jnp.take(self.embed_tokens.embedding[...], rows, axis=0).astype(dt)
+        return jnp.take(self.lm_head.kernel[...], rows, axis=1).T.astype(dt)
+
+    def logits(self, final_hidden: jax.Array, rows: jax.Array | None = None, *,
+               head: jax.Array | None = None) -> jax.Array:
         """[..., D] -> [..., V] float32 (lm_head, or the tied embedding matrix).
 
         `rows` [Vd] int selects vocabulary entries: the result is then [..., Vd], column j scoring
         token rows[j] (a drafter's reduced vocabulary reads only those rows of the head).
+        `head` [Vd, D] = `head_rows(rows)`, when given, is used instead of gathering them again
+        (the gather of Vd x D weights costs a decoding round about a fifth of a target step).
         Inputs stay in the compute dtype (bf16 tensor cores on GPU) with float32 accumulation,
         so no float32 copy of the V x D matrix is made.
         """
         dt = jnp.dtype(self.cfg.dtype)
+        f32 = dict(preferred_element_type=jnp.float32, precision=matmul_precision(dt))
+        if head is not None:
+            if rows is not None and head.shape[0] != rows.shape[0]:
+                raise ValueError(f"head has {head.shape[0]} rows for {rows.shape[0]} vocabulary ids")
+            return jnp.einsum("...d,vd->...v", final_hidden.astype(dt), head.astype(dt), **f32)
         if self.lm_head is None:
             w = self.embed_tokens.embedding[...]
             if rows is not None:
                 w = jnp.take(w, rows, axis=0)
-            return jnp.einsum("...d,vd->...v", final_hidden.astype(dt), w.astype(dt),
-                              preferred_element_type=jnp.float32, precision=matmul_precision(dt))
+            return jnp.einsum("...d,vd->...v", final_hidden.astype(dt), w.astype(dt), **f32)
         w = self.lm_head.kernel[...]
         if rows is not None:
             w = jnp.take(w, rows, axis=1)
-        return jnp.einsum("...d,dv->...v", final_hidden.astype(dt), w.astype(dt),
-                          preferred_element_type=jnp.float32, precision=matmul_precision(dt))
+        return jnp.einsum("...d,dv->...v", final_hidden.astype(dt), w.astype(dt), **f32)
 
     def __call__(
         self,
@@ -182,18 +203,19 @@ class Transformer(nnx.Module):
         positions: jax.Array,
         cache: KVCache,
         write_pos: jax.Array,
-        block_mask: jax.Array,
+        block_mask: jax.Array | None,
         *,
         hidden_layers: tuple[int, ...] = (),
         compute_logits: bool = True,
     ) -> ForwardOutput:
-        """tokens, positions [B, T] int32; write_pos [B] int32; block_mask [B, T, T] bool."""
+        """tokens, positions [B, T] int32; write_pos [B] int32; block_mask [B, T, T] bool, or None
+        for a causal run (query t sees every slot up to write_pos + t; forward only)."""
         cfg = self.cfg
         b, t = tokens.shape
         checks = {
             "positions": (positions.shape, (b, t)),
             "write_pos": (write_pos.shape, (b,)),
-            "block_mask": (block_mask.shape, (b, t, t)),
+            "block_mask": (block_mask.shape if block_mask is not None else (b, t, t), (b, t, t)),
             "cache.k": (cache.k.shape, (cfg.num_layers, b, cache.capacity, cfg.num_kv_heads, cfg.head_dim)),
             "cache.v": (cache.v.shape, cache.k.shape),
         }
@@ -210,7 +232,7 @@ class Transformer(nnx.Module):
 
         s = cache.capacity
         write_pos = write_pos.astype(jnp.int32)
-        mask = full_mask(block_mask.astype(bool), write_pos, s)
+        mask = full_mask(block_mask.astype(bool), write_pos, s) if block_mask is not None else None
         write_idx = write_pos[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
         write_idx = jnp.where((write_idx >= 0) & (write_idx < s), write_idx, s)  # S: dropped
         inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
@@ -224,7 +246,7 @@ class Transformer(nnx.Module):
             state, layer = xs
             x, ck, cv = nnx.merge(graphdef, state)(
                 x, positions=positions, inv_freq=inv_freq, mask=mask, cache_k=ck, cache_v=cv,
-                layer=layer, write_idx=write_idx)
+                layer=layer, write_idx=write_idx, write_pos=write_pos)
             if wanted.size:
                 # Buffer of R slots written only where the layer index matches: O(R), not O(L).
                 hit = jnp.asarray(wanted) == layer

@@ -1,0 +1,221 @@
+"""Chunked prefill equals the one-pass prefill it replaced, on tiny random models.
+
+The reference is the previous `Decoder.prefill`: one target pass over the whole padded prompt with
+a [T, T] causal block mask, the drafter context and the kept hidden states written from that pass.
+The chunked prefill must fill the same caches (allclose: the causal path sums its softmax block by
+block) and lead to the same tokens, greedy and sampled, with and without a drafter.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from tevjax.decode import DecodeConfig, Decoder
+from tevjax.models import KVCache, attention, causal_mask, full_mask
+from tevjax.decode import engine
+from tevjax.models.dflash import DFlashConfig, DFlashDrafter, DrafterCache
+from tevjax.models.layers import causal_attention
+from tevjax.models.transformer import Transformer
+from tevjax.testing import random_model, tiny_config
+
+LAYERS = (0, 1)  # kept hidden states: every layer of the 2-layer tiny target (the last one final-normed)
+# prompt[:-1] (what prefill writes) of 44 and 29 tokens spans several chunks, 16 is exactly one
+# 16-token chunk (and three 5-token chunks and a part), 2 is part of one, 0 prefills nothing.
+PROMPT_LENGTHS = (45, 3, 30, 1, 17)
+
+
+@pytest.fixture(scope="module")
+def models():
+    tcfg = tiny_config("llama", vocab_size=24)
+    target = random_model(tcfg, seed=0)
+    dcfg = DFlashConfig.for_target(tcfg, num_layers=1, block_size=6, mask_token_id=23)
+    return target, DFlashDrafter(dcfg, rngs=nnx.Rngs(1))
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = np.random.default_rng(0)
+    return [rng.integers(0, 23, n).tolist() for n in PROMPT_LENGTHS]
+
+
+def one_pass_state(dec: Decoder, prompts, seed: int):
+    """The previous prefill: prompt[:-1] of every row, padded to the bucket Tp, in one target pass
+    under a [Tp, Tp] causal mask; then the drafter context and kept states from that pass."""
+    from tevjax.decode.engine import _split_hidden, _taps
+
+    target = nnx.merge(dec.tgd, dec.tstate)
+    drafter = nnx.merge(dec.dgd, dec.dstate) if dec.dgd is not None else None
+    lengths = [len(p) for p in prompts]
+    tp, capacity = dec.shapes(lengths)
+    b = len(prompts)
+    tokens = np.zeros((b, tp), np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p) - 1] = p[:-1]
+    positions = jnp.broadcast_to(jnp.arange(tp, dtype=jnp.int32), (b, tp))
+    zeros = jnp.zeros((b,), jnp.int32)
+    taps = _taps(drafter, dec.cfg)
+    out = target(jnp.asarray(tokens), positions, KVCache.init(target.cfg, b, capacity), zeros,
+                 jnp.broadcast_to(causal_mask(tp), (b, tp, tp)), hidden_layers=taps, compute_logits=False)
+    feats, kept = _split_hidden(out, taps, drafter, dec.cfg, target.cfg)
+    state = dec.prefill(prompts, seed)  # roots, keys, output buffers: everything but what prefill computes
+    dcache = None
+    if drafter is not None:
+        dcache = drafter.append_context(DrafterCache.init(drafter.cfg, b, capacity), feats, positions, zeros)
+    hidden = jnp.zeros_like(state.hidden).at[:, :tp].set(kept) if kept is not None else None
+    return dataclasses.replace(state, target_cache=out.cache, drafter_cache=dcache, hidden=hidden)
+
+
+def test_causal_attention_equals_masked_attention():
+    """The causal path sees what `attention` under `full_mask` of a lower-triangular block sees, for
+    rows with different prefixes, key blocks that divide the cache or not (a clamped last block),
+    and a run that reaches the last slot."""
+    rng = np.random.default_rng(0)
+    b, t, h, kh, dh, s = 3, 7, 4, 2, 16, 30
+    q, k, v = (jnp.asarray(rng.standard_normal(shape), jnp.float32)
+               for shape in ((b, t, h, dh), (b, s, kh, dh), (b, s, kh, dh)))
+    first = jnp.asarray([0, 5, s - t], jnp.int32)
+    want = attention(q, k, v, full_mask(jnp.broadcast_to(causal_mask(t), (b, t, t)), first, s))
+    for key_block in (1, 4, 7, 16, s, 64):
+        got = causal_attention(q, k, v, first, key_block=key_block)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6, rtol=1e-5)
+
+
+def test_transformer_causal_run_equals_block_mask(models):
+    """`block_mask=None` (a causal run) equals the explicit causal block mask after a cached prefix
+    of different lengths per row: logits, hidden states and the written cache."""
+    target, _ = models
+    rng = np.random.default_rng(1)
+    b, prefix, t, s = 2, 9, 6, 32
+    cache = target(jnp.asarray(rng.integers(0, 24, (b, prefix)), jnp.int32), jnp.broadcast_to(jnp.arange(prefix), (b, prefix)),
+                   KVCache.init(target.cfg, b, s), jnp.zeros((b,), jnp.int32),
+                   jnp.broadcast_to(causal_mask(prefix), (b, prefix, prefix))).cache
+    write_pos = jnp.asarray([prefix, 4], jnp.int32)
+    tokens = jnp.asarray(rng.integers(0, 24, (b, t)), jnp.int32)
+    positions = write_pos[:, None] + jnp.arange(t)
+    ref = target(tokens, positions, cache, write_pos, jnp.broadcast_to(causal_mask(t), (b, t, t)), hidden_layers=(0,))
+    got = target(tokens, positions, cache, write_pos, None, hidden_layers=(0,))
+    for a, w in ((got.logits, ref.logits), (got.hidden, ref.hidden), (got.cache.k, ref.cache.k), (got.cache.v, ref.cache.v)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(w), atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("chunk, with_drafter", [(16, False), (5, True)], ids=["16-ar", "5-drafter"])
+def test_chunked_prefill_equals_one_pass(models, prompts, chunk, with_drafter):
+    """Chunks of 16 tokens and of 5 (not a divisor of the 16-token bucket), batch 5 with lengths 1..45:
+    the caches, the drafter context (the features it was given) and the kept hidden states of every
+    committed slot equal the one-pass prefill's, and so do the tokens generated from either state,
+    greedy and at temperature 1 with the same seed."""
+    target, drafter = models
+    lengths = [len(p) for p in prompts]
+    for temperature in (0.0, 1.0):
+        cfg = DecodeConfig(budget=6, max_new_tokens=16, prompt_bucket=16, prefill_chunk=chunk,
+                           temperature=temperature, hidden_layers=LAYERS)
+        dec = Decoder(target, drafter if with_drafter else None, cfg)
+        assert dec.chunk_size(lengths) == chunk and -(-(max(lengths) - 1) // chunk) >= 3
+        got, want = dec.prefill(prompts, seed=7), one_pass_state(dec, prompts, seed=7)
+        pairs = [(got.target_cache.k, want.target_cache.k), (got.target_cache.v, want.target_cache.v),
+                 (got.hidden, want.hidden)]
+        if with_drafter:
+            pairs += [(got.drafter_cache.k, want.drafter_cache.k), (got.drafter_cache.v, want.drafter_cache.v)]
+        for i, n in enumerate(lengths):
+            for a, w in pairs:  # slots [0, length - 1) hold the committed prompt; the rest is padding
+                axis = 1 if a.ndim == 4 else 2  # hidden [B, S, R, D]; caches [L, B, S, K, Dh]
+                a_i = np.take(np.take(np.asarray(a), i, axis=axis - 1), np.arange(n - 1), axis=axis - 1)
+                w_i = np.take(np.take(np.asarray(w), i, axis=axis - 1), np.arange(n - 1), axis=axis - 1)
+                np.testing.assert_allclose(a_i, w_i, atol=2e-5, rtol=1e-5)
+        np.testing.assert_array_equal(np.asarray(got.cache_len), np.asarray(lengths) - 1)
+        np.testing.assert_array_equal(np.asarray(got.root), [p[-1] for p in prompts])
+        chunked = dec.results(dec.run(got), lengths)
+        reference = dec.results(dec.run(want), lengths)
+        assert [g.tokens for g in chunked] == [g.tokens for g in reference]
+        assert [g.rounds for g in chunked] == [g.rounds for g in reference]
+        assert all(len(g.tokens) == 16 or g.stop == "eos" for g in chunked)
+        for g, r in zip(chunked, reference):
+            np.testing.assert_allclose(g.hidden, r.hidden, atol=3e-5, rtol=1e-5)
+
+
+def test_one_chunk_program_serves_every_prompt_length(models):
+    """Past the chunk size, prompt length changes only the number of chunk calls: one compiled
+    chunk for every long prompt (short prompts get one chunk of their bucket)."""
+    target, _ = models
+    dec = Decoder(target, None, DecodeConfig(max_new_tokens=4, prompt_bucket=16, prefill_chunk=16, capacity=128))
+    for n in (20, 40, 57, 100):
+        assert dec.chunk_size([n]) == 16
+        dec.generate([[3] * n])
+    assert dec._prefill_chunk._cache_size() == 1 and dec._loop._cache_size() == 1
+    assert dec.chunk_size([5]) == 16 and Decoder(target, None, DecodeConfig(prompt_bucket=8)).chunk_size([5]) == 8
+
+
+def test_compile_needs_only_shapes(models, monkeypatch, caplog):
+    """`compile` builds every program from shapes (no prefill runs), and the generation after it
+    compiles none of the engine's programs again."""
+    target, drafter = models
+    dec = Decoder(target, drafter, DecodeConfig(budget=4, max_new_tokens=8, prompt_bucket=16, prefill_chunk=8))
+    batch = [[1, 2, 3] * 7, [4, 5]]
+
+    def no_prefill(*_a, **_k):
+        raise AssertionError("compile ran a prefill")
+
+    with monkeypatch.context() as m:
+        m.setattr(Decoder, "prefill", no_prefill)
+        with caplog.at_level("WARNING"), jax.log_compiles(True):
+            dec.compile(batch)
+    engine_programs = ("_empty_state", "_prefill_chunk", "_rounds")
+    compiled = " ".join(r.getMessage() for r in caplog.records if r.getMessage().startswith("Compiling"))
+    assert all(f"jit({name})" in compiled for name in engine_programs), compiled
+    caplog.clear()
+    with caplog.at_level("WARNING"), jax.log_compiles(True):
+        gens = dec.generate(batch)
+    again = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Compiling")]
+    assert not [m for m in again if any(f"jit({name})" in m for name in engine_programs)], again
+    assert len(gens) == 2 and all(len(g.tokens) == 8 or g.stop == "eos" for g in gens)
+
+
+def all_eqns(jaxpr):
+    """Every equation of a jaxpr, those of its sub-jaxprs (loop bodies, scans, pjit) included."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                    yield from all_eqns(sub.jaxpr)
+                elif isinstance(sub, jax.extend.core.Jaxpr):
+                    yield from all_eqns(sub)
+
+
+def test_prefill_chunk_builds_no_chunk_by_cache_array():
+    """The traced prefill chunk (abstract target and drafter, nothing runs) holds no value with
+    both a chunk axis C and a cache axis S, nor a [C, C] block: no causal mask and no full score
+    matrix, whatever its dtype. The one-pass prefill under a [C, C] causal block mask, traced the
+    same way, holds both, so the check can see them."""
+    cfg = tiny_config("llama", max_position_embeddings=2048)
+    dcfg = DFlashConfig.for_target(cfg, num_layers=1, block_size=4, mask_token_id=cfg.vocab_size - 1)
+    target = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    drafter = nnx.eval_shape(lambda: DFlashDrafter(dcfg, rngs=nnx.Rngs(0)))
+    dec = Decoder(target, drafter, DecodeConfig(budget=4, max_new_tokens=8, prompt_bucket=8, prefill_chunk=40))
+    lengths = [300, 120]
+    c, (_, s) = dec.chunk_size(lengths), dec.shapes(lengths)
+    assert (c, s) == (40, 384) and s > 256  # S spans two key blocks; C, S and 2C collide with no other axis
+    state = dec._abstract_state(len(lengths), s)
+    chunk = functools.partial(engine._prefill_chunk, tgd=dec.tgd, dgd=dec.dgd, cfg=dec.cfg)
+    tokens = jax.ShapeDtypeStruct((len(lengths), c), jnp.int32)
+    jaxpr = jax.make_jaxpr(chunk)(dec.tstate, dec.dstate, state, tokens, jnp.int32(0)).jaxpr
+
+    def chunk_by_cache(jaxpr):
+        shapes = {tuple(v.aval.shape) for e in all_eqns(jaxpr) for v in e.outvars if hasattr(v.aval, "shape")}
+        return sorted(sh for sh in shapes if (c in sh and s in sh) or sh[-2:] == (c, c))
+
+    assert chunk_by_cache(jaxpr) == []
+
+    def one_pass(tstate, tokens):
+        model = nnx.merge(dec.tgd, tstate)
+        b = tokens.shape[0]
+        return model(tokens, jnp.broadcast_to(jnp.arange(c), (b, c)), KVCache.init(cfg, b, s), jnp.zeros((b,), jnp.int32),
+                     jnp.broadcast_to(causal_mask(c), (b, c, c)), compute_logits=False).cache
+
+    found = chunk_by_cache(jax.make_jaxpr(one_pass)(dec.tstate, tokens).jaxpr)
+    assert (2, c, s) in found and (2, c, c) in found, found
