@@ -47,6 +47,7 @@ from tevjax.loading import load_models
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from real_trees import capture_rounds, describe_drafter, load_prompt_ids, machine_facts, versions  # noqa: E402
+from report import budget_axes  # noqa: E402
 from tree_stats import EXIT_KINDS, exit_kind, mass_by_depth_rank, sibling_ranks  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "exit_mass.md"
@@ -134,14 +135,7 @@ def plot(results: dict, labels: list[str], temperatures, budgets, ranks: int, he
             mean = np.array([cov[str(b)]["mean"] for b in budgets])
             se = np.array([cov[str(b)]["se"] for b in budgets])
             ax.errorbar(budgets, 1 + mean, yerr=se, marker="o", capsize=3, label=label)
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(budgets, [str(b) for b in budgets])
-        ax.minorticks_off()
-        ax.set_xlabel("tree budget", fontsize=8)
-        ax.set_ylabel("1 + C_p (mean over rounds)", fontsize=8)
-        ax.set_title(f"coverage vs budget, T={t:g} (same contexts)", fontsize=8)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        budget_axes(ax, budgets, "1 + C_p (mean over rounds)", f"coverage vs budget, T={t:g} (same contexts)")
     if image is not None:
         fig.colorbar(image, ax=axes[:, :-1], location="bottom", shrink=0.7, label="mean exit probability per round")
     fig.suptitle(title, fontsize=10)

@@ -35,7 +35,6 @@ import dataclasses
 import datetime
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -43,6 +42,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import budget_axes  # noqa: E402
 from paired_stats import detectable_gain, paired_gain, tau_se  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "exittrain_ablation.md"
@@ -252,14 +252,7 @@ def plot(table: dict, arms, sets, temperatures, budgets, path: Path, title: str)
                 x = np.array(budgets, float) * (1 + 0.03 * (k - (len(arms) - 1) / 2))  # small dodge
                 ax.errorbar(x, [c["tau"] for c in cells], yerr=[1.96 * np.nan_to_num(c["se"]) for c in cells],
                             marker="o", capsize=3, label=arm)
-            ax.set_xscale("log", base=2)
-            ax.set_xticks(budgets, [str(b) for b in budgets])
-            ax.minorticks_off()
-            ax.set_xlabel("tree budget", fontsize=8)
-            ax.set_ylabel("tau (95% interval)", fontsize=8)
-            ax.set_title(f"{s}, T={t:g}", fontsize=9)
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=7)
+            budget_axes(ax, budgets, "tau (95% interval)", f"{s}, T={t:g}", title_size=9)
     fig.suptitle(title, fontsize=10)
     fig.savefig(path, dpi=120)
     plt.close(fig)
