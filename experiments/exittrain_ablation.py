@@ -399,23 +399,24 @@ def header(title: str, argv, args, setup: Setup, minutes: float, cpu_minutes: fl
     ]
 
 
-def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    args = parse_args(argv)
+def run_and_report(args, argv, specs: list[tuple[str, str, int]], *, title: str, script: str, notes: list[str],
+                   png_title: str) -> dict:
+    """Trains (if needed) and evaluates every (label, arm, exit budget) in `specs` (the first is the
+    baseline of the paired comparisons) and writes args.out (.md, .json, .png); returns the raw dict."""
     started, cpu_started = time.perf_counter(), time.process_time()
     date = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
     setup = make_setup(args)
-    print(f"setup {time.perf_counter() - started:.0f} s", flush=True)
-    records = {arm: ensure_arm(setup, args, arm, args.exit_budget) for arm in args.arms}
+    records = {label: ensure_arm(setup, args, arm, budget) for label, arm, budget in specs}
     train_minutes = (time.perf_counter() - started) / 60
     print(f"setup + training {train_minutes:.1f} min", flush=True)
+    labels = list(records)
     bar = None
     if not args.no_progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=len(args.arms) * len(args.prompt_sets) * len(args.temperatures) * len(args.budgets),
-                   unit="cell", desc="ablation eval", dynamic_ncols=True)
-    res = evaluate_arms(setup, args, {a: r["dir"] for a, r in records.items()}, args.budgets, "token", bar)
+        bar = tqdm(total=len(labels) * len(args.prompt_sets) * len(args.temperatures) * len(args.budgets),
+                   unit="cell", desc=script, dynamic_ncols=True)
+    res = evaluate_arms(setup, args, {a: r["dir"] for a, r in records.items()}, args.budgets, labels[0], bar)
     if bar is not None:
         bar.close()
     minutes = (time.perf_counter() - started) / 60
@@ -423,48 +424,65 @@ def main(argv=None) -> int:
     machine, vers = machine_and_versions()
     table = res["table"]
 
-    lines = header("ExitTrain ablation at matched compute (tau by training loss)", argv, args, setup, minutes,
-                   cpu_minutes, date, machine, "exittrain_ablation.py")
-    lines += [f"- Exit-loss tree budget {args.exit_budget}. Arms: " + "; ".join(
-        f"`{a}` = {ARMS[a][1]}" for a in args.arms) + ".", ""]
+    lines = header(title, argv, args, setup, minutes, cpu_minutes, date, machine, script) + notes + [""]
     lines += ["## Training", "", "| arm | trained in this run | steps | final loss_tok | final loss_exit | acc1 | "
               "train wall min |", "|---|:---:|---:|---:|---:|---:|---:|"]
-    for arm, r in records.items():
+    for label, r in records.items():
         s = training_summary(r["run"])
         r["summary"] = s
         g = lambda k: f"{s[k]:.4f}" if k in s else "-"  # noqa: E731
-        lines.append(f"| {arm} | {'yes' if r['trained_now'] else 'no (exported drafter found)'} | {s.get('step', '-')} "
-                     f"| {g('loss_tok')} | {g('loss_exit')} | {g('acc1')} | {s.get('wall_minutes', '-')} |")
+        lines.append(f"| {label} | {'yes' if r['trained_now'] else 'no (exported drafter found)'} | "
+                     f"{s.get('step', '-')} | {g('loss_tok')} | {g('loss_exit')} | {g('acc1')} | "
+                     f"{s.get('wall_minutes', '-')} |")
     lines += ["", f"Setup and training took {train_minutes:.1f} min of this run's wall time.", ""]
-    for s in args.prompt_sets:
-        for t in args.temperatures:
-            lines += [f"## {s}, T = {t:g}", "",
-                      "| arm | " + " | ".join(f"tau @ B={b}" for b in args.budgets) + " |",
-                      "|---|" + "---:|" * len(args.budgets)]
-            for arm in args.arms:
-                lines.append(f"| {arm} | " + " | ".join(
-                    f"{c['tau']:.3f} +- {c['se']:.3f}" for c in (table[arm][s][str(t)][str(b)] for b in args.budgets))
-                    + " |")
-            if len(args.arms) > 1:
-                lines += ["", "| arm vs token | " + " | ".join(f"gain @ B={b}" for b in args.budgets) + " |",
-                          "|---|" + "---:|" * len(args.budgets)]
-                for arm in args.arms[1:]:
-                    lines.append(f"| {arm} | " + " | ".join(fmt_gain(table[arm][s][str(t)][str(b)])
-                                                          for b in args.budgets) + " |")
-            lines.append("")
-    lines += pooled_lines(table, args.arms, args.prompt_sets, args.temperatures, args.budgets)
+    lines += tau_tables(table, labels, args.prompt_sets, args.temperatures, args.budgets)
+    lines += pooled_lines(table, labels, args.prompt_sets, args.temperatures, args.budgets)
     lines += ["", f"![tau by budget per arm]({args.out.with_suffix('.png').name})", ""]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(lines) + "\n")
-    plot(table, args.arms, args.prompt_sets, args.temperatures, args.budgets, args.out.with_suffix(".png"),
-         f"ExitTrain ablation ({setup.name}, {args.steps} fine-tuning steps per arm)")
-    raw = {"date": date, "command": lines[3].split("`")[1], "machine": machine, "versions": vers, "wall_minutes": minutes,
-           "cpu_minutes": cpu_minutes, "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+    plot(table, labels, args.prompt_sets, args.temperatures, args.budgets, args.out.with_suffix(".png"), png_title)
+    raw = {"date": date, "command": lines[3].split("`")[1], "machine": machine, "versions": vers,
+           "wall_minutes": minutes, "cpu_minutes": cpu_minutes,
+           "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
            "seeds": {"train": args.seed, "decode": f"{args.seed} + prompt index"}, "arms": records,
            "prompts": setup.texts, "results": table, "per_prompt": res["counts"]}
     args.out.with_suffix(".json").write_text(json.dumps(raw, indent=1) + "\n")
     print("\n".join(lines))
     print(f"wrote {args.out}, .json and .png ({minutes:.1f} min)")
+    return raw
+
+
+def tau_tables(table, labels, sets, temperatures, budgets) -> list[str]:
+    """Per (set, T): tau +- SE by arm and budget, then each arm's paired gain against the first."""
+    lines = []
+    for s in sets:
+        for t in temperatures:
+            lines += [f"## {s}, T = {t:g}", "", "| arm | " + " | ".join(f"tau @ B={b}" for b in budgets) + " |",
+                      "|---|" + "---:|" * len(budgets)]
+            for label in labels:
+                lines.append(f"| {label} | " + " | ".join(
+                    f"{c['tau']:.3f} +- {c['se']:.3f}" for c in (table[label][s][str(t)][str(b)] for b in budgets))
+                    + " |")
+            if len(labels) > 1:
+                lines += ["", f"| arm vs {labels[0]} | " + " | ".join(f"gain @ B={b}" for b in budgets) + " |",
+                          "|---|" + "---:|" * len(budgets)]
+                for label in labels[1:]:
+                    lines.append(f"| {label} | " + " | ".join(fmt_gain(table[label][s][str(t)][str(b)])
+                                                            for b in budgets) + " |")
+            lines.append("")
+    return lines
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    run_and_report(args, argv, [(arm, arm, args.exit_budget) for arm in args.arms],
+                   title="ExitTrain ablation at matched compute (tau by training loss)",
+                   script="exittrain_ablation.py",
+                   notes=[f"- Exit-loss tree budget {args.exit_budget}. Arms: " + "; ".join(
+                       f"`{a}` = {ARMS[a][1]}" for a in args.arms) + "."],
+                   png_title=f"ExitTrain ablation ({'tiny' if args.quick else 'SmolLM2'}, {args.steps} fine-tuning "
+                   "steps per arm)")
     return 0
 
 
@@ -477,7 +495,7 @@ def pooled_lines(table, arms, sets, temperatures, budgets) -> list[str]:
         cells = [table[arm][s][str(t)][str(b)] for s in sets for t in temperatures for b in budgets]
         above = sum(c["gain_lo"] > 0 for c in cells)
         below = sum(c["gain_hi"] < 0 for c in cells)
-        out.append(f"- `{arm}` vs token-only: mean paired gain {100 * np.mean([c['gain'] for c in cells]):+.1f}% over "
+        out.append(f"- `{arm}` vs `{arms[0]}`: mean paired gain {100 * np.mean([c['gain'] for c in cells]):+.1f}% over "
                    f"{len(cells)} cells; interval above 0 in {above}, below 0 in {below}, containing 0 in "
                    f"{len(cells) - above - below}; median detectable gain "
                    f"{100 * np.median([c['detectable'] for c in cells]):.1f}%.")
