@@ -47,7 +47,6 @@ from tevjax.loading import load_models
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from real_trees import capture_rounds, describe_drafter, load_prompt_ids, machine_facts, versions  # noqa: E402
-from report import budget_axes  # noqa: E402
 from tree_stats import EXIT_KINDS, exit_kind, mass_by_depth_rank, sibling_ranks  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "exit_mass.md"
@@ -105,6 +104,8 @@ def plot(results: dict, labels: list[str], temperatures, budgets, ranks: int, he
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.colors import LogNorm
+
+    from report import budget_axes
 
     nrow, ncol = len(temperatures), len(labels) + 1
     fig, axes = plt.subplots(nrow, ncol, figsize=(4.2 * ncol, 4.4 * nrow + 0.8), squeeze=False, layout="constrained")

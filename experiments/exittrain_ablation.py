@@ -287,7 +287,8 @@ def add_training_args(p: argparse.ArgumentParser, *, steps: int) -> None:
 
 
 def add_eval_args(p: argparse.ArgumentParser, *, budgets, temperatures, sets, num_prompts: int) -> None:
-    p.add_argument("--budgets", type=int, nargs="+", default=list(budgets), help="evaluation tree budgets")
+    if budgets is not None:
+        p.add_argument("--budgets", type=int, nargs="+", default=list(budgets), help="evaluation tree budgets")
     p.add_argument("--temperatures", type=float, nargs="+", default=list(temperatures))
     p.add_argument("--prompt-sets", nargs="+", default=list(sets), help=f"of {', '.join(PROMPT_SETS)}")
     p.add_argument("--num-prompts", type=int, default=num_prompts, help="prompts per set")
@@ -300,7 +301,8 @@ def check_common(p: argparse.ArgumentParser, args, quick_out: Path, results: Pat
     if args.quick:
         args.steps, args.batch, args.anchors, args.seq_len, args.exit_anchors, args.lr = 3, 4, 6, 40, 3, 3e-3
         args.num_prompts, args.max_new_tokens = 2, 12
-        args.runs = quick_runs
+        if args.runs == str(RUNS):  # a smoke run never touches the real runs folder unless told to
+            args.runs = quick_runs
     if args.out is None:
         args.out = quick_out if args.quick else results
     for name in ("steps", "batch", "anchors", "seq_len", "exit_anchors", "num_prompts", "max_new_tokens"):

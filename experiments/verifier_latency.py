@@ -122,30 +122,35 @@ def stage_fn(method: str, temperature: float, target_cfg):
 
 def time_stage(tree, logits, temperature: float, target_cfg, capacity: int, box: dict, calls: int,
                methods, *, seed: int = 0) -> tuple[dict, dict]:
-    """Times verify + commit of each method on one tree [N] and its logits [N, V], round-robin.
+    """Times verify + commit of each method on one tree [N] and its logits [N, V] (or on lists of
+    same-shape trees and logits, cycled call by call), round-robin.
 
     `box["cache"]` is a batch-1 KVCache of `capacity` slots, threaded (donated) from call to call as
     the engine's state is. Returns ({method: compile + first call s}, {method: per-call ms array})."""
-    trees = jax.tree.map(lambda x: x[None], tree)
-    logits = logits[None]
+    pairs = list(zip(tree, logits)) if isinstance(tree, list) else [(tree, logits)]
     cache_len = jnp.array([capacity // 2], jnp.int32)  # a committed prefix; the tree's slots follow it
-    # The commit-alone reference moves a fixed path: TEV's first output on these inputs.
-    fixed = jax.vmap(lambda k, t, l: verify(k, t, l, temperature, "tev"))(jax.random.key(1)[None], trees, logits)
+    inputs = []
+    for t, lg in pairs:
+        trees, lgs = jax.tree.map(lambda x: x[None], t), lg[None]
+        # The commit-alone reference moves a fixed path: TEV's first output on these inputs.
+        fixed = jax.vmap(lambda k, a, b: verify(k, a, b, temperature, "tev"))(jax.random.key(1)[None], trees, lgs)
+        inputs.append((trees, lgs, fixed))
     fns = {m: stage_fn(m, temperature, target_cfg) for m in methods}
     keys = jax.random.split(jax.random.key(seed), calls + 8)
 
     def call(m):
-        def go(key):
-            tokens, box["cache"] = fns[m](key, box["cache"], trees, logits, cache_len, fixed)
+        def go(key, i):
+            trees, lgs, fixed = inputs[i % len(inputs)]
+            tokens, box["cache"] = fns[m](key, box["cache"], trees, lgs, cache_len, fixed)
             return tokens
         return go
 
     compile_s = {}
     for m in fns:
         t0 = time.perf_counter()
-        jax.block_until_ready(call(m)(keys[0]))
+        jax.block_until_ready(call(m)(keys[0], 0))
         compile_s[m] = time.perf_counter() - t0
-    times = time_round_robin({m: call(m) for m in fns}, lambda i: (keys[i],), calls)
+    times = time_round_robin({m: call(m) for m in fns}, lambda i: (keys[i], i), calls)
     return compile_s, {m: np.asarray(t) * 1e3 for m, t in times.items()}
 
 
