@@ -214,7 +214,8 @@ def plot_stage(rows, path: Path) -> None:
     from report import budget_axes
 
     cells = sorted({(r["V"], r["temperature"]) for r in rows})
-    fig, axes = plt.subplots(1, len(cells), figsize=(4.2 * len(cells), 3.6), squeeze=False, layout="constrained")
+    fig, axes = plt.subplots(1, len(cells), figsize=(max(5.5, 4.2 * len(cells)), 3.8), squeeze=False,
+                             layout="constrained")
     for ax, (vocab, t) in zip(axes[0], cells):
         sub = sorted((r for r in rows if r["V"] == vocab and r["temperature"] == t), key=lambda r: r["budget"])
         budgets = [r["budget"] for r in sub]
@@ -223,7 +224,7 @@ def plot_stage(rows, path: Path) -> None:
             err = np.array([[med[i] - r["stage_" + m][1], r["stage_" + m][2] - med[i]] for i, r in enumerate(sub)]).T
             ax.errorbar(budgets, med, yerr=err, marker="o", capsize=3, label=m if m != "commit" else "commit alone")
         budget_axes(ax, budgets, "verify + commit, median ms (10-90%)", f"V={vocab:,}, T={t:g}")
-    fig.suptitle("Verifier-stage latency (decision + cache commit) on this machine", fontsize=10)
+    fig.suptitle("Verifier stage (decision + cache commit)", fontsize=10)
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
