@@ -160,9 +160,11 @@ def ensure_arm(setup: Setup, args, arm: str, exit_budget: int, log=print) -> dic
     drafter = load_drafter(setup, setup.init_dir)
     log(f"training arm {arm} (exit budget {exit_budget}) into {run_dir}")
     t0 = time.perf_counter()
-    train(setup.target, drafter, setup.data_dir, run_dir, cfg, target_name=setup.name,
-          resume=(run_dir / RUN_FILE).exists(), progress=not args.no_progress, checkpoint_every_s=120.0,
-          eval_every_s=1e9, log=lambda line: print(line, file=sys.stderr, flush=True))
+    state = train(setup.target, drafter, setup.data_dir, run_dir, cfg, target_name=setup.name,
+                  resume=(run_dir / RUN_FILE).exists(), progress=not args.no_progress, checkpoint_every_s=120.0,
+                  eval_every_s=1e9, log=lambda line: print(line, file=sys.stderr, flush=True))
+    if int(state.step) != cfg.steps:  # stopped by a signal: export nothing, so a rerun resumes the run
+        raise SystemExit(f"arm {arm}: training stopped at step {int(state.step)} of {cfg.steps}; rerun to resume")
     export_run(run_dir, drafter_dir, dtype="bfloat16")
     record.update(trained_now=True, train_minutes=(time.perf_counter() - t0) / 60)
     return record
