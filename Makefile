@@ -16,7 +16,7 @@ export PYTHONUNBUFFERED := 1
 
 EXP_STAMP := $(VENV)/.stamp-experiments
 
-.PHONY: demo test test-slow test-all bench bench-e2e gpu-dry-run experiments install clean
+.PHONY: demo test test-slow test-all bench bench-e2e gpu-dry-run experiments exittrain install clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -70,9 +70,25 @@ gpu-dry-run: $(TEST_STAMP)
 # given DFlash checkpoint instead of load_models("smollm2")'s drafter.
 EXP_DRAFTER := $(if $(DRAFTER),--drafter $(DRAFTER))
 
+# verifier_latency (~5 min at this size) and crossed (~20-30 min) follow. crossed compares the
+# token-only and ExitTrain drafters that `make exittrain` fine-tunes (it trains them first if they
+# are missing, which takes hours); CROSSED="--token-drafter A --exittrain-drafter B" compares two
+# given checkpoints instead.
 experiments: $(BASE_STAMP)
 	$(PY) experiments/fixed_tree_equivalence.py $(EXP_DRAFTER)
 	$(PY) experiments/exit_mass.py $(EXP_DRAFTER)
+	$(PY) experiments/verifier_latency.py --vocabs 49152 --calls 30
+	$(PY) experiments/crossed.py $(CROSSED)
+
+# The ExitTrain ablation and budget transfer: fine-tunes every arm from the shipped drafter on
+# ~/.cache/tevjax/data/smollm2-sharegpt (1000 steps each, ~1 h per arm on 2 free cores; runs and
+# bf16 exports in ~/.cache/tevjax/runs/ablation, reused when present), then evaluates tau at
+# budgets 4-64, T = 0 and 1, on four prompt sets (~2 h per arm). Each result file states its time.
+# ABLATION="--steps 100 --arms token w ..." and TRANSFER="--steps 100 ..." resize them (give both the
+# same training options, so the transfer reuses the ablation's runs).
+exittrain: $(BASE_STAMP)
+	$(PY) experiments/exittrain_ablation.py $(ABLATION)
+	$(PY) experiments/budget_transfer.py $(TRANSFER)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -105,6 +105,8 @@ def plot(results: dict, labels: list[str], temperatures, budgets, ranks: int, he
     import matplotlib.pyplot as plt
     from matplotlib.colors import LogNorm
 
+    from report import budget_axes
+
     nrow, ncol = len(temperatures), len(labels) + 1
     fig, axes = plt.subplots(nrow, ncol, figsize=(4.2 * ncol, 4.4 * nrow + 0.8), squeeze=False, layout="constrained")
     norm = LogNorm(vmin=1e-4, vmax=1.0)  # one scale for every panel: side by side stays comparable
@@ -134,14 +136,7 @@ def plot(results: dict, labels: list[str], temperatures, budgets, ranks: int, he
             mean = np.array([cov[str(b)]["mean"] for b in budgets])
             se = np.array([cov[str(b)]["se"] for b in budgets])
             ax.errorbar(budgets, 1 + mean, yerr=se, marker="o", capsize=3, label=label)
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(budgets, [str(b) for b in budgets])
-        ax.minorticks_off()
-        ax.set_xlabel("tree budget", fontsize=8)
-        ax.set_ylabel("1 + C_p (mean over rounds)", fontsize=8)
-        ax.set_title(f"coverage vs budget, T={t:g} (same contexts)", fontsize=8)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        budget_axes(ax, budgets, "1 + C_p (mean over rounds)", f"coverage vs budget, T={t:g} (same contexts)")
     if image is not None:
         fig.colorbar(image, ax=axes[:, :-1], location="bottom", shrink=0.7, label="mean exit probability per round")
     fig.suptitle(title, fontsize=10)

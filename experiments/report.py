@@ -16,3 +16,15 @@ def emit(lines: list[str], out: str | Path | None) -> str:
         out.write_text(text)
         print(f"wrote {out}")
     return text
+
+
+def budget_axes(ax, budgets, ylabel: str, title: str, *, title_size: int = 8) -> None:
+    """A panel with tree budgets on a log2 x axis (ticks at the budgets), a grid and a legend."""
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(budgets, [str(b) for b in budgets])
+    ax.minorticks_off()
+    ax.set_xlabel("tree budget", fontsize=8)
+    ax.set_ylabel(ylabel, fontsize=8)
+    ax.set_title(title, fontsize=title_size)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)

@@ -6,8 +6,12 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
+import budget_transfer  # noqa: E402
+import crossed  # noqa: E402
 import exit_mass  # noqa: E402
+import exittrain_ablation  # noqa: E402
 import fixed_tree_equivalence  # noqa: E402
+import verifier_latency  # noqa: E402
 
 
 def error_of(parse, argv, capsys) -> str:
@@ -46,3 +50,49 @@ def test_quick_modes_write_to_tmp():
 def test_sampled_temperatures_only(capsys):
     assert "greedy is always checked separately" in error_of(
         fixed_tree_equivalence.parse_args, ["--temperatures", "0", "1"], capsys)
+
+
+def test_training_experiments_check_their_options(tmp_path, capsys):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "manifest.json").write_text("{}")
+    base = ["--data", str(data)]
+    abl = exittrain_ablation.parse_args
+    assert "--arms 'x': choose from" in error_of(abl, [*base, "--arms", "x"], capsys)
+    assert "--prompt-sets 'math500': choose from" in error_of(abl, [*base, "--prompt-sets", "math500"], capsys)
+    assert "--exit-lambda must be > 0" in error_of(abl, [*base, "--exit-lambda", "0"], capsys)
+    assert "--steps must be >= 1" in error_of(abl, [*base, "--steps", "0"], capsys)
+    assert "not a `tevjax data` directory" in error_of(abl, ["--data", str(tmp_path / "none")], capsys)
+    assert "no DFlash checkpoint there" in error_of(abl, [*base, "--init", str(tmp_path)], capsys)
+    args = abl([*base, "--arms", "w", "w", "--budgets", "16", "4", "4"])
+    assert args.arms == ["token", "w"] and args.budgets == [4, 16]  # the control always comes first
+    assert args.out == exittrain_ablation.RESULTS
+    # Budget transfer: an exit-loss arm only; crossed: both drafters or neither.
+    assert "choose an exit-loss arm" in error_of(budget_transfer.parse_args, [*base, "--arm", "token"], capsys)
+    assert budget_transfer.parse_args([*base, "--train-budgets", "32", "8", "8"]).train_budgets == [8, 32]
+    assert "give both --token-drafter and --exittrain-drafter" in error_of(
+        crossed.parse_args, [*base, "--token-drafter", str(tmp_path)], capsys)
+    assert "no DFlash checkpoint there" in error_of(
+        crossed.parse_args, [*base, "--token-drafter", str(tmp_path), "--exittrain-drafter", str(tmp_path)], capsys)
+    assert crossed.parse_args(base).budgets == [32]
+
+
+def test_training_experiments_quick_runs_stay_out_of_the_repo():
+    for mod in (exittrain_ablation, budget_transfer, crossed):
+        args = mod.parse_args(["--quick"])
+        assert str(args.out).startswith("/tmp/") and args.runs.startswith("/tmp/"), mod.__name__
+    # Full runs keep their fine-tunes outside the repository, in one folder per training configuration.
+    args = exittrain_ablation.parse_args(["--data", str(exittrain_ablation.DATA)]) \
+        if (exittrain_ablation.DATA / "manifest.json").exists() else exittrain_ablation.parse_args(["--quick"])
+    root = Path(__file__).resolve().parents[1]
+    assert root not in exittrain_ablation.arm_dir(args, "w", 32).parents
+    assert exittrain_ablation.arm_dir(args, "token", 8) == exittrain_ablation.arm_dir(args, "token", 32)
+    assert exittrain_ablation.arm_dir(args, "w", 8) != exittrain_ablation.arm_dir(args, "w", 32)
+
+
+def test_verifier_latency_options(capsys):
+    assert "--temperatures must be finite and > 0" in error_of(verifier_latency.main, ["--temperatures", "0"], capsys)
+    assert "--capacity 64 must hold twice the largest tree" in error_of(
+        verifier_latency.main, ["--capacity", "64", "--budgets", "32"], capsys)
+    assert verifier_latency.commit_target(49_152)[0] == "smollm2-135m"
+    assert verifier_latency.commit_target(151_936)[0] == "qwen3-4b"

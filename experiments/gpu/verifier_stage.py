@@ -7,7 +7,7 @@ excluding the shared target tree pass, and reports TEV against DDTree's predraw:
 Here, for every (budget, temperature) cell, the same realised DDTree tree and the same bf16 target
 logits [1, N, V] (N = budget + 1, V = 151,936; `verifier_latency.make_inputs`) go through one jitted
 function per method that runs the verifier as the engine does (vmapped over the batch of 1) and
-then the engine's own commit (`engine.commit`: the accepted path's K/V moved to contiguous slots of
+then the engine's own commit (`engine.commit`, via `verifier_latency.time_stage`: the accepted path's K/V moved to contiguous slots of
 a Qwen3-4B-shaped bf16 cache). The cache is donated and threaded from call to call, as the engine's
 donated state is, so no call copies it. Methods:
 
@@ -25,85 +25,30 @@ measured interval leaves to the drafter.
 from __future__ import annotations
 
 import argparse
-import functools
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from common import Deadline, ms_cell, stamp, targets, write
-from tevjax.decode import engine
 from tevjax.law import exit_law
 from tevjax.models.cache import KVCache
-from tevjax.models.transformer import ForwardOutput
-from tevjax.verifiers import verify
-from verifier_latency import make_inputs, predraw_full_gumbel, time_round_robin
+from verifier_latency import STAGE_METHODS as METHODS, make_inputs, time_stage
 
 # Paper Table 3 / Appendix D.1: TEV latency change vs predraw, in %, by (budget, temperature).
 PAPER = {(32, 0.6): -12.9, (64, 0.6): -15.2, (128, 0.6): -24.3,
          (32, 1.0): -12.0, (64, 1.0): -14.0, (128, 1.0): -17.1}
-METHODS = {
-    "tev": functools.partial(verify, method="tev"),
-    "predraw": functools.partial(verify, method="predraw"),
-    "predraw_naive": predraw_full_gumbel,
-    "sequential": functools.partial(verify, method="sequential"),
-}
 LABELS = {"tev": "TEV", "predraw": "predraw (same sampler)", "predraw_naive": "predraw (per-entry Gumbel)",
           "sequential": "sequential", "commit": "commit alone"}
 
 
-def commit_state(cache_len: jax.Array, root: jax.Array) -> engine.DecodeState:
-    """The fields of a DecodeState that `engine.commit` reads when there is no drafter and no kept
-    hidden states (the rest are never touched on that path)."""
-    none = dict(target_cache=None, drafter_cache=None, out=None, num_out=None, done=None, keys=None, rounds=None,
-                block_total=None, hidden=None, nonfinite=None)
-    return engine.DecodeState(cache_len=cache_len, root=root, **none)
-
-
-def stage_fn(method: str, temperature: float, target_cfg):
-    """jit(key, cache, trees [1, N], logits [1, N, V], cache_len [1]) -> (block tokens, new cache)."""
-    cfg = engine.DecodeConfig(verifier="tev", temperature=temperature)
-
-    def run(key, cache, trees, logits, cache_len, fixed_path):
-        if method == "commit":
-            ver = fixed_path
-        else:
-            ver = jax.vmap(lambda k, t, l: METHODS[method](k, t, l, temperature))(key[None], trees, logits)
-        out = ForwardOutput(logits=None, hidden=None, final_hidden=None, cache=cache)
-        new_cache, _, _ = engine.commit(out, ver, commit_state(cache_len, trees.tokens[:, 0]), None, cfg, target_cfg)
-        return ver.tokens, new_cache
-
-    # Donating the cache is safe: each call's returned cache replaces the one passed in.
-    return jax.jit(run, donate_argnums=(1,))
-
-
 def run_cell(budget, vocab, temperature, dtype, calls, target_cfg, capacity, box):
     tree, logits = make_inputs(budget, vocab, seed=budget * 7 + vocab, dtype=dtype)
-    trees = jax.tree.map(lambda x: x[None], tree)
-    logits = logits[None]
-    cache_len = jnp.array([capacity // 2], jnp.int32)  # a committed prefix; the tree's slots follow it
-    # The commit-alone reference moves a fixed path: TEV's first output on these inputs.
-    fixed = jax.vmap(lambda k, t, l: verify(k, t, l, temperature, "tev"))(jax.random.key(1)[None], trees, logits)
-    fns = {m: stage_fn(m, temperature, target_cfg) for m in (*METHODS, "commit")}
-    keys = jax.random.split(jax.random.key(budget), calls + 8)
-
-    def call(m):
-        def go(key):
-            tokens, box["cache"] = fns[m](key, box["cache"], trees, logits, cache_len, fixed)
-            return tokens
-        return go
-
-    compile_s = {}
-    for m in fns:
-        t0 = time.perf_counter()
-        jax.block_until_ready(call(m)(keys[0]))
-        compile_s[m] = time.perf_counter() - t0
-    times = time_round_robin({m: call(m) for m in fns}, lambda i: (keys[i],), calls)
-    cov = float(jax.jit(lambda t, l: exit_law(t, l, temperature).coverage)(tree, logits[0]))
-    return {"budget": budget, "temperature": temperature, "coverage": cov, "compile_s": compile_s,
-            "ms": {m: np.asarray(t) * 1e3 for m, t in times.items()}}
+    compile_s, ms = time_stage(tree, logits, temperature, target_cfg, capacity, box, calls, (*METHODS, "commit"),
+                               seed=budget)
+    cov = float(jax.jit(lambda t, l: exit_law(t, l, temperature).coverage)(tree, logits))
+    return {"budget": budget, "temperature": temperature, "coverage": cov, "compile_s": compile_s, "ms": ms}
 
 
 def report(rows, header, tiny) -> list[str]:
