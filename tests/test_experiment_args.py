@@ -11,6 +11,7 @@ import crossed  # noqa: E402
 import exit_mass  # noqa: E402
 import exittrain_ablation  # noqa: E402
 import fixed_tree_equivalence  # noqa: E402
+import round_stages  # noqa: E402
 import verifier_latency  # noqa: E402
 
 
@@ -96,3 +97,13 @@ def test_verifier_latency_options(capsys):
         verifier_latency.main, ["--capacity", "64", "--budgets", "32"], capsys)
     assert verifier_latency.commit_target(49_152)[0] == "smollm2-135m"
     assert verifier_latency.commit_target(151_936)[0] == "qwen3-4b"
+
+
+def test_round_stages_checks_its_arguments(tmp_path, capsys):
+    assert "--budget must be >= 1, got 0" in error_of(round_stages.parse_args, ["--budget", "0"], capsys)
+    assert "--iters must be >= 5, got 2" in error_of(round_stages.parse_args, ["--iters", "2"], capsys)
+    missing = str(tmp_path / "none")
+    assert f"--drafter {missing!r}: no such checkpoint directory" in error_of(
+        round_stages.parse_args, ["--drafter", missing], capsys)
+    args = round_stages.parse_args(["--budget", "4", "--iters", "5"])
+    assert (args.budget, args.iters, args.prefix) == (4, 5, 256)
