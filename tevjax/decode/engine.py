@@ -577,6 +577,7 @@ class Decoder:
         shard: dict[str, Any] = {}
         self._chunk_shardings: dict[str, Any] = {}
         self._empty_shardings: dict[str, Any] = {}
+        self._loop_shardings: dict[str, Any] = {}
         if mesh is not None:
             tshard = param_shardings(target, mesh, self.tstate)
             dshard = param_shardings(drafter, mesh, self.dstate) if drafter is not None else None
@@ -592,8 +593,6 @@ class Decoder:
                                                        scalar), out_shardings=sshard)
             self._empty_shardings = dict(in_shardings=(tshard, dshard, rows, rows, logical_sharding(mesh, (None,))),
                                          out_shardings=sshard)
-        else:
-            self._loop_shardings = {}
         # Donating the state is safe: each call's output state replaces its input and nothing
         # else holds a reference, so XLA can update the caches in place instead of copying them.
         self._round = jax.jit(functools.partial(_round, **statics), donate_argnums=(2,), **shard)
