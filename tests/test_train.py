@@ -234,7 +234,7 @@ def test_exact_resume_and_checkpoint_safety(tmp_path, data_dir, target):
 def test_two_device_step_equals_one_device_step(tmp_path, data_dir):
     script = textwrap.dedent(f"""
         import os
-        os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+        os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
         import sys, jax, numpy as np
         sys.path.insert(0, {str(Path(__file__).parent)!r})
         from test_train import _batch, _drafter, _target, CFG
@@ -261,7 +261,6 @@ def test_two_device_step_equals_one_device_step(tmp_path, data_dir):
         print("OK")
     """)
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)
     res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=900)
     assert res.returncode == 0 and "OK" in res.stdout, res.stderr[-3000:]
 
