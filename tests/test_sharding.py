@@ -9,7 +9,6 @@ devices divides them, a vocabulary of 96 and a drafter with a reduced vocabulary
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
@@ -25,7 +24,7 @@ from tevjax.cli import main
 from tevjax.models.dflash import DFlashConfig, DFlashDrafter
 from tevjax.sharding import (CACHE_AXES, DRAFTER_AXES, TARGET_AXES, check_batch, logical_sharding, make_mesh,
                              param_shardings, parse_mesh)
-from tevjax.testing import random_model, tiny_config
+from tevjax.testing import forced_devices_env, random_model, tiny_config
 
 
 def _mesh(data, model):
@@ -157,8 +156,7 @@ def test_cli_mesh_errors_are_one_line(capsys, argv, message):
 
 def _run(*checks: str, timeout: int = 1500) -> str:
     """Runs the named checks of `CHECKS` in one subprocess with 4 forced CPU devices."""
-    flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"  # keeps conftest's
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags.strip()}
+    env = forced_devices_env(4)
     code = textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {str(Path(__file__).parent)!r})

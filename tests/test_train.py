@@ -25,7 +25,7 @@ from tevjax.loading import LoadedTarget
 from tevjax.models import KVCache, causal_mask
 from tevjax.models.dflash import DFlashConfig, DFlashDrafter, draft_vocab_from_counts, features_from_output
 from tevjax.sharding import make_mesh
-from tevjax.testing import random_model, tiny_config
+from tevjax.testing import forced_devices_env, random_model, tiny_config
 from tevjax.train.dataset import Batch, TrainData
 from tevjax.train.rollout import RolloutConfig, generate_data, read_manifest
 from tevjax.train.run import RunError, export_run, train
@@ -233,8 +233,6 @@ def test_exact_resume_and_checkpoint_safety(tmp_path, data_dir, target):
 
 def test_two_device_step_equals_one_device_step(tmp_path, data_dir):
     script = textwrap.dedent(f"""
-        import os
-        os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
         import sys, jax, numpy as np
         sys.path.insert(0, {str(Path(__file__).parent)!r})
         from test_train import _batch, _drafter, _target, CFG
@@ -260,8 +258,8 @@ def test_two_device_step_equals_one_device_step(tmp_path, data_dir):
             np.testing.assert_allclose(out["one"][1][k], out["two"][1][k], rtol=1e-5, atol=1e-6, err_msg=k)
         print("OK")
     """)
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=900)
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=forced_devices_env(2),
+                         timeout=900)
     assert res.returncode == 0 and "OK" in res.stdout, res.stderr[-3000:]
 
 

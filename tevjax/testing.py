@@ -5,6 +5,8 @@ They live outside the model modules so the library's modules hold only what user
 
 from __future__ import annotations
 
+import os
+
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -12,7 +14,7 @@ from flax import nnx
 from tevjax.models.config import ModelConfig
 from tevjax.models.transformer import Transformer
 
-__all__ = ["random_model", "tiny_config"]
+__all__ = ["forced_devices_env", "random_model", "tiny_config"]
 
 
 def tiny_config(architecture: str = "llama", **overrides) -> ModelConfig:
@@ -52,3 +54,10 @@ def random_model(cfg: ModelConfig, seed: int = 0) -> Transformer:
             x = rng.standard_normal(shape) / np.sqrt(shape[-2])
         var.set_value(jnp.asarray(x, dtype))
     return model
+
+
+def forced_devices_env(n: int) -> dict[str, str]:
+    """The environment for a subprocess that sees `n` forced CPU devices. The caller's other XLA
+    flags are kept (the test session sets some), as is everything else in its environment."""
+    flags = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n}"
+    return {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags.strip()}
