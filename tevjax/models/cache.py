@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from tevjax.models.config import ModelConfig
 
-__all__ = ["KVCache", "scatter_rows"]
+__all__ = ["KVCache", "gather_rows", "scatter_rows", "write_layer"]
 
 
 def scatter_rows(buf: jax.Array, idx: jax.Array, values: jax.Array, *, axis: int = 0) -> jax.Array:
@@ -24,11 +24,39 @@ def scatter_rows(buf: jax.Array, idx: jax.Array, values: jax.Array, *, axis: int
     buf has its rows at `axis` and its slots right after; values has the same layout with T in
     place of the slots; idx is [B, T]. Written as a vmap over rows, not with an arange row index:
     XLA then partitions the write by rows, so a batch split over devices writes its own rows and
-    gathers nothing (an explicit row index makes it all-gather the indices and the values).
+    gathers nothing (an explicit row index makes it all-gather the indices and the values). The
+    axes before `axis` are vmapped too, so every batching dimension of the scatter leads: XLA:CPU
+    moves batching dimensions to the front before it scatters, and a row axis behind another one
+    made it transpose (copy) the whole buffer on every call. For a [L, B, S, K, Dh] KV cache that
+    was the whole cache per commit: 63 ms against 3 ms at S = 1024 on 2 CPU cores.
     """
-    lead = (slice(None),) * axis
-    return jax.vmap(lambda row, i, v: row.at[lead + (i,)].set(v.astype(row.dtype), mode="drop"),
-                    in_axes=(axis, 0, axis), out_axes=axis)(buf, idx, values)
+    f = jax.vmap(lambda row, i, v: row.at[i].set(v.astype(row.dtype), mode="drop"))
+    for _ in range(axis):
+        f = jax.vmap(f, in_axes=(0, None, 0))
+    return f(buf, idx, values)
+
+
+def gather_rows(buf: jax.Array, idx: jax.Array, *, axis: int = 0) -> jax.Array:
+    """`buf`'s slots `idx[b, t]` of row b: [.., B, T, ..] (rows at `axis`, slots right after; idx
+    in range). A vmap with leading batching dimensions, as `scatter_rows`."""
+    f = jax.vmap(lambda row, i: row[i])
+    for _ in range(axis):
+        f = jax.vmap(f, in_axes=(0, None))
+    return f(buf, idx)
+
+
+def write_layer(buf: jax.Array, layer: jax.Array, idx: jax.Array, values: jax.Array) -> jax.Array:
+    """`buf` [L, B, S, ...] with `values` [B, T, ...] written at layer `layer` (traced), slots
+    `idx` [B, T] of each row (S = dropped): one layer's K or V for the new tokens.
+
+    Explicit (layer, row, slot) indices rather than a vmap over rows: the rows sit behind the
+    layer axis, and a vmapped scatter there made XLA:CPU copy the whole [L, B, S, K, Dh] stack in
+    every layer of every forward pass (an AR step at a 2,048-token context cost 10x one at 64).
+    On a batch-split mesh this write gathers the new tokens' indices and values (small next to
+    the cache); the cache itself stays split by rows.
+    """
+    rows = jnp.arange(buf.shape[1], dtype=jnp.int32)[:, None]
+    return buf.at[layer, rows, idx].set(values.astype(buf.dtype), mode="drop")
 
 
 @jax.tree_util.register_dataclass
@@ -80,7 +108,6 @@ class KVCache:
         dst = jnp.where((src >= 0) & (dst >= 0) & (dst < self.capacity), dst, self.capacity)
 
         def move(x):  # x: [L, B, S, K, Dh]; the read happens before the write
-            moved = jax.vmap(lambda row, t: row[:, t], in_axes=(1, 0), out_axes=1)(x, take)  # [L, B, M, K, Dh]
-            return scatter_rows(x, dst, moved, axis=1)
+            return scatter_rows(x, dst, gather_rows(x, take, axis=1), axis=1)  # moved: [L, B, M, K, Dh]
 
         return KVCache(k=move(self.k), v=move(self.v))

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from tevjax.models.cache import KVCache
+from tevjax.models.cache import KVCache, write_layer
 from tevjax.models.config import ModelConfig
 from tevjax.models.layers import (RMSNorm, SwiGLU, apply_rope, attention, causal_attention, matmul_precision,
                                   rope_inv_freq)
@@ -110,10 +110,7 @@ class DecoderLayer(nnx.Module):
         write_idx [B, T] slot of each new token (S = dropped).
         """
         q, k, v = self.self_attn.qkv(self.input_layernorm(x), positions, inv_freq)
-        # A vmap over rows (see `scatter_rows`): a batch split over devices writes its own rows.
-        write = jax.vmap(lambda c, i, u: c.at[layer, i].set(u.astype(c.dtype), mode="drop"),
-                         in_axes=(1, 0, 0), out_axes=1)
-        cache_k, cache_v = write(cache_k, write_idx, k), write(cache_v, write_idx, v)
+        cache_k, cache_v = write_layer(cache_k, layer, write_idx, k), write_layer(cache_v, layer, write_idx, v)
         k_all = jax.lax.dynamic_index_in_dim(cache_k, layer, 0, keepdims=False)  # [B, S, K, Dh]
         v_all = jax.lax.dynamic_index_in_dim(cache_v, layer, 0, keepdims=False)
         k_all, v_all = k_all.astype(q.dtype), v_all.astype(q.dtype)
