@@ -276,6 +276,7 @@ def test_cli_generate_on_a_hf_directory(tiny_llama_dir):
     logits = _teacher_forced_logits(models, prompt, ref)
     print(f"\ntiny Llama via CLI: {rec['tokens']} (tau {rec['tau']}); smallest margin "
           f"{_margins(logits).min():.3f}")
-    assert rec["verifier"] == "tev" and rec["prompt_ids"] == prompt and rec["text"] == ""
+    # Without a tokenizer the text is the ids themselves, never an empty line.
+    assert rec["verifier"] == "tev" and rec["prompt_ids"] == prompt and json.loads(rec["text"]) == rec["tokens"]
     _check_exact("CLI tev on a HF directory vs in-process AR", rec["tokens"], ref, logits)
     assert len(ref) == n or ref[-1] in models.eos_ids
