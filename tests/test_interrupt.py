@@ -64,10 +64,20 @@ def test_next_rounds_targets_the_call_time():
     assert _next_rounds(600, CALL_SECONDS / 100, 1000) == 1000  # never above max_new_tokens
 
 
-def test_sigint_returns_the_finished_rows(models, monkeypatch):
+@pytest.fixture
+def python_sigint_handler():
+    """run() honours SIGINT only where Python's own handler is installed. A test runner started in
+    the background (nohup, `cmd &` in a script) inherits SIGINT ignored, and so would a CLI child;
+    with a handler installed here, a child starts with the default disposition (exec resets
+    handlers, not ignores)."""
+    saved = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, saved)
+
+
+def test_sigint_returns_the_finished_rows(models, monkeypatch, python_sigint_handler):
     """SIGINT arriving during the third loop call: `Interrupted` after that call, with the row that
     met its EOS complete (as in an uninterrupted run) and None for the rows still decoding."""
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # else run() leaves SIGINT alone
     target, _ = models
     plain = Decoder(target, None, DecodeConfig(max_new_tokens=40, prompt_bucket=16, capacity=64)).generate(PROMPTS)
     eos = plain[0].tokens[5]  # row 0 meets it within six rounds
@@ -113,7 +123,7 @@ def scripted_dir(tmp_path_factory):
     return path
 
 
-def test_cli_sigint_prints_finished_prompts_and_exits_130(tmp_path, scripted_dir):
+def test_cli_sigint_prints_finished_prompts_and_exits_130(tmp_path, scripted_dir, python_sigint_handler):
     """Batches of two: [a, a] finish at once and print; in [a, z] the "a" row finishes and the "z"
     row would decode 30000 tokens. SIGINT then: exit 130 within seconds, with the three finished
     records on stdout and none for "z"."""
