@@ -39,7 +39,6 @@ import datetime
 import functools
 import json
 import os
-import platform
 import resource
 import sys
 import time
@@ -57,6 +56,7 @@ from tevjax.loading import load_models
 from tevjax.models.cache import KVCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from real_trees import describe_drafter, machine_facts  # noqa: E402  experiments/real_trees.py
 from tevjax.prompts import DATASETS, load_prompt_sets  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "end_to_end.md"
@@ -300,20 +300,6 @@ def plot(rows, datasets, temperatures, budgets, path: Path) -> None:
 # ------------------------------------------------------------------------------------- main
 
 
-def machine_facts() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    d = jax.devices()[0]
-    return (f"{cpu}; {os.cpu_count()} CPU cores; jax {jax.__version__} on {d.platform}; "
-            f"Python {platform.python_version()}; {platform.system()} {platform.release()}")
-
-
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--drafter", default=None, help="DFlash checkpoint directory (default as load_models: "
@@ -358,15 +344,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     models = load_models("smollm2", args.drafter, dtype="float32")
     print(f"loaded SmolLM2-135M-Instruct (fp32) + tokenizer + drafter in {time.perf_counter() - t0:.1f} s", flush=True)
-    if args.drafter is not None:
-        drafter_desc = f"DFlash checkpoint `{args.drafter}` (given with --drafter)"
-    elif models.drafter_trained:
-        drafter_desc = "the project's trained SmolLM2 DFlash drafter (" + "; ".join(models.notes) + ")"
-    else:
-        drafter_desc = ("a freshly initialised, UNTRAINED DFlash drafter (seed 0): no --drafter was given "
-                        "and the project has no trained SmolLM2 drafter")
-    dcfg = models.drafter.cfg
-    drafter_desc += f"; {dcfg.num_layers} layers, block size {dcfg.block_size}"
+    drafter_desc = describe_drafter(models, args.drafter)
     print(f"drafter: {drafter_desc}", flush=True)
 
     ids = {ds: [chat_prompt_ids(models.tokenizer, p.text) for p in ps] for ds, ps in prompt_sets.items()}
