@@ -121,6 +121,22 @@ def test_data_resume_loses_and_duplicates_nothing(tmp_path, data_dir, target):
         assert _records(out, split) == _records(data_dir, split)
 
 
+def test_data_train_shard_slices_make_the_single_runs_shards(tmp_path, data_dir, target):
+    # Two slices of the plan (a later session, or two hosts) give the records one run gives.
+    loaded = _loaded(target)
+    out = tmp_path / "d"
+    manifest = generate_data(loaded, ROLLOUT, out, prompts=PROMPTS, progress=False, log=lambda _: None,
+                             train_shards=(2, 3))
+    assert sorted(manifest["shards"]) == ["heldout-00000", "train-00002"] and not manifest["complete"]
+    with pytest.raises(ValueError, match="outside the plan's 3"):
+        generate_data(loaded, ROLLOUT, out, resume=True, progress=False, log=lambda _: None, train_shards=(1, 4))
+    manifest = generate_data(loaded, ROLLOUT, out, resume=True, progress=False, log=lambda _: None,
+                             train_shards=(0, 2))
+    assert manifest["complete"]
+    for split in ("train", "heldout"):
+        assert _records(out, split) == _records(data_dir, split)
+
+
 def test_batches_are_a_pure_function_of_seed_and_step(data_dir):
     data = TrainData(data_dir, "train")
     a = [data.order(0, s, 5).tolist() for s in range(6)]

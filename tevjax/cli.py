@@ -92,6 +92,17 @@ def _int_list(name):
     return parse
 
 
+def _shard_range(text):
+    first, sep, end = text.partition(":")
+    try:
+        first, end = int(first), int(end)
+    except ValueError:
+        first = end = None
+    if not sep or first is None or not 0 <= first < end:
+        raise argparse.ArgumentTypeError(f"--train-shards must be FIRST:END with 0 <= FIRST < END, got {text!r}")
+    return first, end
+
+
 def _temperature(text):
     try:
         value = float(text)
@@ -177,6 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--max-new-tokens", type=_positive_int("--max-new-tokens"), default=256)
     data.add_argument("--out", type=Path, required=True, help="data directory to create (or complete with --resume)")
     data.add_argument("--resume", action="store_true", help="complete an interrupted run in --out")
+    data.add_argument("--train-shards", type=_shard_range, default=None, metavar="FIRST:END",
+                      help="generate only these training shards (0-based, END excluded) and the held-out ones, "
+                           "e.g. to add new records in a later session or to split the work across hosts")
     data.add_argument("--heldout", type=_nonnegative_int("--heldout"), default=256, help="held-out prompts (never trained on)")
     data.add_argument("--heldout-records", type=_nonnegative_int("--heldout-records"), default=64,
                       help="held-out prompts that also get regenerated responses, for training-time evaluation")
@@ -487,7 +501,8 @@ def cmd_data(args) -> int:
                         max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
                         batch_size=args.batch_size, taps=taps, seed=args.seed, responses=args.responses)
     manifest = generate_data(loaded, cfg, args.out, resume=args.resume, progress=not args.no_progress,
-                             log=lambda line: print(line, file=sys.stderr, flush=True))
+                             log=lambda line: print(line, file=sys.stderr, flush=True),
+                             train_shards=args.train_shards)
     shards = manifest["shards"].values()
     print(json.dumps({"out": str(args.out), "complete": manifest["complete"],
                       "records": sum(s["records"] for s in shards),

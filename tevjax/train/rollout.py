@@ -288,12 +288,17 @@ def _check_resume(manifest: dict, expected: dict, data_dir: Path) -> None:
 
 def generate_data(loaded, cfg: RolloutConfig, out_dir: str | os.PathLike, *, resume: bool = False,
                   prompts: tuple[list[list[int]], list[list[int]]] | None = None, progress: bool = True,
-                  log=print, stop_after_shards: int | None = None) -> dict:
+                  log=print, stop_after_shards: int | None = None,
+                  train_shards: tuple[int, int] | None = None) -> dict:
     """Generates (or, with `resume`, completes) a data directory; returns the manifest.
 
     `loaded` is a `tevjax.loading.LoadedTarget` (target model, tokenizer, EOS ids). `prompts`
     = (held-out, training) token-id prompts replaces the ShareGPT selection (own data, tests);
     their counts must match `cfg`. `stop_after_shards` stops early (a staged run; tests).
+    `train_shards` = (first, end) generates only those training shards of the plan (and the
+    held-out ones): a later session adds new records without regenerating earlier shards, and
+    hosts can split one plan. A shard's records depend only on the config and its index, so the
+    shards of separate slices are the ones a single run would have made.
     """
     from tevjax.decode.engine import DecodeConfig, Decoder
 
@@ -335,6 +340,13 @@ def generate_data(loaded, cfg: RolloutConfig, out_dir: str | os.PathLike, *, res
     rows = {"heldout": _read_jsonl(out / "heldout.jsonl"), "train": _read_jsonl(out / "prompts.jsonl")}
     plan = _shard_plan(cfg)
     todo = [p for p in plan if not (out / SHARDS / p[0]).is_dir()]
+    if train_shards is not None:
+        first, end = train_shards
+        n_train = sum(1 for p in plan if p[1] == "train")
+        if not 0 <= first < end <= n_train:
+            raise ValueError(f"training shards {first}:{end} are outside the plan's {n_train} "
+                             f"({cfg.num_prompts} prompts in shards of {cfg.batch_size})")
+        todo = [p for p in todo if p[1] != "train" or first <= int(p[0].rsplit("-", 1)[1]) < end]
     # Shards on disk that the manifest does not list yet (a stop between rename and manifest write).
     for name, *_ in plan:
         if (out / SHARDS / name).is_dir() and name not in manifest["shards"]:
