@@ -132,7 +132,10 @@ def make_setup(args) -> Setup:
 def run_tag(args) -> str:
     """The folder under --runs of one training configuration (all but the loss and exit budget)."""
     return (f"{'tiny' if args.quick else 'smollm2'}-s{args.steps}-b{args.batch}-a{args.anchors}-l{args.seq_len}"
-            f"-lr{args.lr:g}-lam{args.exit_lambda:g}-seed{args.seed}")
+            f"-lr{args.lr:g}-lam{args.exit_lambda:g}-seed{args.seed}"
+            # Tags of runs made before these options existed stay valid (defaults add nothing).
+            + (f"-e{args.exit_anchors}" if args.exit_anchors != 8 else "")
+            + (f"-x{args.exit_sequences}" if args.exit_sequences else ""))
 
 
 def arm_dir(args, arm: str, exit_budget: int) -> Path:
@@ -156,7 +159,8 @@ def ensure_arm(setup: Setup, args, arm: str, exit_budget: int, log=print) -> dic
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch, anchors=args.anchors, seq_len=args.seq_len,
                       lr=args.lr, warmup=args.warmup, weight_decay=0.0, gamma=args.gamma or None,
                       exit_lambda=0.0 if arm == "token" else args.exit_lambda, exit_weight=weight,
-                      exit_budget=exit_budget, exit_anchors=min(args.exit_anchors, args.anchors), seed=args.seed)
+                      exit_budget=exit_budget, exit_anchors=min(args.exit_anchors, args.anchors),
+                      exit_sequences=args.exit_sequences, seed=args.seed)
     drafter = load_drafter(setup, setup.init_dir)
     log(f"training arm {arm} (exit budget {exit_budget}) into {run_dir}")
     t0 = time.perf_counter()
@@ -285,6 +289,8 @@ def add_training_args(p: argparse.ArgumentParser, *, steps: int) -> None:
     p.add_argument("--gamma", type=float, default=7.0)
     p.add_argument("--exit-lambda", type=float, default=0.1)
     p.add_argument("--exit-anchors", type=int, default=8)
+    p.add_argument("--exit-sequences", type=int, default=None,
+                   help="sequences per batch with trees (default all; see TrainConfig.exit_sequences)")
     p.add_argument("--seed", type=int, default=0, help="training seed (data order) and decoding seed base")
 
 
@@ -394,7 +400,9 @@ def header(title: str, argv, args, setup: Setup, minutes: float, cpu_minutes: fl
         f"- Fine-tuning: {args.steps} steps, batch {args.batch} x {args.anchors} anchors, sequence length "
         f"{args.seq_len}, lr {args.lr:g} ({args.warmup:g} warmup, cosine), gamma {args.gamma:g}, seed {args.seed} "
         f"(same batches in the same order for every arm), exit lambda {args.exit_lambda:g} with "
-        f"{args.exit_anchors} tree anchors per sequence; data `{setup.data_dir}` (train shards only).",
+        f"{args.exit_anchors} tree anchors per sequence"
+        + (f" on {args.exit_sequences} of every {args.batch} sequences" if args.exit_sequences else "")
+        + f"; data `{setup.data_dir}` (train shards only).",
         f"- Evaluation: TEV, DDTree, batch 1, {args.num_prompts} prompts per set, at most {args.max_new_tokens} new "
         f"tokens, decoding seed {args.seed} + prompt index. tau = tokens / rounds pooled over prompts, +- one "
         "delta-method SE over prompts; gain = paired relative change of tau against the token-only arm on the same "

@@ -399,6 +399,20 @@ CHECKS = {
                          out[(1, 1)][0], out[shape][0])
             for k, v in out[(1, 1)][1].items():
                 np.testing.assert_allclose(v, out[shape][1][k], rtol=1e-5, atol=1e-6, err_msg=f"{shape} {k}")
+        # Trees on 2 of the 4 sequences (rows 0 and 2, one per data shard): the same step on
+        # (2, 1) as on one device; a data axis of 4 cannot split 2 tree-bearing sequences.
+        import dataclasses
+        import pytest
+        few = dataclasses.replace(CFG, exit_sequences=2)
+        got = {}
+        for shape in ((1, 1), (2, 1)):
+            trainer = Trainer(_drafter(target), target, few, make_mesh(*shape, devices=jax.devices()[:shape[0]]))
+            state, metrics = trainer.step(trainer.init_state(), batch)
+            got[shape] = (jax.tree.map(np.asarray, state.params), float(metrics["loss_exit"]))
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=2e-5), got[(1, 1)][0], got[(2, 1)][0])
+        np.testing.assert_allclose(got[(1, 1)][1], got[(2, 1)][1], rtol=1e-5)
+        with pytest.raises(ValueError, match=r"size 4 does not divide the 2 batch rows of the exit loss's sequences"):
+            Trainer(_drafter(target), target, few, make_mesh(4, 1))
     """,
     # The SmolLM2-135M target (embedded weights) with its shipped drafter (16k-id draft
     # vocabulary), float32. Its 3 key/value heads do not divide by 2, so a (2, 2) mesh is refused

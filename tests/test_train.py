@@ -4,6 +4,7 @@ export, training trees == decoder trees, and the CLI's one-line errors."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -195,6 +196,31 @@ def test_training_trees_are_the_decoders_trees(target):
         for field in ("tokens", "parents", "depth", "valid"):
             np.testing.assert_array_equal(np.asarray(getattr(dec_tree, field)[0]),
                                           np.asarray(getattr(train_trees, field)[j]), err_msg=field)
+
+
+def test_exit_loss_reads_only_its_exit_sequences(data_dir, target):
+    # exit_sequences=2 of 4: trees come from rows 0 and 2 only. Changing rows 1 and 3 leaves the
+    # exit loss as it was; changing row 2 moves it; all four rows give the default's loss.
+    from tevjax.train.step import loss_terms
+
+    drafter, batch = _drafter(target), _batch(data_dir, 0)
+    key = jax.random.key(5)
+    cfg = dataclasses.replace(CFG, exit_sequences=2)
+    exit_of = lambda c, bt: float(loss_terms(drafter, target, bt, key, c)[1]["loss_exit"])  # noqa: E731
+
+    def with_rows(rows, shift):
+        tokens, feats = np.array(batch.tokens), np.array(batch.features)
+        tokens[rows] = (tokens[rows] + shift) % 300 + 3
+        feats[rows] = feats[rows][:, ::-1]
+        return dataclasses.replace(batch, tokens=jnp.asarray(tokens), features=jnp.asarray(feats))
+
+    base = exit_of(cfg, batch)
+    assert base > 0
+    assert exit_of(cfg, with_rows([1, 3], 17)) == base
+    assert exit_of(cfg, with_rows([2], 17)) != base
+    assert exit_of(dataclasses.replace(CFG, exit_sequences=4), batch) == exit_of(CFG, batch)
+    with pytest.raises(ValueError, match="exit_sequences must be a positive divisor of batch_size"):
+        dataclasses.replace(CFG, exit_sequences=3)
 
 
 def _params(run_dir, target):

@@ -222,6 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--exit-weight", default="w", help="w (default), w_depth, P_floored or P_rescaled")
     tr.add_argument("--exit-budget", type=_positive_int("--exit-budget"), default=8, help="tree budget of the exit loss")
     tr.add_argument("--exit-anchors", type=_positive_int("--exit-anchors"), default=8, help="anchors per sequence with a tree")
+    tr.add_argument("--exit-sequences", type=_positive_int("--exit-sequences"), default=None,
+                    help="sequences per batch whose anchors get trees (default: all); fewer sequences with more "
+                         "--exit-anchors each give the same trees from fewer target tokens")
     tr.add_argument("--lr", type=_positive_float("--lr"), default=6e-4)
     tr.add_argument("--warmup", type=_nonnegative_float("--warmup"), default=0.04, help="warmup fraction of --steps")
     tr.add_argument("--weight-decay", type=_nonnegative_float("--weight-decay"), default=0.0)
@@ -574,7 +577,7 @@ def cmd_train(args) -> int:
                       lr=args.lr, warmup=args.warmup, weight_decay=args.weight_decay,
                       gamma=args.gamma or None, exit_lambda=args.exit_lambda, exit_weight=args.exit_weight,
                       exit_budget=args.exit_budget, exit_anchors=min(args.exit_anchors, args.anchors),
-                      seed=args.seed)
+                      exit_sequences=args.exit_sequences, seed=args.seed)
     state = train(loaded.target, drafter, args.data, args.out, cfg, target_name=args.target, resume=args.resume,
                   until=args.until, mesh=mesh, checkpoint_every_s=args.checkpoint_every,
                   eval_every_s=args.eval_every, progress=not args.no_progress,

@@ -12,7 +12,7 @@ A step, for every sequence of the batch:
    (`DFlashDrafter.train_hidden`), the target's LM head -> draft logits z [B, M, G, Vd] over the
    drafter's vocabulary (Vd = V, or a reduced draft vocabulary: labels outside it are not counted);
 3. token loss on all M anchors;
-4. (lambda > 0) on E evenly spread anchors: DDTree trees built from the DETACHED draft logits with
+4. (lambda > 0) on E evenly spread anchors of Bx evenly spread sequences: DDTree trees built from the DETACHED draft logits with
    the decoder's own stage function (`draft_trees`), scored by the frozen target in ONE pass per
    sequence (`score_trees`: the sequence and all E trees in one forward, each tree seeing the full
    prefix before its anchor and its own ancestors), the exit law (P, rho, w) and the weights omega,
@@ -73,6 +73,11 @@ class TrainConfig:
     exit_weight: str = "w"
     exit_budget: int = 8  # tree budget of the exit loss's trees
     exit_anchors: int = 8  # E: anchors per sequence that get a tree
+    # Bx: sequences of the batch that get trees (None: all B), spread evenly over the batch. Each
+    # tree-bearing sequence costs one target forward over T + E*N tokens, so at a fixed number of
+    # trees per step fewer sequences with more trees each are cheaper: B=8, E=8 and B=2, E=32 give
+    # 64 trees each, from 8 * 776 or 2 * 1568 target tokens (T = 512, N = 33).
+    exit_sequences: int | None = None
     exit_temperature: float = 1.0  # target temperature of the exit law
     seed: int = 0
 
@@ -97,6 +102,11 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.exit_weight {self.exit_weight!r} is not one of {', '.join(EXIT_WEIGHTS)}")
         if self.exit_anchors > self.anchors:
             raise ValueError(f"TrainConfig.exit_anchors ({self.exit_anchors}) exceeds anchors ({self.anchors})")
+        if self.exit_sequences is not None:
+            n = self.exit_sequences
+            if not isinstance(n, int) or isinstance(n, bool) or n < 1 or self.batch_size % n:
+                raise ValueError(f"TrainConfig.exit_sequences must be a positive divisor of batch_size "
+                                 f"({self.batch_size}) or None, got {n!r}")
 
     @property
     def exit_on(self) -> bool:
@@ -187,14 +197,23 @@ def loss_terms(drafter: DFlashDrafter, target: Transformer, batch: Batch, key: j
     metrics["acc1"] = jnp.sum(hit1) / jnp.maximum(jnp.sum(valid), 1)
 
     if cfg.exit_on:
+        bx = cfg.exit_sequences or b
+        stride = b // bx
+
+        def rows_of(x):
+            # Rows 0, stride, 2 * stride, ...: as [Bx, stride, ...][:, 0], so a batch split over
+            # the mesh's `data` axis stays split (Bx divides over it), each device its own rows.
+            return x.reshape((bx, stride) + x.shape[1:])[:, 0]
+
         sel = np.linspace(0, cfg.anchors - 1, cfg.exit_anchors).round().astype(np.int32)  # static, spread
-        ze, lse_e, ae, ve = z[:, sel], lse[:, sel], anchors[:, sel], valid[:, sel]
+        ze, lse_e, ae, ve = (rows_of(x[:, sel]) for x in (z, lse, anchors, valid))
+        seq = rows_of(batch.tokens)
         e, g, v = ze.shape[1:]
-        roots = jnp.take_along_axis(batch.tokens, ae, axis=1)
-        flat = draft_trees(jax.lax.stop_gradient(ze).reshape(b * e, g, v), roots.reshape(b * e), cfg.exit_budget,
+        roots = jnp.take_along_axis(seq, ae, axis=1)
+        flat = draft_trees(jax.lax.stop_gradient(ze).reshape(bx * e, g, v), roots.reshape(bx * e), cfg.exit_budget,
                            drafter.vocab_ids(), mesh)
-        trees = jax.tree.map(lambda x: x.reshape((b, e) + x.shape[1:]), flat)
-        tlogits = jax.lax.stop_gradient(score_trees(target, batch.tokens, ae, trees))
+        trees = jax.tree.map(lambda x: x.reshape((bx, e) + x.shape[1:]), flat)
+        tlogits = jax.lax.stop_gradient(score_trees(target, seq, ae, trees))
 
         def weights(tree, logits):
             edge = edge_stats(tree, logits, cfg.exit_temperature).edge_prob
@@ -262,6 +281,8 @@ class Trainer:
     def __init__(self, drafter: DFlashDrafter, target: Transformer, cfg: TrainConfig, mesh):
         drafter.cfg.check_target(target.cfg)
         check_batch(mesh, cfg.batch_size, f"the training batch (batch_size {cfg.batch_size})")
+        if cfg.exit_on and cfg.exit_sequences is not None:
+            check_batch(mesh, cfg.exit_sequences, f"the exit loss's sequences (exit_sequences {cfg.exit_sequences})")
         self.cfg, self.mesh = cfg, mesh
         self.tx = make_optimizer(cfg)
         # Parameters are trained; the rest of the drafter (a draft vocabulary) is a constant.
