@@ -81,7 +81,8 @@ experiments: $(BASE_STAMP)
 	$(PY) experiments/crossed.py $(CROSSED)
 
 # The ExitTrain ablation and budget transfer: fine-tunes every arm from the shipped drafter on
-# ~/.cache/tevjax/data/smollm2-sharegpt (1000 steps each, ~1 h per arm on 2 free cores; runs and
+# ~/.cache/tevjax/data/smollm2-sharegpt (1000 steps each: ~15 min for the token-only arm and
+# ~5 h per exit-loss arm on 2 free cores, whose step is a target forward over 6k tokens; runs and
 # bf16 exports in ~/.cache/tevjax/runs/ablation, reused when present), then evaluates tau at
 # budgets 4-64, T = 0 and 1, on four prompt sets (~2 h per arm). Each result file states its time.
 # ABLATION="--steps 100 --arms token w ..." and TRANSFER="--steps 100 ..." resize them (give both the

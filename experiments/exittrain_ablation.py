@@ -135,7 +135,7 @@ def run_tag(args) -> str:
             f"-lr{args.lr:g}-lam{args.exit_lambda:g}-seed{args.seed}"
             # Tags of runs made before these options existed stay valid (defaults add nothing).
             + (f"-e{args.exit_anchors}" if args.exit_anchors != 8 else "")
-            + (f"-x{args.exit_sequences}" if args.exit_sequences else ""))
+            + (f"-x{args.exit_sequences}" if args.exit_sequences and args.exit_sequences != args.batch else ""))
 
 
 def arm_dir(args, arm: str, exit_budget: int) -> Path:
@@ -160,7 +160,7 @@ def ensure_arm(setup: Setup, args, arm: str, exit_budget: int, log=print) -> dic
                       lr=args.lr, warmup=args.warmup, weight_decay=0.0, gamma=args.gamma or None,
                       exit_lambda=0.0 if arm == "token" else args.exit_lambda, exit_weight=weight,
                       exit_budget=exit_budget, exit_anchors=min(args.exit_anchors, args.anchors),
-                      exit_sequences=args.exit_sequences, seed=args.seed)
+                      exit_sequences=args.exit_sequences or None, seed=args.seed)
     drafter = load_drafter(setup, setup.init_dir)
     log(f"training arm {arm} (exit budget {exit_budget}) into {run_dir}")
     t0 = time.perf_counter()
@@ -288,9 +288,12 @@ def add_training_args(p: argparse.ArgumentParser, *, steps: int) -> None:
     p.add_argument("--warmup", type=float, default=0.04)
     p.add_argument("--gamma", type=float, default=7.0)
     p.add_argument("--exit-lambda", type=float, default=0.1)
-    p.add_argument("--exit-anchors", type=int, default=8)
-    p.add_argument("--exit-sequences", type=int, default=None,
-                   help="sequences per batch with trees (default all; see TrainConfig.exit_sequences)")
+    # Trees on every anchor of half the batch: 4 x 32 = 128 trees per step, as the released recipe
+    # (batch 4, 32 anchors, each with a tree), from 4 * (512 + 32 * 33) = 6,272 target tokens;
+    # trees on 8 anchors of all 8 sequences would be half the trees for about the same tokens.
+    p.add_argument("--exit-anchors", type=int, default=32)
+    p.add_argument("--exit-sequences", type=int, default=4,
+                   help="sequences per batch with trees (0: all; see TrainConfig.exit_sequences)")
     p.add_argument("--seed", type=int, default=0, help="training seed (data order) and decoding seed base")
 
 
@@ -318,6 +321,8 @@ def check_common(p: argparse.ArgumentParser, args, quick_out: Path, results: Pat
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.lr <= 0 or not math.isfinite(args.lr):
         p.error("--lr must be a finite number > 0")
+    if args.exit_sequences < 0 or (args.exit_sequences and args.batch % args.exit_sequences):
+        p.error(f"--exit-sequences must divide --batch ({args.batch}), or be 0 for all sequences")
     if args.exit_lambda <= 0:
         p.error("--exit-lambda must be > 0 (the token-only arm is the lambda = 0 control)")
     if any(b < 1 for b in args.budgets):
@@ -401,7 +406,8 @@ def header(title: str, argv, args, setup: Setup, minutes: float, cpu_minutes: fl
         f"{args.seq_len}, lr {args.lr:g} ({args.warmup:g} warmup, cosine), gamma {args.gamma:g}, seed {args.seed} "
         f"(same batches in the same order for every arm), exit lambda {args.exit_lambda:g} with "
         f"{args.exit_anchors} tree anchors per sequence"
-        + (f" on {args.exit_sequences} of every {args.batch} sequences" if args.exit_sequences else "")
+        + (f" on {args.exit_sequences} of each batch's {args.batch} sequences"
+           if args.exit_sequences and args.exit_sequences != args.batch else "")
         + f"; data `{setup.data_dir}` (train shards only).",
         f"- Evaluation: TEV, DDTree, batch 1, {args.num_prompts} prompts per set, at most {args.max_new_tokens} new "
         f"tokens, decoding seed {args.seed} + prompt index. tau = tokens / rounds pooled over prompts, +- one "
