@@ -342,11 +342,12 @@ def generate_data(loaded, cfg: RolloutConfig, out_dir: str | os.PathLike, *, res
     todo = [p for p in plan if not (out / SHARDS / p[0]).is_dir()]
     if train_shards is not None:
         first, end = train_shards
-        n_train = sum(1 for p in plan if p[1] == "train")
-        if not 0 <= first < end <= n_train:
-            raise ValueError(f"training shards {first}:{end} are outside the plan's {n_train} "
+        train_plan = [p for p in plan if p[1] == "train"]
+        if not 0 <= first < end <= len(train_plan):
+            raise ValueError(f"training shards {first}:{end} are outside the plan's {len(train_plan)} "
                              f"({cfg.num_prompts} prompts in shards of {cfg.batch_size})")
-        todo = [p for p in todo if p[1] != "train" or first <= int(p[0].rsplit("-", 1)[1]) < end]
+        skip = {p[0] for p in train_plan[:first] + train_plan[end:]}
+        todo = [p for p in todo if p[0] not in skip]
     # Shards on disk that the manifest does not list yet (a stop between rename and manifest write).
     for name, *_ in plan:
         if (out / SHARDS / name).is_dir() and name not in manifest["shards"]:

@@ -12,11 +12,11 @@ A step, for every sequence of the batch:
    (`DFlashDrafter.train_hidden`), the target's LM head -> draft logits z [B, M, G, Vd] over the
    drafter's vocabulary (Vd = V, or a reduced draft vocabulary: labels outside it are not counted);
 3. token loss on all M anchors;
-4. (lambda > 0) on E evenly spread anchors of Bx evenly spread sequences: DDTree trees built from the DETACHED draft logits with
-   the decoder's own stage function (`draft_trees`), scored by the frozen target in ONE pass per
-   sequence (`score_trees`: the sequence and all E trees in one forward, each tree seeing the full
-   prefix before its anchor and its own ancestors), the exit law (P, rho, w) and the weights omega,
-   all detached; exit loss on the E anchors' rows.
+4. (lambda > 0) on E evenly spread anchors of Bx evenly spread sequences: DDTree trees built
+   from the DETACHED draft logits with the decoder's own stage function (`draft_trees`), scored
+   by the frozen target in ONE pass per sequence (`score_trees`: the sequence and all E trees in
+   one forward, each tree seeing the full prefix before its anchor and its own ancestors), the
+   exit law (P, rho, w) and the weights omega, all detached; exit loss on the E anchors' rows.
 
 Gradients reach the drafter's parameters only: the target (whose embedding and LM head the
 drafter shares) is a constant of the differentiated function, and the optimizer is an
