@@ -226,3 +226,50 @@ def test_nonfinite_weights_fail_loudly(tmp_path, capsys, tiny_dir):
     code, out, err = _run(capsys, "generate", "--target", str(tmp_path), "--prompt-ids", "1,2,3",
                           "--max-new-tokens", "4", "--json")
     assert code == 2 and "produced non-finite logits for prompt 0 (--prompt-ids)" in err and out == ""
+
+
+class _IdsTokenizer:
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))
+
+
+def _tiny_demo_models(monkeypatch, tiny_dir):
+    """`tevjax demo` on the tiny random target (no SmolLM2 load): prompts become fixed id lists."""
+    import tevjax.convert.tokenizer as tokenizer_mod
+    import tevjax.loading as loading
+
+    _, model = tiny_dir
+    models = loading.LoadedModels(
+        target_cfg=model.cfg, target=model, tokenizer=_IdsTokenizer(),
+        drafter=loading.fresh_drafter(model.cfg, seed=1, block_size=4, mask_token_id=47),
+        drafter_trained=False, eos_ids=(), notes=[])
+    monkeypatch.setattr(loading, "load_models", lambda *a, **k: models)
+    monkeypatch.setattr(tokenizer_mod, "chat_prompt_ids", lambda tok, text: [1 + len(text) % 40, 3, 5])
+
+
+def test_demo_times_interleaved_repeats_and_checks_losslessness(monkeypatch, capsys, tiny_dir):
+    _tiny_demo_models(monkeypatch, tiny_dir)
+    code, out, err = _run(capsys, "demo", "--samples", "2000", "--max-new-tokens", "6", "--repeats", "2")
+    assert code == 0, err
+    assert out.count("output identical to autoregressive greedy") == 3
+    assert "median of 2 interleaved repeats, range" in out
+    assert "UNTRAINED" in out
+
+
+def test_demo_fails_when_outputs_differ(monkeypatch, capsys, tiny_dir):
+    """A speculative output that differs from AR's is an error (non-zero exit, as `tevjax eval`), not
+    only a line of text."""
+    _tiny_demo_models(monkeypatch, tiny_dir)
+    real_generate = Decoder.generate
+
+    def corrupted(self, prompts, **kw):
+        results = real_generate(self, prompts, **kw)
+        if self.dgd is not None:  # the speculative decoder: change its first token
+            results[0].tokens[0] = (results[0].tokens[0] + 1) % 48
+        return results
+
+    monkeypatch.setattr(Decoder, "generate", corrupted)
+    code, out, err = _run(capsys, "demo", "--samples", "2000", "--max-new-tokens", "6", "--repeats", "1")
+    assert code == 2
+    assert out.count("DIFFERENT FROM") == 3
+    assert "3 greedy outputs differ from autoregressive decoding" in err

@@ -272,6 +272,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="draft tree budget (8: the best measured speed of the shipped drafter on 2 CPU cores)")
     demo.add_argument("--samples", type=_positive_int("--samples"), default=50_000,
                       help="verifier draws for the synthetic exit-law table")
+    demo.add_argument("--repeats", type=_positive_int("--repeats"), default=3,
+                      help="timed repeats per prompt and method (the speedup is their median)")
     demo.add_argument("--skip-models", action="store_true", help="only the synthetic exit-law part")
     demo.set_defaults(func=cmd_demo)
     return parser
@@ -622,8 +624,10 @@ def cmd_eval(args) -> int:
 def cmd_demo(args) -> int:
     from tevjax import demo
 
-    demo.main(max_new_tokens=args.max_new_tokens, budget=args.budget, samples=args.samples,
-              skip_models=args.skip_models)
+    mismatches = demo.main(max_new_tokens=args.max_new_tokens, budget=args.budget, samples=args.samples,
+                           repeats=args.repeats, skip_models=args.skip_models)
+    if mismatches:
+        raise CliError(f"{mismatches} greedy outputs differ from autoregressive decoding")
     return 0
 
 
