@@ -56,39 +56,32 @@ def main(*, max_new_tokens: int = 64, budget: int = 8, samples: int = 50_000, re
     # Timing on a shared 2-core machine swings by +-20% from one second to the next, so each prompt
     # is decoded `repeats` times by both methods, in an order that alternates, and the speedup is
     # the median over repeats of (AR time per token) / (speculative time per token), with its range.
-    spec_s = [[0.0] * repeats for _ in ids]
-    ar_s = [[0.0] * repeats for _ in ids]
-    outputs = []
+    decoders = {"spec": spec, "ar": ar}
+    seconds = {m: [[0.0] * repeats for _ in ids] for m in decoders}  # [method][prompt][repeat]
+    first = {m: [None] * len(ids) for m in decoders}  # repeat 0's results (greedy: all repeats agree)
     for r in range(repeats):
         for i, p in enumerate(ids):
-            order = ("spec", "ar") if (r + i) % 2 == 0 else ("ar", "spec")
-            for method in order:
+            for m in (("spec", "ar") if (r + i) % 2 == 0 else ("ar", "spec")):
                 t1 = time.perf_counter()
-                out = (spec if method == "spec" else ar).generate([p])[0]
-                (spec_s if method == "spec" else ar_s)[i][r] = time.perf_counter() - t1
-                if r == 0:
-                    outputs.append((i, method, out))
-    spec_tokens, ar_tokens = [0] * len(ids), [0] * len(ids)
+                out = decoders[m].generate([p])[0]
+                seconds[m][i][r] = time.perf_counter() - t1
+                first[m][i] = first[m][i] or out
     mismatches = 0
-    for i, method, out in outputs:
-        (spec_tokens if method == "spec" else ar_tokens)[i] = len(out.tokens)
     for i, prompt in enumerate(PROMPTS):
-        g = next(o for j, m, o in outputs if j == i and m == "spec")
-        a = next(o for j, m, o in outputs if j == i and m == "ar")
+        g, a = first["spec"][i], first["ar"][i]
         same = "identical to" if g.tokens == a.tokens else "DIFFERENT FROM"
         mismatches += g.tokens != a.tokens
         print(f"user> {prompt}")
         print(f"assistant> {models.tokenizer.decode(g.tokens, skip_special_tokens=True).strip()}")
         print(f"   DDTree+TEV: {len(g.tokens)} tokens, {g.rounds} rounds, tau {g.tau:.2f}, "
-              f"{len(g.tokens) / statistics.median(spec_s[i]):.1f} tok/s | "
-              f"AR: {len(a.tokens) / statistics.median(ar_s[i]):.1f} tok/s | output {same} autoregressive greedy\n")
-    # per repeat: tokens/s of each method over all prompts (prompts are deterministic, so the
-    # token counts are the same in every repeat)
-    spec_rate = [sum(spec_tokens) / sum(s[r] for s in spec_s) for r in range(repeats)]
-    ar_rate = [sum(ar_tokens) / sum(s[r] for s in ar_s) for r in range(repeats)]
-    ratios = [sr / ar_r for sr, ar_r in zip(spec_rate, ar_rate)]
-    print(f"overall: DDTree+TEV {statistics.median(spec_rate):.1f} tok/s vs AR {statistics.median(ar_rate):.1f} tok/s: "
-          f"speedup {statistics.median(ratios):.2f}x (median of {repeats} interleaved repeats, range "
+              f"{len(g.tokens) / statistics.median(seconds['spec'][i]):.1f} tok/s | "
+              f"AR: {len(a.tokens) / statistics.median(seconds['ar'][i]):.1f} tok/s | output {same} autoregressive greedy\n")
+    # tokens/s of each method over all prompts, per repeat
+    rate = {m: [sum(len(o.tokens) for o in first[m]) / sum(s[r] for s in seconds[m]) for r in range(repeats)]
+            for m in decoders}
+    ratios = [s_r / a_r for s_r, a_r in zip(rate["spec"], rate["ar"])]
+    print(f"overall: DDTree+TEV {statistics.median(rate['spec']):.1f} tok/s vs AR {statistics.median(rate['ar']):.1f} "
+          f"tok/s: speedup {statistics.median(ratios):.2f}x (median of {repeats} interleaved repeats, range "
           f"{min(ratios):.2f}-{max(ratios):.2f}x; same run, same machine)")
     if not models.drafter_trained:
         print("The drafter is UNTRAINED (freshly initialised): almost every draft token is rejected, "
