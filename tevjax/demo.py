@@ -58,14 +58,15 @@ def main(*, max_new_tokens: int = 64, budget: int = 8, samples: int = 50_000, re
     # the median over repeats of (AR time per token) / (speculative time per token), with its range.
     decoders = {"spec": spec, "ar": ar}
     seconds = {m: [[0.0] * repeats for _ in ids] for m in decoders}  # [method][prompt][repeat]
-    first = {m: [None] * len(ids) for m in decoders}  # repeat 0's results (greedy: all repeats agree)
+    first = {m: [None] * len(ids) for m in decoders}  # repeat 0's results; greedy repeats agree
     for r in range(repeats):
         for i, p in enumerate(ids):
             for m in (("spec", "ar") if (r + i) % 2 == 0 else ("ar", "spec")):
                 t1 = time.perf_counter()
                 out = decoders[m].generate([p])[0]
                 seconds[m][i][r] = time.perf_counter() - t1
-                first[m][i] = first[m][i] or out
+                if r == 0:
+                    first[m][i] = out
     mismatches = 0
     for i, prompt in enumerate(PROMPTS):
         g, a = first["spec"][i], first["ar"][i]
@@ -87,6 +88,4 @@ def main(*, max_new_tokens: int = 64, budget: int = 8, samples: int = 50_000, re
         print("The drafter is UNTRAINED (freshly initialised): almost every draft token is rejected, "
               "so tau is close to 1 and\nspeculation costs more than it saves. The output is still "
               "exactly the target's; a trained drafter is what raises tau.")
-    if mismatches:
-        print(f"ERROR: {mismatches} speculative outputs differ from autoregressive greedy decoding.")
-    return mismatches
+    return mismatches  # the CLI turns a non-zero count into its error
