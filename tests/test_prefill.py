@@ -73,16 +73,20 @@ def one_pass_state(dec: Decoder, prompts, seed: int):
 def test_causal_attention_equals_masked_attention():
     """The causal path sees what `attention` under `full_mask` of a lower-triangular block sees, for
     rows with different prefixes, key blocks that divide the cache or not (a clamped last block),
-    and a run that reaches the last slot."""
+    query tiles of every size that divides T (and one that does not: a single tile), prefixes long
+    enough that whole blocks skip the mask, and a run that reaches the last slot."""
     rng = np.random.default_rng(0)
-    b, t, h, kh, dh, s = 3, 7, 4, 2, 16, 30
+    b, t, h, kh, dh, s = 3, 8, 4, 2, 16, 30
     q, k, v = (jnp.asarray(rng.standard_normal(shape), jnp.float32)
                for shape in ((b, t, h, dh), (b, s, kh, dh), (b, s, kh, dh)))
-    first = jnp.asarray([0, 5, s - t], jnp.int32)
-    want = attention(q, k, v, full_mask(jnp.broadcast_to(causal_mask(t), (b, t, t)), first, s))
-    for key_block in (1, 4, 7, 16, s, 64):
-        got = causal_attention(q, k, v, first, key_block=key_block)
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6, rtol=1e-5)
+    for first in ([0, 5, s - t], [9, 13, s - t]):
+        first = jnp.asarray(first, jnp.int32)
+        want = attention(q, k, v, full_mask(jnp.broadcast_to(causal_mask(t), (b, t, t)), first, s))
+        for key_block in (1, 4, 7, 16, s, 64):
+            for query_block in (1, 2, 3, 4, t, 64):
+                got = causal_attention(q, k, v, first, key_block=key_block, query_block=query_block)
+                np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6, rtol=1e-5,
+                                           err_msg=f"first={first}, key_block={key_block}, query_block={query_block}")
 
 
 def test_transformer_causal_run_equals_block_mask(models):
