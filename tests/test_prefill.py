@@ -79,7 +79,7 @@ def test_causal_attention_equals_masked_attention():
     b, t, h, kh, dh, s = 3, 8, 4, 2, 16, 30
     q, k, v = (jnp.asarray(rng.standard_normal(shape), jnp.float32)
                for shape in ((b, t, h, dh), (b, s, kh, dh), (b, s, kh, dh)))
-    for first in ([0, 5, s - t], [9, 13, s - t]):
+    for first in ([0, 5, s - t], [9, 13, s - t], [s - 2, s - 3, s - 1]):  # the last: queries past the cache
         first = jnp.asarray(first, jnp.int32)
         want = attention(q, k, v, full_mask(jnp.broadcast_to(causal_mask(t), (b, t, t)), first, s))
         for key_block in (1, 4, 7, 16, s, 64):

@@ -173,9 +173,9 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, first: jax.Array,
         query at 6      sees 0-3                      sees 4, 5, 6
 
     A last block that would run past S is read at S - key_block instead (a clamped slice); its
-    slots below j * key_block were counted by the previous block and are masked out. (A block
-    every query sees whole ends at or below the tile's first query slot < S, so it is never
-    clamped.)
+    slots below j * key_block were counted by the previous block and are masked out. Unmasked
+    blocks lie wholly inside the cache, so a clamped block is always a masked one (padding rows
+    can have queries past the cache).
 
     Measured on 2 CPU cores, one layer of SmolLM2 (9/3 heads) over an 8,192-token prompt in chunks
     of 1,024: tiles and blocks of 512 with unmasked prefix blocks took 0.75-0.94 s against
@@ -203,9 +203,10 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, first: jax.Array,
         query_slot = first[:, None] + i * tq + jnp.arange(tq, dtype=jnp.int32)  # [B, tq]
         row_slot = jnp.tile(query_slot, (1, g))  # [B, G*tq], row g * tq + t is query t of head g
         # Blocks holding any visible slot: up to the tile's last query slot (capped at the cache);
-        # of those, the first `whole` end at or below every row's first query slot.
+        # of those, the first `whole` end at or below every row's first query slot and inside the
+        # cache (a clamped last block always takes the masked path).
         num_blocks = (jnp.minimum(jnp.max(query_slot) + 1, s) + kb - 1) // kb
-        whole = jnp.minimum((jnp.min(query_slot[:, 0]) + 1) // kb, num_blocks)
+        whole = jnp.minimum((jnp.min(query_slot[:, 0]) + 1) // kb, s // kb)
 
         def step(j, carry, masked: bool):
             m, l, acc = carry  # [B, K, G*tq] running max and sum, [B, K, G*tq, Dh] weighted values
