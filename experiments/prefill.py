@@ -37,8 +37,7 @@ Levers measured on 2 quiet cores (same-run, 2,048 tokens unless stated):
   tile sees unmasked. One layer over 8,192 tokens (chunks of 1,024) took 0.75-0.94 s against
   0.99-1.12 s with one tile, blocks of 256 and every block masked (torch's SDPA ~0.7 s); the
   8,159-token prefill went from 144 to 205-210 tok/s (0.75x to 1.02-1.05x of transformers, two
-  runs). Each change
-  alone was within noise: blocks of 128 / 512 / 1024, query tiles without the unmasked blocks,
+  runs). Each change alone was within noise: blocks of 128 / 512 / 1024, query tiles without the unmasked blocks,
   unmasked blocks without tiles (0-10%).
 * not kept: keys pre-transposed to [K, Dh, S] once per layer (slower), and XLA:CPU's
   `--xla_cpu_use_onednn`, `--xla_cpu_use_xnnpack` and `--xla_cpu_prefer_vector_width` (within
