@@ -70,24 +70,38 @@ gpu-dry-run: $(TEST_STAMP)
 # given DFlash checkpoint instead of load_models("smollm2")'s drafter.
 EXP_DRAFTER := $(if $(DRAFTER),--drafter $(DRAFTER))
 
-# verifier_latency (~5 min at this size) and crossed (~20-30 min) follow. crossed compares the
-# token-only and ExitTrain drafters that `make exittrain` fine-tunes (it trains them first if they
-# are missing, which takes hours); CROSSED="--token-drafter A --exittrain-drafter B" compares two
-# given checkpoints instead.
+# The ablation's token-only and ExitTrain (omega = w) fine-tunes, committed in bf16 so that
+# exit_mass (before / after ExitTrain) and crossed run from a fresh clone without retraining;
+# `make exittrain` made them (experiments/checkpoints/exittrain/README.md says how).
+ARMS_DIR := experiments/checkpoints/exittrain/smollm2-s120-b8-a32-l512-lr0.0003-lam10-seed0-e16-x2
+EXIT_MASS ?= $(if $(DRAFTER),$(EXP_DRAFTER),--drafter $(ARMS_DIR)/token/drafter --label token-only \
+	--drafter $(ARMS_DIR)/w-B32/drafter --label ExitTrain)
+CROSSED ?= --token-drafter $(ARMS_DIR)/token/drafter --exittrain-drafter $(ARMS_DIR)/w-B32/drafter
+
+# exit_mass compares two drafters (~20-25 min), verifier_latency (~5 min at this size) and crossed
+# (~20-30 min) follow; CROSSED="--token-drafter A --exittrain-drafter B" compares two other checkpoints.
 experiments: $(BASE_STAMP)
 	$(PY) experiments/fixed_tree_equivalence.py $(EXP_DRAFTER)
-	$(PY) experiments/exit_mass.py $(EXP_DRAFTER)
+	$(PY) experiments/exit_mass.py $(EXIT_MASS)
 	$(PY) experiments/verifier_latency.py --vocabs 49152 --calls 30
 	$(PY) experiments/crossed.py $(CROSSED)
 
-# The ExitTrain ablation and budget transfer: fine-tunes every arm from the shipped drafter on
-# ~/.cache/tevjax/data/smollm2-sharegpt (1000 steps each: ~15 min for the token-only arm and
-# ~5 h per exit-loss arm on 2 free cores, whose step is a target forward over 6k tokens; runs and
-# bf16 exports in ~/.cache/tevjax/runs/ablation, reused when present), then evaluates tau at
-# budgets 4-64, T = 0 and 1, on four prompt sets (~2 h per arm). Each result file states its time.
-# ABLATION="--steps 100 --arms token w ..." and TRANSFER="--steps 100 ..." resize them (give both the
-# same training options, so the transfer reuses the ablation's runs).
+# The ExitTrain ablation and budget transfer, as committed (experiments/checkpoints/exittrain):
+# regenerates the fine-tuning data if missing (448 greedy target responses, train shards 50-56 of
+# the 7,680-prompt plan, ~30 min), fine-tunes arms a-c from the shipped drafter for 120 steps (~3 min
+# token-only, ~20-30 min per exit-loss arm on 2 free cores; runs and bf16 exports in
+# ~/.cache/tevjax/runs/ablation, reused when present), then evaluates tau at budgets 4-64, T = 0 and
+# 1, on four prompt sets (~40 cells per arm, ~2-3 min each; cells already decoded are reused from
+# ~/.cache/tevjax/eval-cache). Each result file states its time. ABLATION=... and TRANSFER=...
+# replace the options (give both the same training options, so the transfer reuses the ablation's
+# runs); EXIT_TRAIN="... --runs experiments/checkpoints/exittrain" evaluates the committed arms.
+EXIT_DATA ?= $(HOME)/.cache/tevjax/data-v5
+EXIT_TRAIN ?= --data $(EXIT_DATA) --steps 120 --lr 3e-4 --exit-lambda 10 --exit-sequences 2 --exit-anchors 16
+ABLATION ?= $(EXIT_TRAIN) --arms token w P_rescaled
+TRANSFER ?= $(EXIT_TRAIN) --train-budgets 8 32 --prompt-sets heldout
 exittrain: $(BASE_STAMP)
+	$(VENV)/bin/tevjax data --num-prompts 7680 --max-new-tokens 256 --out $(EXIT_DATA) --train-shards 50:57 \
+		$(if $(wildcard $(EXIT_DATA)/manifest.json),--resume)
 	$(PY) experiments/exittrain_ablation.py $(ABLATION)
 	$(PY) experiments/budget_transfer.py $(TRANSFER)
 
