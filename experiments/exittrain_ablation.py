@@ -33,6 +33,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
+import hashlib
 import json
 import math
 import sys
@@ -49,6 +51,7 @@ RESULTS = Path(__file__).resolve().parent / "results" / "exittrain_ablation.md"
 QUICK_RESULTS = Path("/tmp/exittrain_ablation_quick.md")
 RUNS = Path.home() / ".cache" / "tevjax" / "runs" / "ablation"
 DATA = Path.home() / ".cache" / "tevjax" / "data" / "smollm2-sharegpt"
+EVAL_CACHE = Path.home() / ".cache" / "tevjax" / "eval-cache"
 PROMPT_SETS = ("heldout", "mtbench", "humaneval", "gsm")
 
 # arm -> (exit weight, description); the token arm has lambda = 0 (its weight is unused).
@@ -155,6 +158,10 @@ def ensure_arm(setup: Setup, args, arm: str, exit_budget: int, log=print) -> dic
               "run": str(run_dir), "trained_now": False}
     if (drafter_dir / "config.json").exists():
         return record
+    if not (setup.data_dir / "manifest.json").is_file():  # only training needs data; evaluation does not
+        raise SystemExit(f"arm {arm}: no exported drafter at {drafter_dir}, and --data {str(setup.data_dir)!r} is "
+                         "not a `tevjax data` directory (no manifest.json): give --data to train it, or --runs "
+                         "where it was exported (e.g. experiments/checkpoints/exittrain)")
     weight = ARMS[arm][0]
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch, anchors=args.anchors, seq_len=args.seq_len,
                       lr=args.lr, warmup=args.warmup, weight_decay=0.0, gamma=args.gamma or None,
@@ -297,7 +304,8 @@ def add_training_args(p: argparse.ArgumentParser, *, steps: int) -> None:
     p.add_argument("--seed", type=int, default=0, help="training seed (data order) and decoding seed base")
 
 
-def add_eval_args(p: argparse.ArgumentParser, *, budgets, temperatures, sets, num_prompts: int) -> None:
+def add_eval_args(p: argparse.ArgumentParser, *, budgets, temperatures, sets, num_prompts: int,
+                  cache: bool = True) -> None:
     if budgets is not None:
         p.add_argument("--budgets", type=int, nargs="+", default=list(budgets), help="evaluation tree budgets")
     p.add_argument("--temperatures", type=float, nargs="+", default=list(temperatures))
@@ -305,6 +313,9 @@ def add_eval_args(p: argparse.ArgumentParser, *, budgets, temperatures, sets, nu
     p.add_argument("--num-prompts", type=int, default=num_prompts, help="prompts per set")
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--no-progress", action="store_true")
+    if cache:  # tau only: crossed.py times its decoding, so it always decodes
+        p.add_argument("--eval-cache", default=str(EVAL_CACHE), help=f"where evaluated cells are kept and reused "
+                       f"(default {EVAL_CACHE}; '' to decode everything; --quick never uses it)")
 
 
 def check_common(p: argparse.ArgumentParser, args, quick_out: Path, results: Path, quick_runs: str) -> None:
@@ -312,6 +323,7 @@ def check_common(p: argparse.ArgumentParser, args, quick_out: Path, results: Pat
     if args.quick:
         args.steps, args.batch, args.anchors, args.seq_len, args.exit_anchors, args.lr = 3, 4, 6, 40, 3, 3e-3
         args.num_prompts, args.max_new_tokens = 2, 12
+        args.eval_cache = ""  # the tiny target is made afresh: never mix its cells with real ones
         if args.runs == str(RUNS):  # a smoke run never touches the real runs folder unless told to
             args.runs = quick_runs
     if args.out is None:
@@ -338,8 +350,6 @@ def check_common(p: argparse.ArgumentParser, args, quick_out: Path, results: Pat
     if not args.quick:
         if args.init is not None and not (Path(args.init) / "config.json").is_file():
             p.error(f"--init {args.init!r}: no DFlash checkpoint there (config.json)")
-        if not (Path(args.data) / "manifest.json").is_file():
-            p.error(f"--data {args.data!r}: not a `tevjax data` directory (no manifest.json)")
 
 
 def parse_args(argv):
@@ -370,25 +380,68 @@ def parse_args(argv):
     return args
 
 
+@functools.cache
+def code_digest() -> str:
+    """Hash of the tevjax sources: a cached cell is reused only by the code that decoded it."""
+    import tevjax
+
+    root, h = Path(tevjax.__file__).parent, hashlib.sha256()
+    for f in sorted(root.rglob("*.py")):
+        h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def cell_key(setup: Setup, ddir, prompts, *, budget: int, temperature: float, max_new_tokens: int, seed: int) -> str:
+    """What fixes one evaluation cell's counts: target, drafter bytes, prompts, decoding settings and the
+    code. Decoding is deterministic given these (T = 0 is the greedy path; T > 0 draws from seed + index)."""
+    h = hashlib.sha256(f"{setup.name}|{setup.describe}|{code_digest()}|{budget}|{temperature!r}|{max_new_tokens}|"
+                       f"{seed}|{json.dumps(prompts)}".encode())
+    for f in ("config.json", "model.safetensors"):
+        h.update((Path(ddir) / f).read_bytes())
+    return h.hexdigest()[:32]
+
+
 def evaluate_arms(setup: Setup, args, arms: dict[str, str], budgets, baseline: str, bar=None) -> dict:
-    """counts[arm][set][T][B] for every drafter dir in `arms`, and the summaries against `baseline`."""
+    """counts[arm][set][T][B] for every drafter dir in `arms`, and the summaries against `baseline`.
+
+    With --eval-cache, each (drafter, prompt set, T, B) cell's per-prompt counts are stored under
+    the key of `cell_key` and reused by later runs, so a wider grid pays only for its new cells."""
     counts: dict = {arm: {s: {str(t): {} for t in args.temperatures} for s in args.prompt_sets} for arm in arms}
     every = [p for s in args.prompt_sets for p in setup.prompts[s]]
+    cache = Path(args.eval_cache) if args.eval_cache else None
+    reused = 0
     for arm, ddir in arms.items():
-        drafter = load_drafter(setup, ddir)
+        drafter = None
         for t in args.temperatures:
             for b in budgets:
-                decoder = make_decoder(setup, drafter, every, budget=b, temperature=t,
-                                       max_new_tokens=args.max_new_tokens)
+                decoder = None
                 for s in args.prompt_sets:
-                    c = counts[arm][s][str(t)][str(b)] = decode_counts(decoder, setup.prompts[s], args.seed)
+                    key = cell_key(setup, ddir, setup.prompts[s], budget=b, temperature=t,
+                                   max_new_tokens=args.max_new_tokens, seed=args.seed)
+                    hit = cache / f"{key}.json" if cache else None
+                    if hit is not None and hit.is_file():
+                        c, reused = json.loads(hit.read_text()), reused + 1
+                    else:
+                        if decoder is None:
+                            drafter = drafter if drafter is not None else load_drafter(setup, ddir)
+                            decoder = make_decoder(setup, drafter, every, budget=b, temperature=t,
+                                                   max_new_tokens=args.max_new_tokens)
+                        c = decode_counts(decoder, setup.prompts[s], args.seed)
+                        if hit is not None:
+                            hit.parent.mkdir(parents=True, exist_ok=True)
+                            tmp = hit.with_suffix(".tmp")
+                            tmp.write_text(json.dumps(c))
+                            tmp.replace(hit)  # atomic: a killed run leaves no half-written cell
+                    counts[arm][s][str(t)][str(b)] = c
                     if bar is not None:
                         bar.set_postfix_str(f"{arm} {s} T={t:g} B={b} tau {sum(c['tokens']) / sum(c['rounds']):.2f}")
                         bar.update(1)
+    if reused:
+        print(f"reused {reused} evaluated cells from {cache}", flush=True)
     table = {arm: {s: {t: {b: summarise(c, None if arm == baseline else counts[baseline][s][t][b])
                            for b, c in by_b.items()} for t, by_b in by_t.items()} for s, by_t in by_s.items()}
              for arm, by_s in counts.items()}
-    return {"counts": counts, "table": table}
+    return {"counts": counts, "table": table, "reused_cells": reused}
 
 
 def header(title: str, argv, args, setup: Setup, minutes: float, cpu_minutes: float, date: str, machine: str,
@@ -417,6 +470,11 @@ def header(title: str, argv, args, setup: Setup, minutes: float, cpu_minutes: fl
     ]
 
 
+def bar_total(labels, args) -> int:
+    """Evaluation cells: one per (arm, prompt set, temperature, budget)."""
+    return len(labels) * len(args.prompt_sets) * len(args.temperatures) * len(args.budgets)
+
+
 def run_and_report(args, argv, specs: list[tuple[str, str, int]], *, title: str, script: str, notes: list[str],
                    png_title: str) -> dict:
     """Trains (if needed) and evaluates every (label, arm, exit budget) in `specs` (the first is the
@@ -432,8 +490,7 @@ def run_and_report(args, argv, specs: list[tuple[str, str, int]], *, title: str,
     if not args.no_progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=len(labels) * len(args.prompt_sets) * len(args.temperatures) * len(args.budgets),
-                   unit="cell", desc=script, dynamic_ncols=True)
+        bar = tqdm(total=bar_total(labels, args), unit="cell", desc=script, dynamic_ncols=True)
     res = evaluate_arms(setup, args, {a: r["dir"] for a, r in records.items()}, args.budgets, labels[0], bar)
     if bar is not None:
         bar.close()
@@ -452,7 +509,12 @@ def run_and_report(args, argv, specs: list[tuple[str, str, int]], *, title: str,
         lines.append(f"| {label} | {'yes' if r['trained_now'] else 'no (exported drafter found)'} | "
                      f"{s.get('step', '-')} | {g('loss_tok')} | {g('loss_exit')} | {g('acc1')} | "
                      f"{s.get('wall_minutes', '-')} |")
-    lines += ["", f"Setup and training took {train_minutes:.1f} min of this run's wall time.", ""]
+    lines += ["", f"Setup and training took {train_minutes:.1f} min of this run's wall time."]
+    if res["reused_cells"]:
+        lines.append(f"{res['reused_cells']} of {bar_total(labels, args)} evaluation cells were reused from "
+                     f"`--eval-cache` (decoded by an earlier run with the same drafter bytes, prompts, settings "
+                     "and tevjax code, so the same counts); the wall time covers only the rest.")
+    lines.append("")
     lines += tau_tables(table, labels, args.prompt_sets, args.temperatures, args.budgets)
     lines += pooled_lines(table, labels, args.prompt_sets, args.temperatures, args.budgets)
     lines += ["", f"![tau by budget per arm]({args.out.with_suffix('.png').name})", ""]
@@ -460,7 +522,7 @@ def run_and_report(args, argv, specs: list[tuple[str, str, int]], *, title: str,
     args.out.write_text("\n".join(lines) + "\n")
     plot(table, labels, args.prompt_sets, args.temperatures, args.budgets, args.out.with_suffix(".png"), png_title)
     raw = {"date": date, "command": lines[3].split("`")[1], "machine": machine, "versions": vers,
-           "wall_minutes": minutes, "cpu_minutes": cpu_minutes,
+           "wall_minutes": minutes, "cpu_minutes": cpu_minutes, "reused_cells": res["reused_cells"],
            "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
            "seeds": {"train": args.seed, "decode": f"{args.seed} + prompt index"}, "arms": records,
            "prompts": setup.texts, "results": table, "per_prompt": res["counts"]}

@@ -63,7 +63,8 @@ def test_training_experiments_check_their_options(tmp_path, capsys):
     assert "--prompt-sets 'math500': choose from" in error_of(abl, [*base, "--prompt-sets", "math500"], capsys)
     assert "--exit-lambda must be > 0" in error_of(abl, [*base, "--exit-lambda", "0"], capsys)
     assert "--steps must be >= 1" in error_of(abl, [*base, "--steps", "0"], capsys)
-    assert "not a `tevjax data` directory" in error_of(abl, ["--data", str(tmp_path / "none")], capsys)
+    # Data are needed only to train an arm, so evaluating exported arms parses without them.
+    assert abl(["--data", str(tmp_path / "none")]).data == str(tmp_path / "none")
     assert "no DFlash checkpoint there" in error_of(abl, [*base, "--init", str(tmp_path)], capsys)
     args = abl([*base, "--arms", "w", "w", "--budgets", "16", "4", "4"])
     assert args.arms == ["token", "w"] and args.budgets == [4, 16]  # the control always comes first
@@ -107,3 +108,56 @@ def test_round_stages_checks_its_arguments(tmp_path, capsys):
         round_stages.parse_args, ["--drafter", missing], capsys)
     args = round_stages.parse_args(["--budget", "4", "--iters", "5"])
     assert (args.budget, args.iters, args.prefix) == (4, 5, 256)
+
+
+def test_training_an_arm_without_data_names_the_data(tmp_path):
+    args = exittrain_ablation.parse_args(["--runs", str(tmp_path / "runs")])
+    setup = exittrain_ablation.Setup("smollm2", None, (2,), tmp_path / "none", tmp_path, {}, {}, "")
+    with pytest.raises(SystemExit, match=r"arm w: no exported drafter at .*, and --data '.*none' is not a "
+                                         r"`tevjax data` directory"):
+        exittrain_ablation.ensure_arm(setup, args, "w", 32)
+    # An arm exported there is used as it is: no data, no training.
+    d = exittrain_ablation.arm_dir(args, "w", 32) / "drafter"
+    d.mkdir(parents=True)
+    (d / "config.json").write_text("{}")
+    rec = exittrain_ablation.ensure_arm(setup, args, "w", 32)
+    assert rec["dir"] == str(d) and not rec["trained_now"]
+
+
+def test_eval_cache_reuses_exactly_the_same_cells(tmp_path, monkeypatch):
+    """A cell is decoded once and reused by a later run only when drafter bytes, prompts and settings match."""
+    abl = exittrain_ablation
+    drafters = {}
+    for name, weights in (("a", b"1"), ("b", b"2")):
+        d = drafters[name] = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text("{}")
+        (d / "model.safetensors").write_bytes(weights)
+    setup = abl.Setup("smollm2", None, (2,), tmp_path, tmp_path, {"heldout": [[5, 6], [7]]}, {}, "x")
+    decoded = []
+
+    def fake_counts(decoder, prompts, seed):
+        decoded.append(decoder)
+        return {"tokens": [3.0 * decoder[1], 2.0], "rounds": [2, 1]}
+
+    monkeypatch.setattr(abl, "load_drafter", lambda setup, ddir: str(ddir))
+    monkeypatch.setattr(abl, "make_decoder", lambda setup, drafter, every, budget, temperature, max_new_tokens:
+                        (drafter, budget, temperature))
+    monkeypatch.setattr(abl, "decode_counts", fake_counts)
+
+    def run(cache, budgets=(4, 8), temperatures=(0.0,)):
+        args = abl.parse_args(["--eval-cache", cache, "--prompt-sets", "heldout", "--temperatures",
+                               *map(str, temperatures), "--budgets", *map(str, budgets)])
+        return abl.evaluate_arms(setup, args, {k: str(v) for k, v in drafters.items()}, args.budgets, "a")
+
+    first = run(str(tmp_path / "cache"))
+    assert len(decoded) == 4 and first["reused_cells"] == 0
+    again = run(str(tmp_path / "cache"), budgets=(4, 8, 16), temperatures=(0.0, 1.0))
+    assert len(decoded) == 4 + 8 and again["reused_cells"] == 4  # only B = 16 and T = 1 are new
+    assert again["counts"]["b"]["heldout"]["0.0"]["8"] == first["counts"]["b"]["heldout"]["0.0"]["8"]
+    assert again["counts"]["b"]["heldout"]["0.0"]["8"]["tokens"] == [24.0, 2.0]
+    # New drafter bytes, or no cache: decoded afresh.
+    (drafters["b"] / "model.safetensors").write_bytes(b"3")
+    assert run(str(tmp_path / "cache"))["reused_cells"] == 2 and len(decoded) == 12 + 2
+    assert run("")["reused_cells"] == 0 and len(decoded) == 14 + 4
+    assert not list((tmp_path / "cache").glob("*.tmp"))
