@@ -59,7 +59,7 @@ def parse_args(argv):
     p.add_argument("--stage-calls", type=int, default=60, help="timed stage calls per verifier and drafter")
     p.add_argument("--capacity", type=int, default=1024, help="KV-cache slots the stage commits into")
     add_training_args(p, steps=1000)
-    add_eval_args(p, budgets=None, temperatures=(1.0,), sets=("heldout",), num_prompts=16)
+    add_eval_args(p, budgets=None, temperatures=(1.0,), sets=("heldout",), num_prompts=16, cache=False)
     p.add_argument("--quick", action="store_true", help=f"tiny random target; writes {QUICK_RESULTS} unless --out")
     p.add_argument("--out", type=Path, default=None, help=f"results markdown (default {RESULTS})")
     args = p.parse_args(argv)
@@ -191,7 +191,8 @@ def main(argv=None) -> int:
         "interleaved prompt by prompt, compilation excluded.",
         f"- Verifier stage: decision + cache commit (`verifier_latency.time_stage`) on {args.stage_trees} real trees "
         f"per drafter (its own decoding rounds at budget {args.budget}), {args.stage_calls} timed calls per verifier "
-        "cycling through both drafters' trees, round-robin across verifiers, commit into a {args.capacity}-slot cache of the target's shape.",
+        f"cycling through both drafters' trees, round-robin across verifiers, commit into a {args.capacity}-slot "
+        "cache of the target's shape.",
         "",
     ]
     for t in args.temperatures:
