@@ -391,13 +391,19 @@ def code_digest() -> str:
     return h.hexdigest()[:16]
 
 
-def cell_key(setup: Setup, ddir, prompts, *, budget: int, temperature: float, max_new_tokens: int, seed: int) -> str:
+def drafter_bytes(ddir) -> tuple[bytes, bytes]:
+    """The checkpoint files a cell's key covers, read once per arm."""
+    return tuple((Path(ddir) / f).read_bytes() for f in ("config.json", "model.safetensors"))
+
+
+def cell_key(setup: Setup, blobs: tuple[bytes, bytes], prompts, *, budget: int, temperature: float,
+             max_new_tokens: int, seed: int) -> str:
     """What fixes one evaluation cell's counts: target, drafter bytes, prompts, decoding settings and the
     code. Decoding is deterministic given these (T = 0 is the greedy path; T > 0 draws from seed + index)."""
     h = hashlib.sha256(f"{setup.name}|{setup.describe}|{code_digest()}|{budget}|{temperature!r}|{max_new_tokens}|"
                        f"{seed}|{json.dumps(prompts)}".encode())
-    for f in ("config.json", "model.safetensors"):
-        h.update((Path(ddir) / f).read_bytes())
+    for blob in blobs:
+        h.update(blob)
     return h.hexdigest()[:32]
 
 
@@ -411,14 +417,14 @@ def evaluate_arms(setup: Setup, args, arms: dict[str, str], budgets, baseline: s
     cache = Path(args.eval_cache) if args.eval_cache else None
     reused = 0
     for arm, ddir in arms.items():
-        drafter = None
+        drafter, blobs = None, drafter_bytes(ddir) if cache else None
         for t in args.temperatures:
             for b in budgets:
                 decoder = None
                 for s in args.prompt_sets:
-                    key = cell_key(setup, ddir, setup.prompts[s], budget=b, temperature=t,
-                                   max_new_tokens=args.max_new_tokens, seed=args.seed)
-                    hit = cache / f"{key}.json" if cache else None
+                    hit = cache / (cell_key(setup, blobs, setup.prompts[s], budget=b, temperature=t,
+                                            max_new_tokens=args.max_new_tokens, seed=args.seed) + ".json") \
+                        if cache else None
                     if hit is not None and hit.is_file():
                         c, reused = json.loads(hit.read_text()), reused + 1
                     else:
