@@ -99,7 +99,7 @@ EXIT_DATA ?= $(HOME)/.cache/tevjax/data-v5
 EXIT_TRAIN ?= --data $(EXIT_DATA) --steps 120 --lr 3e-4 --exit-lambda 10 --exit-sequences 2 --exit-anchors 16
 ABLATION ?= $(EXIT_TRAIN) --arms token w P_rescaled
 TRANSFER ?= $(EXIT_TRAIN) --train-budgets 8 32 --prompt-sets heldout
-exittrain: $(BASE_STAMP)
+exittrain: $(EXP_STAMP)
 	$(VENV)/bin/tevjax data --num-prompts 7680 --max-new-tokens 256 --out $(EXIT_DATA) --train-shards 50:57 \
 		$(if $(wildcard $(EXIT_DATA)/manifest.json),--resume)
 	$(PY) experiments/exittrain_ablation.py $(ABLATION)
