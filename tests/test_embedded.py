@@ -3,6 +3,7 @@ converted model against transformers' own GGUF loading and against tevjax's gree
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -20,6 +21,7 @@ from test_gguf import tiny_state, write_gguf
 from tevjax.convert import embedded
 from tevjax.convert.embedded import (
     CACHE_MANIFEST,
+    SOURCE_DIGESTS,
     SMOLLM2_GGUF_NAME,
     EmbeddedModelNotFound,
     default_cache_dir,
@@ -103,16 +105,17 @@ def test_prepare_converts_once(tiny_gguf, tmp_path, monkeypatch):
     calls = _counting(monkeypatch)
     monkeypatch.setenv("TEVJAX_CACHE", str(tmp_path / "cache"))
     first = prepare_gguf(tiny_gguf, name="tiny")
-    st = tiny_gguf.stat()
-    assert first == tmp_path / "cache" / f"tiny-v{CONVERTER_VERSION}-{st.st_size}-{st.st_mtime_ns}"
+    digest = hashlib.sha256(tiny_gguf.read_bytes()).hexdigest()
+    assert first == tmp_path / "cache" / f"tiny-v{CONVERTER_VERSION}-{tiny_gguf.stat().st_size}-{digest[:16]}"
+    assert json.loads((first / CONVERSION_MARKER).read_text())["source_sha256"] == digest
     assert (first / CONVERSION_MARKER).is_file() and (first / "model.safetensors").is_file()
     t0 = time.perf_counter()
     again = prepare_gguf(tiny_gguf, name="tiny")
     assert time.perf_counter() - t0 < 1.0  # reads one small JSON marker
     assert again == first and len(calls) == 1
-    # only the entry and its lock file; no temporary directories
+    # only the entry, the source digests and their lock files; no temporary directories
     assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == sorted(
-        [first.name, f".{first.name}.lock"])
+        [first.name, f".{first.name}.lock", SOURCE_DIGESTS, f".{SOURCE_DIGESTS}.lock"])
 
 
 def test_prepare_redoes_incomplete_entries(tiny_gguf, tmp_path, monkeypatch):
@@ -134,14 +137,34 @@ def test_prepare_redoes_incomplete_entries(tiny_gguf, tmp_path, monkeypatch):
     assert len(calls) == 3
 
 
-def test_prepare_keys_on_the_source_file(tiny_gguf, tmp_path, monkeypatch):
+def test_prepare_keys_on_the_source_content(tiny_gguf, tmp_path, monkeypatch):
     calls = _counting(monkeypatch)
-    a = prepare_gguf(tiny_gguf, name="tiny", cache_dir=tmp_path / "cache")
+    hashed = []
+    real = embedded._sha256
+    monkeypatch.setattr(embedded, "_sha256", lambda p: hashed.append(p.name) or real(p))
+    cache = tmp_path / "cache"
+    a = prepare_gguf(tiny_gguf, name="tiny", cache_dir=cache)
+    # The same file installed again (new mtime) or into another environment (another path):
+    # the same entry, no conversion; each new copy is hashed once, then known by its fingerprint.
     st = tiny_gguf.stat()
-    os.utime(tiny_gguf, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # a reinstalled file
-    b = prepare_gguf(tiny_gguf, name="tiny", cache_dir=tmp_path / "cache")
-    assert a != b and len(calls) == 2
+    os.utime(tiny_gguf, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    other = tmp_path / "venv2" / "tiny.gguf"
+    other.parent.mkdir()
+    shutil.copy(tiny_gguf, other)
+    time.sleep(0.05)  # a later timestamp tick than the copies, as for any real install
+    assert prepare_gguf(tiny_gguf, name="tiny", cache_dir=cache) == a
+    assert prepare_gguf(other, name="tiny", cache_dir=cache) == a and len(calls) == 1
+    time.sleep(0.05)
+    hashed.clear()
+    assert prepare_gguf(other, name="tiny", cache_dir=cache) == a and hashed == []
+    # Another file (other weights): its own entry.
+    write_gguf(other, tiny_state(seed=6))
+    b = prepare_gguf(other, name="tiny", cache_dir=cache)
+    assert b != a and len(calls) == 2
     assert (a / CONVERSION_MARKER).is_file() and (b / CONVERSION_MARKER).is_file()
+    # A garbled digest record costs a hash, not an error.
+    (cache / SOURCE_DIGESTS).write_text("{")
+    assert prepare_gguf(other, name="tiny", cache_dir=cache) == b and len(calls) == 2
 
 
 def test_prepare_concurrent_callers_convert_once(tiny_gguf, tmp_path, monkeypatch):

