@@ -141,14 +141,14 @@ def test_token_loss_matches_brute_force(gamma):
 
 def test_sample_anchors_are_distinct_eligible_and_cover():
     mask = np.zeros(40, bool)
-    mask[10:30] = True  # eligible anchors: 10..28 (the next token must be supervised too): 19 positions
+    mask[10:30] = True  # eligible anchors: 9..28 (the next token supervised; 9 is the last prompt token): 20 positions
     for seed in range(5):
         anchors, valid = sample_anchors(jax.random.key(seed), jnp.asarray(mask), 8)
         a = np.asarray(anchors)[np.asarray(valid)]
-        assert len(a) == 8 and len(set(a.tolist())) == 8 and np.all((a >= 10) & (a <= 28))
+        assert len(a) == 8 and len(set(a.tolist())) == 8 and np.all((a >= 9) & (a <= 28))
         assert np.all(np.diff(a) > 0)  # sorted
     anchors, valid = sample_anchors(jax.random.key(0), jnp.asarray(mask), 25)
-    assert int(valid.sum()) == 19 and sorted(np.asarray(anchors)[np.asarray(valid)].tolist()) == list(range(10, 29))
+    assert int(valid.sum()) == 20 and sorted(np.asarray(anchors)[np.asarray(valid)].tolist()) == list(range(9, 29))
     anchors, valid = sample_anchors(jax.random.key(0), jnp.zeros(40, bool), 4)
     assert not np.any(np.asarray(valid))
     # Every eligible position is drawn about equally often (a uniform sample without replacement).
@@ -156,9 +156,9 @@ def test_sample_anchors_are_distinct_eligible_and_cover():
     for seed in range(400):
         anchors, valid = sample_anchors(jax.random.key(seed), jnp.asarray(mask), 4)
         counts[np.asarray(anchors)[np.asarray(valid)]] += 1
-    expected = 400 * 4 / 19
-    # Binomial(400, 4/19) per position: sd ~8.2, so +-40 is ~5 sd (false-alarm rate < 1e-5 overall).
-    assert np.all(np.abs(counts[10:29] - expected) < 40) and counts[:10].sum() == counts[29:].sum() == 0
+    expected = 400 * 4 / 20
+    # Binomial(400, 4/20) per position: sd 8.0, so +-40 is ~5 sd (false-alarm rate < 1e-5 overall).
+    assert np.all(np.abs(counts[9:29] - expected) < 40) and counts[:9].sum() == counts[29:].sum() == 0
 
 
 def test_full_prefix_scoring_equals_per_anchor_tree_passes():

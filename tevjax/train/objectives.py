@@ -47,13 +47,18 @@ def ratio(terms: tuple[jax.Array, jax.Array]) -> jax.Array:
 
 def sample_anchors(key: jax.Array, loss_mask: jax.Array, num_anchors: int) -> tuple[jax.Array, jax.Array]:
     """Anchors [M] and their validity [M] for one sequence, uniformly without replacement among the
-    positions a with loss_mask[a] and loss_mask[a + 1] (the anchor and its next token supervised).
+    positions a whose next token is supervised (loss_mask[a + 1]).
+
+    The released recipe also asks loss_mask[a], which leaves out the last token before each
+    response. But that token is the decoder's first anchor: prefill writes prompt[:-1] and the last
+    prompt token is round 0's root. Trained without it, the shipped drafter's round 0 emitted 1.03
+    tokens against ~1.8 for later rounds (32 held-out prompts, greedy, budget 8).
 
     loss_mask [T] bool. Fewer than M eligible positions: the rest are marked invalid (index 0).
     Anchors come back sorted, so a step's blocks read the sequence left to right.
     """
     t = loss_mask.shape[0]
-    eligible = loss_mask & jnp.concatenate([loss_mask[1:], jnp.zeros((1,), bool)])
+    eligible = jnp.concatenate([loss_mask[1:], jnp.zeros((1,), bool)])
     # Uniform random keys on eligible positions, -1 elsewhere: the top M keys are a uniform
     # sample without replacement of the eligible positions.
     u = jnp.where(eligible, jax.random.uniform(key, (t,)), -1.0)

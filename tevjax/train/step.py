@@ -6,7 +6,7 @@ draft rows, N = exit budget + 1 tree slots, V vocabulary.
 
 A step, for every sequence of the batch:
 
-1. M anchors sampled where the anchor and its next token are supervised (`sample_anchors`,
+1. M anchors sampled where the next token is supervised (`sample_anchors`,
    keyed by fold_in(seed key, step): the step is a pure function of (state, batch));
 2. the drafter's block forward at every anchor against the sequence's context features
    (`DFlashDrafter.train_hidden`), the target's LM head -> draft logits z [B, M, G, Vd] over the
