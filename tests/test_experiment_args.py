@@ -161,3 +161,22 @@ def test_eval_cache_reuses_exactly_the_same_cells(tmp_path, monkeypatch):
     assert run(str(tmp_path / "cache"))["reused_cells"] == 2 and len(decoded) == 12 + 2
     assert run("")["reused_cells"] == 0 and len(decoded) == 14 + 4
     assert not list((tmp_path / "cache").glob("*.tmp"))
+
+
+def test_large_z_note_lists_only_passing_large_z_and_names_near_degenerate_trees():
+    row = dict(tree=5, temperature=1.0, method="sequential", exact=1.0002, mean=1.0008, draws=65536,
+               halfwidth=2e-3, pass_=True)
+    rows = [
+        {**row, "pass": True, "z": 5.8, "variance": 2.6e-4, "deviation": 6e-4},     # listed, ordinary tree
+        {**row, "pass": True, "z": -12.0, "variance": 3e-7, "deviation": 1.5e-5},   # listed, Var L < 1e-5
+        {**row, "pass": True, "z": 3.9, "variance": 1e-3, "deviation": 1e-4},       # |z| <= 4: not listed
+        {**row, "pass": False, "z": 9.0, "variance": 1e-3, "deviation": 1e-2},      # failures are reported elsewhere
+        {**row, "pass": True, "z": float("nan"), "variance": 0.0, "deviation": 0.0},
+    ]
+    lines = fixed_tree_equivalence.large_z_note(rows)
+    table = [x for x in lines if x.startswith("| 5 |")]
+    assert len(table) == 2
+    assert "-12.0" in table[0] and "+5.8" in table[1]  # sorted by |z|, largest first
+    assert "+39.3 of 65536" in table[1]  # draws beyond the law's mean = deviation x draws
+    assert any(x.startswith("1 of them are trees whose block length is almost surely 1") for x in lines)
+    assert fixed_tree_equivalence.large_z_note(rows[2:]) == []
