@@ -42,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from exittrain_ablation import (add_eval_args, add_training_args, check_common, ensure_arm, fmt_gain,  # noqa: E402
                                 load_drafter, machine_and_versions, make_decoder, make_setup, summarise)
 from real_trees import capture_rounds  # noqa: E402
+from report import require_positive  # noqa: E402
 from verifier_latency import time_stage  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "crossed.md"
@@ -68,9 +69,7 @@ def parse_args(argv):
     for d in (args.token_drafter, args.exittrain_drafter):
         if d is not None and not (Path(d) / "config.json").is_file():
             p.error(f"{d!r}: no DFlash checkpoint there (config.json)")
-    for name in ("budget", "exit_budget", "stage_trees", "stage_calls"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    require_positive(p, args, "budget", "exit_budget", "stage_trees", "stage_calls")
     if args.quick:
         args.budget, args.exit_budget, args.stage_trees, args.stage_calls = 5, 5, 2, 8
         args.temperatures, args.prompt_sets = [1.0], ["heldout"]

@@ -57,6 +57,7 @@ from tevjax.models.cache import KVCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from real_trees import describe_drafter, machine_facts  # noqa: E402  experiments/real_trees.py
+from report import require_positive  # noqa: E402
 from tevjax.prompts import DATASETS, load_prompt_sets  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "end_to_end.md"
@@ -324,9 +325,7 @@ def parse_args(argv):
         args.prompts, args.max_new_tokens, args.budgets, args.repeats, args.tree_pass_calls = 1, 8, [8], 1, 3
     if args.out is None:
         args.out = QUICK_RESULTS if args.quick else RESULTS
-    for name in ("prompts", "max_new_tokens", "repeats", "tree_pass_calls"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    require_positive(p, args, "prompts", "max_new_tokens", "repeats", "tree_pass_calls")
     if any(b < 1 for b in args.budgets) or any(not 0 <= t < float("inf") for t in args.temperatures):
         p.error("budgets must be >= 1 and temperatures finite and >= 0")
     args.budgets = sorted(set(args.budgets))

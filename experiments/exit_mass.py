@@ -48,6 +48,7 @@ from tevjax.loading import load_models
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from real_trees import capture_rounds, describe_drafter, load_prompt_ids, machine_facts, versions  # noqa: E402
 from tree_stats import EXIT_KINDS, exit_kind, mass_by_depth_rank, sibling_ranks  # noqa: E402
+from report import require_positive  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "exit_mass.md"
 QUICK_RESULTS = Path("/tmp/exit_mass_quick.md")
@@ -169,9 +170,7 @@ def parse_args(argv):
         args.num_prompts, args.rounds_per_prompt, args.max_new_tokens, args.budgets = 2, 2, 16, [4, 8, 16]
     if args.out is None:
         args.out = QUICK_RESULTS if args.quick else RESULTS
-    for name in ("num_prompts", "rounds_per_prompt", "max_new_tokens", "ranks"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    require_positive(p, args, "num_prompts", "rounds_per_prompt", "max_new_tokens", "ranks")
     if any(b < 1 for b in args.budgets):
         p.error("--budgets must be >= 1")
     args.budgets = sorted(set(args.budgets))

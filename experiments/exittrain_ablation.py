@@ -44,7 +44,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import budget_axes  # noqa: E402
+from report import budget_axes, require_positive  # noqa: E402
 from paired_stats import detectable_gain, paired_gain, tau_se  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "exittrain_ablation.md"
@@ -328,9 +328,7 @@ def check_common(p: argparse.ArgumentParser, args, quick_out: Path, results: Pat
             args.runs = quick_runs
     if args.out is None:
         args.out = quick_out if args.quick else results
-    for name in ("steps", "batch", "anchors", "seq_len", "exit_anchors", "num_prompts", "max_new_tokens"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    require_positive(p, args, "steps", "batch", "anchors", "seq_len", "exit_anchors", "num_prompts", "max_new_tokens")
     if args.lr <= 0 or not math.isfinite(args.lr):
         p.error("--lr must be a finite number > 0")
     if args.exit_sequences < 0 or (args.exit_sequences and args.batch % args.exit_sequences):

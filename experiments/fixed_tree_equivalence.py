@@ -50,6 +50,7 @@ from tevjax.verifiers import verify
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from real_trees import capture_rounds, describe_drafter, load_prompt_ids, machine_facts, versions  # noqa: E402
 from tree_stats import bernstein_halfwidth, block_length_moments  # noqa: E402
+from report import require_positive  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "fixed_tree_equivalence.md"
 QUICK_RESULTS = Path("/tmp/fixed_tree_equivalence_quick.md")
@@ -273,9 +274,7 @@ def parse_args(argv):
         args.budget, args.draws, args.predraw_draws = 8, 2048, 512
     if args.out is None:
         args.out = QUICK_RESULTS if args.quick else RESULTS
-    for name in ("num_prompts", "trees_per_prompt", "max_new_tokens", "budget", "chunk"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    require_positive(p, args, "num_prompts", "trees_per_prompt", "max_new_tokens", "budget", "chunk")
     if args.draws < 2 or args.predraw_draws < 2:
         p.error("--draws and --predraw-draws must be >= 2")
     if not 0 < args.alpha < 1:

@@ -28,3 +28,10 @@ def budget_axes(ax, budgets, ylabel: str, title: str, *, title_size: int = 8) ->
     ax.set_title(title, fontsize=title_size)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
+
+
+def require_positive(parser, args, *names: str) -> None:
+    """parser.error naming the first of the integer options `names` (attribute spelling) below 1."""
+    for name in names:
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")

@@ -11,6 +11,7 @@ import crossed  # noqa: E402
 import exit_mass  # noqa: E402
 import exittrain_ablation  # noqa: E402
 import fixed_tree_equivalence  # noqa: E402
+import round_blocks  # noqa: E402
 import round_stages  # noqa: E402
 import verifier_latency  # noqa: E402
 
@@ -180,3 +181,22 @@ def test_large_z_note_lists_only_passing_large_z_and_names_near_degenerate_trees
     assert "+39.3 of 65536" in table[1]  # draws beyond the law's mean = deviation x draws
     assert any(x.startswith("1 of them are trees whose block length is almost surely 1") for x in lines)
     assert fixed_tree_equivalence.large_z_note(rows[2:]) == []
+
+
+def test_round_blocks_groups_by_round_index():
+    rows = round_blocks.by_round([[1, 3, 2, 2], [2, 1], [4]], shown=2)
+    assert [r["round"] for r in rows] == ["0", "1", ">=2"]
+    assert [r["rounds"] for r in rows] == [3, 2, 2]
+    assert [r["mean"] for r in rows] == [7 / 3, 2.0, 2.0]
+    assert rows[2]["se"] == 0.0
+    with pytest.raises(ValueError, match="shown"):
+        round_blocks.by_round([[1]], shown=0)
+
+
+def test_round_blocks_rejects_bad_drafters_and_labels(tmp_path, capsys):
+    missing = str(tmp_path / "nope")
+    assert f"--drafter {missing!r}: no such checkpoint directory" in error_of(
+        round_blocks.parse_args, ["--drafter", missing], capsys)
+    assert "one --label per --drafter" in error_of(
+        round_blocks.parse_args, ["--drafter", str(tmp_path), "--label", "a", "--label", "b"], capsys)
+    assert "--budget must be >= 1" in error_of(round_blocks.parse_args, ["--budget", "0"], capsys)

@@ -1,0 +1,172 @@
+"""Output-block length by round index: is the first round (root = the prompt's last token) weaker?
+
+A decoding round's tree hangs from the last committed token. In round 0 that is the last token of
+the prompt (for chat prompts, the assistant header's newline), every later round's root is a
+response token. A drafter whose training never anchored a block at that position drafts round 0
+blind. This script decodes held-out prompts greedily with TEV, one jitted round at a time (the
+engine's own `Decoder.step`), and reports the mean output-block length (accepted tokens + bonus)
+of round 0, 1, ... against the later rounds, for one or more drafters on the same prompts. Greedy
+outputs do not depend on the drafter, so every drafter's tokens are checked against the first's.
+
+    python experiments/round_blocks.py                                   # the shipped drafter
+    python experiments/round_blocks.py --drafter A --label a --drafter B --label b
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from paired_stats import Z95, paired_gain  # noqa: E402
+from real_trees import load_prompt_ids, machine_facts, versions  # noqa: E402
+from report import emit, require_positive  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results" / "round_blocks.md"
+
+
+def by_round(blocks: list[list[int]], shown: int) -> list[dict]:
+    """Per round index 0..shown-1, then every later round pooled: rounds, mean block and its SE.
+
+    `blocks[p]` is prompt p's output-block lengths in round order. The SE treats rounds as
+    independent: a reading aid; the paired comparison of drafters uses prompts as units."""
+    if shown < 1:
+        raise ValueError(f"shown must be >= 1, got {shown}")
+    groups = [[b[r] for b in blocks if len(b) > r] for r in range(shown)]
+    groups.append([x for b in blocks for x in b[shown:]])
+    out = []
+    for r, g in enumerate(groups):
+        a = np.asarray(g, np.float64)
+        se = float(a.std(ddof=1) / np.sqrt(len(a))) if len(a) > 1 else float("nan")
+        out.append({"round": str(r) if r < shown else f">={shown}", "rounds": len(a),
+                    "mean": float(a.mean()) if len(a) else float("nan"), "se": se})
+    return out
+
+
+def decode_rounds(models, prompts: list[list[int]], budget: int, max_new_tokens: int, seed: int):
+    """Greedy TEV decoding, one round at a time: (tokens, block lengths in round order) per prompt."""
+    from tevjax.decode.engine import DecodeConfig, Decoder
+
+    cfg = DecodeConfig(verifier="tev", budget=budget, temperature=0.0, max_new_tokens=max_new_tokens,
+                       eos_ids=models.eos_ids, prompt_bucket=128)
+    # One capacity for every prompt, so the round compiles once.
+    capacity = Decoder(models.target, models.drafter, cfg).shapes([len(p) for p in prompts])[1]
+    decoder = Decoder(models.target, models.drafter, dataclasses.replace(cfg, capacity=capacity))
+    tokens, blocks = [], []
+    for i, prompt in enumerate(prompts):
+        state = decoder.prefill([list(prompt)], seed=seed + i)
+        got, last = [], 0
+        while not bool(np.asarray(state.done)[0]):
+            state = decoder.step(state)
+            total = int(np.asarray(state.block_total)[0])
+            got.append(total - last)
+            last = total
+        tokens.append(decoder.results(state)[0].tokens)
+        blocks.append(got)
+    return tokens, blocks
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--drafter", action="append", default=None,
+                   help="DFlash checkpoint directory (repeat to compare; default: the shipped drafter)")
+    p.add_argument("--label", action="append", default=None, help="one per --drafter")
+    p.add_argument("--prompts", default="heldout")
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--budget", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--shown", type=int, default=6, help="round indices reported one by one (later ones pooled)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=RESULTS, help="results markdown; .json goes next to it")
+    args = p.parse_args(argv)
+    require_positive(p, args, "num_prompts", "budget", "max_new_tokens", "shown")
+    drafters = args.drafter or [None]
+    for d in drafters:
+        if d is not None and not Path(d).is_dir():
+            p.error(f"--drafter {d!r}: no such checkpoint directory")
+    labels = args.label or (["shipped"] if args.drafter is None else [Path(d).name for d in drafters])
+    if len(labels) != len(drafters):
+        p.error(f"one --label per --drafter: got {len(labels)} labels for {len(drafters)} drafters")
+    if len(set(labels)) != len(labels):
+        p.error(f"labels must be distinct, got {labels}")
+    args.drafters, args.labels = drafters, labels
+    return args
+
+
+def main(argv=None) -> int:
+    started, date = time.perf_counter(), datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    from tevjax.loading import load_models  # after the arguments: a bad command line fails at once
+
+    runs = {}
+    texts = prompts = first_tokens = None
+    for label, drafter in zip(args.labels, args.drafters):
+        models = load_models("smollm2", drafter, dtype="float32")
+        if not models.drafter_trained and drafter is None:
+            raise SystemExit("the shipped drafter is missing or untrained: give --drafter")
+        if prompts is None:
+            texts, prompts = load_prompt_ids(models.tokenizer, args.prompts, args.num_prompts)
+        t0 = time.perf_counter()
+        tokens, blocks = decode_rounds(models, prompts, args.budget, args.max_new_tokens, args.seed)
+        if first_tokens is None:
+            first_tokens = tokens
+        elif tokens != first_tokens:  # greedy decoding is exact whatever the drafter
+            bad = [i for i, (a, b) in enumerate(zip(tokens, first_tokens)) if a != b]
+            raise SystemExit(f"{label}: greedy outputs differ from {args.labels[0]}'s on prompts {bad}")
+        runs[label] = {"drafter": drafter or "shipped", "blocks": blocks, "minutes": (time.perf_counter() - t0) / 60,
+                       "rows": by_round(blocks, args.shown),
+                       "tokens": [sum(b) for b in blocks], "rounds": [len(b) for b in blocks]}
+        print(f"{label}: {runs[label]['minutes']:.1f} min", flush=True)
+
+    shown = [r["round"] for r in next(iter(runs.values()))["rows"]]
+    lines = [
+        "# Output-block length by round index",
+        "",
+        f"- Date: {date}; wall time {(time.perf_counter() - started) / 60:.1f} min.",
+        f"- Command: `python experiments/round_blocks.py {' '.join(argv)}`",
+        f"- Machine: {machine_facts()}.",
+        f"- Greedy TEV, budget {args.budget}, {len(prompts)} `{args.prompts}` prompts, at most {args.max_new_tokens} "
+        "new tokens, batch 1. A block is the round's accepted tokens plus the bonus token (before any "
+        "end-of-turn or length cut). Round 0's root is the prompt's last token. +- is one SE over rounds.",
+    ]
+    if len(runs) > 1:
+        lines.append(f"- Every drafter's greedy tokens equal {args.labels[0]}'s on every prompt (checked).")
+    lines += [
+        "",
+        "| drafter | " + " | ".join(f"round {r}" for r in shown) + " | tau (all rounds) |",
+        "|---|" + "---:|" * (len(shown) + 1),
+    ]
+    for label, run in runs.items():
+        tau = sum(run["tokens"]) / sum(run["rounds"])
+        lines.append(f"| {label} | " + " | ".join(f"{r['mean']:.2f} +- {r['se']:.2f}" for r in run["rows"])
+                     + f" | {tau:.3f} |")
+    labels = list(runs)
+    if len(labels) > 1:
+        a = runs[labels[0]]
+        lines += ["", f"Paired over prompts against {labels[0]} (tau = block tokens / rounds, 95% interval):", ""]
+        for label in labels[1:]:
+            b = runs[label]
+            g = paired_gain(a["tokens"], a["rounds"], b["tokens"], b["rounds"])
+            r0a = np.mean([x[0] for x in a["blocks"]])
+            r0b = np.mean([x[0] for x in b["blocks"]])
+            lines.append(f"- {label}: tau {g['gain']:+.1%} [{g['lo']:+.1%}, {g['hi']:+.1%}]; round-0 block "
+                         f"{r0a:.2f} -> {r0b:.2f}.")
+    emit(lines, args.out)
+    payload = {"date": date, "command": "python experiments/round_blocks.py " + " ".join(argv),
+               "machine": machine_facts(), "versions": versions(), "z95": Z95,
+               "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+               "prompts": texts, "runs": runs}
+    Path(args.out).with_suffix(".json").write_text(json.dumps(payload, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
