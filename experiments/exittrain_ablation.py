@@ -449,8 +449,14 @@ def evaluate_arms(setup: Setup, args, arms: dict[str, str], budgets, baseline: s
 
 
 def header(title: str, argv, args, setup: Setup, minutes: float, cpu_minutes: float, date: str, machine: str,
-           script: str) -> list[str]:
+           script: str, trained: bool = True) -> list[str]:
+    """The report's opening lines. `trained`: some arm was trained in this run; if not, the init and
+    data options were not used (the runs' own logs say what they trained on)."""
     command = f"python experiments/{script}" + (" " + " ".join(argv) if argv else "")
+    origin = (f"Every arm starts from `{setup.init_dir}`." if trained else
+              f"Every arm's exported drafter was found under `{args.runs}`: this run trained nothing, and the "
+              "fine-tuning options below are those of the runs it names (its tag), not checked against them.")
+    data = f"data `{setup.data_dir}` (train shards only)" if trained else "data: that of the runs"
     return [
         f"# {title}",
         "",
@@ -458,14 +464,14 @@ def header(title: str, argv, args, setup: Setup, minutes: float, cpu_minutes: fl
         f"time {cpu_minutes:.1f} min (on a shared machine the CPU time is the steadier measure).",
         f"- Command: `{command}`",
         f"- Machine: {machine}.",
-        f"- Target: {setup.describe}. Every arm starts from `{setup.init_dir}`.",
+        f"- Target: {setup.describe}. {origin}",
         f"- Fine-tuning: {args.steps} steps, batch {args.batch} x {args.anchors} anchors, sequence length "
         f"{args.seq_len}, lr {args.lr:g} ({args.warmup:g} warmup, cosine), gamma {args.gamma:g}, seed {args.seed} "
         f"(same batches in the same order for every arm), exit lambda {args.exit_lambda:g} with "
         f"{args.exit_anchors} tree anchors per sequence"
         + (f" on {args.exit_sequences} of each batch's {args.batch} sequences"
            if args.exit_sequences and args.exit_sequences != args.batch else "")
-        + f"; data `{setup.data_dir}` (train shards only).",
+        + f"; {data}.",
         f"- Evaluation: TEV, DDTree, batch 1, {args.num_prompts} prompts per set, at most {args.max_new_tokens} new "
         f"tokens, decoding seed {args.seed} + prompt index. tau = tokens / rounds pooled over prompts, +- one "
         "delta-method SE over prompts; gain = paired relative change of tau against the token-only arm on the same "
@@ -503,7 +509,8 @@ def run_and_report(args, argv, specs: list[tuple[str, str, int]], *, title: str,
     machine, vers = machine_and_versions()
     table = res["table"]
 
-    lines = header(title, argv, args, setup, minutes, cpu_minutes, date, machine, script) + notes + [""]
+    lines = header(title, argv, args, setup, minutes, cpu_minutes, date, machine, script,
+                   trained=any(r["trained_now"] for r in records.values())) + notes + [""]
     lines += ["## Training", "", "| arm | trained in this run | steps | final loss_tok | final loss_exit | acc1 | "
               "train wall min |", "|---|:---:|---:|---:|---:|---:|---:|"]
     for label, r in records.items():

@@ -113,7 +113,7 @@ def test_round_stages_checks_its_arguments(tmp_path, capsys):
 
 def test_training_an_arm_without_data_names_the_data(tmp_path):
     args = exittrain_ablation.parse_args(["--runs", str(tmp_path / "runs")])
-    setup = exittrain_ablation.Setup("smollm2", None, (2,), tmp_path / "none", tmp_path, {}, {}, "")
+    setup = exittrain_ablation.Setup("smollm2", None, (2,), tmp_path / "none", tmp_path / "init", {}, {}, "")
     with pytest.raises(SystemExit, match=r"arm w: no exported drafter at .*, and --data '.*none' is not a "
                                          r"`tevjax data` directory"):
         exittrain_ablation.ensure_arm(setup, args, "w", 32)
@@ -123,6 +123,11 @@ def test_training_an_arm_without_data_names_the_data(tmp_path):
     (d / "config.json").write_text("{}")
     rec = exittrain_ablation.ensure_arm(setup, args, "w", 32)
     assert rec["dir"] == str(d) and not rec["trained_now"]
+    # Its report does not claim the run's --init and --data (unused) as the arms' origin.
+    head = "\n".join(exittrain_ablation.header("t", [], args, setup, 1.0, 1.0, "d", "m", "s.py", trained=False))
+    assert str(setup.data_dir) not in head and str(setup.init_dir) not in head and str(args.runs) in head
+    head = "\n".join(exittrain_ablation.header("t", [], args, setup, 1.0, 1.0, "d", "m", "s.py"))
+    assert str(setup.data_dir) in head and str(setup.init_dir) in head
 
 
 def test_eval_cache_reuses_exactly_the_same_cells(tmp_path, monkeypatch):
