@@ -48,7 +48,7 @@ from tevjax.loading import load_models
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from real_trees import capture_rounds, describe_drafter, load_prompt_ids, machine_facts, versions  # noqa: E402
 from tree_stats import EXIT_KINDS, exit_kind, mass_by_depth_rank, sibling_ranks  # noqa: E402
-from report import require_positive  # noqa: E402
+from report import drafters_and_labels, require_positive  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "exit_mass.md"
 QUICK_RESULTS = Path("/tmp/exit_mass_quick.md")
@@ -180,17 +180,7 @@ def parse_args(argv):
         args.budgets = sorted(set(args.budgets) | {args.heat_budget})
     if any(not 0 <= t < math.inf for t in args.temperatures):
         p.error("--temperatures must be finite and >= 0")
-    drafters = args.drafter or [None]
-    if args.label is None:
-        args.label = [("default" if d is None else Path(d).name) for d in drafters]
-    if len(args.label) != len(drafters):
-        p.error(f"{len(args.label)} --label for {len(drafters)} drafter(s): give one label per --drafter")
-    if len(set(args.label)) != len(args.label):
-        p.error(f"labels must be distinct, got {args.label}")
-    for d in drafters:
-        if d is not None and not Path(d).is_dir():
-            p.error(f"--drafter {d!r}: no such checkpoint directory")
-    args.drafters = drafters
+    drafters_and_labels(p, args)
     return args
 
 

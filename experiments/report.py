@@ -35,3 +35,20 @@ def require_positive(parser, args, *names: str) -> None:
     for name in names:
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
+
+
+def drafters_and_labels(parser, args, default_label: str = "default") -> None:
+    """Checks repeated `--drafter DIR` / `--label NAME` options and sets `args.drafters` (None for the
+    shipped drafter when none is given) and `args.label` (one distinct name per drafter; the
+    directory names when no label is given)."""
+    drafters = args.drafter or [None]
+    if args.label is None:
+        args.label = [(default_label if d is None else Path(d).name) for d in drafters]
+    if len(args.label) != len(drafters):
+        parser.error(f"{len(args.label)} --label for {len(drafters)} drafter(s): give one label per --drafter")
+    if len(set(args.label)) != len(args.label):
+        parser.error(f"labels must be distinct, got {args.label}")
+    for d in drafters:
+        if d is not None and not Path(d).is_dir():
+            parser.error(f"--drafter {d!r}: no such checkpoint directory")
+    args.drafters = drafters

@@ -27,7 +27,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from paired_stats import Z95, paired_gain  # noqa: E402
 from real_trees import load_prompt_ids, machine_facts, versions  # noqa: E402
-from report import emit, require_positive  # noqa: E402
+from report import drafters_and_labels, emit, require_positive  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "round_blocks.md"
 
@@ -87,16 +87,7 @@ def parse_args(argv):
     p.add_argument("--out", type=Path, default=RESULTS, help="results markdown; .json goes next to it")
     args = p.parse_args(argv)
     require_positive(p, args, "num_prompts", "budget", "max_new_tokens", "shown")
-    drafters = args.drafter or [None]
-    for d in drafters:
-        if d is not None and not Path(d).is_dir():
-            p.error(f"--drafter {d!r}: no such checkpoint directory")
-    labels = args.label or (["shipped"] if args.drafter is None else [Path(d).name for d in drafters])
-    if len(labels) != len(drafters):
-        p.error(f"one --label per --drafter: got {len(labels)} labels for {len(drafters)} drafters")
-    if len(set(labels)) != len(labels):
-        p.error(f"labels must be distinct, got {labels}")
-    args.drafters, args.labels = drafters, labels
+    drafters_and_labels(p, args, default_label="shipped")
     return args
 
 
@@ -108,7 +99,7 @@ def main(argv=None) -> int:
 
     runs = {}
     texts = prompts = first_tokens = None
-    for label, drafter in zip(args.labels, args.drafters):
+    for label, drafter in zip(args.label, args.drafters):
         models = load_models("smollm2", drafter, dtype="float32")
         if not models.drafter_trained and drafter is None:
             raise SystemExit("the shipped drafter is missing or untrained: give --drafter")
@@ -120,7 +111,7 @@ def main(argv=None) -> int:
             first_tokens = tokens
         elif tokens != first_tokens:  # greedy decoding is exact whatever the drafter
             bad = [i for i, (a, b) in enumerate(zip(tokens, first_tokens)) if a != b]
-            raise SystemExit(f"{label}: greedy outputs differ from {args.labels[0]}'s on prompts {bad}")
+            raise SystemExit(f"{label}: greedy outputs differ from {args.label[0]}'s on prompts {bad}")
         runs[label] = {"drafter": drafter or "shipped", "blocks": blocks, "minutes": (time.perf_counter() - t0) / 60,
                        "rows": by_round(blocks, args.shown),
                        "tokens": [sum(b) for b in blocks], "rounds": [len(b) for b in blocks]}
@@ -138,7 +129,7 @@ def main(argv=None) -> int:
         "end-of-turn or length cut). Round 0's root is the prompt's last token. +- is one SE over rounds.",
     ]
     if len(runs) > 1:
-        lines.append(f"- Every drafter's greedy tokens equal {args.labels[0]}'s on every prompt (checked).")
+        lines.append(f"- Every drafter's greedy tokens equal {args.label[0]}'s on every prompt (checked).")
     lines += [
         "",
         "| drafter | " + " | ".join(f"round {r}" for r in shown) + " | tau (all rounds) |",

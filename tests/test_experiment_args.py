@@ -202,6 +202,6 @@ def test_round_blocks_rejects_bad_drafters_and_labels(tmp_path, capsys):
     missing = str(tmp_path / "nope")
     assert f"--drafter {missing!r}: no such checkpoint directory" in error_of(
         round_blocks.parse_args, ["--drafter", missing], capsys)
-    assert "one --label per --drafter" in error_of(
+    assert "one label per --drafter" in error_of(
         round_blocks.parse_args, ["--drafter", str(tmp_path), "--label", "a", "--label", "b"], capsys)
     assert "--budget must be >= 1" in error_of(round_blocks.parse_args, ["--budget", "0"], capsys)
