@@ -87,20 +87,22 @@ experiments: $(BASE_STAMP)
 	$(PY) experiments/crossed.py $(CROSSED)
 
 # The ExitTrain ablation and budget transfer, as committed (experiments/checkpoints/exittrain):
-# regenerates the fine-tuning data if missing (448 greedy target responses, train shards 50-56 of
-# the 7,680-prompt plan, ~30 min), fine-tunes arms a-c from the shipped drafter for 120 steps (~3 min
-# token-only, ~20-30 min per exit-loss arm on 2 free cores; runs and bf16 exports in
-# ~/.cache/tevjax/runs/ablation, reused when present), then evaluates tau at budgets 4-64, T = 0 and
-# 1, on four prompt sets (~40 cells per arm, ~2-3 min each; cells already decoded are reused from
-# ~/.cache/tevjax/eval-cache). Each result file states its time. ABLATION=... and TRANSFER=...
-# replace the options (give both the same training options, so the transfer reuses the ablation's
-# runs); EXIT_TRAIN="... --runs experiments/checkpoints/exittrain" evaluates the committed arms.
-EXIT_DATA ?= $(HOME)/.cache/tevjax/data-v5
+# regenerates the fine-tuning data if missing (448 greedy target responses, train shards 69-75 of
+# the 7,680-prompt plan, which the shipped drafter never saw; ~17 min on 2 quiet cores), fine-tunes
+# arms a-c from the shipped drafter for 120 steps (~1 min token-only, ~10 min per exit-loss arm on 2
+# quiet cores; runs and bf16 exports in ~/.cache/tevjax/runs/ablation, reused when present), then
+# evaluates tau at budgets 4-64, T = 0 and 1, on four prompt sets (~40 cells per arm, ~1-3 min each;
+# cells already decoded are reused from ~/.cache/tevjax/eval-cache). Each result file states its
+# time. ABLATION=... and TRANSFER=... replace the options (give both the same training options, so
+# the transfer reuses the ablation's runs); EXIT_TRAIN="... --runs experiments/checkpoints/exittrain"
+# evaluates the committed arms.
+EXIT_DATA ?= $(HOME)/.cache/tevjax/data-exittrain
+EXIT_SHARDS ?= 69:76
 EXIT_TRAIN ?= --data $(EXIT_DATA) --steps 120 --lr 3e-4 --exit-lambda 10 --exit-sequences 2 --exit-anchors 16
 ABLATION ?= $(EXIT_TRAIN) --arms token w P_rescaled
 TRANSFER ?= $(EXIT_TRAIN) --train-budgets 8 32 --prompt-sets heldout
 exittrain: $(EXP_STAMP)
-	$(VENV)/bin/tevjax data --num-prompts 7680 --max-new-tokens 256 --out $(EXIT_DATA) --train-shards 50:57 \
+	$(VENV)/bin/tevjax data --num-prompts 7680 --max-new-tokens 256 --out $(EXIT_DATA) --train-shards $(EXIT_SHARDS) \
 		$(if $(wildcard $(EXIT_DATA)/manifest.json),--resume)
 	$(PY) experiments/exittrain_ablation.py $(ABLATION)
 	$(PY) experiments/budget_transfer.py $(TRANSFER)
