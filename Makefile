@@ -101,11 +101,15 @@ EXIT_SHARDS ?= 69:76
 EXIT_TRAIN ?= --data $(EXIT_DATA) --steps 120 --lr 3e-4 --exit-lambda 10 --exit-sequences 2 --exit-anchors 16
 ABLATION ?= $(EXIT_TRAIN) --arms token w P_rescaled
 TRANSFER ?= $(EXIT_TRAIN) --train-budgets 8 32 --prompt-sets heldout
+# Sampled decoding needs more prompts to tell 5% from 0: T = 1 on 48 held-out prompts (~23 min).
+ABLATION_T1 ?= $(EXIT_TRAIN) --arms token w P_rescaled --budgets 8 64 --prompt-sets heldout --num-prompts 48 \
+	--temperatures 1 --out experiments/results/exittrain_ablation_t1.md
 exittrain: $(EXP_STAMP)
 	$(VENV)/bin/tevjax data --num-prompts 7680 --max-new-tokens 256 --out $(EXIT_DATA) --train-shards $(EXIT_SHARDS) \
 		$(if $(wildcard $(EXIT_DATA)/manifest.json),--resume)
 	$(PY) experiments/exittrain_ablation.py $(ABLATION)
 	$(PY) experiments/budget_transfer.py $(TRANSFER)
+	$(PY) experiments/exittrain_ablation.py $(ABLATION_T1)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
