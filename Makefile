@@ -88,7 +88,7 @@ experiments: $(BASE_STAMP)
 
 # The ExitTrain ablation and budget transfer, as committed (experiments/checkpoints/exittrain):
 # regenerates the fine-tuning data if missing (448 greedy target responses, train shards 69-75 of
-# the 7,680-prompt plan, which the shipped drafter never saw; ~17 min on 2 quiet cores), fine-tunes
+# the 7,680-prompt plan, which the shipped drafter never saw; ~19 min on 2 quiet cores), fine-tunes
 # arms a-c from the shipped drafter for 120 steps (~1 min token-only, ~10 min per exit-loss arm on 2
 # quiet cores; runs and bf16 exports in ~/.cache/tevjax/runs/ablation, reused when present), then
 # evaluates tau at budgets 4-64, T = 0 and 1, on four prompt sets (~40 cells per arm, ~1-3 min each;
