@@ -91,25 +91,42 @@ experiments: $(BASE_STAMP)
 # the 7,680-prompt plan, which the shipped drafter never saw; ~19 min on 2 quiet cores), fine-tunes
 # arms a-c from the shipped drafter for 120 steps (~1 min token-only, ~10 min per exit-loss arm on 2
 # quiet cores; runs and bf16 exports in ~/.cache/tevjax/runs/ablation, reused when present), then
-# evaluates tau at budgets 4-64, T = 0 and 1, on four prompt sets (~40 cells per arm, ~1-3 min each;
-# cells already decoded are reused from ~/.cache/tevjax/eval-cache). Each result file states its
-# time. ABLATION=... and TRANSFER=... replace the options (give both the same training options, so
+# evaluates tau at budgets 4-64, T = 0 and 1, on held-out ShareGPT, and at budgets 8 and 64 on the
+# other three prompt sets (~1-3 min a cell; cells already decoded are reused from
+# ~/.cache/tevjax/eval-cache); then the variants (d) and (e). Each result file states its time. ABLATION=... and TRANSFER=... replace the options (give both the same training options, so
 # the transfer reuses the ablation's runs); EXIT_TRAIN="... --runs experiments/checkpoints/exittrain"
 # evaluates the committed arms.
 EXIT_DATA ?= $(HOME)/.cache/tevjax/data-exittrain
 EXIT_SHARDS ?= 69:76
 EXIT_TRAIN ?= --data $(EXIT_DATA) --steps 120 --lr 3e-4 --exit-lambda 10 --exit-sequences 2 --exit-anchors 16
-ABLATION ?= $(EXIT_TRAIN) --arms token w P_rescaled
+ABLATION ?= $(EXIT_TRAIN) --arms token w P_rescaled --prompt-sets heldout
 TRANSFER ?= $(EXIT_TRAIN) --train-budgets 8 32 --prompt-sets heldout
 # Sampled decoding needs more prompts to tell 5% from 0: T = 1 on 48 held-out prompts (~23 min).
 ABLATION_T1 ?= $(EXIT_TRAIN) --arms token w P_rescaled --budgets 8 64 --prompt-sets heldout --num-prompts 48 \
 	--temperatures 1 --out experiments/results/exittrain_ablation_t1.md
+# The other prompt sets, at T = 0 (16 prompts per set, ~19 min) and T = 1 (32 per set, ~40 min).
+ABLATION_SETS ?= $(EXIT_TRAIN) --arms token w P_rescaled --budgets 8 64 --prompt-sets mtbench humaneval gsm \
+	--num-prompts 16 --temperatures 0 --out experiments/results/exittrain_ablation_sets.md
+ABLATION_SETS_T1 ?= $(EXIT_TRAIN) --arms token w P_rescaled --budgets 8 64 --prompt-sets mtbench humaneval gsm \
+	--num-prompts 32 --temperatures 1 --out experiments/results/exittrain_ablation_sets_t1.md
+# The released code's variants (d) w_depth and (e) P_floored: trained (~7 min each), then T = 0 at
+# B = 4-64 on 16 held-out prompts and T = 1 at B = 8 and 64 on 48. Their exports stay in
+# ~/.cache/tevjax/runs/ablation: committing them would take the working tree past the 64 MiB that a
+# GPU machine receives (experiments/gpu).
+ABLATION_VARIANTS ?= $(EXIT_TRAIN) --arms token w_depth P_floored --prompt-sets heldout --temperatures 0 \
+	--out experiments/results/exittrain_ablation_variants.md
+ABLATION_VARIANTS_T1 ?= $(EXIT_TRAIN) --arms token w_depth P_floored --budgets 8 64 --prompt-sets heldout \
+	--num-prompts 48 --temperatures 1 --out experiments/results/exittrain_ablation_variants_t1.md
 exittrain: $(EXP_STAMP)
 	$(VENV)/bin/tevjax data --num-prompts 7680 --max-new-tokens 256 --out $(EXIT_DATA) --train-shards $(EXIT_SHARDS) \
 		$(if $(wildcard $(EXIT_DATA)/manifest.json),--resume)
 	$(PY) experiments/exittrain_ablation.py $(ABLATION)
 	$(PY) experiments/budget_transfer.py $(TRANSFER)
 	$(PY) experiments/exittrain_ablation.py $(ABLATION_T1)
+	$(PY) experiments/exittrain_ablation.py $(ABLATION_SETS)
+	$(PY) experiments/exittrain_ablation.py $(ABLATION_SETS_T1)
+	$(PY) experiments/exittrain_ablation.py $(ABLATION_VARIANTS)
+	$(PY) experiments/exittrain_ablation.py $(ABLATION_VARIANTS_T1)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
