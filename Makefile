@@ -104,7 +104,7 @@ TRANSFER ?= $(EXIT_TRAIN) --train-budgets 8 32 --prompt-sets heldout
 # Sampled decoding needs more prompts to tell 5% from 0: T = 1 on 48 held-out prompts (~23 min).
 ABLATION_T1 ?= $(EXIT_TRAIN) --arms token w P_rescaled --budgets 8 64 --prompt-sets heldout --num-prompts 48 \
 	--temperatures 1 --out experiments/results/exittrain_ablation_t1.md
-# The other prompt sets, at T = 0 (16 prompts per set, ~19 min) and T = 1 (32 per set, ~40 min).
+# The other prompt sets, at T = 0 (16 prompts per set, ~19 min) and T = 1 (32 per set, ~50 min).
 ABLATION_SETS ?= $(EXIT_TRAIN) --arms token w P_rescaled --budgets 8 64 --prompt-sets mtbench humaneval gsm \
 	--num-prompts 16 --temperatures 0 --out experiments/results/exittrain_ablation_sets.md
 ABLATION_SETS_T1 ?= $(EXIT_TRAIN) --arms token w P_rescaled --budgets 8 64 --prompt-sets mtbench humaneval gsm \
