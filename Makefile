@@ -93,9 +93,10 @@ experiments: $(BASE_STAMP)
 # quiet cores; runs and bf16 exports in ~/.cache/tevjax/runs/ablation, reused when present), then
 # evaluates tau at budgets 4-64, T = 0 and 1, on held-out ShareGPT, and at budgets 8 and 64 on the
 # other three prompt sets (~1-3 min a cell; cells already decoded are reused from
-# ~/.cache/tevjax/eval-cache); then the variants (d) and (e). Each result file states its time. ABLATION=... and TRANSFER=... replace the options (give both the same training options, so
-# the transfer reuses the ablation's runs); EXIT_TRAIN="... --runs experiments/checkpoints/exittrain"
-# evaluates the committed arms.
+# ~/.cache/tevjax/eval-cache); then the variants (d) and (e). Each result file states its time;
+# the parts' times add up to ~3.6 hours on 2 quiet cores. ABLATION=... and TRANSFER=... replace
+# the options (give both the same training options, so the transfer reuses the ablation's runs);
+# EXIT_TRAIN="... --runs experiments/checkpoints/exittrain" evaluates the committed arms.
 EXIT_DATA ?= $(HOME)/.cache/tevjax/data-exittrain
 EXIT_SHARDS ?= 69:76
 EXIT_TRAIN ?= --data $(EXIT_DATA) --steps 120 --lr 3e-4 --exit-lambda 10 --exit-sequences 2 --exit-anchors 16
