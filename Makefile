@@ -106,10 +106,9 @@ TRANSFER ?= $(EXIT_TRAIN) --train-budgets 8 32 --prompt-sets heldout
 ABLATION_T1 ?= $(EXIT_TRAIN) --arms token w P_rescaled --budgets 8 64 --prompt-sets heldout --num-prompts 48 \
 	--temperatures 1 --out experiments/results/exittrain_ablation_t1.md
 # The other prompt sets, at T = 0 (16 prompts per set, ~19 min) and T = 1 (32 per set, ~50 min).
-ABLATION_SETS ?= $(EXIT_TRAIN) --arms token w P_rescaled --budgets 8 64 --prompt-sets mtbench humaneval gsm \
-	--num-prompts 16 --temperatures 0 --out experiments/results/exittrain_ablation_sets.md
-ABLATION_SETS_T1 ?= $(EXIT_TRAIN) --arms token w P_rescaled --budgets 8 64 --prompt-sets mtbench humaneval gsm \
-	--num-prompts 32 --temperatures 1 --out experiments/results/exittrain_ablation_sets_t1.md
+EXIT_SETS := $(EXIT_TRAIN) --arms token w P_rescaled --budgets 8 64 --prompt-sets mtbench humaneval gsm
+ABLATION_SETS ?= $(EXIT_SETS) --num-prompts 16 --temperatures 0 --out experiments/results/exittrain_ablation_sets.md
+ABLATION_SETS_T1 ?= $(EXIT_SETS) --num-prompts 32 --temperatures 1 --out experiments/results/exittrain_ablation_sets_t1.md
 # The released code's variants (d) w_depth and (e) P_floored: trained (~7 min each), then T = 0 at
 # B = 4-64 on 16 held-out prompts and T = 1 at B = 8 and 64 on 48. Their exports stay in
 # ~/.cache/tevjax/runs/ablation: committing them would take the working tree past the 64 MiB that a
