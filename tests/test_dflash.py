@@ -30,6 +30,7 @@ from tevjax.models.dflash import (
     default_target_layer_ids,
     features_from_hidden,
     features_from_output,
+    grow_drafter,
 )
 from tevjax.models.transformer import ForwardOutput
 from tevjax.testing import random_model, tiny_config
@@ -570,3 +571,39 @@ def test_bf16_drafter_and_empty_context(public_ckpt, drafter, target, seq):
     same_token = tokens.at[1, 0].set(tokens[0, 0])
     again = _train_logits(drafter, target, feats[::-1], same_token, ANCHORS)[:, 0]
     np.testing.assert_allclose(np.asarray(again[0]), np.asarray(again[1]), rtol=1e-6, atol=1e-6)
+
+
+def test_grown_drafter_computes_the_same_logits_and_trains_its_new_layer(public_ckpt, drafter, target, seq, tmp_path):
+    tokens, feats = seq
+    grown = grow_drafter(drafter, drafter.cfg.num_layers + 1, rngs=nnx.Rngs(0))
+    assert grown.cfg.num_layers == drafter.cfg.num_layers + 1
+    # The new layer's residual branches start at zero, so both paths compute the old logits exactly.
+    np.testing.assert_array_equal(np.asarray(_train_logits(grown, target, feats, tokens, ANCHORS)),
+                                  np.asarray(_train_logits(drafter, target, feats, tokens, ANCHORS)))
+    a = jnp.array([5, 10], jnp.int32)
+    np.testing.assert_array_equal(np.asarray(_infer_at(grown, target, tokens, feats, a)),
+                                  np.asarray(_infer_at(drafter, target, tokens, feats, a)))
+    # The old drafter is untouched, and the new layer's other weights are random, not copies.
+    new = grown.layers[-1]
+    assert np.abs(np.asarray(drafter.layers[-1].self_attn.o_proj.kernel[...])).max() > 0
+    assert np.abs(np.asarray(new.self_attn.q_proj.kernel[...])).max() > 0
+    # The zero matrices get a gradient, so one optimizer step makes the layer more than the identity.
+    labels = jnp.take_along_axis(tokens, jnp.clip(ANCHORS[..., None] + jnp.arange(1, BS), 0, T - 1).reshape(2, -1),
+                                 axis=1).reshape(2, 4, BS - 1)
+
+    def loss(d):
+        logits = d.train_logits(target, feats, tokens, ANCHORS)
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), labels[..., None], axis=-1))
+
+    grads = nnx.jit(nnx.grad(loss))(grown)
+    last = grown.cfg.num_layers - 1
+    for g in (grads.layers[last].self_attn.o_proj.kernel, grads.layers[last].mlp.down_proj.kernel):
+        assert np.abs(np.asarray(g.get_value())).max() > 0
+    # It saves and loads as an ordinary deeper drafter.
+    save_dflash(grown, grown.cfg, tmp_path / "grown")
+    cfg2, back = load_dflash(tmp_path / "grown", target.cfg, dtype="float32", param_dtype="float32")
+    assert cfg2.num_layers == grown.cfg.num_layers
+    np.testing.assert_array_equal(np.asarray(_train_logits(back, target, feats, tokens, ANCHORS)),
+                                  np.asarray(_train_logits(grown, target, feats, tokens, ANCHORS)))
+    with pytest.raises(ValueError, match="only adding layers"):
+        grow_drafter(grown, 1, rngs=nnx.Rngs(0))

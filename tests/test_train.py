@@ -325,6 +325,15 @@ def test_cli_errors_are_one_line(capsys, argv, message):
     assert message in err and len(err.splitlines()) == 1, err
 
 
+def test_train_init_cannot_remove_layers(capsys, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 2}))
+    assert main(["train", "--data", ".", "--out", str(tmp_path / "run"), "--steps", "2", "--init", str(tmp_path),
+                 "--layers", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--layers 1: the --init drafter already has 2 layers" in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_run_keeps_its_draft_vocabulary_and_its_shards(tmp_path, data_dir, target):
     quiet = dict(progress=False, log=lambda _: None, target_name="tiny", heldout_records=4)
     data = tmp_path / "data"

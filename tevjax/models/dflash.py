@@ -62,6 +62,7 @@ __all__ = [
     "draft_vocab_from_counts",
     "features_from_hidden",
     "features_from_output",
+    "grow_drafter",
     "tapped_hidden",
 ]
 
@@ -755,3 +756,25 @@ class DFlashDrafter(nnx.Module):
         h = self.train_hidden(target, features, tokens, anchors, positions=positions,
                               context_mask=context_mask, anchor_chunk=anchor_chunk)
         return self.logits(target, h)
+
+
+def grow_drafter(drafter: DFlashDrafter, num_layers: int, *, rngs: nnx.Rngs) -> DFlashDrafter:
+    """A copy of `drafter` with fresh layers appended up to `num_layers` that computes the same
+    draft logits: each new layer's residual branches end in a zero matrix (`o_proj`, `down_proj`),
+    so it starts as the identity and training grows it from there. This warm-starts a deeper
+    drafter from a trained shallower one instead of from scratch; the gradient still reaches the
+    new layers' other weights once their zero outputs have moved (Adam's first steps do that)."""
+    old = drafter.cfg.num_layers
+    if num_layers < old:
+        raise ValueError(f"cannot grow a {old}-layer drafter to {num_layers} layers (only adding layers is supported)")
+    cfg = dataclasses.replace(drafter.cfg, num_layers=num_layers)
+    vocab = None if drafter.draft_vocab is None else np.asarray(jax.device_get(drafter.vocab_ids()))
+    grown = DFlashDrafter(cfg, rngs=rngs, draft_vocab=vocab)
+    for name in ("fc", "hidden_norm", "norm"):
+        nnx.update(getattr(grown, name), nnx.state(getattr(drafter, name)))
+    for i in range(old):
+        nnx.update(grown.layers[i], nnx.state(drafter.layers[i]))
+    for layer in list(grown.layers)[old:]:
+        for kernel in (layer.self_attn.o_proj.kernel, layer.mlp.down_proj.kernel):
+            kernel.set_value(jnp.zeros_like(kernel[...]))
+    return grown
