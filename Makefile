@@ -88,8 +88,8 @@ experiments: $(BASE_STAMP)
 
 # The ExitTrain ablation and budget transfer, as committed (experiments/checkpoints/exittrain):
 # regenerates the fine-tuning data if missing (448 greedy target responses, train shards 69-75 of
-# the 7,680-prompt plan, which the shipped drafter never saw; ~19 min on 2 quiet cores), fine-tunes
-# arms a-c from the shipped drafter for 120 steps (~1 min token-only, ~10 min per exit-loss arm on 2
+# the 7,680-prompt plan, which v5 never saw; ~19 min on 2 quiet cores), fine-tunes
+# arms a-c from v5 for 120 steps (~1 min token-only, ~10 min per exit-loss arm on 2
 # quiet cores; runs and bf16 exports in ~/.cache/tevjax/runs/ablation, reused when present), then
 # evaluates tau at budgets 4-64, T = 0 and 1, on held-out ShareGPT, and at budgets 8 and 64 on the
 # other three prompt sets (~1-3 min a cell; cells already decoded are reused from
@@ -97,9 +97,13 @@ experiments: $(BASE_STAMP)
 # the parts' times add up to ~3.6 hours on 2 quiet cores. ABLATION=... and TRANSFER=... replace
 # the options (give both the same training options, so the transfer reuses the ablation's runs);
 # EXIT_TRAIN="... --runs experiments/checkpoints/exittrain" evaluates the committed arms.
+# The arms start from v5, the drafter shipped when they were made (commit f73dc68), which never saw
+# shards 69-75; the drafter shipped now (v7) trained on them. `git show` writes v5 out once.
+V5_COMMIT := f73dc68
+V5_DRAFTER := $(HOME)/.cache/tevjax/drafter-v5-$(V5_COMMIT)
 EXIT_DATA ?= $(HOME)/.cache/tevjax/data-exittrain
 EXIT_SHARDS ?= 69:76
-EXIT_TRAIN ?= --data $(EXIT_DATA) --steps 120 --lr 3e-4 --exit-lambda 10 --exit-sequences 2 --exit-anchors 16
+EXIT_TRAIN ?= --init $(V5_DRAFTER) --data $(EXIT_DATA) --steps 120 --lr 3e-4 --exit-lambda 10 --exit-sequences 2 --exit-anchors 16
 ABLATION ?= $(EXIT_TRAIN) --arms token w P_rescaled --prompt-sets heldout
 TRANSFER ?= $(EXIT_TRAIN) --train-budgets 8 32 --prompt-sets heldout
 # Sampled decoding needs more prompts to tell 5% from 0: T = 1 on 48 held-out prompts (~23 min).
@@ -117,7 +121,13 @@ ABLATION_VARIANTS ?= $(EXIT_TRAIN) --arms token w_depth P_floored --prompt-sets 
 	--out experiments/results/exittrain_ablation_variants.md
 ABLATION_VARIANTS_T1 ?= $(EXIT_TRAIN) --arms token w_depth P_floored --budgets 8 64 --prompt-sets heldout \
 	--num-prompts 48 --temperatures 1 --out experiments/results/exittrain_ablation_variants_t1.md
-exittrain: $(EXP_STAMP)
+$(V5_DRAFTER)/config.json:
+	mkdir -p $(V5_DRAFTER)
+	git show $(V5_COMMIT):tevjax/assets/smollm2-dflash/model.safetensors > $(V5_DRAFTER)/model.safetensors
+	git show $(V5_COMMIT):tevjax/assets/smollm2-dflash/config.json > $(V5_DRAFTER)/config.json.tmp
+	mv $(V5_DRAFTER)/config.json.tmp $(V5_DRAFTER)/config.json
+
+exittrain: $(EXP_STAMP) $(V5_DRAFTER)/config.json
 	$(VENV)/bin/tevjax data --num-prompts 7680 --max-new-tokens 256 --out $(EXIT_DATA) --train-shards $(EXIT_SHARDS) \
 		$(if $(wildcard $(EXIT_DATA)/manifest.json),--resume)
 	$(PY) experiments/exittrain_ablation.py $(ABLATION)
