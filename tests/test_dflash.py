@@ -573,7 +573,7 @@ def test_bf16_drafter_and_empty_context(public_ckpt, drafter, target, seq):
     np.testing.assert_allclose(np.asarray(again[0]), np.asarray(again[1]), rtol=1e-6, atol=1e-6)
 
 
-def test_grown_drafter_computes_the_same_logits_and_trains_its_new_layer(public_ckpt, drafter, target, seq, tmp_path):
+def test_grown_drafter_computes_the_same_logits_and_trains_its_new_layer(drafter, target, seq, tmp_path):
     tokens, feats = seq
     grown = grow_drafter(drafter, drafter.cfg.num_layers + 1, rngs=nnx.Rngs(0))
     assert grown.cfg.num_layers == drafter.cfg.num_layers + 1
@@ -583,10 +583,15 @@ def test_grown_drafter_computes_the_same_logits_and_trains_its_new_layer(public_
     a = jnp.array([5, 10], jnp.int32)
     np.testing.assert_array_equal(np.asarray(_infer_at(grown, target, tokens, feats, a)),
                                   np.asarray(_infer_at(drafter, target, tokens, feats, a)))
-    # The old drafter is untouched, and the new layer's other weights are random, not copies.
-    new = grown.layers[-1]
-    assert np.abs(np.asarray(drafter.layers[-1].self_attn.o_proj.kernel[...])).max() > 0
-    assert np.abs(np.asarray(new.self_attn.q_proj.kernel[...])).max() > 0
+    # The old drafter is untouched (its own o_proj is not zeroed), the old layers are copies, and the
+    # new layer's other weights are freshly initialised, not copies of the layer below.
+    last = grown.cfg.num_layers - 1
+    assert np.abs(np.asarray(drafter.layers[last - 1].self_attn.o_proj.kernel[...])).max() > 0
+    np.testing.assert_array_equal(np.asarray(grown.layers[last - 1].self_attn.q_proj.kernel[...]),
+                                  np.asarray(drafter.layers[last - 1].self_attn.q_proj.kernel[...]))
+    q_new = np.asarray(grown.layers[last].self_attn.q_proj.kernel[...])
+    assert np.abs(q_new).max() > 0
+    assert not np.array_equal(q_new, np.asarray(drafter.layers[last - 1].self_attn.q_proj.kernel[...]))
     # The zero matrices get a gradient, so one optimizer step makes the layer more than the identity.
     labels = jnp.take_along_axis(tokens, jnp.clip(ANCHORS[..., None] + jnp.arange(1, BS), 0, T - 1).reshape(2, -1),
                                  axis=1).reshape(2, 4, BS - 1)
@@ -596,7 +601,6 @@ def test_grown_drafter_computes_the_same_logits_and_trains_its_new_layer(public_
         return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), labels[..., None], axis=-1))
 
     grads = nnx.jit(nnx.grad(loss))(grown)
-    last = grown.cfg.num_layers - 1
     for g in (grads.layers[last].self_attn.o_proj.kernel, grads.layers[last].mlp.down_proj.kernel):
         assert np.abs(np.asarray(g.get_value())).max() > 0
     # It saves and loads as an ordinary deeper drafter.
