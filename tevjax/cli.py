@@ -545,8 +545,10 @@ def cmd_train(args) -> int:
     if args.init is not None and args.draft_vocab:
         raise CliError("--draft-vocab chooses a fresh drafter's vocabulary; an --init drafter keeps its own")
     if args.init is not None and args.layers is not None:  # checked before the target is loaded
+        from tevjax.models.config import read_config_json
+
         try:
-            have = int(json.loads((Path(args.init) / "config.json").read_text(encoding="utf-8"))["num_hidden_layers"])
+            have = int(read_config_json(args.init, what="--init DFlash config")[0]["num_hidden_layers"])
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise CliError(f"--init {args.init!r}: unreadable config.json ({e})") from None
         if args.layers < have:
