@@ -30,7 +30,7 @@ from tevjax.testing import forced_devices_env, random_model, tiny_config
 from tevjax.train.dataset import Batch, TrainData
 from tevjax.train.rollout import RolloutConfig, generate_data, read_manifest
 from tevjax.train.run import RunError, export_run, train
-from tevjax.train.step import TrainConfig, Trainer
+from tevjax.train.step import TrainConfig, Trainer, teacher_logits
 
 TAPS = (1, 3)
 BS = 6
@@ -174,6 +174,47 @@ def test_step_trains_only_the_drafter(data_dir, target):
     assert not any("embed" in n or "lm_head" in n for n in names)
 
 
+def test_distillation_teacher_is_the_targets_own_distribution(data_dir, target):
+    """Soft labels come from the stored last-layer state with no target forward: row g-1 of anchor
+    a holds the target's logits at a + g - 1 (the distribution of the token at a + g), here checked
+    against a fresh forward over the record, restricted to a draft vocabulary."""
+    data = TrainData(data_dir, "train")
+    tokens, _, feats = data.record(3, [0, 1])
+    n = len(tokens)
+    vocab = np.arange(0, target.cfg.vocab_size, 3, dtype=np.int32)
+    drafter = DFlashDrafter(dataclasses.replace(_drafter(target).cfg, draft_vocab_size=len(vocab)),
+                            rngs=nnx.Rngs(0), draft_vocab=vocab)
+    anchors = np.array([[0, 2, n - BS]], np.int32)
+    got = np.asarray(teacher_logits(drafter, target, jnp.asarray(feats)[None], jnp.asarray(anchors), BS - 1))
+    out = target(jnp.asarray(tokens)[None], jnp.arange(n)[None], KVCache.init(target.cfg, 1, n),
+                 jnp.zeros((1,), jnp.int32), causal_mask(n)[None])
+    ref = np.asarray(out.logits)[0][:, vocab]
+    for j, a in enumerate(anchors[0]):
+        # bfloat16 storage of the hidden state: equal to about 2^-8 of the logits' scale.
+        np.testing.assert_allclose(got[0, j], ref[a:a + BS - 1], rtol=0, atol=2e-2 * np.abs(ref).max())
+        assert (got[0, j].argmax(-1) == ref[a:a + BS - 1].argmax(-1)).mean() >= 0.8
+
+
+def test_distillation_step_trains_and_needs_the_last_layer(data_dir, target):
+    cfg = dataclasses.replace(CFG, exit_lambda=0.0, distill=0.5)
+    trainer = Trainer(_drafter(target), target, cfg, make_mesh())
+    state = trainer.init_state()
+    losses = []
+    for s in range(4):
+        state, metrics = trainer.step(state, _batch(data_dir, s % 2))
+        assert np.isfinite(float(metrics["loss_kd"])) and float(metrics["loss_kd"]) > 0
+        # The step's loss is the stated mix of the two cross entropies.
+        np.testing.assert_allclose(float(metrics["loss"]), 0.5 * float(metrics["loss_tok"]) + 0.5 * float(metrics["loss_kd"]),
+                                   rtol=1e-5)
+        losses.append(float(metrics["loss"]))
+    assert losses[2] < losses[0] and losses[3] < losses[1]  # the same two batches, after training on them
+    no_last = DFlashDrafter(dataclasses.replace(_drafter(target).cfg, target_layer_ids=(1,)), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"last layer \(3\), which the drafter does not tap"):
+        Trainer(no_last, target, cfg, make_mesh())
+    with pytest.raises(ValueError, match=r"distill must be a weight in \[0, 1\]"):
+        dataclasses.replace(cfg, distill=1.5)
+
+
 def test_training_trees_are_the_decoders_trees(target):
     drafter = _drafter(target, seed=3)
     rng = np.random.default_rng(9)
@@ -310,6 +351,7 @@ def test_two_device_step_equals_one_device_step(tmp_path, data_dir):
     (["train", "--data", ".", "--out", "/tmp/x", "--steps", "0"], "--steps must be >= 1"),
     (["train", "--data", ".", "--out", "/tmp/x", "--steps", "2", "--exit-weight", "bogus"], "--exit-weight 'bogus'"),
     (["train", "--data", ".", "--out", "/tmp/x", "--steps", "2", "--lr", "-1"], "--lr must be a finite number > 0"),
+    (["train", "--data", ".", "--out", "/tmp/x", "--steps", "2", "--distill", "1.5"], "--distill must be a weight in [0, 1]"),
     (["train", "export", "/nonexistent", "/tmp/y"], "no run.json"),
     (["eval", "--verifier", "ar"], "--verifier 'ar'"),
     (["eval", "--prompts", "/nonexistent.txt"], "not a file"),

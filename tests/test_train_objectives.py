@@ -14,8 +14,8 @@ from tevjax.decode.engine import draft_trees, tree_pass
 from tevjax.law import exit_law
 from tevjax.models import KVCache, causal_mask
 from tevjax.testing import random_model, tiny_config
-from tevjax.train.objectives import (EXIT_WEIGHTS, P_FLOOR, exit_loss_terms, exit_weights, ratio, sample_anchors,
-                                     token_loss_terms)
+from tevjax.train.objectives import (EXIT_WEIGHTS, P_FLOOR, distill_loss_terms, exit_loss_terms, exit_weights,
+                                     ratio, sample_anchors, token_loss_terms)
 from tevjax.train.step import score_trees
 from tevjax.tree import DraftTree
 from tevjax.law import edge_stats, law_from_edges
@@ -113,9 +113,10 @@ def test_invalid_anchor_trees_do_not_count():
     np.testing.assert_allclose(float(num), float(num1), rtol=1e-6)
 
 
-@pytest.mark.parametrize("gamma", [7.0, None])
-def test_token_loss_matches_brute_force(gamma):
-    rng = np.random.default_rng(6)
+def _loss_case(seed):
+    """Two sequences of 12 tokens, 3 anchors each (one invalid, one near the end), draft logits and
+    teacher logits."""
+    rng = np.random.default_rng(seed)
     b, q, m = 2, 12, 3
     tokens = rng.integers(0, V, (b, q)).astype(np.int32)
     mask = np.zeros((b, q), bool)
@@ -124,6 +125,15 @@ def test_token_loss_matches_brute_force(gamma):
     anchors = np.array([[4, 9, 11], [2, 7, 0]], np.int32)
     valid = np.array([[True, True, True], [True, True, False]])
     z = rng.standard_normal((b, m, G, V)).astype(np.float32)
+    teacher = 2.0 * rng.standard_normal((b, m, G, V)).astype(np.float32)
+    return tokens, mask, anchors, valid, z, teacher
+
+
+@pytest.mark.parametrize("gamma", [7.0, None])
+def test_token_loss_matches_brute_force(gamma):
+    tokens, mask, anchors, valid, z, _ = _loss_case(6)
+    b, m = anchors.shape
+    q = tokens.shape[1]
     num, den = token_loss_terms(jax.nn.logsumexp(jnp.asarray(z), -1), jnp.asarray(z), jnp.asarray(tokens),
                                 jnp.asarray(mask), jnp.asarray(anchors), jnp.asarray(valid), gamma)
     bn = bd = 0.0
@@ -137,6 +147,50 @@ def test_token_loss_matches_brute_force(gamma):
         bd += wgt
     np.testing.assert_allclose(float(num), bn, rtol=1e-5)
     np.testing.assert_allclose(float(den), bd, rtol=1e-6)
+
+
+def test_distill_loss_and_gradient_match_brute_force():
+    tokens, mask, anchors, valid, z, teacher = _loss_case(7)
+    b, m = anchors.shape
+    q = tokens.shape[1]
+    args = tuple(map(jnp.asarray, (teacher, mask, anchors, valid)))
+
+    def loss(zz):
+        return ratio(distill_loss_terms(jax.nn.logsumexp(zz, -1), zz, *args, 7.0))
+
+    num, den = distill_loss_terms(jax.nn.logsumexp(jnp.asarray(z), -1), jnp.asarray(z), *args, 7.0)
+    bn = bd = 0.0
+    grad = np.zeros_like(z, np.float64)
+    for i, j, k in itertools.product(range(b), range(m), range(1, G + 1)):
+        a = anchors[i, j]
+        if not valid[i, j] or a + k >= q or not mask[i, a + k]:
+            continue
+        wgt = np.exp(-(k - 1) / 7.0)
+        row = z[i, j, k - 1].astype(np.float64)
+        logq = row - np.log(np.sum(np.exp(row)))
+        t = teacher[i, j, k - 1].astype(np.float64)
+        p = np.exp(t - t.max()) / np.sum(np.exp(t - t.max()))
+        bn += wgt * -np.sum(p * logq)
+        bd += wgt
+        grad[i, j, k - 1] = wgt * (np.exp(logq) - p)  # d/dz of soft cross entropy: q - p
+    np.testing.assert_allclose(float(num), bn, rtol=1e-5)
+    np.testing.assert_allclose(float(den), bd, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(jax.grad(loss)(jnp.asarray(z))), grad / bd, rtol=1e-4, atol=1e-7)
+
+
+def test_distill_loss_of_a_one_hot_teacher_is_the_token_loss():
+    """A teacher that puts all its mass on the data token (the T = 0 limit) gives the token loss."""
+    tokens, mask, anchors, valid, z, _ = _loss_case(8)
+    b, m = anchors.shape
+    q = tokens.shape[1]
+    pos = np.minimum(anchors[..., None] + np.arange(1, G + 1), q - 1)
+    labels = tokens[np.arange(b)[:, None, None], pos]
+    teacher = np.where(np.arange(V) == labels[..., None], 0.0, -1e4).astype(np.float32)
+    lse = jax.nn.logsumexp(jnp.asarray(z), -1)
+    common = tuple(map(jnp.asarray, (mask, anchors, valid)))
+    soft = distill_loss_terms(lse, jnp.asarray(z), jnp.asarray(teacher), *common, 7.0)
+    hard = token_loss_terms(lse, jnp.asarray(z), jnp.asarray(tokens), *common, 7.0)
+    np.testing.assert_allclose(np.asarray(soft), np.asarray(hard), rtol=1e-6)
 
 
 def test_sample_anchors_are_distinct_eligible_and_cover():

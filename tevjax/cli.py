@@ -79,6 +79,19 @@ def _nonnegative_float(name):
     return _float(name, 0.0, inclusive=True)
 
 
+def _weight(name):
+    """A number in [0, 1]."""
+    at_least_0 = _nonnegative_float(name)
+
+    def parse(text):
+        value = at_least_0(text)
+        if value > 1:
+            raise argparse.ArgumentTypeError(f"{name} must be a weight in [0, 1], got {text!r}")
+        return value
+
+    return parse
+
+
 def _int_list(name):
     def parse(text):
         try:
@@ -231,6 +244,10 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--warmup", type=_nonnegative_float("--warmup"), default=0.04, help="warmup fraction of --steps")
     tr.add_argument("--weight-decay", type=_nonnegative_float("--weight-decay"), default=0.0)
     tr.add_argument("--gamma", type=_nonnegative_float("--gamma"), default=7.0, help="token-loss position decay; 0 = off")
+    tr.add_argument("--distill", type=_weight("--distill"), default=0.0,
+                    help="weight a in [0, 1] of soft labels: the token loss becomes (1 - a) * cross entropy on the data "
+                         "token + a * cross entropy on the target's own distribution (read from the stored last-layer "
+                         "state, so the drafter must tap the target's last layer); 0 = data tokens only")
     tr.add_argument("--batch", type=_positive_int("--batch"), default=8, help="sequences per global batch")
     tr.add_argument("--anchors", type=_positive_int("--anchors"), default=32, help="anchor blocks per sequence")
     tr.add_argument("--seq-len", type=_positive_int("--seq-len"), default=512)
@@ -591,7 +608,7 @@ def cmd_train(args) -> int:
         drafter = DFlashDrafter(dcfg, rngs=nnx.Rngs(args.seed), draft_vocab=vocab)
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch, anchors=args.anchors, seq_len=args.seq_len,
                       lr=args.lr, warmup=args.warmup, weight_decay=args.weight_decay,
-                      gamma=args.gamma or None, exit_lambda=args.exit_lambda, exit_weight=args.exit_weight,
+                      gamma=args.gamma or None, distill=args.distill, exit_lambda=args.exit_lambda, exit_weight=args.exit_weight,
                       exit_budget=args.exit_budget, exit_anchors=min(args.exit_anchors, args.anchors),
                       exit_sequences=args.exit_sequences, seed=args.seed)
     state = train(loaded.target, drafter, args.data, args.out, cfg, target_name=args.target, resume=args.resume,

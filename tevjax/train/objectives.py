@@ -13,6 +13,13 @@ data token at a + g, weighted exp(-(g-1)/gamma) (gamma None: weight 1), counted 
 real, a + g lies inside the sequence and is a supervised (response) token; normalised by the sum of
 the weights that count.
 
+Distillation loss (an option, not in the DFlash recipe; EAGLE's classification loss is of this
+kind): the same rows, positions and weights as the token loss, with the one-hot label replaced by
+the target's own distribution of the token at a + g (softmax of its logits at a + g - 1, restricted
+to the draft vocabulary and renormalised), i.e. cross entropy lse - sum_v p(v) z[v]. At T = 0 the
+data token is that distribution's argmax, so both losses agree on the mode; the soft one also says
+how the rest of the mass lies, which a data-limited drafter cannot learn from one token per row.
+
 Exit loss (ExitTrain, paper Eq. 14 and App. C.2): with omega(v) a detached per-node weight of the
 drafter's own tree,
 
@@ -31,8 +38,8 @@ import jax.numpy as jnp
 from tevjax.law import ExitLaw
 from tevjax.tree import DraftTree
 
-__all__ = ["EXIT_WEIGHTS", "exit_loss_terms", "exit_weights", "ratio", "sample_anchors", "token_loss_terms",
-           "P_FLOOR"]
+__all__ = ["EXIT_WEIGHTS", "distill_loss_terms", "exit_loss_terms", "exit_weights", "ratio", "sample_anchors",
+           "token_loss_terms", "P_FLOOR"]
 
 # The released recipes floor every factor of P at this value ("P_tgt").
 P_FLOOR = 1e-4
@@ -81,19 +88,40 @@ def token_loss_terms(lse: jax.Array, logits: jax.Array, tokens: jax.Array, loss_
     lse [B, M, G] = logsumexp of the draft rows; logits [B, M, G, V] draft logits (only gathered);
     tokens, loss_mask [B, T]; anchors, anchor_valid [B, M].
     """
-    b, m, g = lse.shape
-    t = tokens.shape[1]
+    pos_c, weight = _label_rows(lse.shape, loss_mask, anchors, anchor_valid, gamma)
+    labels = tokens[jnp.arange(lse.shape[0])[:, None, None], pos_c]
+    z_label = jnp.take_along_axis(logits, labels[..., None], axis=-1)[..., 0]
+    return jnp.sum(weight * (lse - z_label)), jnp.sum(weight)
+
+
+def _label_rows(shape, loss_mask, anchors, anchor_valid, gamma):
+    """Per-row label positions [B, M, G] (clipped into the sequence) and token-loss weights [B, M, G]
+    (0 where the row does not count: invalid anchor, past the end, or an unsupervised token)."""
+    b, m, g = shape
+    t = loss_mask.shape[1]
     offs = jnp.arange(1, g + 1, dtype=jnp.int32)
     pos = anchors[..., None] + offs  # [B, M, G] positions of the labels
     inside = pos < t
     pos_c = jnp.minimum(pos, t - 1)
     rows = jnp.arange(b)[:, None, None]
-    labels = tokens[rows, pos_c]
     counted = anchor_valid[..., None] & inside & loss_mask[rows, pos_c]
     weight = jnp.ones((g,), jnp.float32) if gamma is None else jnp.exp(-(offs - 1).astype(jnp.float32) / gamma)
-    weight = jnp.where(counted, weight, 0.0)
-    z_label = jnp.take_along_axis(logits, labels[..., None], axis=-1)[..., 0]
-    return jnp.sum(weight * (lse - z_label)), jnp.sum(weight)
+    return pos_c, jnp.where(counted, weight, 0.0)
+
+
+def distill_loss_terms(lse: jax.Array, logits: jax.Array, teacher_logits: jax.Array, loss_mask: jax.Array,
+                       anchors: jax.Array, anchor_valid: jax.Array, gamma: float | None) -> tuple[jax.Array, jax.Array]:
+    """Distillation loss (numerator, denominator): soft cross entropy of each draft row against the
+    target's distribution of that row's token, weighted and counted as the token loss.
+
+    lse [B, M, G] and logits [B, M, G, V] of the draft rows; teacher_logits [B, M, G, V] the
+    target's logits over the same vocabulary for the same rows (treated as constants);
+    loss_mask [B, T]; anchors, anchor_valid [B, M].
+    """
+    _, weight = _label_rows(lse.shape, loss_mask, anchors, anchor_valid, gamma)
+    p = jax.nn.softmax(jax.lax.stop_gradient(teacher_logits).astype(jnp.float32), axis=-1)
+    ce = lse - jnp.sum(p * logits, axis=-1)
+    return jnp.sum(weight * ce), jnp.sum(weight)
 
 
 def exit_weights(law: ExitLaw, tree: DraftTree, edge_prob: jax.Array, kind: str) -> jax.Array:

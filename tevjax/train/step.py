@@ -11,7 +11,9 @@ A step, for every sequence of the batch:
 2. the drafter's block forward at every anchor against the sequence's context features
    (`DFlashDrafter.train_hidden`), the target's LM head -> draft logits z [B, M, G, Vd] over the
    drafter's vocabulary (Vd = V, or a reduced draft vocabulary: labels outside it are not counted);
-3. token loss on all M anchors;
+3. token loss on all M anchors (with `distill` > 0, mixed with the distillation loss against the
+   target's own distribution of each label, read from the stored final-normed state: no target
+   forward);
 4. (lambda > 0) on E evenly spread anchors of Bx evenly spread sequences: DDTree trees built
    from the DETACHED draft logits with the decoder's own stage function (`draft_trees`), scored
    by the frozen target in ONE pass per sequence (`score_trees`: the sequence and all E trees in
@@ -47,11 +49,12 @@ from tevjax.models.dflash import DFlashDrafter
 from tevjax.models.transformer import Transformer
 from tevjax.sharding import batch_sharding, check_batch, param_shardings, replicated
 from tevjax.train.dataset import Batch
-from tevjax.train.objectives import (EXIT_WEIGHTS, exit_loss_terms, exit_weights, ratio, sample_anchors,
-                                     token_loss_terms)
+from tevjax.train.objectives import (EXIT_WEIGHTS, distill_loss_terms, exit_loss_terms, exit_weights, ratio,
+                                     sample_anchors, token_loss_terms)
 from tevjax.tree import DraftTree
 
-__all__ = ["TrainConfig", "TrainState", "Trainer", "make_optimizer", "score_trees", "loss_terms"]
+__all__ = ["TrainConfig", "TrainState", "Trainer", "final_tap", "make_optimizer", "score_trees", "loss_terms",
+           "teacher_logits"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -69,6 +72,8 @@ class TrainConfig:
     b2: float = 0.999
     clip_norm: float = 1.0
     gamma: float | None = 7.0  # token-loss position decay exp(-(k-1)/gamma); None = off
+    # Weight a in [0, 1] of the distillation loss: loss_tok = (1 - a) * hard + a * soft labels.
+    distill: float = 0.0
     exit_lambda: float = 0.0  # 0 = token-only
     exit_weight: str = "w"
     exit_budget: int = 8  # tree budget of the exit loss's trees
@@ -94,6 +99,8 @@ class TrainConfig:
             value = float(getattr(self, name))
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"TrainConfig.{name} must be a finite number >= 0, got {getattr(self, name)!r}")
+        if not 0 <= float(self.distill) <= 1:
+            raise ValueError(f"TrainConfig.distill must be a weight in [0, 1], got {self.distill!r}")
         if not 0 <= self.warmup < 1:
             raise ValueError(f"TrainConfig.warmup must be a fraction in [0, 1), got {self.warmup!r}")
         if self.gamma is not None and not self.gamma > 0:
@@ -174,6 +181,31 @@ def score_trees(target: Transformer, tokens: jax.Array, anchors: jax.Array, tree
 # ------------------------------------------------------------------------------------ the loss
 
 
+def final_tap(drafter: DFlashDrafter, target: Transformer) -> int:
+    """Index among the drafter's taps of the target's last layer, whose stored state is the
+    final-normed hidden state the LM head reads (`tapped_hidden`): the distillation loss's teacher."""
+    last = target.cfg.num_layers - 1
+    taps = tuple(drafter.cfg.target_layer_ids)
+    if last not in taps:
+        raise ValueError(f"the distillation loss reads the target's distribution from its last layer ({last}), "
+                         f"which the drafter does not tap (taps {list(taps)})")
+    return taps.index(last)
+
+
+def teacher_logits(drafter: DFlashDrafter, target: Transformer, features: jax.Array, anchors: jax.Array,
+                   g: int) -> jax.Array:
+    """The target's logits [B, M, G, Vd] over the draft vocabulary for every draft row: row g-1 of
+    anchor a drafts the token at a + g, whose distribution the target gave at a + g - 1. Read from
+    the stored features (the final-normed state of the last tap) through the LM head; constants."""
+    d = target.cfg.hidden_size
+    r = final_tap(drafter, target)
+    t = features.shape[1]
+    pos = jnp.minimum(anchors[..., None] + jnp.arange(g, dtype=jnp.int32), t - 1)  # [B, M, G]
+    h = jnp.take_along_axis(features[..., r * d:(r + 1) * d], pos.reshape(pos.shape[0], -1)[..., None], axis=1)
+    h = h.reshape(pos.shape + (d,))
+    return jax.lax.stop_gradient(target.logits(h, drafter.vocab_ids()).astype(jnp.float32))
+
+
 def loss_terms(drafter: DFlashDrafter, target: Transformer, batch: Batch, key: jax.Array,
                cfg: TrainConfig, mesh=None) -> tuple[jax.Array, dict[str, jax.Array]]:
     """(loss, metrics) of one global batch; differentiable in the drafter only. With a `mesh`, the
@@ -188,6 +220,11 @@ def loss_terms(drafter: DFlashDrafter, target: Transformer, batch: Batch, key: j
     tok = token_loss_terms(lse, z, labels, batch.loss_mask & in_vocab, anchors, valid, cfg.gamma)
     loss = ratio(tok)
     metrics = {"loss_tok": ratio(tok), "blocks": jnp.sum(valid.astype(jnp.float32))}
+    if cfg.distill > 0:
+        soft = teacher_logits(drafter, target, batch.features, anchors, z.shape[2])
+        kd = distill_loss_terms(lse, z, soft, batch.loss_mask, anchors, valid, cfg.gamma)
+        loss = (1.0 - cfg.distill) * loss + cfg.distill * ratio(kd)
+        metrics["loss_kd"] = ratio(kd)
 
     # Top-1 agreement with the data token at block position 1 (a cheap running diagnostic; a
     # label outside the draft vocabulary counts as a miss).
@@ -280,6 +317,8 @@ class Trainer:
 
     def __init__(self, drafter: DFlashDrafter, target: Transformer, cfg: TrainConfig, mesh):
         drafter.cfg.check_target(target.cfg)
+        if cfg.distill > 0:
+            final_tap(drafter, target)
         check_batch(mesh, cfg.batch_size, f"the training batch (batch_size {cfg.batch_size})")
         if cfg.exit_on and cfg.exit_sequences is not None:
             check_batch(mesh, cfg.exit_sequences, f"the exit loss's sequences (exit_sequences {cfg.exit_sequences})")
