@@ -7,6 +7,8 @@ blind. This script decodes held-out prompts greedily with TEV, one jitted round 
 engine's own `Decoder.step`), and reports the mean output-block length (accepted tokens + bonus)
 of round 0, 1, ... against the later rounds, for one or more drafters on the same prompts. Greedy
 outputs do not depend on the drafter, so every drafter's tokens are checked against the first's.
+With `--temperature T > 0` the rounds sample (prompt i uses seed + i for every drafter) and the
+paired comparison of tau is the result.
 
     python experiments/round_blocks.py                                   # the shipped drafter
     python experiments/round_blocks.py --drafter A --label a --drafter B --label b
@@ -50,11 +52,13 @@ def by_round(blocks: list[list[int]], shown: int) -> list[dict]:
     return out
 
 
-def decode_rounds(models, prompts: list[list[int]], budget: int, max_new_tokens: int, seed: int):
-    """Greedy TEV decoding, one round at a time: (tokens, block lengths in round order) per prompt."""
+def decode_rounds(models, prompts: list[list[int]], budget: int, max_new_tokens: int, seed: int,
+                  temperature: float = 0.0):
+    """TEV decoding (greedy by default), one round at a time: (tokens, block lengths in round order)
+    per prompt."""
     from tevjax.decode.engine import DecodeConfig, Decoder
 
-    cfg = DecodeConfig(verifier="tev", budget=budget, temperature=0.0, max_new_tokens=max_new_tokens,
+    cfg = DecodeConfig(verifier="tev", budget=budget, temperature=temperature, max_new_tokens=max_new_tokens,
                        eos_ids=models.eos_ids, prompt_bucket=128)
     # One capacity for every prompt, so the round compiles once.
     capacity = Decoder(models.target, models.drafter, cfg).shapes([len(p) for p in prompts])[1]
@@ -84,9 +88,12 @@ def parse_args(argv):
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--shown", type=int, default=6, help="round indices reported one by one (later ones pooled)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (outputs checked equal across drafters)")
     p.add_argument("--out", type=Path, default=RESULTS, help="results markdown; .json goes next to it")
     args = p.parse_args(argv)
     require_positive(p, args, "num_prompts", "budget", "max_new_tokens", "shown")
+    if not (args.temperature >= 0 and np.isfinite(args.temperature)):
+        p.error(f"--temperature must be a finite number >= 0, got {args.temperature}")
     drafters_and_labels(p, args, default_label="shipped")
     return args
 
@@ -106,10 +113,10 @@ def main(argv=None) -> int:
         if prompts is None:
             texts, prompts = load_prompt_ids(models.tokenizer, args.prompts, args.num_prompts)
         t0 = time.perf_counter()
-        tokens, blocks = decode_rounds(models, prompts, args.budget, args.max_new_tokens, args.seed)
+        tokens, blocks = decode_rounds(models, prompts, args.budget, args.max_new_tokens, args.seed, args.temperature)
         if first_tokens is None:
             first_tokens = tokens
-        elif tokens != first_tokens:  # greedy decoding is exact whatever the drafter
+        elif args.temperature == 0 and tokens != first_tokens:  # greedy decoding is exact whatever the drafter
             bad = [i for i, (a, b) in enumerate(zip(tokens, first_tokens)) if a != b]
             raise SystemExit(f"{label}: greedy outputs differ from {args.label[0]}'s on prompts {bad}")
         runs[label] = {"drafter": drafter or "shipped", "blocks": blocks, "minutes": (time.perf_counter() - t0) / 60,
@@ -124,11 +131,12 @@ def main(argv=None) -> int:
         f"- Date: {date}; wall time {(time.perf_counter() - started) / 60:.1f} min.",
         f"- Command: `python experiments/round_blocks.py {' '.join(argv)}`",
         f"- Machine: {machine_facts()}.",
-        f"- Greedy TEV, budget {args.budget}, {len(prompts)} `{args.prompts}` prompts, at most {args.max_new_tokens} "
+        f"- {'Greedy TEV' if args.temperature == 0 else f'TEV at T = {args.temperature:g} (prompt i seeded seed + i for every drafter)'}, "
+        f"budget {args.budget}, {len(prompts)} `{args.prompts}` prompts, at most {args.max_new_tokens} "
         "new tokens, batch 1. A block is the round's accepted tokens plus the bonus token (before any "
         "end-of-turn or length cut). Round 0's root is the prompt's last token. +- is one SE over rounds.",
     ]
-    if len(runs) > 1:
+    if len(runs) > 1 and args.temperature == 0:
         lines.append(f"- Every drafter's greedy tokens equal {args.label[0]}'s on every prompt (checked).")
     lines += [
         "",

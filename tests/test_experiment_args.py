@@ -1,5 +1,7 @@
 """The paper-claim experiments reject bad command lines with a one-line error, before loading any model."""
 
+import json
+import math
 import sys
 from pathlib import Path
 
@@ -8,6 +10,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
 import budget_transfer  # noqa: E402
 import crossed  # noqa: E402
+import data_curve  # noqa: E402
 import exit_mass  # noqa: E402
 import exittrain_ablation  # noqa: E402
 import fixed_tree_equivalence  # noqa: E402
@@ -205,3 +208,22 @@ def test_round_blocks_rejects_bad_drafters_and_labels(tmp_path, capsys):
     assert "one label per --drafter" in error_of(
         round_blocks.parse_args, ["--drafter", str(tmp_path), "--label", "a", "--label", "b"], capsys)
     assert "--budget must be >= 1" in error_of(round_blocks.parse_args, ["--budget", "0"], capsys)
+    assert "--temperature must be a finite number >= 0" in error_of(round_blocks.parse_args, ["--temperature", "-1"], capsys)
+
+
+def test_data_curve_fit_and_extrapolation(tmp_path):
+    """Points on tau = 1 + 0.05 log2(records) give that line back, and the records at which it
+    reaches a goal; eval files measured differently are refused rather than fitted together."""
+    pts = [(f"v{i}", r, 1.0 + 0.05 * math.log2(r), 0.03) for i, r in enumerate((1000, 2000, 4000, 8000))]
+    f = data_curve.fit(pts)
+    assert abs(f["slope"] - 0.05) < 1e-12 and abs(f["intercept"] - 1.0) < 1e-12 and f["slope_se"] > 0
+    mid, optimistic, pessimistic = data_curve.extrapolate(pts, f, 1.0 + 0.05 * 20)
+    assert abs(math.log2(mid) - 20) < 1e-9 and optimistic < mid < pessimistic
+    flat = data_curve.fit([(p[0], p[1], 1.5, 0.03) for p in pts])
+    assert data_curve.extrapolate(pts, flat, 2.0)[0] == math.inf  # no trend: never
+    for name, seed in (("a.json", 0), ("b.json", 1)):
+        (tmp_path / name).write_text(json.dumps({
+            "num_prompts": 16, "max_new_tokens": 128, "temperature": 0.0, "seed": seed, "verifier": "tev",
+            "mismatches": 0, "budgets": [{"budget": 8, "tau": 1.8, "tau_prompt_sd": 0.1}]}))
+    with pytest.raises(ValueError, match="not comparable"):
+        data_curve.load_points(tmp_path, (("a", "a.json", 10), ("b", "b.json", 20)))
