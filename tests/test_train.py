@@ -392,6 +392,13 @@ def test_a_run_keeps_its_draft_vocabulary_and_its_shards(tmp_path, data_dir, tar
     shutil.copytree(data / "shards" / "train-00000", data / "shards" / "train-00099")
     assert len(TrainData(data, "train")) > len(before)
     other = DFlashDrafter(cfg, rngs=nnx.Rngs(0), draft_vocab=np.arange(64))
+    # A run recorded before the distillation option existed resumes as one without it, and only so.
+    run_json = tmp_path / "r" / "run.json"
+    record = json.loads(run_json.read_text())
+    del record["train"]["distill"]
+    run_json.write_text(json.dumps(record))
+    with pytest.raises(RunError, match="distill: 0.0 saved, 0.5 now"):
+        train(target, other, data, tmp_path / "r", dataclasses.replace(CFG, distill=0.5), resume=True, **quiet)
     state = train(target, other, data, tmp_path / "r", CFG, resume=True, **quiet)
     assert int(state.step) == CFG.steps
     record = json.loads((tmp_path / "r" / "run.json").read_text())
