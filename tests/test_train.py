@@ -195,7 +195,7 @@ def test_distillation_teacher_is_the_targets_own_distribution(data_dir, target):
         assert (got[0, j].argmax(-1) == ref[a:a + BS - 1].argmax(-1)).mean() >= 0.8
 
 
-def test_distillation_step_trains_and_needs_the_last_layer(data_dir, target):
+def test_distillation_step_trains_and_needs_the_last_layer(tmp_path, data_dir, target):
     cfg = dataclasses.replace(CFG, exit_lambda=0.0, distill=0.5)
     trainer = Trainer(_drafter(target), target, cfg, make_mesh())
     state = trainer.init_state()
@@ -211,6 +211,10 @@ def test_distillation_step_trains_and_needs_the_last_layer(data_dir, target):
     no_last = DFlashDrafter(dataclasses.replace(_drafter(target).cfg, target_layer_ids=(1,)), rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match=r"last layer \(3\), which the drafter does not tap"):
         Trainer(no_last, target, cfg, make_mesh())
+    # Refused before the run directory is made, so the same --out works once the command is fixed.
+    with pytest.raises(ValueError, match="does not tap"):
+        train(target, no_last, data_dir, tmp_path / "r", cfg, target_name="tiny", progress=False, log=lambda _: None)
+    assert not (tmp_path / "r").exists()
     with pytest.raises(ValueError, match=r"distill must be a weight in \[0, 1\]"):
         dataclasses.replace(cfg, distill=1.5)
 

@@ -138,15 +138,17 @@ def train(target, drafter: DFlashDrafter, data_dir: str | os.PathLike, run_dir: 
             raise RunError(f"--resume: {run} holds no training run to resume")
         if run.exists() and any(run.iterdir()):
             raise RunError(f"{run} exists and is not empty: choose a new --out")
+
+    mesh = mesh or make_mesh()
+    # Before anything is written: a drafter, config or mesh the Trainer refuses leaves no run behind.
+    trainer = Trainer(drafter, target, cfg, mesh)
+    if saved is None:
         run.mkdir(parents=True, exist_ok=True)
         if drafter.draft_vocab is not None:
             np.save(vocab_file, np.asarray(jax.device_get(drafter.vocab_ids()), np.int32))
         tmp = run / (RUN_FILE + ".tmp")
         tmp.write_text(json.dumps(record, indent=1), encoding="utf-8")
         os.replace(tmp, run / RUN_FILE)
-
-    mesh = mesh or make_mesh()
-    trainer = Trainer(drafter, target, cfg, mesh)
     mgr = _checkpoint_manager(run, keep)
     if resume:
         state, meta = _restore(mgr, trainer.abstract_state(), run)
