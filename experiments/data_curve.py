@@ -4,7 +4,8 @@ Every shipped drafter since v2 was measured with the same command on the same 16
 (`tevjax eval --prompts heldout --num-prompts 16 --budgets 2,4,8,16 --max-new-tokens 128 --json`,
 kept as `experiments/results/drafter*_heldout_t0.json`). Between versions only the number of the
 target's own regenerated responses the drafter had trained on changed (the model card's stages;
-v2 also saw 2,112 of ShareGPT's original replies, which every later version inherits). This script
+v2 also saw 2,112 of ShareGPT's original replies, which every later version inherits; v8 changed
+the recipe, a replay epoch at another position decay, so it is not a point of this curve). This script
 fits tau = a + b * log2(records) per budget by weighted least squares (weights 1 / SE^2, SE = the
 per-prompt sd / sqrt(prompts)), and extrapolates how many regenerated records tau 2.5 at budget 8
 and 3.0 at budget 16 would take if the log-linear trend held, and the CPU time to generate them
