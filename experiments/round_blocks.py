@@ -125,14 +125,15 @@ def main(argv=None) -> int:
         print(f"{label}: {runs[label]['minutes']:.1f} min", flush=True)
 
     shown = [r["round"] for r in next(iter(runs.values()))["rows"]]
+    sampling = ("Greedy TEV" if args.temperature == 0
+                else f"TEV at T = {args.temperature:g} (prompt i seeded seed + i for every drafter)")
     lines = [
         "# Output-block length by round index",
         "",
         f"- Date: {date}; wall time {(time.perf_counter() - started) / 60:.1f} min.",
         f"- Command: `python experiments/round_blocks.py {' '.join(argv)}`",
         f"- Machine: {machine_facts()}.",
-        f"- {'Greedy TEV' if args.temperature == 0 else f'TEV at T = {args.temperature:g} (prompt i seeded seed + i for every drafter)'}, "
-        f"budget {args.budget}, {len(prompts)} `{args.prompts}` prompts, at most {args.max_new_tokens} "
+        f"- {sampling}, budget {args.budget}, {len(prompts)} `{args.prompts}` prompts, at most {args.max_new_tokens} "
         "new tokens, batch 1. A block is the round's accepted tokens plus the bonus token (before any "
         "end-of-turn or length cut). Round 0's root is the prompt's last token. +- is one SE over rounds.",
     ]

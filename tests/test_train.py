@@ -204,8 +204,8 @@ def test_distillation_step_trains_and_needs_the_last_layer(tmp_path, data_dir, t
         state, metrics = trainer.step(state, _batch(data_dir, s % 2))
         assert np.isfinite(float(metrics["loss_kd"])) and float(metrics["loss_kd"]) > 0
         # The step's loss is the stated mix of the two cross entropies.
-        np.testing.assert_allclose(float(metrics["loss"]), 0.5 * float(metrics["loss_tok"]) + 0.5 * float(metrics["loss_kd"]),
-                                   rtol=1e-5)
+        mix = 0.5 * float(metrics["loss_tok"]) + 0.5 * float(metrics["loss_kd"])
+        np.testing.assert_allclose(float(metrics["loss"]), mix, rtol=1e-5)
         losses.append(float(metrics["loss"]))
     assert losses[2] < losses[0] and losses[3] < losses[1]  # the same two batches, after training on them
     no_last = DFlashDrafter(dataclasses.replace(_drafter(target).cfg, target_layer_ids=(1,)), rngs=nnx.Rngs(0))
@@ -355,7 +355,8 @@ def test_two_device_step_equals_one_device_step(tmp_path, data_dir):
     (["train", "--data", ".", "--out", "/tmp/x", "--steps", "0"], "--steps must be >= 1"),
     (["train", "--data", ".", "--out", "/tmp/x", "--steps", "2", "--exit-weight", "bogus"], "--exit-weight 'bogus'"),
     (["train", "--data", ".", "--out", "/tmp/x", "--steps", "2", "--lr", "-1"], "--lr must be a finite number > 0"),
-    (["train", "--data", ".", "--out", "/tmp/x", "--steps", "2", "--distill", "1.5"], "--distill must be a weight in [0, 1]"),
+    (["train", "--data", ".", "--out", "/tmp/x", "--steps", "2", "--distill", "1.5"],
+     "--distill must be a weight in [0, 1]"),
     (["train", "export", "/nonexistent", "/tmp/y"], "no run.json"),
     (["eval", "--verifier", "ar"], "--verifier 'ar'"),
     (["eval", "--prompts", "/nonexistent.txt"], "not a file"),

@@ -608,7 +608,8 @@ def cmd_train(args) -> int:
         drafter = DFlashDrafter(dcfg, rngs=nnx.Rngs(args.seed), draft_vocab=vocab)
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch, anchors=args.anchors, seq_len=args.seq_len,
                       lr=args.lr, warmup=args.warmup, weight_decay=args.weight_decay,
-                      gamma=args.gamma or None, distill=args.distill, exit_lambda=args.exit_lambda, exit_weight=args.exit_weight,
+                      gamma=args.gamma or None, distill=args.distill, exit_lambda=args.exit_lambda,
+                      exit_weight=args.exit_weight,
                       exit_budget=args.exit_budget, exit_anchors=min(args.exit_anchors, args.anchors),
                       exit_sequences=args.exit_sequences, seed=args.seed)
     state = train(loaded.target, drafter, args.data, args.out, cfg, target_name=args.target, resume=args.resume,
