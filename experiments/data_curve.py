@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from paired_stats import Z95  # noqa: E402
 from report import emit  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -83,12 +84,12 @@ def fit(points: list[tuple[str, int, float, float]]) -> dict:
 
 
 def extrapolate(points, f: dict, tau: float) -> tuple[float, float, float]:
-    """Records needed for `tau`: (at the fitted slope, at slope + 1.96 SE, at slope - 1.96 SE),
+    """Records needed for `tau`: (at the fitted slope, at slope + Z95 SE, at slope - Z95 SE),
     each line pivoting on the fit's value at the last (largest) point."""
     x_last = math.log2(points[-1][1])
     y_last = f["intercept"] + f["slope"] * x_last
     out = []
-    for s in (f["slope"], f["slope"] + 1.96 * f["slope_se"], f["slope"] - 1.96 * f["slope_se"]):
+    for s in (f["slope"], f["slope"] + Z95 * f["slope_se"], f["slope"] - Z95 * f["slope_se"]):
         out.append(math.inf if s <= 0 else 2.0 ** (x_last + (tau - y_last) / s))
     return tuple(out)
 
@@ -124,8 +125,8 @@ def main(argv=None) -> int:
     fits = {b: fit(points[b]) for b in budgets}
     for b in budgets:
         f = fits[b]
-        lines.append(f"| {b} | {f['slope']:+.3f} | [{f['slope'] - 1.96 * f['slope_se']:+.3f}, "
-                     f"{f['slope'] + 1.96 * f['slope_se']:+.3f}] |")
+        lines.append(f"| {b} | {f['slope']:+.3f} | [{f['slope'] - Z95 * f['slope_se']:+.3f}, "
+                     f"{f['slope'] + Z95 * f['slope_se']:+.3f}] |")
     lines += ["", "If the trend held (each line pivots on the fit at the largest point):", "",
               "| goal | records needed (fitted slope) | with the slope's upper bound | CPU hours to generate "
               "(fitted / upper bound) |", "|---|---:|---:|---|"]
@@ -162,7 +163,7 @@ def _plot(points, fits, path: Path) -> None:
         pts = points[b]
         x = np.asarray([q[1] for q in pts], float)
         y = np.asarray([q[2] for q in pts])
-        ax.errorbar(x, y, yerr=1.96 * np.asarray([q[3] for q in pts]), fmt="o", ms=3, capsize=2, label=f"budget {b}")
+        ax.errorbar(x, y, yerr=Z95 * np.asarray([q[3] for q in pts]), fmt="o", ms=3, capsize=2, label=f"budget {b}")
         xs = np.geomspace(x.min(), x.max() * 64, 50)
         ax.plot(xs, fits[b]["intercept"] + fits[b]["slope"] * np.log2(xs), "--", lw=0.8, color=ax.lines[-1].get_color())
     for budget, tau, kind in GOALS:
