@@ -11,7 +11,7 @@ import pytest
 from tevjax.convert.embedded import prepare_smollm2
 from tevjax.convert.tokenizer import chat_prompt_ids, load_tokenizer
 from tevjax.loading import LoadedTarget
-from tevjax.prompts import sharegpt_first_replies
+from tevjax.prompts import sharegpt_replies
 from tevjax.testing import random_model, tiny_config
 from tevjax.train.dataset import TrainData
 from tevjax.train.rollout import RolloutConfig, _read_jsonl, generate_data, sequence_hidden
@@ -45,7 +45,7 @@ def test_sharegpt_replies_are_training_records_and_heldout_stays_the_targets(tmp
         for a, b in zip(hs.record(i, [0, 1]), ht.record(i, [0, 1])):
             np.testing.assert_array_equal(a, b)
 
-    replies = sharegpt_first_replies()
+    replies = sharegpt_replies()
     rows = _read_jsonl(tmp_path / "s" / "prompts.jsonl")
     data = TrainData(tmp_path / "s", "train")
     assert len(data) == 4

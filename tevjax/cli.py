@@ -215,6 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--responses", choices=["target", "sharegpt"], default="target",
                       help="training responses: the target's greedy continuations (default), or ShareGPT's original "
                            "first replies (cheap extra text: one prefill per record); held-out records are always the target's")
+    data.add_argument("--turns", choices=["first", "later"], default="first",
+                      help="training prompts: ShareGPT's first human turns (default; ~7.8k fit 256 tokens), or every "
+                           "later human turn taken alone (~34k more); held-out prompts are first turns either way")
     data.add_argument("--no-progress", action="store_true", help="no progress bar (JSON lines only)")
     data.set_defaults(func=cmd_data)
 
@@ -523,7 +526,8 @@ def cmd_data(args) -> int:
     cfg = RolloutConfig(num_prompts=args.num_prompts, heldout_prompts=args.heldout,
                         heldout_records=min(args.heldout_records, args.heldout),
                         max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
-                        batch_size=args.batch_size, taps=taps, seed=args.seed, responses=args.responses)
+                        batch_size=args.batch_size, taps=taps, seed=args.seed, responses=args.responses,
+                        turns=args.turns)
     manifest = generate_data(loaded, cfg, args.out, resume=args.resume, progress=not args.no_progress,
                              log=lambda line: print(line, file=sys.stderr, flush=True),
                              train_shards=args.train_shards)

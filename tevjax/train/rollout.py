@@ -81,8 +81,16 @@ class RolloutConfig:
     # prefill pass per record for the features, no decoding). Held-out records are always the
     # target's, so training-time evaluations read what decoding will meet.
     responses: str = "target"
+    # Which ShareGPT human turns are the training prompts: "first" (conversations' opening turns)
+    # or "later" (every later turn, taken alone; ~34k more prompts). Held-out prompts are always
+    # first turns, the same whichever is chosen.
+    turns: str = "first"
 
     def __post_init__(self):
+        from tevjax.prompts import TURNS
+
+        if self.turns not in TURNS:
+            raise ValueError(f"turns must be one of {', '.join(TURNS)}, got {self.turns!r}")
         if self.responses not in RESPONSES:
             raise ValueError(f"responses must be one of {', '.join(RESPONSES)}, got {self.responses!r}")
         for name in ("num_prompts", "max_new_tokens", "max_prompt_tokens", "batch_size"):
@@ -172,32 +180,47 @@ def sequence_hidden(target: Transformer, sequences: Sequence[Sequence[int]], tap
 
 
 def _select_prompts(tokenizer, cfg: RolloutConfig) -> tuple[list[dict], list[dict]]:
-    """(held-out rows, training rows): ShareGPT first turns in a fixed order, chat template applied,
-    prompts over `max_prompt_tokens` skipped. Held-out prompts come first in that order, so they
-    are the same whatever `cfg.responses` is; with ShareGPT responses, training rows also need
-    an original reply (rows get its text as "reply")."""
-    from tevjax.convert.tokenizer import chat_prompt_ids
-    from tevjax.prompts import sharegpt_first_replies, sharegpt_prompts
+    """(held-out rows, training rows): ShareGPT human turns in a fixed order, chat template applied,
+    prompts over `max_prompt_tokens` skipped.
 
-    want = cfg.heldout_prompts + cfg.num_prompts
-    pool = sharegpt_prompts(None, seed=cfg.seed)
-    replies = sharegpt_first_replies() if cfg.responses == "sharegpt" else {}
-    rows = []
-    for p in pool:
-        training = len(rows) >= cfg.heldout_prompts
-        if training and cfg.responses == "sharegpt" and p.id not in replies:
-            continue
-        ids = chat_prompt_ids(tokenizer, p.text)
-        if len(ids) <= cfg.max_prompt_tokens:
-            rows.append({"id": p.id, "text": p.text, "prompt_ids": ids})
-            if training and replies:
-                rows[-1]["reply"] = replies[p.id]
-            if len(rows) == want:
-                break
-    if len(rows) < want:
-        raise ValueError(f"only {len(rows)} ShareGPT prompts fit max_prompt_tokens={cfg.max_prompt_tokens}; "
-                         f"{want} requested ({cfg.heldout_prompts} held out + {cfg.num_prompts} training)")
-    held, train = rows[: cfg.heldout_prompts], rows[cfg.heldout_prompts:]
+    Held-out prompts are the first `heldout_prompts` first turns that fit, whatever `cfg.responses`
+    and `cfg.turns` are. Training rows follow them in the same order (`turns="first"`), or are the
+    later turns of every other conversation (`turns="later"`). With ShareGPT responses, training
+    rows also need an original reply (rows get its text as "reply")."""
+    from tevjax.convert.tokenizer import chat_prompt_ids
+    from tevjax.prompts import sharegpt_prompts, sharegpt_replies
+
+    replies = sharegpt_replies(cfg.turns) if cfg.responses == "sharegpt" else {}
+
+    def fitting(pool, n, need_reply) -> tuple[list[dict], int]:
+        """The first n rows of pool that fit, and the pool position after the last one."""
+        rows, end = [], 0
+        for end, p in enumerate(pool, start=1):
+            if len(rows) == n:
+                return rows, end - 1
+            if need_reply and p.id not in replies:
+                continue
+            ids = chat_prompt_ids(tokenizer, p.text)
+            if len(ids) <= cfg.max_prompt_tokens:
+                rows.append({"id": p.id, "text": p.text, "prompt_ids": ids})
+                if need_reply:
+                    rows[-1]["reply"] = replies[p.id]
+        return rows, end
+
+    first = sharegpt_prompts(None, seed=cfg.seed)
+    held, end = fitting(first, cfg.heldout_prompts, False)
+    if cfg.turns == "first":
+        train, _ = fitting(first[end:], cfg.num_prompts, bool(replies))
+    else:
+        held_conversations = {r["id"].removeprefix("sharegpt/") for r in held}
+        # Later turns under 40 characters are mostly "continue" or "thanks", which mean nothing alone.
+        later = sharegpt_prompts(None, seed=cfg.seed, turns="later", min_chars=40,
+                                 exclude_conversations=held_conversations)
+        train, _ = fitting(later, cfg.num_prompts, bool(replies))
+    if (len(held), len(train)) != (cfg.heldout_prompts, cfg.num_prompts):
+        raise ValueError(f"only {len(held)} + {len(train)} ShareGPT prompts ({cfg.turns} turns for training) fit "
+                         f"max_prompt_tokens={cfg.max_prompt_tokens}; {cfg.heldout_prompts} held out + "
+                         f"{cfg.num_prompts} training requested")
     for i, r in enumerate(held):
         r["index"] = i
     for i, r in enumerate(train):
@@ -239,8 +262,9 @@ def _write_shard(final: Path, records: list[dict], features: list[np.ndarray]) -
 
 def _config_dict(cfg: RolloutConfig, target_name: str, target_cfg) -> dict:
     rollout = dataclasses.asdict(cfg)
-    if rollout["responses"] == "target":  # the default: absent, as in manifests that predate the field
-        del rollout["responses"]
+    for field, default in (("responses", "target"), ("turns", "first")):
+        if rollout[field] == default:  # the default: absent, as in manifests that predate the field
+            del rollout[field]
     return {"rollout": rollout, "target": target_name, "target_config": dataclasses.asdict(target_cfg)}
 
 
