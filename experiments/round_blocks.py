@@ -84,6 +84,8 @@ def parse_args(argv):
     p.add_argument("--label", action="append", default=None, help="one per --drafter")
     p.add_argument("--prompts", default="heldout")
     p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--first-prompt", type=int, default=0,
+                   help="skip this many prompts of the set (a confirmation run on prompts an earlier run did not use)")
     p.add_argument("--budget", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--shown", type=int, default=6, help="round indices reported one by one (later ones pooled)")
@@ -92,6 +94,8 @@ def parse_args(argv):
     p.add_argument("--out", type=Path, default=RESULTS, help="results markdown; .json goes next to it")
     args = p.parse_args(argv)
     require_positive(p, args, "num_prompts", "budget", "max_new_tokens", "shown")
+    if args.first_prompt < 0:
+        p.error(f"--first-prompt must be >= 0, got {args.first_prompt}")
     if not (args.temperature >= 0 and np.isfinite(args.temperature)):
         p.error(f"--temperature must be a finite number >= 0, got {args.temperature}")
     drafters_and_labels(p, args, default_label="shipped")
@@ -111,9 +115,12 @@ def main(argv=None) -> int:
         if not models.drafter_trained and drafter is None:
             raise SystemExit("the shipped drafter is missing or untrained: give --drafter")
         if prompts is None:
-            texts, prompts = load_prompt_ids(models.tokenizer, args.prompts, args.num_prompts)
+            texts, prompts = load_prompt_ids(models.tokenizer, args.prompts, args.first_prompt + args.num_prompts)
+            texts, prompts = texts[args.first_prompt:], prompts[args.first_prompt:]
         t0 = time.perf_counter()
-        tokens, blocks = decode_rounds(models, prompts, args.budget, args.max_new_tokens, args.seed, args.temperature)
+        # Prompt j of the set is seeded seed + j, wherever the run starts.
+        tokens, blocks = decode_rounds(models, prompts, args.budget, args.max_new_tokens, args.seed + args.first_prompt,
+                                       args.temperature)
         if first_tokens is None:
             first_tokens = tokens
         elif args.temperature == 0 and tokens != first_tokens:  # greedy decoding is exact whatever the drafter
@@ -125,6 +132,7 @@ def main(argv=None) -> int:
         print(f"{label}: {runs[label]['minutes']:.1f} min", flush=True)
 
     shown = [r["round"] for r in next(iter(runs.values()))["rows"]]
+    span = f" (from prompt {args.first_prompt})" if args.first_prompt else ""
     sampling = ("Greedy TEV" if args.temperature == 0
                 else f"TEV at T = {args.temperature:g} (prompt i seeded seed + i for every drafter)")
     lines = [
@@ -133,7 +141,8 @@ def main(argv=None) -> int:
         f"- Date: {date}; wall time {(time.perf_counter() - started) / 60:.1f} min.",
         f"- Command: `python experiments/round_blocks.py {' '.join(argv)}`",
         f"- Machine: {machine_facts()}.",
-        f"- {sampling}, budget {args.budget}, {len(prompts)} `{args.prompts}` prompts, at most {args.max_new_tokens} "
+        f"- {sampling}, budget {args.budget}, {len(prompts)} `{args.prompts}` prompts{span}, "
+        f"at most {args.max_new_tokens} "
         "new tokens, batch 1. A block is the round's accepted tokens plus the bonus token (before any "
         "end-of-turn or length cut). Round 0's root is the prompt's last token. +- is one SE over rounds.",
     ]

@@ -210,6 +210,7 @@ def test_round_blocks_rejects_bad_drafters_and_labels(tmp_path, capsys):
     assert "--budget must be >= 1" in error_of(round_blocks.parse_args, ["--budget", "0"], capsys)
     assert "--temperature must be a finite number >= 0" in error_of(
         round_blocks.parse_args, ["--temperature", "-1"], capsys)
+    assert "--first-prompt must be >= 0" in error_of(round_blocks.parse_args, ["--first-prompt", "-1"], capsys)
 
 
 def test_data_curve_fit_and_extrapolation(tmp_path):
