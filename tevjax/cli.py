@@ -217,7 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "first replies (cheap extra text: one prefill per record); held-out records are always the target's")
     data.add_argument("--turns", choices=["first", "later"], default="first",
                       help="training prompts: ShareGPT's first human turns (default; ~7.8k fit 256 tokens), or every "
-                           "later human turn taken alone (~34k more); held-out prompts are first turns either way")
+                           "later human turn taken alone (~32k fit); held-out prompts are first turns either way")
     data.add_argument("--no-progress", action="store_true", help="no progress bar (JSON lines only)")
     data.set_defaults(func=cmd_data)
 

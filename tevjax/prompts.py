@@ -166,7 +166,7 @@ def sharegpt_replies(turns: str = "first") -> dict[str, str]:
     _check_turns(turns)
     out = {}
     for record in _sharegpt_conversations():
-        conv = record["conversations"] if record.get("conversations") else []
+        conv = record.get("conversations") or []
         for k, _ in _human_turns(record, turns):
             reply = conv[k + 1] if k + 1 < len(conv) else {}
             if reply.get("from") == "gpt" and isinstance(reply.get("value"), str) and reply["value"].strip():
@@ -215,21 +215,21 @@ def sharegpt_prompts(n: int | None, *, seed: int = 0, max_chars: int = 2000, min
     """
     _check_turns(turns)
     skip_conversations = set(exclude_conversations)
-    seen: set[str] = set()
-    if turns == "later":
-        seen = {_normalise(text.strip()) for _, text in sharegpt_first_turns()}
-    pool: list[tuple[str, str]] = []
+    seen: set[str] = set()  # later turns: every first turn's text too, read in the same pass
+    candidates: list[tuple[str, str]] = []
     for record in _sharegpt_conversations():
         cid = str(record.get("id", ""))
-        if cid in skip_conversations:
+        if turns == "later":
+            seen.update(_normalise(text.strip()) for _, text in _human_turns(record, "first"))
+        if cid not in skip_conversations:
+            candidates += [(_prompt_id(cid, k), text.strip()) for k, text in _human_turns(record, turns)]
+    pool: list[tuple[str, str]] = []
+    for pid, text in candidates:
+        key = _normalise(text)
+        if not min_chars <= len(text) <= max_chars or key in seen:
             continue
-        for k, text in _human_turns(record, turns):
-            text = text.strip()
-            key = _normalise(text)
-            if not min_chars <= len(text) <= max_chars or key in seen:
-                continue
-            seen.add(key)
-            pool.append((_prompt_id(cid, k), text))
+        seen.add(key)
+        pool.append((pid, text))
     random.Random(seed).shuffle(pool)
     banned = list(evaluation_texts() if exclude is None else (_normalise(t) for t in exclude))
     banned_set = set(banned)

@@ -82,7 +82,7 @@ class RolloutConfig:
     # target's, so training-time evaluations read what decoding will meet.
     responses: str = "target"
     # Which ShareGPT human turns are the training prompts: "first" (conversations' opening turns)
-    # or "later" (every later turn, taken alone; ~34k more prompts). Held-out prompts are always
+    # or "later" (every later turn, taken alone; ~32k fit 256 tokens). Held-out prompts are always
     # first turns, the same whichever is chosen.
     turns: str = "first"
 
