@@ -5,6 +5,7 @@ import math
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
@@ -229,3 +230,33 @@ def test_data_curve_fit_and_extrapolation(tmp_path):
             "mismatches": 0, "budgets": [{"budget": 8, "tau": 1.8, "tau_prompt_sd": 0.1}]}))
     with pytest.raises(ValueError, match="not comparable"):
         data_curve.load_points(tmp_path, (("a", "a.json", 10), ("b", "b.json", 20)))
+
+
+def test_draft_temperature_options_and_scorer(tmp_path, capsys):
+    import draft_temperature as dt
+
+    data = tmp_path / "data"
+    data.mkdir()
+    assert "not a `tevjax data` directory" in error_of(dt.parse_args, ["--data", str(data)], capsys)
+    (data / "manifest.json").write_text("{}")
+    assert "must include 1.0" in error_of(dt.parse_args, ["--data", str(data), "--temperatures", "0.5"], capsys)
+    assert "must all be > 0" in error_of(dt.parse_args, ["--data", str(data), "--temperatures", "0", "1"], capsys)
+    assert "include --tune-budget 8" in error_of(dt.parse_args, ["--data", str(data), "--budgets", "4"], capsys)
+    assert dt.parse_args(["--data", str(data)]).budgets == [4, 8, 16, 32]
+
+    # One anchor, two depths, a 32-token vocabulary. Depth 1: tokens 10 and 11 nearly tied; depth 2:
+    # token 20 only mildly ahead of 31 others. At T = 1 a budget-2 tree holds 10 and 11 (the data
+    # 10, 20 reaches depth 1: 2 tokens); sharpening depth 2 (T = 0.1) makes 10 -> 20 beat 11 (3 tokens).
+    top = np.full((1, 2, 32), -20.0, np.float32)
+    top[0, 0, :2] = [0.0, -0.1]
+    top[0, 1, 0], top[0, 1, 1:] = 0.0, -1.0
+    temps = (0.1, 1.0)
+    lse = np.stack([np.log(np.exp(top / t).sum(-1)) for t in temps], -1)
+    d = {"top": top, "ids": np.stack([np.arange(10, 42), np.arange(20, 52)])[None].astype(np.int32),
+         "lse": lse.astype(np.float32), "truth": np.array([[10, 20]], np.int32), "ok": np.ones((1, 2), bool),
+         "root": np.array([5], np.int32), "record": np.array([0])}
+    score = dt.make_scorer(d, temps, (1, 2))
+    assert score([1, 1])[2].tolist() == [2.0] and score([1, 0])[2].tolist() == [3.0]
+    assert score([1, 1])[1].tolist() == [2.0]
+    tokens, anchors = dt.per_record(np.array([2.0, 3.0, 1.0]), np.array([4, 9, 4]))
+    assert tokens.tolist() == [3.0, 3.0] and anchors.tolist() == [2.0, 1.0]
