@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import sys
 from pathlib import Path
 
@@ -185,8 +186,11 @@ def main(argv=None) -> int:
              "## 1. One temperature for every depth", "",
              "| T | " + " | ".join(f"tau@{b} (gain)" for b in budgets) + " |",
              "|---|" + "---|" * len(budgets)]
+    raw = {"drafter": args.drafter or "shipped", "data": str(args.data), "split": args.split, "records": nrec,
+           "anchors": int(len(d["root"])), "seed": args.seed, "temperatures": list(temps), "global": {}}
     for j, t in enumerate(temps):
         got = ref if j == one else score([j] * depths)
+        raw["global"][f"{t:g}"] = {str(b): float(got[b].mean()) for b in budgets}
         cells = []
         for b in budgets:
             tau = got[b].mean()
@@ -219,7 +223,10 @@ def main(argv=None) -> int:
         g = paired_gain(*ref_rec[b], *per_record(tuned[b], d["record"]))
         lines.append(f"| {b} | {ref[b].mean():.4f} | {tuned[b].mean():.4f} | {100 * g['gain']:+.1f}% "
                      f"[{100 * g['lo']:+.1f}, {100 * g['hi']:+.1f}] |")
+    raw["per_depth"] = {"temperatures": [temps[j] for j in cur],
+                        "tau": {str(b): float(tuned[b].mean()) for b in budgets}}
     emit(lines, args.out)
+    args.out.with_suffix(".json").write_text(json.dumps(raw, indent=1) + "\n", encoding="utf-8")
     return 0
 
 
