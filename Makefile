@@ -98,7 +98,7 @@ experiments: $(BASE_STAMP)
 # the options (give both the same training options, so the transfer reuses the ablation's runs);
 # EXIT_TRAIN="... --runs experiments/checkpoints/exittrain" evaluates the committed arms.
 # The arms start from v5, the drafter shipped when they were made (commit f73dc68), which never saw
-# shards 69-75; the drafters shipped since (v7, v8) trained on them. `git show` writes v5 out once.
+# shards 69-75; the drafters shipped since (v7, v8, v10) trained on them. `git show` writes v5 out once.
 V5_COMMIT := f73dc68
 V5_DRAFTER := $(HOME)/.cache/tevjax/drafter-v5-$(V5_COMMIT)
 EXIT_DATA ?= $(HOME)/.cache/tevjax/data-exittrain
