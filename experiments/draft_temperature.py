@@ -79,6 +79,7 @@ def collect(args) -> dict[str, np.ndarray]:
 
     from tevjax.loading import load_models
     from tevjax.train.dataset import Batch, TrainData
+    from tevjax.train.heldout import block_truth
     from tevjax.train.objectives import sample_anchors
 
     m = load_models(drafter=args.drafter)
@@ -92,20 +93,16 @@ def collect(args) -> dict[str, np.ndarray]:
     @jax.jit
     def stats(dstate, tstate, batch, key):
         drafter, target = nnx.merge(dgd, dstate), nnx.merge(tgd, tstate)
-        b, t = batch.tokens.shape
+        b = batch.tokens.shape[0]
         anc, valid = jax.vmap(sample_anchors, in_axes=(0, 0, None))(jax.random.split(key, b), batch.loss_mask,
                                                                     args.anchors)
         z = drafter.logits(target, drafter.train_hidden(target, batch.features, batch.tokens, anc))
         z = z.astype(jnp.float32)  # [B, M, G, Vd]
-        pos = anc[..., None] + jnp.arange(1, z.shape[2] + 1)
-        pos_c = jnp.minimum(pos, t - 1)
-        rows = jnp.arange(b)[:, None, None]
+        truth, ok = block_truth(batch.tokens, batch.loss_mask, anc, valid, z.shape[2])
         top, idx = jax.lax.top_k(z, TOP)
         return dict(top=top, ids=drafter.vocab_ids()[idx],
                     lse=jnp.stack([jax.nn.logsumexp(z / tt, axis=-1) for tt in temps], -1),
-                    truth=batch.tokens[rows, pos_c],
-                    ok=(pos < t) & batch.loss_mask[rows, pos_c] & valid[..., None],
-                    root=jnp.take_along_axis(batch.tokens, anc, axis=1), valid=valid)
+                    truth=truth, ok=ok, root=jnp.take_along_axis(batch.tokens, anc, axis=1), valid=valid)
 
     parts: dict[str, list[np.ndarray]] = {}
     for i, s in enumerate(range(0, n, 8)):
@@ -177,16 +174,17 @@ def main(argv=None) -> int:
     ref = score([one] * depths)
     ref_rec = {b: per_record(ref[b], d["record"]) for b in budgets}
     nrec = len(np.unique(d["record"]))
+    drafter = args.drafter or "the shipped one (tevjax/assets/smollm2-dflash)"
     lines = [f"# Draft temperature and the tree's shape ({datetime.date.today()})", "",
              f"`python experiments/draft_temperature.py {' '.join(sys.argv[1:] if argv is None else argv)}`", "",
-             f"Drafter {args.drafter or 'shipped'}; {args.data} ({args.split}); {nrec} records, "
+             f"Drafter {drafter}; {args.data} ({args.split}); {nrec} records, "
              f"{len(d['root'])} anchors (up to {args.anchors} per record, seed {args.seed}). Simulated greedy tau "
              "(1 + depth the data's tokens reach in the drafter's DDTree tree); gains paired against T = 1 with "
              "records as units, 95% intervals.", "",
              "## 1. One temperature for every depth", "",
              "| T | " + " | ".join(f"tau@{b} (gain)" for b in budgets) + " |",
              "|---|" + "---|" * len(budgets)]
-    raw = {"drafter": args.drafter or "shipped", "data": str(args.data), "split": args.split, "records": nrec,
+    raw = {"drafter": drafter, "data": str(args.data), "split": args.split, "records": nrec,
            "anchors": int(len(d["root"])), "seed": args.seed, "temperatures": list(temps), "global": {}}
     for j, t in enumerate(temps):
         got = ref if j == one else score([j] * depths)

@@ -21,7 +21,7 @@ from tevjax.decode.engine import draft_trees
 from tevjax.train.dataset import Batch, TrainData
 from tevjax.train.objectives import sample_anchors
 
-__all__ = ["HeldoutEval", "greedy_accepted_depth"]
+__all__ = ["HeldoutEval", "block_truth", "greedy_accepted_depth"]
 
 
 def greedy_accepted_depth(tokens, parents, valid, truth, truth_ok) -> jax.Array:
@@ -39,21 +39,27 @@ def greedy_accepted_depth(tokens, parents, valid, truth, truth_ok) -> jax.Array:
     return jnp.sum(jnp.cumprod(reached.astype(jnp.int32)))
 
 
+def block_truth(tokens, loss_mask, anchors, valid, g: int) -> tuple[jax.Array, jax.Array]:
+    """The data's tokens at depths 1..g after each anchor, [B, M, g], and where they count: inside
+    the sequence, supervised, and after a valid anchor. tokens / loss_mask [B, T]; anchors / valid
+    [B, M] (`sample_anchors`)."""
+    t = tokens.shape[1]
+    pos = anchors[..., None] + jnp.arange(1, g + 1)
+    pos_c = jnp.minimum(pos, t - 1)
+    rows = jnp.arange(tokens.shape[0])[:, None, None]
+    return tokens[rows, pos_c], (pos < t) & loss_mask[rows, pos_c] & valid[..., None]
+
+
 @functools.partial(jax.jit, static_argnames=("dgd", "tgd", "budgets", "anchors"))
 def _evaluate(dstate, tstate, batch: Batch, key, *, dgd, tgd, budgets, anchors):
     drafter = nnx.merge(dgd, dstate)
     target = nnx.merge(tgd, tstate)
-    b, t = batch.tokens.shape
+    b = batch.tokens.shape[0]
     keys = jax.random.split(key, b)
     anc, valid = jax.vmap(sample_anchors, in_axes=(0, 0, None))(keys, batch.loss_mask, anchors)
     z = drafter.logits(target, drafter.train_hidden(target, batch.features, batch.tokens, anc))  # [B, M, G, Vd]
     g = z.shape[2]
-    pos = anc[..., None] + jnp.arange(1, g + 1)
-    inside = pos < t
-    pos_c = jnp.minimum(pos, t - 1)
-    rows = jnp.arange(b)[:, None, None]
-    truth = batch.tokens[rows, pos_c]
-    truth_ok = inside & batch.loss_mask[rows, pos_c] & valid[..., None]
+    truth, truth_ok = block_truth(batch.tokens, batch.loss_mask, anc, valid, g)
     hit = (drafter.token_ids(jnp.argmax(z, axis=-1)) == truth) & truth_ok
     out = {"acc_hits": jnp.sum(hit, axis=(0, 1)), "acc_count": jnp.sum(truth_ok, axis=(0, 1)),
            "anchors": jnp.sum(valid)}
