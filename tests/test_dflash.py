@@ -19,7 +19,7 @@ import pytest
 from flax import nnx
 from safetensors.numpy import save_file
 
-from tevjax.convert.dflash_ckpt import dflash_weight_rules, load_dflash, save_dflash
+from tevjax.convert.dflash_ckpt import average_dflash, dflash_weight_rules, load_dflash, save_dflash
 from tevjax.convert.hf import CheckpointError, read_safetensors_dir
 from tevjax.models.cache import KVCache
 from tevjax.models.config import PRESETS
@@ -363,6 +363,40 @@ def test_bad_checkpoints_fail_by_name(public_ckpt, target, tmp_path):
         load_dflash(public_ckpt[0], tiny_config("qwen3", num_layers=3))  # layer 3 does not exist
     with pytest.raises(FileNotFoundError):
         load_dflash(tmp_path / "nowhere")
+
+
+def test_average_is_the_weighted_mean_and_refuses_other_lineages(public_ckpt, tmp_path):
+    path_a, hf_cfg, ta = public_ckpt
+    tb = _tiny_public_tensors(hf_cfg, seed=1)
+    path_b = _write_checkpoint(tmp_path / "b", hf_cfg, tb)
+    cfg, avg = average_dflash([path_a, path_b], [0.25, 0.75])
+    assert cfg.param_dtype == "float32"
+    f32 = {k: v.astype(np.float32) for k, v in ta.items()}, {k: v.astype(np.float32) for k, v in tb.items()}
+    np.testing.assert_allclose(np.asarray(avg.fc.kernel[...]),
+                               (0.25 * f32[0]["fc.weight"] + 0.75 * f32[1]["fc.weight"]).T, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(np.asarray(avg.layers[1].self_attn.k_norm.scale[...]),
+                               0.25 * f32[0]["layers.1.self_attn.k_norm.weight"]
+                               + 0.75 * f32[1]["layers.1.self_attn.k_norm.weight"], rtol=1e-6)
+    # A drafter averaged with itself is itself, bit for bit.
+    _, same = average_dflash([path_a, path_a])
+    _, a32 = load_dflash(path_a, dtype="float32", param_dtype="float32")
+    for (_, x), (_, y) in zip(nnx.to_flat_state(nnx.state(same, nnx.Param)),
+                              nnx.to_flat_state(nnx.state(a32, nnx.Param)), strict=True):
+        np.testing.assert_array_equal(np.asarray(x.get_value()), np.asarray(y.get_value()))
+
+    other = dict(hf_cfg, dflash_config={"mask_token_id": MASK - 1, "target_layer_ids": list(IDS)})
+    with pytest.raises(ValueError, match="different config"):
+        average_dflash([path_a, _write_checkpoint(tmp_path / "other", other, tb)])
+    vocab = dict(hf_cfg, dflash_config={"mask_token_id": MASK, "target_layer_ids": list(IDS), "draft_vocab_size": 5})
+    v1 = _write_checkpoint(tmp_path / "v1", vocab, dict(ta, draft_vocab=np.array([1, 2, 3, 4, 5], np.int32)))
+    v2 = _write_checkpoint(tmp_path / "v2", vocab, dict(tb, draft_vocab=np.array([1, 2, 3, 4, 6], np.int32)))
+    with pytest.raises(ValueError, match="different draft vocabulary"):
+        average_dflash([v1, v2])
+    for weights, message in (([0.5, 0.6], "sum to 1"), ([1.5, -0.5], "positive"), ([1.0], "2 weights|1 weights")):
+        with pytest.raises(ValueError, match=message):
+            average_dflash([path_a, path_b], weights)
+    with pytest.raises(ValueError, match="at least 2"):
+        average_dflash([path_a])
 
 
 def test_weight_table_covers_the_module():

@@ -45,7 +45,7 @@ from tevjax.models.config import ModelConfig
 from tevjax.models.dflash import DFlashConfig, DFlashDrafter, check_draft_vocab
 from tevjax.sharding import place, shardings_by_path
 
-__all__ = ["dflash_weight_rules", "load_dflash", "load_drafter_params", "save_dflash"]
+__all__ = ["average_dflash", "dflash_weight_rules", "load_dflash", "load_drafter_params", "save_dflash"]
 
 CONFIG_FILE = "config.json"
 SAFETENSORS_FILE = "model.safetensors"
@@ -178,6 +178,37 @@ def load_dflash(path: str | os.PathLike, target_cfg: ModelConfig | None = None, 
     except CheckpointError as e:
         raise CheckpointError(f"{path}: {e}") from e
     return cfg, drafter
+
+
+def average_dflash(paths, weights=None, target_cfg: ModelConfig | None = None
+                   ) -> tuple[DFlashConfig, DFlashDrafter]:
+    """The weighted average of drafters that share one config, as a float32 `DFlashDrafter`.
+
+    Averaging a model with its own fine-tune (weight-space interpolation, as in WiSE-FT) can keep
+    what the fine-tune learned while undoing part of its drift, at no training cost. It is only
+    meaningful between drafters of one lineage, so every config (the stored dtype aside) and every
+    draft vocabulary must be equal. `weights` default to equal ones and must be positive and sum to
+    1; the average is taken in float32.
+    """
+    paths = [os.fspath(p) for p in paths]
+    if len(paths) < 2:
+        raise ValueError(f"average_dflash: needs at least 2 drafters, got {len(paths)}")
+    weights = [1.0 / len(paths)] * len(paths) if weights is None else [float(w) for w in weights]
+    if len(weights) != len(paths):
+        raise ValueError(f"average_dflash: {len(weights)} weights for {len(paths)} drafters")
+    if not all(np.isfinite(w) and w > 0 for w in weights) or abs(sum(weights) - 1.0) > 1e-6:
+        raise ValueError(f"average_dflash: weights must be positive and sum to 1, got {weights}")
+    cfg, out = load_dflash(paths[0], target_cfg, dtype="float32", param_dtype="float32")
+    acc = jax.tree.map(lambda x: weights[0] * x, nnx.state(out, nnx.Param))
+    for path, w in zip(paths[1:], weights[1:]):
+        cfg_i, d = load_dflash(path, target_cfg, dtype="float32", param_dtype="float32")
+        if cfg_i != cfg:
+            raise ValueError(f"average_dflash: {path} has a different config from {paths[0]}")
+        if cfg.draft_vocab_size is not None and not bool(jnp.array_equal(d.vocab_ids(), out.vocab_ids())):
+            raise ValueError(f"average_dflash: {path} has a different draft vocabulary from {paths[0]}")
+        acc = jax.tree.map(lambda a, x: a + w * x, acc, nnx.state(d, nnx.Param))
+    nnx.update(out, acc)
+    return cfg, out
 
 
 def _fsync(file_path: str) -> None:
