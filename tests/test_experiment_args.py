@@ -15,6 +15,7 @@ import data_curve  # noqa: E402
 import exit_mass  # noqa: E402
 import exittrain_ablation  # noqa: E402
 import fixed_tree_equivalence  # noqa: E402
+import heldout_screen  # noqa: E402
 import round_blocks  # noqa: E402
 import round_stages  # noqa: E402
 import verifier_latency  # noqa: E402
@@ -260,3 +261,15 @@ def test_draft_temperature_options_and_scorer(tmp_path, capsys):
     assert score([1, 1])[1].tolist() == [2.0]
     tokens, anchors = dt.per_record(np.array([2.0, 3.0, 1.0]), np.array([4, 9, 4]))
     assert tokens.tolist() == [3.0, 3.0] and anchors.tolist() == [2.0, 1.0]
+
+
+def test_heldout_screen_rejects_bad_arguments(tmp_path, capsys):
+    assert "not a `tevjax data` directory" in error_of(heldout_screen.parse_args, ["--data", str(tmp_path)], capsys)
+    (tmp_path / "manifest.json").write_text("{}")
+    ok = ["--data", str(tmp_path)]
+    assert "--anchors must be >= 1" in error_of(heldout_screen.parse_args, ok + ["--anchors", "0"], capsys)
+    assert "--budgets must all be >= 1" in error_of(heldout_screen.parse_args, ok + ["--budgets", "8", "0"], capsys)
+    assert "give one label per --drafter" in error_of(
+        heldout_screen.parse_args, ok + ["--drafter", str(tmp_path), "--label", "a", "--label", "b"], capsys)
+    args = heldout_screen.parse_args(ok + ["--drafter", str(tmp_path), "--label", "a"])
+    assert args.drafters == [str(tmp_path)] and args.budgets == [4, 8, 16] and args.anchors == 128

@@ -28,6 +28,7 @@ from tevjax.models.dflash import DFlashConfig, DFlashDrafter, draft_vocab_from_c
 from tevjax.sharding import make_mesh
 from tevjax.testing import forced_devices_env, random_model, tiny_config
 from tevjax.train.dataset import Batch, TrainData
+from tevjax.train.heldout import HeldoutEval, greedy_accepted_depth
 from tevjax.train.rollout import RolloutConfig, generate_data, read_manifest
 from tevjax.train.run import RunError, export_run, train
 from tevjax.train.step import TrainConfig, Trainer, teacher_logits
@@ -241,6 +242,43 @@ def test_training_trees_are_the_decoders_trees(target):
         for field in ("tokens", "parents", "depth", "valid"):
             np.testing.assert_array_equal(np.asarray(getattr(dec_tree, field)[0]),
                                           np.asarray(getattr(train_trees, field)[j]), err_msg=field)
+
+
+def test_greedy_accepted_depth_follows_the_data_down_the_tree():
+    # root 0; children 1 (token 5) and 2 (6); 3 (7) under 1; 4 (8) under 3; 5 (9) under 4 is padding.
+    tokens = jnp.array([0, 5, 6, 7, 8, 9])
+    parents = jnp.array([-1, 0, 0, 1, 3, 4])
+    valid = jnp.array([True, True, True, True, True, False])
+    ok = jnp.ones(4, bool)
+    depth = lambda truth, truth_ok=ok: int(greedy_accepted_depth(tokens, parents, valid, jnp.array(truth),  # noqa: E731
+                                                                 truth_ok))
+    assert depth([5, 7, 8, 9]) == 3  # the padding node below 4 is never a match
+    assert depth([6, 7, 8, 9]) == 1  # 7 hangs under 1, not under 2
+    assert depth([5, 8, 7, 9]) == 1  # a grandchild's token is not a child's
+    assert depth([9, 5, 7, 8]) == 0
+    assert depth([5, 7, 8, 9], jnp.array([True, True, False, True])) == 2  # the data ends (or is unsupervised)
+
+
+def test_heldout_records_sum_to_the_check(data_dir, target):
+    data = TrainData(data_dir, "heldout")
+    drafter = _drafter(target)
+    ev = HeldoutEval(data, data.tap_columns(TAPS), records=4, anchors=5, seq_len=40, budgets=(2, 5), batch=3)
+    rec = ev.per_record(drafter, target)
+    assert rec["anchors"].shape == rec["tau_2"].shape == (4,) and rec["acc_hits"].shape == (4, BS - 1)
+    assert np.all(rec["anchors"] >= 1) and np.all(rec["anchors"] <= 5)
+    # A block is 1 (the bonus) to BS tokens, and a larger budget's tree holds the smaller one's path.
+    assert np.all(rec["tau_2"] >= rec["anchors"]) and np.all(rec["tau_5"] <= BS * rec["anchors"])
+    assert np.all(rec["tau_5"] >= rec["tau_2"])
+    assert np.all(rec["acc_hits"] <= rec["acc_count"])
+    metrics = ev(drafter, target)
+    n = rec["anchors"].sum()
+    assert metrics["tau_sim@2"] == pytest.approx(rec["tau_2"].sum() / n)
+    assert metrics["tau_sim@5"] == pytest.approx(rec["tau_5"].sum() / n)
+    assert metrics["acc@1"] == pytest.approx(rec["acc_hits"][:, 0].sum() / rec["acc_count"][:, 0].sum())
+    # The anchors depend on the data and the seed only: the same drafter scores the same again.
+    again = ev.per_record(drafter, target)
+    for k in rec:
+        np.testing.assert_array_equal(rec[k], again[k], err_msg=k)
 
 
 def test_exit_loss_reads_only_its_exit_sequences(data_dir, target):

@@ -61,14 +61,15 @@ def _evaluate(dstate, tstate, batch: Batch, key, *, dgd, tgd, budgets, anchors):
     g = z.shape[2]
     truth, truth_ok = block_truth(batch.tokens, batch.loss_mask, anc, valid, g)
     hit = (drafter.token_ids(jnp.argmax(z, axis=-1)) == truth) & truth_ok
-    out = {"acc_hits": jnp.sum(hit, axis=(0, 1)), "acc_count": jnp.sum(truth_ok, axis=(0, 1)),
-           "anchors": jnp.sum(valid)}
+    # Per record ([B] or [B, G]): records are the independent units of a paired comparison.
+    out = {"acc_hits": jnp.sum(hit, axis=1), "acc_count": jnp.sum(truth_ok, axis=1),
+           "anchors": jnp.sum(valid, axis=1)}
     roots = jnp.take_along_axis(batch.tokens, anc, axis=1).reshape(-1)
     for budget in budgets:
         trees = draft_trees(z.reshape(b * anchors, g, -1), roots, budget, drafter.vocab_ids())
         depth = jax.vmap(greedy_accepted_depth)(trees.tokens, trees.parents, trees.valid,
                                                 truth.reshape(b * anchors, g), truth_ok.reshape(b * anchors, g))
-        out[f"tau_{budget}"] = jnp.sum(jnp.where(valid.reshape(-1), 1 + depth, 0))
+        out[f"tau_{budget}"] = jnp.sum(jnp.where(valid, 1 + depth.reshape(b, anchors), 0), axis=1)
     return out
 
 
@@ -81,16 +82,25 @@ class HeldoutEval:
         self.batches = [data.batch(range(s, min(n, s + batch)), columns, seq_len) for s in range(0, n, batch)]
         self.anchors, self.budgets, self.seed = anchors, tuple(budgets), seed
 
-    def __call__(self, drafter, target) -> dict[str, float]:
+    def per_record(self, drafter, target) -> dict[str, np.ndarray]:
+        """Sums per held-out record, in record order: "anchors" [R] (valid anchors), "tau_<b>" [R]
+        (simulated block lengths at budget b, summed over the record's anchors) and "acc_hits" /
+        "acc_count" [R, G]. The anchors depend only on the data and the seed, so two drafters are
+        scored at the same anchors: sum(tau_b) / sum(anchors) is each one's tau_sim@b, and records
+        pair them (`experiments/heldout_screen.py`)."""
         dgd, dstate = nnx.split(drafter)
         tgd, tstate = nnx.split(target)
-        totals: dict[str, np.ndarray] = {}
+        parts: dict[str, list[np.ndarray]] = {}
         for i, host in enumerate(self.batches):
             batch = Batch(**{k: jnp.asarray(v) for k, v in host.items()})
             out = _evaluate(dstate, tstate, batch, jax.random.fold_in(jax.random.key(self.seed), i),
                             dgd=dgd, tgd=tgd, budgets=self.budgets, anchors=self.anchors)
             for k, v in out.items():
-                totals[k] = totals.get(k, 0) + np.asarray(v)
+                parts.setdefault(k, []).append(np.asarray(v))
+        return {k: np.concatenate(v) for k, v in parts.items()}
+
+    def __call__(self, drafter, target) -> dict[str, float]:
+        totals = {k: v.sum(axis=0) for k, v in self.per_record(drafter, target).items()}
         n = max(float(totals["anchors"]), 1.0)
         acc = totals["acc_hits"] / np.maximum(totals["acc_count"], 1)
         metrics = {f"acc@{k + 1}": float(acc[k]) for k in range(min(4, len(acc)))}
