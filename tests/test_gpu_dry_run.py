@@ -6,6 +6,7 @@ limits are scaled up (TIME_SCALE) so that a busy shared machine does not turn sl
 failure here; `make gpu-dry-run` runs with the real limits.
 """
 
+import json
 import os
 import re
 import subprocess
@@ -45,3 +46,40 @@ def test_gpu_script_dry_run_writes_every_stage(tmp_path):
     total = next(line for line in (tmp_path / "a_correctness.md").read_text().splitlines() if "**total**" in line)
     passed, failed, errors = (int(c) for c in total.strip("|").split("|")[2:5])
     assert passed > 0 and failed == 0 and errors == 0, total
+
+
+@pytest.mark.slow
+def test_drafter_scale_tiny_generates_trains_and_exports(tmp_path):
+    """experiments/gpu/drafter_scale.py --tiny on CPU with the embedded target: the records it keeps
+    are the target's greedy answers to the given prompts, and the exported drafter has moved."""
+    import numpy as np
+
+    from tevjax.convert.dflash_ckpt import load_dflash
+    from tevjax.loading import TRAINED_DRAFTERS, load_target
+
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(100, 20000, n).tolist() for n in (12, 30, 7, 19, 25, 9, 14, 40)]
+    np.savez(tmp_path / "p.npz", ids=np.concatenate(prompts).astype(np.uint16),
+             offsets=np.cumsum([0] + [len(p) for p in prompts]), index=np.arange(100, 108))
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, str(ROOT / "experiments/gpu/drafter_scale.py"), "--tiny", "--prompts",
+                           str(tmp_path / "p.npz"), "--init", str(TRAINED_DRAFTERS["smollm2"]), "--out", str(out),
+                           "--compile-cache", ""], env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True,
+                          text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["records"] == 8 and summary["done"] == summary["steps"] > 0
+    parts = [np.load(out / f"records-{k}.npz") for k in (0, 1)]
+    assert np.concatenate([z["index"] for z in parts]).tolist() == list(range(100, 108))
+    loaded = load_target("smollm2", dtype="float32")
+    from tevjax.decode.engine import DecodeConfig, Decoder
+
+    dec = Decoder(loaded.target, None, DecodeConfig(max_new_tokens=16, eos_ids=loaded.eos_ids))
+    z = parts[0]
+    for r, prompt in enumerate(prompts[: len(z["prompt_len"])]):
+        seq = z["tokens"][z["offsets"][r]:z["offsets"][r + 1]].astype(int).tolist()
+        assert seq == prompt + dec.generate([prompt])[0].tokens
+    _, before = load_dflash(TRAINED_DRAFTERS["smollm2"], loaded.target_cfg)
+    _, after = load_dflash(out / "drafter", loaded.target_cfg)
+    w0, w1 = (np.asarray(d.fc.kernel.get_value(), np.float32) for d in (before, after))
+    assert w0.shape == w1.shape and not np.array_equal(w0, w1)

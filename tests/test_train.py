@@ -104,6 +104,20 @@ def test_data_directory_holds_greedy_responses_and_features(data_dir, target):
         assert not np.any(feats[-1])
 
 
+def test_batch_features_on_the_device_are_the_stored_features(data_dir, target):
+    from tevjax.train.rollout import batch_features
+
+    data = TrainData(data_dir, "train")
+    host = data.batch([0, 5, 7, 11], [0, 1], seq_len=40)  # every record is shorter than 40: none cropped
+    assert host["length"].min() > 4 and host["length"].max() < 40
+    got = np.asarray(batch_features(target, jnp.asarray(host["tokens"]), jnp.asarray(host["length"]), TAPS))
+    assert got.shape == host["features"].shape and got.dtype == np.float32
+    # Both are bfloat16 roundings of the same states (the decoder's passes vs one causal forward).
+    np.testing.assert_allclose(got, host["features"], rtol=2 ** -7, atol=1e-5)
+    for row, n in zip(got, host["length"]):
+        assert np.all(np.any(row[: n - 1] != 0, axis=-1)) and not np.any(row[n - 1:])
+
+
 def test_data_resume_loses_and_duplicates_nothing(tmp_path, data_dir, target):
     out = tmp_path / "d"
     loaded = _loaded(target)

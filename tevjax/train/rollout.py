@@ -55,7 +55,8 @@ from tevjax.models.dflash import tapped_hidden
 from tevjax.models.layers import causal_mask
 from tevjax.models.transformer import Transformer
 
-__all__ = ["RolloutConfig", "generate_data", "sequence_hidden", "read_manifest", "MANIFEST", "FORMAT_VERSION"]
+__all__ = ["RolloutConfig", "generate_data", "sequence_hidden", "batch_features", "read_manifest", "MANIFEST",
+           "FORMAT_VERSION"]
 
 MANIFEST = "manifest.json"
 RESPONSES = ("target", "sharegpt")
@@ -174,6 +175,27 @@ def sequence_hidden(target: Transformer, sequences: Sequence[Sequence[int]], tap
         for j, i in enumerate(idx):
             out[i] = hidden[j, : len(sequences[i])]
     return out
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "taps"))
+def _batch_features_fn(state, tokens, length, *, graphdef, taps):
+    hidden = _hidden_fn(state, tokens, graphdef=graphdef, taps=taps).astype(jnp.float32)  # [B, T, n, D]
+    b, t = tokens.shape
+    keep = jnp.arange(t)[None, :] < (length - 1)[:, None]
+    return (hidden * keep[:, :, None, None]).reshape(b, t, -1)
+
+
+def batch_features(target: Transformer, tokens: jax.Array, length: jax.Array, taps: tuple[int, ...]) -> jax.Array:
+    """[B, T, n*D] float32 features of a padded token batch ([B, T] tokens; [B] lengths of whole,
+    uncropped records) as a `TrainData` batch holds them, computed on the device instead of read from disk: one causal
+    forward, bfloat16-rounded, zero from each row's last real token on (no pass of the decoder
+    read it) and over the padding. Where storing features would cost more than recomputing them
+    (a GPU: 6.9 KB a token for SmolLM2's six taps), training can build its batches from token ids
+    alone (`experiments/gpu/drafter_scale.py`)."""
+    from flax import nnx
+
+    graphdef, state = nnx.split(target)
+    return _batch_features_fn(state, tokens, length, graphdef=graphdef, taps=tuple(taps))
 
 
 # ----------------------------------------------------------------------------------- prompts
