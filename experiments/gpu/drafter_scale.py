@@ -198,7 +198,8 @@ def train(args, target, drafter, records, deadline: float, probe: dict | None):
         steps = int(left / 0.5)  # no measurement: a conservative guess; the loop also stops at the deadline
     steps = max(4, min(steps, int(args.max_epochs * n / args.batch)))
     cfg = TrainConfig(steps=steps, batch_size=args.batch, anchors=args.anchors, seq_len=args.seq_len, lr=args.lr,
-                      warmup=0.04, weight_decay=0.0, gamma=args.gamma, exit_lambda=0.0, exit_anchors=min(8, args.anchors), seed=args.seed)
+                      warmup=0.04, weight_decay=0.0, gamma=args.gamma, exit_lambda=0.0,
+                      exit_anchors=min(8, args.anchors), seed=args.seed)
     log("train plan", steps=steps, records=n, epochs=round(steps * args.batch / n, 2), step_s=step_s)
     trainer = Trainer(drafter, target, cfg, mesh)
     state = trainer.init_state()

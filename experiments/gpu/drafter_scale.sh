@@ -7,8 +7,9 @@
 #   experiments/gpu/drafter_scale.sh run STAGE2 OUTDIR GEN_S TRAIN_S   # call 2 on the same machine
 #
 # STAGE1 holds gguf.partA, prompts.npz (see drafter_scale.py), config.json (the target's HF config)
-# and *.whl (the flax, optax and gguf versions this project is tested with, installed over the
-# machine's own with --no-deps); STAGE2 holds gguf.partB, gguf.sha256 and the wheels again.
+# and *.whl: `gguf` (not on the machine) and optax 0.2.8, installed with --no-deps. Not flax: the
+# image's jax 0.11.2 broke flax 0.12.8's import (no jax.experimental.hijax.HiPrimitive) and runs
+# with its own flax 0.12.10. STAGE2 holds gguf.partB, gguf.sha256 and the wheels again.
 # `probe` keeps part A, the prompts and the installed wheels under /tmp, then times one generation
 # batch and a few training steps on a random-weight target of the real shapes (which also fills
 # JAX's compilation cache for the generation loop). `run` joins the parts, checks the digest, and
@@ -38,7 +39,8 @@ case "${1:-}" in
         cp "$stage/gguf.partA" "$stage/prompts.npz" "$stage/config.json" "$KEEP/"
         install_wheels "$stage"
         nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-        "$PY" -c 'import jax, flax, optax; print("jax", jax.__version__, "flax", flax.__version__, "optax", optax.__version__, jax.devices())'
+        "$PY" -c 'import jax, flax, optax; print("jax", jax.__version__, "flax", flax.__version__,
+                                              "optax", optax.__version__, jax.devices())'
         "$PY" "$HERE/drafter_scale.py" --probe "$KEEP/config.json" --prompts "$KEEP/prompts.npz" \
             --init "$ROOT/tevjax/assets/smollm2-dflash" --out /tmp/tevjax-probe-out ${DS_ARGS:-}
         ;;
