@@ -83,3 +83,26 @@ def test_drafter_scale_tiny_generates_trains_and_exports(tmp_path):
     _, after = load_dflash(out / "drafter", loaded.target_cfg)
     w0, w1 = (np.asarray(d.fc.kernel.get_value(), np.float32) for d in (before, after))
     assert w0.shape == w1.shape and not np.array_equal(w0, w1)
+
+
+def test_drafter_scale_records_round_trip(tmp_path):
+    """What one GPU call saves (`save_records`), a later one trains on again (`load_records`)."""
+    import numpy as np
+
+    sys.path.insert(0, str(ROOT / "experiments/gpu"))
+    try:
+        import drafter_scale as ds
+    finally:
+        sys.path.pop(0)
+    rng = np.random.default_rng(3)
+    records = [(rng.integers(0, 49152, rng.integers(1, 40)).tolist(),
+                rng.integers(0, 49152, rng.integers(0, 30)).tolist(), "eos" if k % 3 else "length") for k in range(7)]
+    ds.save_records(tmp_path, records, np.arange(50, 57))
+    back = ds.load_records(tmp_path / "records-0.npz") + ds.load_records(tmp_path / "records-1.npz")
+    assert back == records
+    assert np.load(tmp_path / "records-1.npz")["index"].tolist() == list(range(53, 57))
+    z = dict(np.load(tmp_path / "records-0.npz"))
+    z["offsets"] = z["offsets"][:-1]
+    np.savez(tmp_path / "bad.npz", **z)
+    with pytest.raises(ValueError, match="bad.npz: inconsistent records file"):
+        ds.load_records(tmp_path / "bad.npz")

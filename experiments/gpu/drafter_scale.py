@@ -13,11 +13,13 @@ record's last-but-one token exactly as stored shards are.
         [--gen-seconds S] [--train-seconds S] [--probe CONFIG.json] [--tiny]
 
 Phases, under one deadline each (measured from the start of the process):
-  1. generate: the target's greedy responses (256 new tokens at most, as `tevjax data
-     --turns later`) to the prompts in `--prompts` (an .npz of uint16 `ids`, `offsets` and the
-     prompts' `index` in the data directory's prompts.jsonl), in fixed-shape batches (one compile).
-     The records are written to DIR/records-*.npz (token ids; prompt lengths), so that a CPU
-     session can keep them.
+  1. generate: the target's greedy (or, with `--temperature`, sampled) responses (256 new tokens
+     at most, as `tevjax data --turns later`) to the prompts in `--prompts` (an .npz of uint16
+     `ids`, `offsets` and the prompts' `index` in the data directory's prompts.jsonl), in
+     fixed-shape batches (one compile).
+     The records are written to DIR/records-*.npz (token ids; prompt lengths): 3.3 MB for 19k
+     records, so they travel to a later GPU call, where `--records` trains on them again along
+     with that call's new records (the data grows across sessions without storing features).
   2. train: `tevjax.train.step.Trainer` (the same step as `tevjax train`: DFlash token loss,
      gamma decay, AdamW with warmup + cosine) from `--init`, over the generated records. The
      number of steps is set from a measured step time so that the schedule ends inside the budget.
@@ -56,11 +58,15 @@ def parse_args(argv=None):
     p.add_argument("--init", type=Path, required=True, help="DFlash drafter directory to start from")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--probe", type=Path, default=None, help="HF config.json: random-weight timing run")
+    p.add_argument("--records", type=Path, nargs="*", default=[],
+                   help="records-*.npz of earlier runs: trained on along with the new records (3.3 MB per 19k)")
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--gen-seconds", type=float, default=240.0, help="generation ends by this time")
     p.add_argument("--train-seconds", type=float, default=520.0, help="training ends by this time")
     p.add_argument("--gen-batch", type=int, default=512)
     p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0: the target's greedy responses (the recipe); > 0: sampled ones (more text per prompt)")
     p.add_argument("--batch", type=int, default=64, help="training sequences per step")
     p.add_argument("--anchors", type=int, default=32)
     p.add_argument("--seq-len", type=int, default=512)
@@ -107,36 +113,48 @@ def read_prompts(path: Path, tiny: bool) -> tuple[list[list[int]], np.ndarray]:
     return prompts, index
 
 
+def load_records(path: Path) -> list[tuple[list[int], list[int], str]]:
+    """The (prompt, response, stop) records of a `save_records` file."""
+    z = np.load(path)
+    tokens, off, plen, eos = z["tokens"].astype(np.int64), z["offsets"], z["prompt_len"], z["eos"]
+    if len(off) != len(plen) + 1 or len(eos) != len(plen) or (len(off) and off[-1] != len(tokens)):
+        raise ValueError(f"{path}: inconsistent records file")
+    out = []
+    for r in range(len(plen)):
+        seq = tokens[off[r]:off[r + 1]].tolist()
+        out.append((seq[:plen[r]], seq[plen[r]:], "eos" if eos[r] else "length"))
+    return out
+
+
 def generate(args, target, eos, prompts, deadline: float):
-    """Greedy responses in batches of args.gen_batch (the last one padded with its own first prompt);
+    """Responses in batches of args.gen_batch (the last one padded with its own first prompt);
     stops before a batch that would end past `deadline` (seconds since start)."""
     from tevjax.decode.engine import DecodeConfig, Decoder
-
-    import jax
 
     bucket = 256  # every prompt fits one bucket: one compile for every batch
     if max(map(len, prompts)) > bucket + 1:
         raise ValueError(f"a prompt is longer than {bucket + 1} tokens")
-    cfg = DecodeConfig(temperature=0.0, max_new_tokens=args.max_new_tokens, eos_ids=tuple(eos),
+    cfg = DecodeConfig(temperature=args.temperature, max_new_tokens=args.max_new_tokens, eos_ids=tuple(eos),
                        prompt_bucket=bucket, capacity=-(-(bucket + 2 + args.max_new_tokens) // 128) * 128)
-    with jax.default_matmul_precision("highest"):  # the responses are the fp32 target's greedy ones
-        dec = Decoder(target, None, cfg)
-        records, batch_s = [], []
-        for start in range(0, len(prompts), args.gen_batch):
-            # The first batch's time includes the compile; later batches are timed alone.
-            expect = (batch_s[-1] if len(batch_s) == 1 else max(batch_s[1:])) if batch_s else 0.0
-            if time.monotonic() - T0 + expect * 1.1 > deadline:
-                log("generation deadline", records=len(records))
-                break
-            chunk = prompts[start:start + args.gen_batch]
-            padded = chunk + [chunk[0]] * (args.gen_batch - len(chunk))
-            t = time.monotonic()
-            gens = dec.generate(padded)
-            batch_s.append(time.monotonic() - t)
-            for p, g in zip(chunk, gens[:len(chunk)]):
-                records.append((p, list(g.tokens), g.stop))
-            log("generated", records=len(records), batch_s=round(batch_s[-1], 2),
-                new_tokens=int(sum(len(g.tokens) for g in gens[:len(chunk)])))
+    # float32 models run true float32 matmuls on GPUs too (`layers.matmul_precision`), so these are
+    # the float32 target's greedy responses, as on the CPU.
+    dec = Decoder(target, None, cfg)
+    records, batch_s = [], []
+    for start in range(0, len(prompts), args.gen_batch):
+        # The first batch's time includes the compile; later batches are timed alone.
+        expect = (batch_s[-1] if len(batch_s) == 1 else max(batch_s[1:])) if batch_s else 0.0
+        if time.monotonic() - T0 + expect * 1.1 > deadline:
+            log("generation deadline", records=len(records))
+            break
+        chunk = prompts[start:start + args.gen_batch]
+        padded = chunk + [chunk[0]] * (args.gen_batch - len(chunk))
+        t = time.monotonic()
+        gens = dec.generate(padded, seed=args.seed * 1_000_003 + start)  # the seed matters only when sampling
+        batch_s.append(time.monotonic() - t)
+        for p, g in zip(chunk, gens[:len(chunk)]):
+            records.append((p, list(g.tokens), g.stop))
+        log("generated", records=len(records), batch_s=round(batch_s[-1], 2),
+            new_tokens=int(sum(len(g.tokens) for g in gens[:len(chunk)])))
     return records, batch_s
 
 
@@ -180,13 +198,12 @@ def train(args, target, drafter, records, deadline: float, probe: dict | None):
 
     from tevjax.sharding import global_batch_array, make_mesh
     from tevjax.train.dataset import Batch
+    from tevjax.train.rollout import batch_features
     from tevjax.train.step import TrainConfig, Trainer
 
     mesh = make_mesh()
     n = len(records)
     taps = tuple(drafter.cfg.target_layer_ids)
-    from tevjax.train.rollout import batch_features
-
     step_s = (probe or {}).get("step_s")
     compile_s = (probe or {}).get("train_compile_s", 60.0)
     left = deadline - (time.monotonic() - T0) - compile_s - 15.0
@@ -208,40 +225,39 @@ def train(args, target, drafter, records, deadline: float, probe: dict | None):
     times, losses, t_compile = [], [], None
     mid_done = False
     done = 0
-    with jax.default_matmul_precision("tensorfloat32"):  # features are rounded to bf16 anyway
-        for s in range(steps):
-            if pos + args.batch > n:
-                perm, pos = rng.permutation(n), 0
-            rows = perm[pos:pos + args.batch]
-            pos += args.batch
-            tok, mask, length = host_batch(records, rows, args.seq_len)
-            tok_d, len_d = global_batch_array(mesh, tok), global_batch_array(mesh, length)
-            feats = batch_features(target, tok_d, len_d, taps)
-            feats = jax.device_put(feats, NamedSharding(mesh, PartitionSpec(*tok_d.sharding.spec, None)))
-            batch = Batch(tokens=tok_d, loss_mask=global_batch_array(mesh, mask), features=feats, length=len_d)
-            t = time.monotonic()
-            state, metrics = trainer.step(state, batch)
-            if s == 0 or (s + 1) % 25 == 0 or s + 1 == steps:
-                m = {k: float(v) for k, v in jax.device_get(metrics).items()}
-                if s == 0:
-                    t_compile = time.monotonic() - t
-                    t_steady = time.monotonic()
-                else:
-                    times.append((time.monotonic() - t_steady) / max(s, 1))
-                if not np.isfinite(m["loss_tok"]):
-                    raise FloatingPointError(f"step {s + 1}: non-finite loss {m}")
-                losses.append((s + 1, round(m["loss_tok"], 4), round(m["acc1"], 4)))
-                log("step", step=s + 1, loss_tok=round(m["loss_tok"], 4), acc1=round(m["acc1"], 4),
-                    s_per_step=round(times[-1], 4) if times else None)
-            done = s + 1
-            now = time.monotonic() - T0
-            if not mid_done and s + 1 >= steps * 0.6 and args.probe is None:
-                export(trainer, state, drafter.cfg, args.out / "drafter")
-                mid_done = True
-                log("mid export", step=s + 1)
-            if now > deadline:
-                log("training deadline: stopped before the schedule ended", step=s + 1, of=steps)
-                break
+    for s in range(steps):
+        if pos + args.batch > n:
+            perm, pos = rng.permutation(n), 0
+        rows = perm[pos:pos + args.batch]
+        pos += args.batch
+        tok, mask, length = host_batch(records, rows, args.seq_len)
+        tok_d, len_d = global_batch_array(mesh, tok), global_batch_array(mesh, length)
+        feats = batch_features(target, tok_d, len_d, taps)
+        feats = jax.device_put(feats, NamedSharding(mesh, PartitionSpec(*tok_d.sharding.spec, None)))
+        batch = Batch(tokens=tok_d, loss_mask=global_batch_array(mesh, mask), features=feats, length=len_d)
+        t = time.monotonic()
+        state, metrics = trainer.step(state, batch)
+        if s == 0 or (s + 1) % 25 == 0 or s + 1 == steps:
+            m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+            if s == 0:
+                t_compile = time.monotonic() - t
+                t_steady = time.monotonic()
+            else:
+                times.append((time.monotonic() - t_steady) / max(s, 1))
+            if not np.isfinite(m["loss_tok"]):
+                raise FloatingPointError(f"step {s + 1}: non-finite loss {m}")
+            losses.append((s + 1, round(m["loss_tok"], 4), round(m["acc1"], 4)))
+            log("step", step=s + 1, loss_tok=round(m["loss_tok"], 4), acc1=round(m["acc1"], 4),
+                s_per_step=round(times[-1], 4) if times else None)
+        done = s + 1
+        now = time.monotonic() - T0
+        if not mid_done and s + 1 >= steps * 0.6 and args.probe is None:
+            export(trainer, state, drafter.cfg, args.out / "drafter")
+            mid_done = True
+            log("mid export", step=s + 1)
+        if now > deadline:
+            log("training deadline: stopped before the schedule ended", step=s + 1, of=steps)
+            break
     jax.block_until_ready(state)
     total = time.monotonic() - t_steady if t_compile is not None and done > 1 else None
     step_time = total / (done - 1) if total else None
@@ -271,8 +287,12 @@ def main(argv=None) -> int:
     if args.probe is None:
         save_records(args.out, records, index[:len(records)])
         log("records saved", records=len(records))
-    trainer, state, stats = train(args, target, drafter, records, args.train_seconds, probe)
-    summary = {"records": len(records), "gen_batch_s": [round(x, 2) for x in batch_s], **stats,
+    carried = [r for path in args.records for r in load_records(path)]
+    if carried:
+        log("carried records", records=len(carried), files=[str(p) for p in args.records])
+    trainer, state, stats = train(args, target, drafter, records + carried, args.train_seconds, probe)
+    summary = {"records": len(records), "carried_records": len(carried),
+               "gen_batch_s": [round(x, 2) for x in batch_s], **stats,
                "response_tokens": int(sum(len(r) for _, r, _ in records)),
                "eos_fraction": round(float(np.mean([s == "eos" for _, _, s in records])), 4) if records else None,
                "wall_s": round(time.monotonic() - T0, 1), "args": {k: str(v) for k, v in vars(args).items()}}
