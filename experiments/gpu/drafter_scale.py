@@ -70,6 +70,8 @@ def parse_args(argv=None):
     p.add_argument("--batch", type=int, default=64, help="training sequences per step")
     p.add_argument("--anchors", type=int, default=32)
     p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--layers", type=int, default=None,
+                   help="grow the --init drafter to this many layers first (new layers start as the identity)")
     p.add_argument("--lr", type=float, default=4e-4)
     p.add_argument("--gamma", type=float, default=2.0)
     p.add_argument("--max-epochs", type=float, default=3.0)
@@ -100,6 +102,10 @@ def load(args):
         loaded = load_target("smollm2", dtype="float32")
         target, tcfg, eos = loaded.target, loaded.target_cfg, loaded.eos_ids
     _, drafter = load_dflash(args.init, tcfg, dtype="float32", param_dtype="float32")
+    if args.layers is not None and args.layers != drafter.cfg.num_layers:
+        from tevjax.models.dflash import grow_drafter
+
+        drafter = grow_drafter(drafter, args.layers, rngs=nnx.Rngs(args.seed))  # refuses to remove layers
     return target, tcfg, eos, drafter
 
 
