@@ -110,7 +110,9 @@ def test_batch_features_on_the_device_are_the_stored_features(data_dir, target):
     data = TrainData(data_dir, "train")
     host = data.batch([0, 5, 7, 11], [0, 1], seq_len=40)  # every record is shorter than 40: none cropped
     assert host["length"].min() > 4 and host["length"].max() < 40
-    got = np.asarray(batch_features(target, jnp.asarray(host["tokens"]), jnp.asarray(host["length"]), TAPS))
+    graphdef, state = nnx.split(target)
+    got = np.asarray(batch_features(state, jnp.asarray(host["tokens"]), jnp.asarray(host["length"]),
+                                    graphdef=graphdef, taps=TAPS))
     assert got.shape == host["features"].shape and got.dtype == np.float32
     # Both are bfloat16 roundings of the same states (the decoder's passes vs one causal forward).
     np.testing.assert_allclose(got, host["features"], rtol=2 ** -7, atol=1e-5)

@@ -238,7 +238,7 @@ def train(args, target, drafter, records, deadline: float, probe: dict | None):
         pos += args.batch
         tok, mask, length = host_batch(records, rows, args.seq_len)
         tok_d, len_d = global_batch_array(mesh, tok), global_batch_array(mesh, length)
-        feats = batch_features(target, tok_d, len_d, taps)
+        feats = batch_features(trainer.tstate, tok_d, len_d, graphdef=trainer.tgd, taps=taps)  # split once
         feats = jax.device_put(feats, NamedSharding(mesh, PartitionSpec(*tok_d.sharding.spec, None)))
         batch = Batch(tokens=tok_d, loss_mask=global_batch_array(mesh, mask), features=feats, length=len_d)
         t = time.monotonic()

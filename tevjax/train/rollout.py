@@ -178,24 +178,18 @@ def sequence_hidden(target: Transformer, sequences: Sequence[Sequence[int]], tap
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "taps"))
-def _batch_features_fn(state, tokens, length, *, graphdef, taps):
+def batch_features(state, tokens: jax.Array, length: jax.Array, *, graphdef, taps: tuple[int, ...]) -> jax.Array:
+    """[B, T, n*D] float32 features of a padded token batch ([B, T] tokens; [B] lengths of whole,
+    uncropped records) as a `TrainData` batch holds them, computed on the device instead of read
+    from disk: one causal forward of the target `nnx.split` into (graphdef, state), bfloat16-rounded,
+    zero from each row's last real token on (no pass of the decoder read it) and over the padding.
+    Where storing features would cost more than recomputing them (a GPU: 6.9 KB a token for
+    SmolLM2's six taps), training can build its batches from token ids alone, with the `Trainer`'s
+    own split target (`experiments/gpu/drafter_scale.py`)."""
     hidden = _hidden_fn(state, tokens, graphdef=graphdef, taps=taps).astype(jnp.float32)  # [B, T, n, D]
     b, t = tokens.shape
     keep = jnp.arange(t)[None, :] < (length - 1)[:, None]
     return (hidden * keep[:, :, None, None]).reshape(b, t, -1)
-
-
-def batch_features(target: Transformer, tokens: jax.Array, length: jax.Array, taps: tuple[int, ...]) -> jax.Array:
-    """[B, T, n*D] float32 features of a padded token batch ([B, T] tokens; [B] lengths of whole,
-    uncropped records) as a `TrainData` batch holds them, computed on the device instead of read from disk: one causal
-    forward, bfloat16-rounded, zero from each row's last real token on (no pass of the decoder
-    read it) and over the padding. Where storing features would cost more than recomputing them
-    (a GPU: 6.9 KB a token for SmolLM2's six taps), training can build its batches from token ids
-    alone (`experiments/gpu/drafter_scale.py`)."""
-    from flax import nnx
-
-    graphdef, state = nnx.split(target)
-    return _batch_features_fn(state, tokens, length, graphdef=graphdef, taps=tuple(taps))
 
 
 # ----------------------------------------------------------------------------------- prompts
