@@ -181,11 +181,15 @@ def method_keys(budgets: list[int]) -> list[tuple[str, int]]:
     return [("ar", 0)] + [(m, b) for b in budgets for m in SPEC_METHODS]
 
 
-def make_decoders(models, keys, temperature: float, max_new: int, capacity: int) -> dict:
+def make_decoders(models, keys, temperature: float, max_new: int, capacity: int, lookup: int | None = None) -> dict:
+    """One Decoder per (method, budget); `lookup` as `tevjax eval`'s (None: a chain as long as the budget)."""
+    from tevjax.evaluate import lookup_for
+
     decoders = {}
     for method, budget in keys:
         ar = method == "ar"  # the baseline: a Decoder without a drafter (verifier and budget unused)
-        cfg = DecodeConfig(**({} if ar else {"verifier": method, "budget": budget}), temperature=temperature,
+        spec = {"verifier": method, "budget": budget, "lookup": lookup_for(budget, lookup)}
+        cfg = DecodeConfig(**({} if ar else spec), temperature=temperature,
                            max_new_tokens=max_new, eos_ids=models.eos_ids, capacity=capacity)
         decoders[(method, budget)] = Decoder(models.target, None if ar else models.drafter, cfg)
     return decoders
@@ -311,6 +315,8 @@ def parse_args(argv):
     p.add_argument("--prompts", type=int, default=2, help="prompts per dataset")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--budgets", type=int, nargs="+", default=[8, 16, 32, 64])
+    p.add_argument("--lookup", type=int, default=None,
+                   help="context-lookup chain length, capped at each budget (default: the budget; 0: off)")
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     p.add_argument("--repeats", type=int, default=2, help="timed repeats per prompt and method (medians)")
     p.add_argument("--seed", type=int, default=0, help="gsm_symbolic seed and base of the sampling seeds")
@@ -328,6 +334,8 @@ def parse_args(argv):
     require_positive(p, args, "prompts", "max_new_tokens", "repeats", "tree_pass_calls")
     if any(b < 1 for b in args.budgets) or any(not 0 <= t < float("inf") for t in args.temperatures):
         p.error("budgets must be >= 1 and temperatures finite and >= 0")
+    if args.lookup is not None and args.lookup < 0:
+        p.error(f"--lookup must be >= 0, got {args.lookup}")
     args.budgets = sorted(set(args.budgets))
     return args
 
@@ -383,7 +391,7 @@ def main(argv=None) -> int:
     done_timed, timed_start = 0, None
 
     for temperature in args.temperatures:
-        decoders = make_decoders(models, keys, temperature, args.max_new_tokens, capacity)
+        decoders = make_decoders(models, keys, temperature, args.max_new_tokens, capacity, args.lookup)
         reps = bucket_representatives(decoders[("ar", 0)], all_ids)
         for key, dec in decoders.items():
             c = sum(dec.compile([p]) for p in reps)
@@ -444,7 +452,9 @@ def main(argv=None) -> int:
         "(the machine is shared: absolute speeds are noisy, same-run ratios less so).",
         "- Target: SmolLM2-135M-Instruct (embedded default, `load_models(\"smollm2\")`), float32, SmolLM2 chat "
         "template (with its default system prompt), batch 1.",
-        f"- Drafter: {drafter_desc}.",
+        f"- Drafter: {drafter_desc}; context-lookup chain "
+        f"{'as long as the budget' if args.lookup is None else f'of {args.lookup} (capped at the budget)'}"
+        f"{' (off)' if args.lookup == 0 else ''}.",
         f"- Prompts: {args.prompts} per dataset ({', '.join(args.datasets)}); max {args.max_new_tokens} new tokens "
         f"(EOS stops earlier); {args.repeats} timed repeat(s) per prompt and method; cache capacity {capacity} for "
         f"every method; T = 1 seeds: {args.seed} + 1000 x dataset index + prompt index.",

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tevjax.builder import build_ddtree
+from tevjax.builder import LOOKUP_SURVIVAL, build_ddtree, chain_log_reach, context_chain, merge_chain
 from tevjax.tree import validate_tree
 
 # One compiled builder per (G, V, budget): budget is static.
@@ -302,3 +302,124 @@ def test_tree_properties(depth_eff, vocab_eff, budget, p_inf, seed):
     check_tree(tree.tokens, tree.parents, scores, tree.depth, tree.valid, lm, budget, root)
     assert_same_as_reference(tree.tokens, tree.parents, scores, lm, budget)
     assert int(np.max(np.asarray(tree.depth))) <= depth_eff
+
+
+# --- context lookup: context_chain, chain_log_reach, merge_chain --------------------------------
+
+
+def chain_reference(seq: list[int], length: int, size: int, orders=(5, 4, 3, 2, 1)) -> tuple[list[int], int]:
+    """Host reference: the latest earlier occurrence of the longest matching suffix, continued
+    periodically; ([0] * size, 0) when no suffix occurred before."""
+    ctx = seq[:length]
+    for n in orders:
+        if length < n + 1:
+            continue
+        key = ctx[length - n:]
+        for j in range(length - 2, n - 2, -1):
+            if ctx[j - n + 1:j + 1] == key:
+                period = length - 1 - j
+                return [ctx[j + 1 + i % period] for i in range(size)], n
+    return [0] * size, 0
+
+
+_chain_jit = jax.jit(context_chain, static_argnums=2)
+
+
+def test_context_chain_examples():
+    seq = jnp.array([5, 1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 0, 0, 0])
+    # "1 2" last ended at slot 6 (no earlier "7 1 2"): 3 7 1 2 followed it, a period of 4.
+    chain, order = _chain_jit(seq, 11, 6)
+    assert chain.tolist() == [3, 7, 1, 2, 3, 7] and int(order) == 2
+    chain, order = _chain_jit(jnp.array([4, 4, 4, 4, 0]), 4, 3)  # a loop of period 1
+    assert chain.tolist() == [4, 4, 4] and int(order) == 3
+    chain, order = _chain_jit(jnp.array([1, 2, 3, 9]), 3, 3)  # nothing repeats; slot 3 is beyond the context
+    assert chain.tolist() == [0, 0, 0] and int(order) == 0
+    chain, order = _chain_jit(jnp.array([8, 0, 0]), 1, 2)  # the root alone
+    assert int(order) == 0
+    with pytest.raises(ValueError, match="size must be a static int >= 1"):
+        context_chain(seq, 11, 0)
+    with pytest.raises(ValueError, match="longest first"):
+        context_chain(seq, 11, 2, (1, 2))
+
+
+def test_context_chain_matches_reference_on_random_texts():
+    rng = np.random.default_rng(0)
+    batch = jax.jit(jax.vmap(context_chain, in_axes=(0, 0, None)), static_argnums=2)
+    for vocab in (2, 3, 6, 40):
+        seqs = rng.integers(0, vocab, size=(64, 24))
+        lengths = rng.integers(1, 25, size=64)
+        chains, orders = batch(jnp.asarray(seqs), jnp.asarray(lengths), 7)
+        for s, n, c, o in zip(seqs.tolist(), lengths.tolist(), np.asarray(chains).tolist(), np.asarray(orders)):
+            assert (c, int(o)) == chain_reference(s, n, 7), (s, n)
+
+
+def test_chain_log_reach_follows_the_survival_table():
+    got = np.exp(np.asarray(chain_log_reach(jnp.int32(3), 10)))
+    table = LOOKUP_SURVIVAL[2]
+    np.testing.assert_allclose(got[:8], table, rtol=1e-6)
+    ratio = table[-1] / table[-2]
+    np.testing.assert_allclose(got[8:], [table[-1] * ratio, table[-1] * ratio ** 2], rtol=1e-5)
+    assert np.all(np.diff(got) <= 0)
+    assert np.all(np.isneginf(np.asarray(chain_log_reach(jnp.int32(0), 4))))
+
+
+def _paths(tokens, parents) -> dict[tuple[int, ...], int]:
+    """{token path from the root: node} of a tree's real nodes (the root: the empty path)."""
+    out, path = {(): 0}, {0: ()}
+    for i in range(1, len(tokens)):
+        if parents[i] >= 0:
+            path[i] = path[parents[i]] + (tokens[i],)
+            out[path[i]] = i
+    return out
+
+
+def merge_reference(tokens, parents, scores, chain, chain_scores) -> set[tuple[int, ...]]:
+    """Host reference: the N - 1 best-scoring non-root paths of the union of the tree's paths and
+    the chain's prefixes (a shared path scores the larger estimate; ties to the shorter path)."""
+    cand = {}
+    for p, i in _paths(tokens, parents).items():
+        if p:
+            cand[p] = scores[i]
+    for d in range(1, len(chain) + 1):
+        if np.isfinite(chain_scores[d - 1]):
+            p = tuple(chain[:d])
+            cand[p] = max(cand.get(p, -np.inf), chain_scores[d - 1])
+    ranked = sorted((p for p in cand if np.isfinite(cand[p])), key=lambda p: (-cand[p], len(p)))
+    return set(ranked[: len(tokens) - 1])
+
+
+@pytest.mark.parametrize("budget,vocab,depth_cap,size", [(8, 6, 5, 8), (4, 3, 6, 6), (16, 20, 7, 5), (3, 5, 3, 9)])
+def test_merge_chain_keeps_the_best_nodes_of_the_union(budget, vocab, depth_cap, size):
+    rng = np.random.default_rng(budget * 100 + vocab)
+    merge = jax.jit(merge_chain)
+    for trial in range(12):
+        lm = np.log(rng.dirichlet(np.full(vocab, 0.3), size=depth_cap)).astype(np.float32)
+        tree, scores = _build_jit(jnp.asarray(lm), jnp.int32(0), budget)
+        tokens, parents = np.asarray(tree.tokens).tolist(), np.asarray(tree.parents).tolist()
+        # Chains that share a prefix with the tree half of the time.
+        chain = list(rng.integers(0, vocab, size=size))
+        if trial % 2 and budget >= 1:
+            node = int(rng.integers(1, budget + 1))
+            prefix = [p for p, i in _paths(tokens, parents).items() if i == node][0]
+            chain = (list(prefix) + chain)[:size]
+        order = int(rng.integers(0, 6))
+        cs = np.asarray(chain_log_reach(jnp.int32(order), size))
+        merged = merge(tree, scores, jnp.asarray(chain, jnp.int32), jnp.asarray(cs))
+        mt, mp = np.asarray(merged.tokens), np.asarray(merged.parents)
+        validate_tree(mt, mp)  # parents first, distinct siblings
+        got = set(_paths(mt.tolist(), mp.tolist())) - {()}
+        want = merge_reference(tokens, parents, np.asarray(scores).tolist(), chain, cs.tolist())
+        if len(want) == budget:  # no ties at the cut decide membership (random float scores)
+            assert got == want, (trial, order)
+        if order == 0:  # nothing proposed: the tree itself
+            assert mt.tolist() == tokens and mp.tolist() == parents
+
+
+def test_merge_chain_with_a_confident_chain_holds_the_whole_chain():
+    lm = np.log(np.full((4, 5), 0.2, np.float32))  # a flat drafter: every node scores below 0.2 ** d
+    tree, scores = _build_jit(jnp.asarray(lm), jnp.int32(0), 6)
+    chain = jnp.asarray([3, 3, 1, 4], jnp.int32)
+    merged = merge_chain(tree, scores, chain, chain_log_reach(jnp.int32(5), 4))
+    paths = _paths(np.asarray(merged.tokens).tolist(), np.asarray(merged.parents).tolist())
+    assert all(tuple(chain[:d].tolist()) in paths for d in range(1, 5))
+    assert int(merged.size) == 7  # the root and 6 nodes: the chain took 4 of them

@@ -42,6 +42,9 @@ def _run(capsys, *argv):
         (["generate", "--prompt-ids", "1,x"], "--prompt-ids must be comma-separated integers"),
         (["generate", "--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
         (["generate", "--prompt", "hi", "--budget", "-3"], "--budget must be >= 1"),
+        (["generate", "--prompt", "hi", "--lookup", "-1"], "--lookup must be >= 0"),
+        (["generate", "--prompt", "hi", "--budget", "4", "--lookup", "5"], "--lookup 5 exceeds --budget 4"),
+        (["demo", "--budget", "2", "--lookup", "3"], "--lookup 3 exceeds --budget 2"),
         (["generate", "--prompt", "hi", "--drafter", "/no/such/drafter"], "no such checkpoint directory"),
         (["generate", "--prompt", "hi", "--target", "/no/such/model"], "--target '/no/such/model': not a directory"),
         (["generate", "--batch-file", "/no/such/file.txt"], "no such file"),
@@ -101,6 +104,11 @@ def test_generate_json_matches_autoregressive_greedy(capsys, tiny_dir):
     reference = Decoder(model, None, DecodeConfig(max_new_tokens=8, eos_ids=(2,))).generate([[1, 2, 3]])[0]
     assert record["tokens"] == reference.tokens
     assert record["tau"] >= 1.0 and record["rounds"] >= 1
+    assert record["budget"] == 4 and record["lookup"] == 4  # the chain defaults to the budget
+    code, out, _ = _run(capsys, "generate", "--target", str(path), "--prompt-ids", "1,2,3", "--max-new-tokens", "8",
+                        "--budget", "4", "--lookup", "0", "--json")
+    assert code == 0 and json.loads(out.strip().splitlines()[-1])["lookup"] == 0
+    assert json.loads(out.strip().splitlines()[-1])["tokens"] == reference.tokens
     code, out, _ = _run(capsys, "generate", "--target", str(path), "--prompt-ids", "1,2,3", "--max-new-tokens", "8",
                         "--verifier", "ar", "--json")
     assert code == 0 and json.loads(out.strip().splitlines()[-1])["tokens"] == reference.tokens

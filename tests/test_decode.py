@@ -4,7 +4,7 @@ The drafter is a freshly initialised DFlash drafter: deliberately imperfect, but
 vocabulary its DDTree trees still contain the target's choice often enough that multi-token
 acceptances, commits and bonus tokens are all exercised (asserted below through tau > 1).
 
-False-alarm budget: the four chi-square tests of the sampling law run at ALPHA = 1e-6 / 4 each.
+False-alarm budget: the five chi-square tests of the sampling law run at ALPHA = 1e-6 / 5 each.
 """
 
 import dataclasses
@@ -62,9 +62,10 @@ def ar_greedy(models):
     return [g.tokens for g in _decoder(models, AR).generate(PROMPTS)]
 
 
+@pytest.mark.parametrize("lookup", [0, 5])
 @pytest.mark.parametrize("verifier", SPECULATIVE)
-def test_greedy_speculative_equals_autoregressive(models, ar_greedy, verifier):
-    dec = _decoder(models, verifier)
+def test_greedy_speculative_equals_autoregressive(models, ar_greedy, verifier, lookup):
+    dec = _decoder(models, verifier, lookup=lookup)
     batched = dec.generate(PROMPTS)
     assert [g.tokens for g in batched] == ar_greedy
     assert max(g.tau for g in batched) > 1.2, "no multi-token acceptance: the commit path went untested"
@@ -114,11 +115,31 @@ def test_cache_after_each_round_equals_fresh_prefill(models):
     assert rounds >= 3
 
 
+def test_lookup_history_holds_the_text_and_the_chain_shortens_decoding(models, ar_greedy):
+    """With `lookup`, the state's history holds every committed token by slot, the root at slot
+    cache_len, after every round; and on this target's repetitive greedy text the lookup chain
+    takes fewer rounds than the drafter's tree alone, with the same tokens."""
+    dec = _decoder(models, "tev", lookup=5, temperature=1.0, max_new_tokens=16)
+    for _, state in dec.stream(PROMPTS, seed=3):
+        cache_len, out, num_out = (np.asarray(x) for x in (state.cache_len, state.out, state.num_out))
+        history = np.asarray(state.history)
+        for i, prompt in enumerate(PROMPTS):
+            committed = list(prompt) + out[i, : num_out[i]].tolist()
+            if not np.asarray(state.done)[i]:
+                assert history[i, : cache_len[i] + 1].tolist() == committed
+    plain, looked = _decoder(models, "tev").generate(PROMPTS), _decoder(models, "tev", lookup=5).generate(PROMPTS)
+    assert [g.tokens for g in looked] == [g.tokens for g in plain] == ar_greedy
+    assert sum(g.rounds for g in looked) < sum(g.rounds for g in plain)
+    assert _decoder(models, AR, lookup=5).generate(PROMPTS)[0].tokens == ar_greedy[0]  # no drafter: no lookup
+
+
 # --- the sampling law of the first three tokens ------------------------------------------------
 
 V_SMALL, NUM_ROWS, TEMPERATURE = 8, 6000, 1.0
 SAMPLING_PROMPT = [1, 5, 3]
-ALPHA = 1e-6 / 4
+ALPHA = 1e-6 / 5
+# A prompt whose last two tokens occurred before: the lookup proposes a chain from round 0 on.
+LOOP_PROMPT = [1, 5, 3, 1, 5]
 
 
 @pytest.fixture(scope="module")
@@ -131,9 +152,12 @@ def small_models():
 
 @pytest.fixture(scope="module")
 def exact_first3(small_models):
+    return _first3_law(small_models[0], SAMPLING_PROMPT)
+
+
+def _first3_law(target, prompt):
     """P(t1, t2, t3 | prompt) by enumerating every (t1, t2) continuation through the target."""
-    target, _ = small_models
-    seqs = np.array([SAMPLING_PROMPT + [a, b] for a, b in itertools.product(range(V_SMALL), repeat=2)], np.int32)
+    seqs = np.array([prompt + [a, b] for a, b in itertools.product(range(V_SMALL), repeat=2)], np.int32)
     n, t = seqs.shape
     out = target(jnp.asarray(seqs), jnp.broadcast_to(jnp.arange(t), (n, t)), KVCache.init(target.cfg, n, t),
                  jnp.zeros(n, jnp.int32), jnp.broadcast_to(causal_mask(t), (n, t, t)))
@@ -145,12 +169,12 @@ def exact_first3(small_models):
     return law
 
 
-def _first3_pvalue(models, verifier, law):
+def _first3_pvalue(models, verifier, law, prompt=SAMPLING_PROMPT, lookup=0):
     target, drafter = models
     dec = Decoder(target, drafter if verifier is not AR else None,
                   DecodeConfig(**({} if verifier is AR else {"verifier": verifier}), temperature=TEMPERATURE,
-                               budget=6, max_new_tokens=3, prompt_bucket=8))
-    out = dec.run(dec.prefill([SAMPLING_PROMPT] * NUM_ROWS, seed=11))
+                               budget=6, lookup=lookup, max_new_tokens=3, prompt_bucket=8))
+    out = dec.run(dec.prefill([prompt] * NUM_ROWS, seed=11))
     toks = np.asarray(out.out)
     assert np.all(np.asarray(out.num_out) == 3)
     counts = np.zeros(law.shape)
@@ -172,6 +196,13 @@ def test_first_three_tokens_follow_the_target_law(small_models, exact_first3, ve
     assert p > ALPHA, f"{verifier or 'no drafter'}: the joint law of the first 3 tokens was rejected (p={p:.3g})"
     if verifier is not AR:
         assert tau > 1.3, f"tau {tau:.2f}: too few multi-token rounds for the test to mean anything"
+
+
+def test_first_three_tokens_follow_the_target_law_with_lookup(small_models):
+    """Lookup chains change the trees, never the law: any fixed tree is verified exactly."""
+    p, tau = _first3_pvalue(small_models, "tev", _first3_law(small_models[0], LOOP_PROMPT), LOOP_PROMPT, lookup=6)
+    assert p > ALPHA, f"TEV with lookup: the joint law of the first 3 tokens was rejected (p={p:.3g})"
+    assert tau > 1.2, f"tau {tau:.2f}: too few multi-token rounds for the test to mean anything"
 
 
 def _broken_tev(key, tree, logits, temperature):
@@ -200,6 +231,8 @@ def test_a_broken_verifier_is_detected(small_models, exact_first3, monkeypatch):
         ({"temperature": -1.0}, "temperature must be a finite number >= 0"),
         ({"temperature": float("nan")}, "temperature must be a finite number >= 0"),
         ({"budget": 0}, "budget must be >= 1"),
+        ({"budget": 4, "lookup": 5}, r"lookup must be between 0 and the budget \(4\), got 5"),
+        ({"lookup": -1}, "lookup must be between 0 and the budget"),
         ({"max_new_tokens": 0}, "max_new_tokens must be >= 1"),
         ({"prefill_chunk": 0}, r"DecodeConfig.prefill_chunk must be >= 1, got 0"),
         ({"prompt_bucket": -8}, r"DecodeConfig.prompt_bucket must be >= 1, got -8"),

@@ -5,6 +5,7 @@ greedy speculative outputs equal the autoregressive ones."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from flax import nnx
 
 from tevjax.decode.engine import DecodeConfig, Decoder
@@ -46,5 +47,10 @@ def test_evaluate_interleaves_methods_and_reports_consistent_numbers():
         assert 0 < lo <= hi and np.isfinite(row["sr"])
         # SR is the ratio of per-token times over all batches.
         assert np.isclose(row["sr"], (result["ar"]["seconds"] / want) / (row["seconds"] / row["tokens"]))
+    assert [row["lookup"] for row in result["budgets"]] == [2, 5]  # default: a chain as long as the budget
     table = format_table(result)
-    assert "| 2 |" in table and "| 5 |" in table and "yes" in table
+    assert "| 2 | 2 |" in table and "| 5 | 5 |" in table and "yes" in table
+    capped = evaluate(models, texts[:1], budgets=(2, 5), max_new_tokens=12, lookup=3, log=lines.append)
+    assert [row["lookup"] for row in capped["budgets"]] == [2, 3] and capped["mismatches"] == 0
+    with pytest.raises(ValueError, match="lookup must be >= 0 or None"):
+        evaluate(models, texts, budgets=(2,), lookup=-1)

@@ -283,6 +283,15 @@ CHECKS = {
         assert tokens(dec) == tokens(decoder(target, drafter, "tev"))
         check_loop_hlo(dec, mesh)
     """,
+    # Lookup chains on a (2, 2) mesh (the builder's scores come out of its shard_map; the token
+    # history is split by rows): greedy TEV equals unsharded decoding without lookup.
+    "lookup_2x2": """
+        target, drafter = models()
+        mesh = make_mesh(2, 2)
+        dec = Decoder(target, drafter, config(lookup=4), mesh=mesh)
+        assert tokens(dec) == tokens(decoder(target, drafter, "tev"))
+        assert dec.prefill(PROMPTS).history.sharding.spec[0] == "data"
+    """,
     # Temperature 1, data parallel (4, 1): the unsharded tokens for the same seed (each row samples
     # with fold_in(seed key, row), whatever the split, and computes its own arithmetic).
     "dp_sampling_tev": """
@@ -443,8 +452,8 @@ CHECKS = {
 
 def test_sharded_decoding_on_forced_devices():
     """The fast subset: loading into (2, 2) shardings and greedy decoding there, (1, 4) greedy
-    decoding and its compiled HLO, and the errors of undivided meshes."""
-    _run("errors", "load_2x2", "hlo_1x4")
+    decoding and its compiled HLO, lookup chains on (2, 2), and the errors of undivided meshes."""
+    _run("errors", "load_2x2", "hlo_1x4", "lookup_2x2")
 
 
 @pytest.mark.slow

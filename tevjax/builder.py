@@ -47,7 +47,8 @@ import numpy as np
 
 from tevjax.tree import DraftTree
 
-__all__ = ["build_ddtree", "build_ddtree_from_top"]
+__all__ = ["LOOKUP_ORDERS", "LOOKUP_SURVIVAL", "build_ddtree", "build_ddtree_from_top", "chain_log_reach", "context_chain",
+           "merge_chain"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -177,3 +178,138 @@ def build_ddtree_from_top(top_vals: jax.Array, top_ids: jax.Array, root_token: j
     node_score = jnp.where(real, node_score, -jnp.inf)
     scores_N = jnp.concatenate([jnp.zeros(1, jnp.float32), node_score])
     return DraftTree.from_parents(tokens_N, parents_N), scores_N
+
+
+# ------------------------------------------------------------------------------- context lookup
+# Small targets repeat themselves: their greedy answers reuse phrases, list items and whole loops of
+# their own text. A drafter that sees only the last position misses much of that; a lookup into the
+# committed text (prompt-lookup decoding) does not. `context_chain` proposes the continuation of the
+# latest earlier occurrence of the context's last few tokens, and `merge_chain` adds it to the
+# draft tree where its estimated reach probability beats the drafter's nodes. Any fixed tree keeps
+# decoding exact (the verifiers read only the tree and the target's logits), so the lookup changes
+# speed, never outputs.
+
+# Suffix lengths tried, longest first: the longest suffix that occurred before picks the occurrence.
+LOOKUP_ORDERS = (5, 4, 3, 2, 1)
+
+# LOOKUP_SURVIVAL[n - 1][d - 1]: how often a chain matched with a suffix of n tokens holds the
+# target's next d tokens, measured on SmolLM2-135M-Instruct's greedy answers to training prompts
+# (the GPU records `experiments/results/gpu_drafter_scale_records-1.npz`, 800 answers, their first
+# 128 tokens, every position with a match; n = 5 pools longer suffixes). A long match is usually a
+# loop of the answer's own text and holds for many tokens; a match of one token is weak.
+LOOKUP_SURVIVAL = (
+    (0.21, 0.12, 0.08, 0.06, 0.04, 0.03, 0.03, 0.02),
+    (0.54, 0.36, 0.26, 0.20, 0.16, 0.14, 0.11, 0.10),
+    (0.66, 0.49, 0.37, 0.30, 0.25, 0.21, 0.18, 0.16),
+    (0.73, 0.55, 0.45, 0.38, 0.31, 0.27, 0.24, 0.22),
+    (0.90, 0.83, 0.77, 0.73, 0.69, 0.66, 0.64, 0.61),
+)
+
+
+def context_chain(seq: jax.Array, length: jax.Array, size: int, orders: tuple[int, ...] = LOOKUP_ORDERS
+                  ) -> tuple[jax.Array, jax.Array]:
+    """The continuation of the context's latest earlier match, as a proposed chain of tokens.
+
+    Args:
+      seq: [S] int token ids; slots [0, length) hold the context, its last token (the tree root)
+        at length - 1. Slots from `length` on are ignored.
+      length: [] int context length >= 1.
+      size: static chain length >= 1.
+      orders: static suffix lengths, longest first.
+
+    Returns:
+      `(chain [size] int32, order [] int32)`. For the first n in `orders` such that the last n
+      tokens also end at some earlier slot j (the latest such j), chain[i] = seq[j + 1 + i mod p],
+      p = length - 1 - j: the tokens that followed the match, repeated with the period p the match
+      implies (a loop of period p <= size continues past the end of the context); order = n.
+      When no order matched, order is 0 and chain is 0s.
+
+    vmap over rows; every order is a masked comparison over the S slots, so there are no loops.
+    """
+    if not isinstance(size, (int, np.integer)) or isinstance(size, bool) or size < 1:
+        raise ValueError(f"size must be a static int >= 1, got {size!r}")
+    if not orders or any(int(n) < 1 for n in orders) or list(orders) != sorted(orders, reverse=True):
+        raise ValueError(f"orders must be distinct suffix lengths >= 1, longest first; got {orders!r}")
+    seq = jnp.asarray(seq, jnp.int32)
+    length = jnp.asarray(length, jnp.int32)
+    slots = jnp.arange(seq.shape[0], dtype=jnp.int32)
+    end, order = jnp.int32(-1), jnp.int32(0)
+    for n in orders:
+        # A match ends at j (slots j - n + 1 .. j equal the last n tokens) with j <= length - 2, so
+        # at least one known token follows it.
+        ok = (slots >= n - 1) & (slots <= length - 2) & (length >= n + 1)
+        for o in range(n):
+            ok = ok & (jnp.take(seq, jnp.maximum(slots - o, 0)) == jnp.take(seq, jnp.maximum(length - 1 - o, 0)))
+        latest = jnp.max(jnp.where(ok, slots, -1))
+        take = (end < 0) & (latest >= 0)
+        end, order = jnp.where(take, latest, end), jnp.where(take, jnp.int32(n), order)
+    period = jnp.maximum(length - 1 - end, 1)
+    idx = end + 1 + jnp.arange(size, dtype=jnp.int32) % period
+    chain = jnp.where(order > 0, jnp.take(seq, jnp.clip(idx, 0, seq.shape[0] - 1)), 0)
+    return chain, order
+
+
+def chain_log_reach(order: jax.Array, size: int, survival=LOOKUP_SURVIVAL) -> jax.Array:
+    """[size] float32 log-probability that a chain of match order `order` holds depth 1..size
+    (`survival[order - 1]`, continued past its end at its last step's ratio); -inf for order 0."""
+    table = np.asarray(survival, np.float64)
+    if table.ndim != 2 or table.shape[1] < 2 or not np.all((table > 0) & (table <= 1)):
+        raise ValueError("survival must be a 2-D table of probabilities in (0, 1] with >= 2 depths")
+    if size > table.shape[1]:  # geometric continuation at the last step's ratio
+        ratio = np.minimum(table[:, -1] / table[:, -2], 1.0)[:, None]
+        extra = table[:, -1:] * ratio ** np.arange(1, size - table.shape[1] + 1)
+        table = np.concatenate([table, extra], axis=1)
+    logs = jnp.asarray(np.log(table[:, :size]), jnp.float32)
+    return jnp.where(order > 0, logs[jnp.clip(order, 1, table.shape[0]) - 1], -jnp.inf)
+
+
+def merge_chain(tree: DraftTree, scores: jax.Array, chain: jax.Array, chain_scores: jax.Array) -> DraftTree:
+    """The best N - 1 nodes of the union of a best-first draft tree and a chain from its root.
+
+    Args:
+      tree: [N] draft tree; scores: [N] its nodes' log reach estimates (`build_ddtree_from_top`'s:
+        0 at the root, non-increasing from parent to child, -inf for padding).
+      chain: [M] int token ids proposed as a path from the root; chain_scores: [M] float their
+        log reach estimates, non-increasing (-inf: not proposed).
+
+    Returns the tree of N slots holding the N - 1 highest-scoring non-root nodes among the
+    tree's nodes and the chain's (ties to the shallower), numbered in that order. A chain token the
+    tree already holds on the chain's path is one node, scored by the larger estimate. Both
+    sources score a child no higher than its parent, and a merged node takes the larger of two
+    such scores, so the selection is prefix-closed (as in `build_ddtree`). Sibling tokens stay
+    distinct: the chain's first new token hangs below the deepest node of the tree that spells a
+    chain prefix, so it is not a child there.
+
+    vmap over rows; O((N + M)^2) elementwise work, nothing next to a tree pass.
+    """
+    n, m = tree.num_nodes, chain.shape[0]
+    chain = jnp.asarray(chain, jnp.int32)
+    chain_scores = jnp.asarray(chain_scores, jnp.float32)
+    scores = jnp.where(tree.valid, jnp.asarray(scores, jnp.float32), -jnp.inf)
+    node = jnp.arange(n, dtype=jnp.int32)
+    # on_chain[v]: node v's path from the root spells chain[:depth(v)] (the root: the empty prefix).
+    edge_ok = (tree.depth >= 1) & (tree.depth <= m) & (tree.tokens == jnp.take(chain, jnp.clip(tree.depth - 1, 0, m - 1)))
+    on_chain = tree.valid & jnp.all((edge_ok | (node == 0))[None, :] | ~tree.ancestors, axis=1)  # [N]
+    covered = jnp.max(jnp.where(on_chain, tree.depth, 0))
+    attach = jnp.argmax(jnp.where(on_chain, tree.depth, -1)).astype(jnp.int32)  # one node per depth
+    # A merged node keeps the larger score (chain_scores[d - 1] for depth d).
+    merged = on_chain & (node > 0)
+    scores = jnp.where(merged, jnp.maximum(scores, jnp.take(chain_scores, jnp.clip(tree.depth - 1, 0, m - 1))), scores)
+    # Chain candidates i >= covered are new (depth i + 1); candidate index in the union: n + i.
+    i = jnp.arange(m, dtype=jnp.int32)
+    new = i >= covered
+    c_parent = jnp.where(i == covered, attach, n + i - 1)
+    c_score = jnp.where(new, chain_scores, -jnp.inf)
+    # The union: slots 0..N-1 the tree, N..N+M-1 the chain.
+    u_tokens = jnp.concatenate([tree.tokens, chain])
+    u_parent = jnp.concatenate([tree.parents, c_parent])
+    u_score = jnp.concatenate([scores, c_score]).at[0].set(jnp.inf)  # the root first, always
+    u_depth = jnp.concatenate([tree.depth, i + 1])
+    u_index = jnp.arange(n + m, dtype=jnp.int32)
+    _, _, order = jax.lax.sort((-u_score, u_depth, u_index), num_keys=3)
+    chosen = order[:n]  # [N] union index of node 0..N-1; chosen[0] = 0 (the root)
+    node_of = jnp.full(n + m, -1, jnp.int32).at[chosen].set(node, unique_indices=True)
+    real = jnp.take(u_score, chosen) > -jnp.inf
+    parents = jnp.where(real & (node > 0), jnp.take(node_of, jnp.maximum(jnp.take(u_parent, chosen), 0)), -1)
+    tokens = jnp.where(real, jnp.take(u_tokens, chosen), 0)
+    return DraftTree.from_parents(tokens, parents)

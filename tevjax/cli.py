@@ -57,6 +57,16 @@ def _nonnegative_int(name):
     return _int_at_least(name, 0)
 
 
+LOOKUP_HELP = ("length of the context-lookup chain offered to each draft tree: the continuation of the "
+               "latest earlier occurrence of the last committed tokens (default: the budget; 0: off)")
+
+
+def _check_lookup(args) -> None:
+    if args.lookup is not None and args.lookup > args.budget:
+        raise CliError(f"--lookup {args.lookup} exceeds --budget {args.budget}: a chain cannot take more "
+                       "tree nodes than the budget holds")
+
+
 def _float(name, minimum, inclusive):
     def parse(text):
         try:
@@ -183,6 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-new-tokens", type=_positive_int("--max-new-tokens"), default=128)
     gen.add_argument("--temperature", type=_temperature, default=0.0, help="0 = greedy (default); any value below 1e-5 is greedy too")
     gen.add_argument("--budget", type=_positive_int("--budget"), default=16, help="draft tree budget (non-root nodes)")
+    gen.add_argument("--lookup", type=_nonnegative_int("--lookup"), default=None, help=LOOKUP_HELP)
     gen.add_argument("--verifier", default="tev",
                      help=f"{', '.join(verifier_choices(autoregressive=False))} (default tev), or "
                           f"{AUTOREGRESSIVE} (no drafter: the autoregressive baseline)")
@@ -278,6 +289,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a file with one prompt per line, or heldout[:DATA_DIR], mtbench, humaneval, gsm")
     ev.add_argument("--num-prompts", type=_positive_int("--num-prompts"), default=8)
     ev.add_argument("--budgets", type=_int_list("--budgets"), default=(4, 8, 16, 32))
+    ev.add_argument("--lookup", type=_nonnegative_int("--lookup"), default=None,
+                    help=LOOKUP_HELP + "; capped at each budget")
     ev.add_argument("--temperature", type=_temperature, default=0.0)
     ev.add_argument("--verifier", default="tev",
                     help=f"{', '.join(verifier_choices(autoregressive=False))} (default tev)")
@@ -292,6 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--max-new-tokens", type=_positive_int("--max-new-tokens"), default=64)
     demo.add_argument("--budget", type=_positive_int("--budget"), default=8,
                       help="draft tree budget (8: the best measured speed of the shipped drafter on 2 CPU cores)")
+    demo.add_argument("--lookup", type=_nonnegative_int("--lookup"), default=None, help=LOOKUP_HELP)
     demo.add_argument("--samples", type=_positive_int("--samples"), default=50_000,
                       help="verifier draws for the synthetic exit-law table")
     demo.add_argument("--repeats", type=_positive_int("--repeats"), default=3,
@@ -387,6 +401,7 @@ def cmd_generate(args) -> int:
     prompts, where = _read_prompts(args)  # cheap checks before the (slow) model load
     mesh = _mesh(args, default_all=False)
     _check_positions(args, speculative)
+    _check_lookup(args)
 
     from tevjax.decode.engine import DecodeConfig, Interrupted
     from tevjax.loading import load_models
@@ -413,6 +428,7 @@ def cmd_generate(args) -> int:
 
     # Without a drafter the config's verifier is never used: any valid name will do.
     cfg = DecodeConfig(verifier=args.verifier if speculative else "tev", budget=args.budget,
+                       lookup=args.budget if args.lookup is None else args.lookup,
                        temperature=args.temperature, max_new_tokens=args.max_new_tokens, eos_ids=models.eos_ids)
     decoder = _decoder(models.target, models.drafter if speculative else None, cfg, mesh)
     # Streaming prints row 0 as it grows; a multi-host job prints once, at the end.
@@ -439,6 +455,7 @@ def cmd_generate(args) -> int:
                 "tokens_per_second": round(len(g.tokens) / seconds, 3) if seconds > 0 else None,
                 "verifier": args.verifier,
                 "budget": args.budget if speculative else 0,
+                "lookup": cfg.lookup if speculative else 0,
                 "temperature": args.temperature,
                 "drafter_trained": models.drafter_trained if speculative else None,
                 "compile_seconds": round(compile_seconds, 3),
@@ -451,7 +468,8 @@ def cmd_generate(args) -> int:
                     print(record["text"])
                 print(f"[tevjax] {len(g.tokens)} tokens in {seconds:.2f} s "
                       f"({record['tokens_per_second']} tok/s), {g.rounds} rounds, tau {g.tau:.2f}, "
-                      f"verifier {args.verifier}, budget {record['budget']}, temperature {args.temperature} "
+                      f"verifier {args.verifier}, budget {record['budget']}, lookup {record['lookup']}, "
+                      f"temperature {args.temperature} "
                       f"(compile {compile_seconds:.1f} s, load {load_seconds:.1f} s)", flush=True)
 
     for start in range(0, len(ids), args.batch_size):
@@ -645,7 +663,7 @@ def cmd_eval(args) -> int:
     for note in models.notes:
         print(f"tevjax: note: {note}", file=sys.stderr)
     result = evaluate(models, texts, budgets=args.budgets, temperature=args.temperature, verifier=args.verifier,
-                      max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, seed=args.seed,
+                      max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, seed=args.seed, lookup=args.lookup,
                       log=lambda line: print(line, file=sys.stderr, flush=True), mesh=mesh)
     result["prompts"] = args.prompts
     if args.json:
@@ -660,7 +678,9 @@ def cmd_eval(args) -> int:
 def cmd_demo(args) -> int:
     from tevjax import demo
 
-    mismatches = demo.main(max_new_tokens=args.max_new_tokens, budget=args.budget, samples=args.samples,
+    _check_lookup(args)
+    mismatches = demo.main(max_new_tokens=args.max_new_tokens, budget=args.budget, lookup=args.lookup,
+                           samples=args.samples,
                            repeats=args.repeats, skip_models=args.skip_models)
     if mismatches:
         raise CliError(f"{mismatches} greedy outputs differ from autoregressive decoding")

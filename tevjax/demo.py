@@ -20,9 +20,10 @@ PROMPTS = (
 )
 
 
-def main(*, max_new_tokens: int = 64, budget: int = 8, samples: int = 50_000, repeats: int = 3,
-         skip_models: bool = False) -> int:
-    """Runs the demonstration; returns how many greedy outputs differ from AR's (0 unless broken)."""
+def main(*, max_new_tokens: int = 64, budget: int = 8, lookup: int | None = None, samples: int = 50_000,
+         repeats: int = 3, skip_models: bool = False) -> int:
+    """Runs the demonstration; returns how many greedy outputs differ from AR's (0 unless broken).
+    `lookup`: the context-lookup chain length (None: the budget; 0: the drafter's trees alone)."""
     print("=" * 78)
     print("Part 1. The canonical exit law on a fixed tree (paper Sec. 3-4)")
     print("=" * 78)
@@ -45,13 +46,15 @@ def main(*, max_new_tokens: int = 64, budget: int = 8, samples: int = 50_000, re
         print(f"note: {note}")
     ids = [chat_prompt_ids(models.tokenizer, p) for p in PROMPTS]
     common = dict(max_new_tokens=max_new_tokens, eos_ids=models.eos_ids, temperature=0.0)
-    spec = Decoder(models.target, models.drafter, DecodeConfig(verifier="tev", budget=budget, **common))
+    lookup = budget if lookup is None else lookup
+    spec = Decoder(models.target, models.drafter, DecodeConfig(verifier="tev", budget=budget, lookup=lookup, **common))
     ar = Decoder(models.target, None, DecodeConfig(**common))  # no drafter: autoregressive
     t0 = time.perf_counter()
     for p in ids:
         spec.compile([p])
         ar.compile([p])
-    print(f"compiled DDTree+TEV (budget {budget}) and the autoregressive baseline in {time.perf_counter() - t0:.1f} s\n")
+    print(f"compiled DDTree+TEV (budget {budget}, lookup chain {lookup}) and the autoregressive baseline "
+          f"in {time.perf_counter() - t0:.1f} s\n")
 
     # Timing on a shared 2-core machine swings by +-20% from one second to the next, so each prompt
     # is decoded `repeats` times by both methods, in an order that alternates, and the speedup is

@@ -7,6 +7,9 @@ draft rows per block, the maximum tree depth)::
     q      = drafter(block | context K/V)                   [B, G, Vd]  per-depth draft marginals
     tree   = build_ddtree(log q, root, budget)               [B, N]      best-first DDTree (ids via
                                                                          the draft vocabulary, Vd <= V)
+    tree   = merge_chain(tree, context_chain(history))      [B, N]      cfg.lookup > 0: the best N - 1
+                                                                         nodes of the tree and a chain
+                                                                         copied from the committed text
     target(tree.tokens @ cache_len + depth, mask = prefix + tree.ancestors)  -> logits [B, N, V]
     out    = verify(key, tree, logits, temperature, method)  accepted path + bonus token
     commit : K/V of the accepted path moved to contiguous slots after the root, the target
@@ -59,7 +62,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from tevjax.builder import build_ddtree_from_top
+from tevjax.builder import build_ddtree_from_top, chain_log_reach, context_chain, merge_chain
 from tevjax.models.cache import KVCache, scatter_rows
 from tevjax.models.dflash import DFlashDrafter, DrafterCache, features_from_hidden, tapped_hidden
 from tevjax.models.transformer import Transformer
@@ -82,6 +85,11 @@ class DecodeConfig:
     """Static decoding settings (one compile per distinct config and shape bucket)."""
 
     budget: int = 16  # non-root tree nodes per round (unused without a drafter)
+    # Length of a context-lookup chain offered to the tree each round (`tevjax.builder.
+    # merge_chain`): the continuation of the latest earlier occurrence of the last few committed
+    # tokens, whose nodes take tree slots where their estimated reach beats the drafter's nodes.
+    # 0: the drafter's tree alone. Exact either way: any fixed tree is.
+    lookup: int = 0
     verifier: str = "tev"  # a name in tevjax.verifiers.VERIFIERS: "tev" | "predraw" | "sequential"
     temperature: float = 0.0  # below 1e-5 (tevjax.law.GREEDY_BELOW) = greedy
     max_new_tokens: int = 128
@@ -106,7 +114,7 @@ class DecodeConfig:
                              "Decoder(target, None, cfg)")
         if self.verifier not in VERIFIERS:
             raise ValueError(f"unknown verifier {self.verifier!r}; choose one of {sorted(VERIFIERS)}")
-        for name in ("budget", "max_new_tokens", "prompt_bucket", "capacity_bucket", "prefill_chunk"):
+        for name in ("budget", "lookup", "max_new_tokens", "prompt_bucket", "capacity_bucket", "prefill_chunk"):
             value = getattr(self, name)
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
                 raise TypeError(f"DecodeConfig.{name} must be an int, got {value!r} ({type(value).__name__})")
@@ -122,6 +130,8 @@ class DecodeConfig:
             raise ValueError(f"budget must be >= 1, got {self.budget}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not 0 <= self.lookup <= self.budget:
+            raise ValueError(f"lookup must be between 0 and the budget ({self.budget}), got {self.lookup}")
         for name in ("prompt_bucket", "capacity_bucket", "prefill_chunk"):
             if getattr(self, name) < 1:
                 raise ValueError(f"DecodeConfig.{name} must be >= 1, got {getattr(self, name)}")
@@ -152,6 +162,9 @@ class DecodeState:
     # re-gathering them in every round cost about a fifth of a target step. None: no drafter, or
     # a drafter over the whole vocabulary (which reads the head in place).
     draft_head: jax.Array | None = None
+    # [B, S] int32 the committed tokens by cache slot, the root at slot cache_len (slots above it are
+    # stale): the context `cfg.lookup` searches. None without lookup.
+    history: jax.Array | None = None
 
 
 # Logical axes of every `DecodeState` field (`tevjax.sharding.LOGICAL_RULES` maps them to mesh axes).
@@ -171,18 +184,21 @@ STATE_AXES: dict[str, tuple[str | None, ...]] = {
     # Every device's rows draft with all Vd rows. Replicated: it is only kept where the mesh does
     # not split the vocabulary (a split one selects the columns after the head instead: `draft`).
     "draft_head": (None, None),
+    "history": ("batch", "cache_slots"),
 }
 
 
-def state_shardings(mesh, *, drafter: bool, hidden: bool, head: bool = False) -> DecodeState:
+def state_shardings(mesh, *, drafter: bool, hidden: bool, head: bool = False, history: bool = False) -> DecodeState:
     """A `DecodeState` of NamedShardings (from `STATE_AXES`) for a decoder with or without a
-    drafter, kept hidden states and a pre-gathered draft head. The specs do not depend on the sizes; the sizes are checked
-    where they are known (`Decoder.prefill`: rows; `param_shardings`: heads)."""
+    drafter, kept hidden states, a pre-gathered draft head and a token history. The specs do not
+    depend on the sizes; the sizes are checked where they are known (`Decoder.prefill`: rows;
+    `param_shardings`: heads)."""
     named = {f.name: logical_sharding(mesh, STATE_AXES[f.name]) for f in dataclasses.fields(DecodeState)}
     cache = KVCache(k=named["target_cache"], v=named["target_cache"])
     return DecodeState(**{**named, "target_cache": cache, "drafter_cache": cache if drafter else None,
                           "hidden": named["hidden"] if hidden else None,
-                          "draft_head": named["draft_head"] if head else None})
+                          "draft_head": named["draft_head"] if head else None,
+                          "history": named["history"] if history else None})
 
 
 @dataclasses.dataclass
@@ -240,7 +256,19 @@ def _empty_state(tstate, dstate, roots, lengths, key_data, *, tgd, dgd, cfg: Dec
         hidden=hidden,
         nonfinite=jnp.zeros((b,), bool),
         draft_head=drafter.head_rows(target) if drafter is not None and not _vocab_split(mesh) else None,
+        history=_history_init(roots, lengths, capacity) if _uses_lookup(drafter, cfg) else None,
     )
+
+
+def _uses_lookup(drafter, cfg: DecodeConfig) -> bool:
+    """Whether rounds merge a lookup chain into their trees (static): it needs a drafted tree."""
+    return drafter is not None and cfg.lookup > 0
+
+
+def _history_init(roots: jax.Array, lengths: jax.Array, capacity: int) -> jax.Array:
+    """[B, S] zeros with each row's root at slot lengths - 1; prefill writes the slots below."""
+    rows = jnp.zeros((roots.shape[0], capacity), jnp.int32)
+    return scatter_rows(rows, (lengths - 1)[:, None].astype(jnp.int32), roots[:, None])
 
 
 def _prefill_chunk(tstate, dstate, state: DecodeState, tokens: jax.Array, start: jax.Array, *, tgd, dgd,
@@ -261,13 +289,17 @@ def _prefill_chunk(tstate, dstate, state: DecodeState, tokens: jax.Array, start:
     taps = _taps(drafter, cfg)
     out = target(tokens, positions, state.target_cache, write_pos, None, hidden_layers=taps, compute_logits=False)
     feats, kept = _split_hidden(out, taps, drafter, cfg, target.cfg)
-    dcache, hidden = state.drafter_cache, state.hidden
+    dcache, hidden, history = state.drafter_cache, state.hidden, state.history
     if drafter is not None:
         dcache = drafter.append_context(dcache, feats, positions, write_pos)
+    if history is not None:
+        # Padding past a row's prompt[:-1] is dropped here: slot cache_len holds the root.
+        history = scatter_rows(history, jnp.where(positions < state.cache_len[:, None], positions, history.shape[1]),
+                               tokens)
     if kept is not None:
         slots = jnp.where(positions < hidden.shape[1], positions, hidden.shape[1])  # S: dropped
         hidden = hidden.at[jnp.arange(b)[:, None], slots].set(kept.astype(hidden.dtype), mode="drop")
-    return dataclasses.replace(state, target_cache=out.cache, drafter_cache=dcache, hidden=hidden)
+    return dataclasses.replace(state, target_cache=out.cache, drafter_cache=dcache, hidden=hidden, history=history)
 
 
 def _taps(drafter: DFlashDrafter | None, cfg: DecodeConfig) -> tuple[int, ...]:
@@ -333,8 +365,9 @@ def _top_marginals(draft_logits: jax.Array, budget: int, vocab_axis: str | None 
 
 
 def draft_trees(draft_logits: jax.Array, root: jax.Array, budget: int, vocab: jax.Array | None = None,
-                mesh=None) -> DraftTree:
+                mesh=None, *, with_scores: bool = False) -> DraftTree | tuple[DraftTree, jax.Array]:
     """DDTree trees [B, N] from draft logits [B, G, Vd]: per-depth log-marginals, then the builder.
+    `with_scores`: also return the nodes' scores [B, N] (`build_ddtree_from_top`'s).
 
     `vocab` [Vd] maps a drafter's reduced vocabulary to token ids (`DFlashDrafter.vocab_ids()`;
     None: logits index token ids). The root is a token id already. Training calls this same
@@ -346,7 +379,7 @@ def draft_trees(draft_logits: jax.Array, root: jax.Array, budget: int, vocab: ja
     """
     if mesh is None:
         vals, ids = _top_marginals(draft_logits, budget)
-        trees, _ = jax.vmap(build_ddtree_from_top, in_axes=(0, 0, 0, None))(vals, ids, root, budget)
+        trees, scores = jax.vmap(build_ddtree_from_top, in_axes=(0, 0, 0, None))(vals, ids, root, budget)
     else:
         vocab_axis = LOGICAL_RULES["vocab"]
         devices = dict(mesh.shape).get(vocab_axis, 1)
@@ -354,20 +387,20 @@ def draft_trees(draft_logits: jax.Array, root: jax.Array, budget: int, vocab: ja
 
         def local(logits, roots):
             vals, ids = _top_marginals(logits, budget, vocab_axis if split else None)
-            return jax.vmap(build_ddtree_from_top, in_axes=(0, 0, 0, None))(vals, ids, roots, budget)[0]
+            return jax.vmap(build_ddtree_from_top, in_axes=(0, 0, 0, None))(vals, ids, roots, budget)
 
         rows = logical_sharding(mesh, ("batch",), root.shape).spec
         spec = logical_sharding(mesh, ("batch", None, "vocab" if split else None), draft_logits.shape).spec
         # check_vma=False: the builder's scans start from constants that then vary by row, which
         # the varying-axes type check rejects; the trees are per row (`data`) and the same on every
         # `model` device (each merges the same top k), as out_specs says.
-        trees = jax.shard_map(local, mesh=mesh, in_specs=(spec, rows), out_specs=rows,
-                              check_vma=False)(draft_logits, root)
-    if vocab is None:
-        return trees
-    drafted = trees.valid & (trees.parents >= 0)
-    return dataclasses.replace(trees, tokens=jnp.where(drafted, jnp.take(vocab, jnp.maximum(trees.tokens, 0)),
-                                                       trees.tokens))
+        trees, scores = jax.shard_map(local, mesh=mesh, in_specs=(spec, rows), out_specs=(rows, rows),
+                                      check_vma=False)(draft_logits, root)
+    if vocab is not None:
+        drafted = trees.valid & (trees.parents >= 0)
+        trees = dataclasses.replace(trees, tokens=jnp.where(drafted, jnp.take(vocab, jnp.maximum(trees.tokens, 0)),
+                                                            trees.tokens))
+    return (trees, scores) if with_scores else trees
 
 
 def root_trees(root: jax.Array) -> DraftTree:
@@ -440,7 +473,14 @@ def _round(tstate, dstate, state: DecodeState, *, tgd, dgd, cfg: DecodeConfig, m
     drafter = nnx.merge(dgd, dstate) if dgd is not None else None
     if drafter is not None:
         logits = draft(drafter, target, state.root, state.cache_len, state.drafter_cache, state.draft_head, mesh)
-        trees = draft_trees(logits, state.root, cfg.budget, drafter.vocab_ids(), mesh)
+        if _uses_lookup(drafter, cfg):
+            trees, scores = draft_trees(logits, state.root, cfg.budget, drafter.vocab_ids(), mesh, with_scores=True)
+            chain, order = jax.vmap(context_chain, in_axes=(0, 0, None))(state.history, state.cache_len + 1,
+                                                                        cfg.lookup)
+            chain_scores = jax.vmap(chain_log_reach, in_axes=(0, None))(order, cfg.lookup)
+            trees = jax.vmap(merge_chain)(trees, scores, chain, chain_scores)
+        else:
+            trees = draft_trees(logits, state.root, cfg.budget, drafter.vocab_ids(), mesh)
     else:
         trees = root_trees(state.root)
     out = tree_pass(target, trees, state.cache_len, state.target_cache, _taps(drafter, cfg))
@@ -470,7 +510,16 @@ def _round(tstate, dstate, state: DecodeState, *, tgd, dgd, cfg: DecodeConfig, m
         hidden=hidden,
         nonfinite=state.nonfinite | bad,
         draft_head=state.draft_head,
+        history=_history_after(state, ver) if state.history is not None else None,
     )
+
+
+def _history_after(state: DecodeState, ver) -> jax.Array:
+    """The history after a round: the block (accepted tokens, then the bonus, the next root) at
+    slots cache_len + 1 on. A done row's writes land above its final cache_len, which nothing reads."""
+    n = ver.tokens.shape[1]
+    slots = state.cache_len[:, None] + 1 + jnp.arange(n, dtype=jnp.int32)
+    return scatter_rows(state.history, jnp.where(ver.tokens >= 0, slots, state.history.shape[1]), ver.tokens)
 
 
 def _rounds(tstate, dstate, state: DecodeState, max_rounds: jax.Array, *, tgd, dgd, cfg: DecodeConfig,
@@ -587,7 +636,8 @@ class Decoder:
             self.tstate = jax.device_put(self.tstate, tshard)
             self.dstate = jax.device_put(self.dstate, dshard) if drafter is not None else None
             head = drafter is not None and drafter.vocab_ids() is not None and not _vocab_split(mesh)
-            sshard = state_shardings(mesh, drafter=drafter is not None, hidden=bool(cfg.hidden_layers), head=head)
+            sshard = state_shardings(mesh, drafter=drafter is not None, hidden=bool(cfg.hidden_layers), head=head,
+                                     history=_uses_lookup(drafter, cfg))
             scalar = logical_sharding(mesh, ())
             rows = logical_sharding(mesh, ("batch",))
             shard = dict(in_shardings=(tshard, dshard, sshard), out_shardings=sshard)
