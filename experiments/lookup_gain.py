@@ -29,7 +29,8 @@ RESULTS = Path(__file__).resolve().parent / "results" / "lookup_gain.md"
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--lookups", type=int, nargs="+", default=[0, 8], help="chain lengths, one arm each; the first is the base")
+    p.add_argument("--lookups", type=int, nargs="+", default=[0, 8],
+                   help="chain lengths, one arm each; the first is the base")
     p.add_argument("--drafter", default=None, help="drafter directory (default: the shipped one)")
     p.add_argument("--prompts", default="heldout")
     p.add_argument("--first-prompt", type=int, default=64)

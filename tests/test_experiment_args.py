@@ -282,8 +282,8 @@ def test_lookup_experiments_check_their_arguments_and_the_survival_script_matche
 
     from tevjax.builder import context_chain
 
-    assert "--lookups must lie in [0, --budget 4]" in error_of(lookup_gain.parse_args, ["--budget", "4", "--lookups", "0", "5"],
-                                                                capsys)
+    argv = ["--budget", "4", "--lookups", "0", "5"]
+    assert "--lookups must lie in [0, --budget 4]" in error_of(lookup_gain.parse_args, argv, capsys)
     assert "no such file" in error_of(lookup_survival.main, [str(tmp_path / "none.npz")], capsys)
     # The script's host chain is the builder's chain.
     rng = np.random.default_rng(1)

@@ -663,7 +663,8 @@ def cmd_eval(args) -> int:
     for note in models.notes:
         print(f"tevjax: note: {note}", file=sys.stderr)
     result = evaluate(models, texts, budgets=args.budgets, temperature=args.temperature, verifier=args.verifier,
-                      max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, seed=args.seed, lookup=args.lookup,
+                      max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, seed=args.seed,
+                      lookup=args.lookup,
                       log=lambda line: print(line, file=sys.stderr, flush=True), mesh=mesh)
     result["prompts"] = args.prompts
     if args.json:

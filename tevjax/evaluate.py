@@ -133,6 +133,7 @@ def format_table(result: dict) -> str:
     for r in result["budgets"]:
         same = "n/a" if r["mismatches"] is None else ("yes" if r["mismatches"] == 0 else f"NO ({r['mismatches']})")
         lo, hi = r["sr_range"]
-        lines.append(f"| {r['budget']} | {r.get('lookup', 0)} | {r['tau']:.3f} | {r['tokens_per_s']:.2f} | {r['sr']:.3f} [{lo:.2f}-{hi:.2f}] "
+        lines.append(f"| {r['budget']} | {r.get('lookup', 0)} | {r['tau']:.3f} | {r['tokens_per_s']:.2f} "
+                     f"| {r['sr']:.3f} [{lo:.2f}-{hi:.2f}] "
                      f"| {same} |")
     return "\n".join(lines)
