@@ -288,15 +288,14 @@ def merge_chain(tree: DraftTree, scores: jax.Array, chain: jax.Array, chain_scor
     scores = jnp.where(tree.valid, jnp.asarray(scores, jnp.float32), -jnp.inf)
     node = jnp.arange(n, dtype=jnp.int32)
     # on_chain[v]: node v's path from the root spells chain[:depth(v)] (the root: the empty prefix).
-    chain_at_depth = jnp.take(chain, jnp.clip(tree.depth - 1, 0, m - 1))  # [N] chain token at each node's depth
-    edge_ok = (tree.depth >= 1) & (tree.depth <= m) & (tree.tokens == chain_at_depth)
+    at_depth = jnp.clip(tree.depth - 1, 0, m - 1)  # [N] each node's chain index
+    edge_ok = (tree.depth >= 1) & (tree.depth <= m) & (tree.tokens == jnp.take(chain, at_depth))
     on_chain = tree.valid & jnp.all((edge_ok | (node == 0))[None, :] | ~tree.ancestors, axis=1)  # [N]
     covered = jnp.max(jnp.where(on_chain, tree.depth, 0))
     attach = jnp.argmax(jnp.where(on_chain, tree.depth, -1)).astype(jnp.int32)  # one node per depth
     # A merged node keeps the larger score (chain_scores[d - 1] for depth d).
     merged = on_chain & (node > 0)
-    scores = jnp.where(merged, jnp.maximum(scores, jnp.take(chain_scores, jnp.clip(tree.depth - 1, 0, m - 1))),
-                       scores)
+    scores = jnp.where(merged, jnp.maximum(scores, jnp.take(chain_scores, at_depth)), scores)
     # Chain candidates i >= covered are new (depth i + 1); candidate index in the union: n + i.
     i = jnp.arange(m, dtype=jnp.int32)
     new = i >= covered
