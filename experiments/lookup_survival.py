@@ -1,8 +1,9 @@
 """Measures `tevjax.builder.LOOKUP_SURVIVAL`: how long a context-lookup chain holds, by match order.
 
-For every position t of a target's answers (first `--tokens` tokens), the chain `context_chain`
-would propose after t (the latest earlier occurrence of the longest suffix of order <= 5 that
-occurred before, continued periodically) is compared with the answer's next `--depth` tokens. The
+For every position t of a target's answers (first `--tokens` tokens), the chain
+`tevjax.builder.context_chain` proposes after t (the latest earlier occurrence of the longest
+suffix of order <= 5 that occurred before, continued periodically) is compared with the answer's
+next `--depth` tokens. The
 table's row n, column d is the fraction of positions with a match of order n (5: five or more)
 whose chain holds at least d tokens. The answers are the GPU run's greedy training records
 (`gpu_drafter_scale_records-*.npz`, prompts no evaluation uses); the builder's constants are this
@@ -22,39 +23,35 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report import require_positive  # noqa: E402
 
-ORDERS = (5, 4, 3, 2, 1)
-
-
-def chain_at(ctx: np.ndarray, depth: int) -> tuple[np.ndarray | None, int]:
-    """(chain, order) as `tevjax.builder.context_chain` proposes it after `ctx` (None, 0: no match)."""
-    length = len(ctx)
-    for n in ORDERS:
-        if length < n + 1:
-            continue
-        key = ctx[length - n:]
-        for j in range(length - 2, n - 2, -1):
-            if np.array_equal(ctx[j - n + 1:j + 1], key):
-                return ctx[j + 1 + np.arange(depth) % (length - 1 - j)], n
-    return None, 0
-
-
 def survival(tokens: np.ndarray, offsets: np.ndarray, prompt_len: np.ndarray, records: int, answer_tokens: int,
              depth: int) -> tuple[np.ndarray, np.ndarray]:
-    """([5, depth] survival table, [5] positions per order) over the first `records` records."""
-    held = np.zeros((len(ORDERS), depth + 1))
+    """([orders, depth] survival table, [orders] positions per order; row n - 1 is order n) over the
+    first `records` records, with the chains `tevjax.builder.context_chain` proposes."""
+    import jax
+
+    from tevjax.builder import LOOKUP_ORDERS, context_chain
+
+    # One record's positions at once: the same text, one context length per position.
+    chains_at = jax.jit(jax.vmap(context_chain, in_axes=(None, 0, None)), static_argnums=2)
+    held = np.zeros((max(LOOKUP_ORDERS), depth + 1))
     for r in range(min(records, len(prompt_len))):
         seq = tokens[offsets[r]:offsets[r + 1]].astype(np.int64)
         end = min(len(seq), prompt_len[r] + answer_tokens)
-        for t in range(prompt_len[r], end - depth):  # positions with `depth` known tokens after them
-            chain, order = chain_at(seq[:t + 1], depth)
-            if order == 0:
-                continue
-            k = 0
-            while k < depth and chain[k] == seq[t + 1 + k]:
-                k += 1
-            held[ORDERS.index(order), k] += 1
+        t = np.arange(prompt_len[r], end - depth)  # positions with `depth` known tokens after them
+        if len(t) == 0:
+            continue
+        # Padded to buckets (text to a multiple of 256, positions to `answer_tokens`), so a few
+        # shapes compile instead of one per record; padded positions are dropped below.
+        text = np.zeros(-(-len(seq) // 256) * 256, np.int32)
+        text[:len(seq)] = seq
+        lengths = np.full(answer_tokens, 1, np.int32)
+        lengths[:len(t)] = t + 1
+        chains, orders = (np.asarray(x)[:len(t)] for x in chains_at(text, lengths, depth))
+        future = seq[t[:, None] + 1 + np.arange(depth)]  # [T, depth]
+        k = np.cumprod(chains == future, axis=1).sum(axis=1)  # tokens held from the first on
+        np.add.at(held, (orders[orders > 0] - 1, k[orders > 0]), 1)
     counts = held.sum(axis=1)
-    at_least = np.cumsum(held[:, ::-1], axis=1)[:, ::-1][:, 1:]  # [5, depth]: held >= d
+    at_least = np.cumsum(held[:, ::-1], axis=1)[:, ::-1][:, 1:]  # [orders, depth]: held >= d
     return at_least / np.maximum(counts, 1)[:, None], counts
 
 
@@ -71,10 +68,8 @@ def main(argv=None) -> int:
     data = np.load(args.records_file)
     table, counts = survival(data["tokens"], data["offsets"], data["prompt_len"], args.records, args.tokens,
                              args.depth)
-    # Row order of LOOKUP_SURVIVAL: order 1 first.
-    for n in sorted(ORDERS):
-        i = ORDERS.index(n)
-        print(f"order {n}: {int(counts[i])} positions  ({', '.join(f'{x:.2f}' for x in table[i])}),")
+    for n, (row, count) in enumerate(zip(table, counts), start=1):  # the rows of LOOKUP_SURVIVAL
+        print(f"order {n}: {int(count)} positions  ({', '.join(f'{x:.2f}' for x in row)}),")
     return 0
 
 

@@ -275,23 +275,13 @@ def test_heldout_screen_rejects_bad_arguments(tmp_path, capsys):
     assert args.drafters == [str(tmp_path)] and args.budgets == [4, 8, 16] and args.anchors == 128
 
 
-def test_lookup_experiments_check_their_arguments_and_the_survival_script_matches_the_builder(capsys, tmp_path):
-    import jax.numpy as jnp
+def test_lookup_experiments_check_their_arguments_and_measure_survival(capsys, tmp_path):
     import lookup_gain
     import lookup_survival
-
-    from tevjax.builder import context_chain
 
     argv = ["--budget", "4", "--lookups", "0", "5"]
     assert "--lookups must lie in [0, --budget 4]" in error_of(lookup_gain.parse_args, argv, capsys)
     assert "no such file" in error_of(lookup_survival.main, [str(tmp_path / "none.npz")], capsys)
-    # The script's host chain is the builder's chain.
-    rng = np.random.default_rng(1)
-    for _ in range(40):
-        seq = rng.integers(0, 4, size=int(rng.integers(1, 20)))
-        chain, order = lookup_survival.chain_at(seq, 6)
-        got, got_order = context_chain(jnp.asarray(np.pad(seq, (0, 4))), len(seq), 6)
-        assert int(got_order) == order and (order == 0 or np.asarray(got).tolist() == chain.tolist())
     # A record that repeats "1 2 3" after its prompt: every order-n chain holds to the end.
     tokens = np.array([9, 8, 1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2], np.uint16)
     table, counts = lookup_survival.survival(tokens, np.array([0, 16]), np.array([2]), 1, 128, 3)

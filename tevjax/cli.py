@@ -404,6 +404,7 @@ def cmd_generate(args) -> int:
     _check_lookup(args)
 
     from tevjax.decode.engine import DecodeConfig, Interrupted
+    from tevjax.evaluate import lookup_for
     from tevjax.loading import load_models
 
     t0 = time.perf_counter()
@@ -428,7 +429,7 @@ def cmd_generate(args) -> int:
 
     # Without a drafter the config's verifier is never used: any valid name will do.
     cfg = DecodeConfig(verifier=args.verifier if speculative else "tev", budget=args.budget,
-                       lookup=args.budget if args.lookup is None else args.lookup,
+                       lookup=lookup_for(args.budget, args.lookup),  # checked <= budget above
                        temperature=args.temperature, max_new_tokens=args.max_new_tokens, eos_ids=models.eos_ids)
     decoder = _decoder(models.target, models.drafter if speculative else None, cfg, mesh)
     # Streaming prints row 0 as it grows; a multi-host job prints once, at the end.

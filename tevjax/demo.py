@@ -33,6 +33,7 @@ def main(*, max_new_tokens: int = 64, budget: int = 8, lookup: int | None = None
 
     from tevjax.convert.tokenizer import chat_prompt_ids
     from tevjax.decode.engine import DecodeConfig, Decoder
+    from tevjax.evaluate import lookup_for
     from tevjax.loading import load_models
 
     print()
@@ -46,7 +47,7 @@ def main(*, max_new_tokens: int = 64, budget: int = 8, lookup: int | None = None
         print(f"note: {note}")
     ids = [chat_prompt_ids(models.tokenizer, p) for p in PROMPTS]
     common = dict(max_new_tokens=max_new_tokens, eos_ids=models.eos_ids, temperature=0.0)
-    lookup = budget if lookup is None else lookup
+    lookup = lookup_for(budget, lookup)
     spec = Decoder(models.target, models.drafter, DecodeConfig(verifier="tev", budget=budget, lookup=lookup, **common))
     ar = Decoder(models.target, None, DecodeConfig(**common))  # no drafter: autoregressive
     t0 = time.perf_counter()
