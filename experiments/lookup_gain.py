@@ -7,7 +7,15 @@ the result is each arm's tau (output-block length, bonus included, pooled over r
 paired gain over the first arm with a 95% interval (prompts as units: `paired_stats`). Wall times
 are reported as a reading aid only; speed is `tevjax eval`'s job.
 
+`--exponents` calibrates the chain against the drafter: each lookup arm runs once per exponent k,
+with the survival table raised to the power k (`DecodeConfig.lookup_survival`), so the chain's log
+reach is scaled by k: below 1 the chain wins more tree slots, above 1 fewer. `--survival FILE` adds
+an arm per lookup with a table from a JSON file (`lookup_survival.py --json`). With `--temperature`
+above 0 the arms sample (the same seed), so their outputs are not compared; prompts still pair them.
+
     python experiments/lookup_gain.py --lookups 0 8 --first-prompt 64 --num-prompts 192
+    python experiments/lookup_gain.py --lookups 8 --exponents 1 0.5 0.75 1.5 2 --first-prompt 16 --num-prompts 48
+    python experiments/lookup_gain.py --lookups 8 --survival T1.json --temperature 1
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import json
 import sys
 import time
 from pathlib import Path
@@ -31,6 +40,12 @@ def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--lookups", type=int, nargs="+", default=[0, 8],
                    help="chain lengths, one arm each; the first is the base")
+    p.add_argument("--exponents", type=float, nargs="+", default=[1.0],
+                   help="powers of the survival table, one arm per lookup > 0 each (1: the builder's table)")
+    p.add_argument("--survival", type=Path, action="append", default=[],
+                   help="a JSON survival table (5 rows of depths), one more arm per lookup > 0 (repeatable)")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (every arm the same)")
     p.add_argument("--drafter", default=None, help="drafter directory (default: the shipped one)")
     p.add_argument("--prompts", default="heldout")
     p.add_argument("--first-prompt", type=int, default=64)
@@ -46,6 +61,19 @@ def parse_args(argv):
     bad = [n for n in args.lookups if not 0 <= n <= args.budget]
     if bad:
         p.error(f"--lookups must lie in [0, --budget {args.budget}], got {bad}")
+    if not all(0 < k < float("inf") for k in args.exponents):
+        p.error(f"--exponents must be finite and > 0, got {args.exponents}")
+    if not 0 <= args.temperature < float("inf"):
+        p.error(f"--temperature must be finite and >= 0, got {args.temperature}")
+    from tevjax.builder import LOOKUP_SURVIVAL, check_survival
+
+    args.tables = {f"builder^{k:g}": tuple(tuple(x ** k for x in row) for row in LOOKUP_SURVIVAL)
+                   for k in args.exponents}
+    for path in args.survival:
+        try:
+            args.tables[path.stem] = check_survival(json.loads(path.read_text()))
+        except (OSError, ValueError) as e:
+            p.error(f"--survival {str(path)!r}: {e}")
     return args
 
 
@@ -53,6 +81,7 @@ def main(argv=None) -> int:
     date = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
     args = parse_args(sys.argv[1:] if argv is None else argv)
     from tevjax.decode.engine import DecodeConfig, Decoder
+    from tevjax.law import is_greedy
     from tevjax.loading import load_models
 
     models = load_models("smollm2", args.drafter, dtype="float32")
@@ -60,43 +89,50 @@ def main(argv=None) -> int:
         raise SystemExit("the drafter is untrained: give a trained --drafter")
     _, prompts = load_prompt_ids(models.tokenizer, args.prompts, args.first_prompt + args.num_prompts)
     prompts = prompts[args.first_prompt:]
+    greedy = is_greedy(args.temperature)
     arms, first = {}, None
-    for lookup in args.lookups:
+    runs = [(n, name) for n in args.lookups for name in (args.tables if n > 0 else ["-"])]
+    for lookup, name in runs:
         cfg = DecodeConfig(verifier="tev", budget=args.budget, lookup=lookup, max_new_tokens=args.max_new_tokens,
-                           eos_ids=models.eos_ids, prompt_bucket=128)
+                           eos_ids=models.eos_ids, prompt_bucket=128, temperature=args.temperature,
+                           lookup_survival=args.tables.get(name))
         capacity = Decoder(models.target, models.drafter, cfg).shapes([len(p) for p in prompts])[1]
         decoder = Decoder(models.target, models.drafter, dataclasses.replace(cfg, capacity=capacity))
         t0, gens = time.perf_counter(), []
         for i in range(0, len(prompts), args.batch):
-            gens += decoder.generate(prompts[i:i + args.batch])
+            gens += decoder.generate(prompts[i:i + args.batch], seed=args.seed + i)
         tokens = [g.tokens for g in gens]
         if first is None:
             first = tokens
-        elif tokens != first:
+        elif greedy and tokens != first:
             bad = [i for i, (a, b) in enumerate(zip(tokens, first)) if a != b]
-            raise SystemExit(f"lookup {lookup}: greedy outputs differ from lookup {args.lookups[0]}'s on prompts {bad}")
-        arms[lookup] = {"blocks": [round(g.tau * g.rounds) for g in gens], "rounds": [g.rounds for g in gens],
-                        "minutes": (time.perf_counter() - t0) / 60}
-        tau = sum(arms[lookup]["blocks"]) / sum(arms[lookup]["rounds"])
-        print(f"lookup {lookup}: tau {tau:.3f}, {arms[lookup]['minutes']:.1f} min", flush=True)
+            raise SystemExit(f"lookup {lookup}, table {name}: greedy outputs differ from the first arm's on "
+                             f"prompts {bad}")
+        arm = arms[lookup, name] = {"blocks": [round(g.tau * g.rounds) for g in gens],
+                                    "rounds": [g.rounds for g in gens], "minutes": (time.perf_counter() - t0) / 60}
+        tau = sum(arm["blocks"]) / sum(arm["rounds"])
+        print(f"lookup {lookup}, table {name}: tau {tau:.3f}, {arm['minutes']:.1f} min", flush=True)
 
-    base = arms[args.lookups[0]]
+    base = arms[runs[0]]
+    mode = ("Greedy TEV" if greedy else f"TEV sampling at T = {args.temperature:g} (seed {args.seed} + batch start; "
+            "arms decode different text, paired by prompt)")
+    same = " Every arm's outputs equal the first arm's." if greedy else ""
     lines = [
         "# The context lookup's gain in tau",
         "",
         f"{date}; `python experiments/lookup_gain.py {' '.join(sys.argv[1:] if argv is None else argv)}`.",
-        f"Greedy TEV, budget {args.budget}, {args.max_new_tokens} new tokens, {args.prompts} prompts "
+        f"{mode}, budget {args.budget}, {args.max_new_tokens} new tokens, {args.prompts} prompts "
         f"{args.first_prompt}-{args.first_prompt + args.num_prompts - 1}, batches of {args.batch}; drafter "
-        f"{args.drafter or 'shipped'}. Every arm's outputs equal the first arm's. {machine_facts()}",
+        f"{args.drafter or 'shipped'}.{same} {machine_facts()}",
         "",
-        "| lookup | tau | gain over the first arm [95% CI] | rounds | minutes |",
-        "|---:|---:|---|---:|---:|",
+        "| lookup | survival table | tau | gain over the first arm [95% CI] | rounds | minutes |",
+        "|---:|---|---:|---|---:|---:|",
     ]
-    for lookup, a in arms.items():
+    for (lookup, name), a in arms.items():
         tau = sum(a["blocks"]) / sum(a["rounds"])
         g = paired_gain(base["blocks"], base["rounds"], a["blocks"], a["rounds"])
         gain = "-" if a is base else f"{100 * g['gain']:+.1f}% [{100 * g['lo']:+.1f}, {100 * g['hi']:+.1f}]"
-        lines.append(f"| {lookup} | {tau:.3f} | {gain} | {sum(a['rounds'])} | {a['minutes']:.1f} |")
+        lines.append(f"| {lookup} | {name} | {tau:.3f} | {gain} | {sum(a['rounds'])} | {a['minutes']:.1f} |")
     emit(lines, args.out)
     return 0
 

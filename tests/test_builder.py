@@ -12,7 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tevjax.builder import LOOKUP_SURVIVAL, build_ddtree, chain_log_reach, context_chain, merge_chain
+from tevjax.builder import (LOOKUP_SURVIVAL, build_ddtree, chain_log_reach, check_survival, context_chain,
+                            merge_chain)
 from tevjax.tree import validate_tree
 
 # One compiled builder per (G, V, budget): budget is static.
@@ -361,6 +362,16 @@ def test_chain_log_reach_follows_the_survival_table():
     np.testing.assert_allclose(got[8:], [table[-1] * ratio, table[-1] * ratio ** 2], rtol=1e-5)
     assert np.all(np.diff(got) <= 0)
     assert np.all(np.isneginf(np.asarray(chain_log_reach(jnp.int32(0), 4))))
+
+
+def test_a_custom_survival_table_is_read_and_normalised():
+    table = [[0.5, 0.25, 0.125]] + [[0.9, 0.8, 0.7]] * 4  # lists, as a user might write them
+    assert check_survival(table) == tuple(tuple(r) for r in table)
+    got = np.exp(np.asarray(chain_log_reach(jnp.int32(1), 4, table)))
+    np.testing.assert_allclose(got, [0.5, 0.25, 0.125, 0.0625], rtol=1e-6)  # continued at ratio 1/2
+    got5 = np.exp(np.asarray(chain_log_reach(jnp.int32(7), 2, table)))  # orders above 5 read row 5
+    np.testing.assert_allclose(got5, [0.9, 0.8], rtol=1e-6)
+    assert check_survival(LOOKUP_SURVIVAL) == LOOKUP_SURVIVAL
 
 
 def _paths(tokens, parents) -> dict[tuple[int, ...], int]:

@@ -133,6 +133,20 @@ def test_lookup_history_holds_the_text_and_the_chain_shortens_decoding(models, a
     assert _decoder(models, AR, lookup=5).generate(PROMPTS)[0].tokens == ar_greedy[0]  # no drafter: no lookup
 
 
+def test_lookup_survival_ranks_the_chain_against_the_tree(models, ar_greedy):
+    """`lookup_survival` sets the chain's estimated reach: a table of near-zero survival never
+    outranks a drafter node (a full tree leaves no padding), so decoding takes the drafter-alone
+    rounds exactly; a near-certain one puts the chain first. The tokens never change."""
+    plain = _decoder(models, "tev").generate(PROMPTS)
+    never = _decoder(models, "tev", lookup=5, lookup_survival=((1e-30, 1e-31),) * 5).generate(PROMPTS)
+    always = _decoder(models, "tev", lookup=5, lookup_survival=((0.999, 0.998),) * 5).generate(PROMPTS)
+    default = _decoder(models, "tev", lookup=5).generate(PROMPTS)
+    assert [g.tokens for g in never] == [g.tokens for g in always] == ar_greedy
+    assert [g.rounds for g in never] == [g.rounds for g in plain]
+    assert [g.rounds for g in always] != [g.rounds for g in never]
+    assert [g.rounds for g in default] != [g.rounds for g in never]
+
+
 # --- the sampling law of the first three tokens ------------------------------------------------
 
 V_SMALL, NUM_ROWS, TEMPERATURE = 8, 6000, 1.0
@@ -233,6 +247,12 @@ def test_a_broken_verifier_is_detected(small_models, exact_first3, monkeypatch):
         ({"budget": 0}, "budget must be >= 1"),
         ({"budget": 4, "lookup": 5}, r"lookup must be between 0 and the budget \(4\), got 5"),
         ({"lookup": -1}, "lookup must be between 0 and the budget"),
+        ({"lookup_survival": ((0.5, 0.4),) * 4}, r"survival must be a 5 x D table .* got shape \(4, 2\)"),
+        ({"lookup_survival": ((0.5,),) * 5}, r"D >= 2 depths\), got shape \(5, 1\)"),
+        ({"lookup_survival": ((0.5, 0.0),) * 5}, r"probabilities in \(0, 1\], got 0.0 .. 0.5"),
+        ({"lookup_survival": ((0.5, float("nan")),) * 5}, r"probabilities in \(0, 1\]"),
+        ({"lookup_survival": ((0.4, 0.5),) * 5}, "must not grow with depth"),
+        ({"lookup_survival": "high"}, "survival must be a table of numbers, got 'high'"),
         ({"max_new_tokens": 0}, "max_new_tokens must be >= 1"),
         ({"prefill_chunk": 0}, r"DecodeConfig.prefill_chunk must be >= 1, got 0"),
         ({"prompt_bucket": -8}, r"DecodeConfig.prompt_bucket must be >= 1, got -8"),

@@ -281,7 +281,21 @@ def test_lookup_experiments_check_their_arguments_and_measure_survival(capsys, t
 
     argv = ["--budget", "4", "--lookups", "0", "5"]
     assert "--lookups must lie in [0, --budget 4]" in error_of(lookup_gain.parse_args, argv, capsys)
+    assert "--exponents must be finite and > 0" in error_of(lookup_gain.parse_args, ["--exponents", "1", "0"], capsys)
+    assert lookup_gain.parse_args(["--exponents", "0.5", "2"]).exponents == [0.5, 2.0]
+    (tmp_path / "flat.json").write_text("[[0.5, 0.6]]")
+    assert "survival must be a 5 x D table" in error_of(
+        lookup_gain.parse_args, ["--survival", str(tmp_path / "flat.json")], capsys)
+    assert "--survival" in error_of(lookup_gain.parse_args, ["--survival", str(tmp_path / "none.json")], capsys)
+    (tmp_path / "t1.json").write_text(json.dumps([[0.5, 0.25]] * 5))
+    args = lookup_gain.parse_args(["--survival", str(tmp_path / "t1.json"), "--exponents", "1", "2"])
+    from tevjax.builder import LOOKUP_SURVIVAL
+
+    squared = tuple(tuple(x ** 2.0 for x in r) for r in LOOKUP_SURVIVAL)
+    assert args.tables == {"builder^1": LOOKUP_SURVIVAL, "builder^2": squared, "t1": ((0.5, 0.25),) * 5}
     assert "no such file" in error_of(lookup_survival.main, [str(tmp_path / "none.npz")], capsys)
+    assert "--temperature must be finite and > 0" in error_of(
+        lookup_survival.main, [str(tmp_path / "none.npz"), "--temperature", "0"], capsys)
     # A record that repeats "1 2 3" after its prompt: every order-n chain holds to the end.
     tokens = np.array([9, 8, 1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2], np.uint16)
     table, counts = lookup_survival.survival(tokens, np.array([0, 16]), np.array([2]), 1, 128, 3)

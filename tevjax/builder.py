@@ -48,7 +48,7 @@ import numpy as np
 from tevjax.tree import DraftTree
 
 __all__ = ["LOOKUP_ORDERS", "LOOKUP_SURVIVAL", "build_ddtree", "build_ddtree_from_top", "chain_log_reach",
-           "context_chain", "merge_chain"]
+           "check_survival", "context_chain", "merge_chain"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -249,12 +249,29 @@ def context_chain(seq: jax.Array, length: jax.Array, size: int, orders: tuple[in
     return chain, order
 
 
+def check_survival(survival) -> tuple[tuple[float, ...], ...]:
+    """`survival` as a tuple of tuples of floats (hashable, so it can sit in a static config), after
+    checking that it has LOOKUP_SURVIVAL's layout: one row per match order 1..max(LOOKUP_ORDERS),
+    at least 2 depths, probabilities in (0, 1] that do not grow with depth."""
+    try:
+        table = np.asarray(survival, np.float64)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"survival must be a table of numbers, got {survival!r}") from e
+    rows = max(LOOKUP_ORDERS)
+    if table.ndim != 2 or table.shape[0] != rows or table.shape[1] < 2:
+        raise ValueError(f"survival must be a {rows} x D table (one row per match order 1..{rows}, D >= 2 depths), "
+                         f"got shape {table.shape}")
+    if not np.all((table > 0) & (table <= 1)):
+        raise ValueError(f"survival must hold probabilities in (0, 1], got {table.min()} .. {table.max()}")
+    if np.any(np.diff(table, axis=1) > 0):
+        raise ValueError("survival must not grow with depth: a chain that holds d + 1 tokens holds d")
+    return tuple(tuple(float(x) for x in row) for row in table)
+
+
 def chain_log_reach(order: jax.Array, size: int, survival=LOOKUP_SURVIVAL) -> jax.Array:
     """[size] float32 log-probability that a chain of match order `order` holds depth 1..size
     (`survival[order - 1]`, continued past its end at its last step's ratio); -inf for order 0."""
-    table = np.asarray(survival, np.float64)
-    if table.ndim != 2 or table.shape[1] < 2 or not np.all((table > 0) & (table <= 1)):
-        raise ValueError("survival must be a 2-D table of probabilities in (0, 1] with >= 2 depths")
+    table = np.asarray(check_survival(survival), np.float64)
     if size > table.shape[1]:  # geometric continuation at the last step's ratio
         ratio = np.minimum(table[:, -1] / table[:, -2], 1.0)[:, None]
         extra = table[:, -1:] * ratio ** np.arange(1, size - table.shape[1] + 1)

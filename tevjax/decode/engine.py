@@ -62,7 +62,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from tevjax.builder import build_ddtree_from_top, chain_log_reach, context_chain, merge_chain
+from tevjax.builder import (LOOKUP_SURVIVAL, build_ddtree_from_top, chain_log_reach, check_survival, context_chain,
+                             merge_chain)
 from tevjax.models.cache import KVCache, scatter_rows
 from tevjax.models.dflash import DFlashDrafter, DrafterCache, features_from_hidden, tapped_hidden
 from tevjax.models.transformer import Transformer
@@ -90,6 +91,11 @@ class DecodeConfig:
     # tokens, whose nodes take tree slots where their estimated reach beats the drafter's nodes.
     # 0: the drafter's tree alone. Exact either way: any fixed tree is.
     lookup: int = 0
+    # How often a chain of match order n holds d tokens (`tevjax.builder.LOOKUP_SURVIVAL`'s layout:
+    # one row per order 1..5, one column per depth). The chain's nodes are ranked against the
+    # drafter's by these estimates, so a table measured on another target's text, or at T > 0,
+    # can replace SmolLM2's greedy one. None: LOOKUP_SURVIVAL.
+    lookup_survival: tuple[tuple[float, ...], ...] | None = None
     verifier: str = "tev"  # a name in tevjax.verifiers.VERIFIERS: "tev" | "predraw" | "sequential"
     temperature: float = 0.0  # below 1e-5 (tevjax.law.GREEDY_BELOW) = greedy
     max_new_tokens: int = 128
@@ -132,6 +138,8 @@ class DecodeConfig:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if not 0 <= self.lookup <= self.budget:
             raise ValueError(f"lookup must be between 0 and the budget ({self.budget}), got {self.lookup}")
+        if self.lookup_survival is not None:
+            object.__setattr__(self, "lookup_survival", check_survival(self.lookup_survival))
         for name in ("prompt_bucket", "capacity_bucket", "prefill_chunk"):
             if getattr(self, name) < 1:
                 raise ValueError(f"DecodeConfig.{name} must be >= 1, got {getattr(self, name)}")
@@ -477,7 +485,8 @@ def _round(tstate, dstate, state: DecodeState, *, tgd, dgd, cfg: DecodeConfig, m
             trees, scores = draft_trees(logits, state.root, cfg.budget, drafter.vocab_ids(), mesh, with_scores=True)
             chain, order = jax.vmap(context_chain, in_axes=(0, 0, None))(state.history, state.cache_len + 1,
                                                                         cfg.lookup)
-            chain_scores = jax.vmap(chain_log_reach, in_axes=(0, None))(order, cfg.lookup)
+            survival = cfg.lookup_survival or LOOKUP_SURVIVAL
+            chain_scores = jax.vmap(chain_log_reach, in_axes=(0, None, None))(order, cfg.lookup, survival)
             trees = jax.vmap(merge_chain)(trees, scores, chain, chain_scores)
         else:
             trees = draft_trees(logits, state.root, cfg.budget, drafter.vocab_ids(), mesh)
