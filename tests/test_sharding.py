@@ -367,10 +367,15 @@ CHECKS = {
         assert pvalue > 1e-4, pvalue
     """,
     # Two steps (token + exit loss) on meshes (2, 1) and (1, 2) equal the single-device steps. Split
-    # sums round differently (~1e-7 relative) and Adam divides by sqrt(v), so after two steps a
-    # parameter may differ by a few 1e-6: the stated tolerance is 2e-5 absolute + 1e-5 relative on
-    # parameters (lr 3e-3) and 1e-5 relative on metrics. On (1, 2) the parameters and Adam's
-    # moments stay split over `model`. (Measured here: 1.2e-5 on (2, 1), 1.5e-5 on (1, 2).)
+    # sums round differently (~1e-7 relative), and Adam divides each update by the gradient's own
+    # size. Where an element's gradient is a small sum of larger terms of both signs, its rounding
+    # error becomes a visible share of the update. Measured on 2026-12-04: 1-2 of the 45,344
+    # parameters differ by more than 2e-6 after two steps, and the median by ~1e-9. The largest is
+    # gate_proj[22, 60] (|g| ~ 1e-3): 1.2e-5 to 2.5e-5 on (2, 1) and 3.4e-5 on (1, 2), depending on
+    # the compiled code. A sharding fault (a missing or doubled reduction) moves the loss and most
+    # parameters by ~lr. Stated tolerances: metrics within 1e-5 relative; at most 1 parameter in
+    # 10,000 beyond 2e-5 absolute + 1e-5 relative (lr 3e-3); none beyond lr / 30. On (1, 2) the
+    # parameters and Adam's moments stay split over `model`.
     "train": """
         import jax.numpy as jnp
         from tevjax.train.dataset import Batch
@@ -403,9 +408,11 @@ CHECKS = {
         for shape in ((2, 1), (1, 2)):
             diff = max(jax.tree.leaves(jax.tree.map(lambda a, b: float(np.max(np.abs(a - b))), out[(1, 1)][0],
                                                     out[shape][0])))
-            print(f"train {shape}: largest parameter difference after 2 steps {diff:.2e}")
-            jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=2e-5),
-                         out[(1, 1)][0], out[shape][0])
+            one, split = (np.concatenate([x.ravel() for x in jax.tree.leaves(out[s][0])]) for s in ((1, 1), shape))
+            loose = int(np.sum(np.abs(one - split) > 2e-5 + 1e-5 * np.abs(one)))
+            print(f"train {shape}: largest parameter difference after 2 steps {diff:.2e}; "
+                  f"{loose} of {one.size} beyond 2e-5 + 1e-5 relative")
+            assert loose <= max(1, one.size // 10_000) and diff < CFG.lr / 30, (shape, loose, diff)
             for k, v in out[(1, 1)][1].items():
                 np.testing.assert_allclose(v, out[shape][1][k], rtol=1e-5, atol=1e-6, err_msg=f"{shape} {k}")
         # Trees on 2 of the 4 sequences (rows 0 and 2, one per data shard): the same step on
