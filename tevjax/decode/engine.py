@@ -481,15 +481,14 @@ def _round(tstate, dstate, state: DecodeState, *, tgd, dgd, cfg: DecodeConfig, m
     drafter = nnx.merge(dgd, dstate) if dgd is not None else None
     if drafter is not None:
         logits = draft(drafter, target, state.root, state.cache_len, state.drafter_cache, state.draft_head, mesh)
+        # The scores are only read by the lookup merge; without it XLA drops them.
+        trees, scores = draft_trees(logits, state.root, cfg.budget, drafter.vocab_ids(), mesh, with_scores=True)
         if _uses_lookup(drafter, cfg):
-            trees, scores = draft_trees(logits, state.root, cfg.budget, drafter.vocab_ids(), mesh, with_scores=True)
             chain, order = jax.vmap(context_chain, in_axes=(0, 0, None))(state.history, state.cache_len + 1,
                                                                         cfg.lookup)
             survival = cfg.lookup_survival or LOOKUP_SURVIVAL
             chain_scores = jax.vmap(chain_log_reach, in_axes=(0, None, None))(order, cfg.lookup, survival)
             trees = jax.vmap(merge_chain)(trees, scores, chain, chain_scores)
-        else:
-            trees = draft_trees(logits, state.root, cfg.budget, drafter.vocab_ids(), mesh)
     else:
         trees = root_trees(state.root)
     out = tree_pass(target, trees, state.cache_len, state.target_cache, _taps(drafter, cfg))
