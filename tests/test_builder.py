@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tevjax.builder import (LOOKUP_SURVIVAL, build_ddtree, chain_log_reach, check_survival, context_chain,
-                            merge_chain)
+from tevjax.builder import (LOOKUP_SURVIVAL, NGRAM_CALIBRATION, build_ddtree, chain_log_reach, check_survival,
+                            context_chain, corpus_chain, merge_chain, ngram_table)
 from tevjax.tree import validate_tree
 
 # One compiled builder per (G, V, budget): budget is static.
@@ -434,3 +434,116 @@ def test_merge_chain_with_a_confident_chain_holds_the_whole_chain():
     paths = _paths(np.asarray(merged.tokens).tolist(), np.asarray(merged.parents).tolist())
     assert all(tuple(chain[:d].tolist()) in paths for d in range(1, 5))
     assert int(merged.size) == 7  # the root and 6 nodes: the chain took 4 of them
+
+
+def test_merge_chain_scores_let_a_second_chain_merge():
+    """`with_scores` returns each kept node's merged estimate (0 at the root, -inf for padding), so
+    merging a second chain into the result keeps the best nodes of the tree and both chains."""
+    rng = np.random.default_rng(7)
+    merge = jax.jit(lambda *a: merge_chain(*a, with_scores=True))
+    budget, vocab, size = 8, 5, 6
+    for trial in range(12):
+        lm = np.log(rng.dirichlet(np.full(vocab, 0.3), size=5)).astype(np.float32)
+        tree, scores = _build_jit(jnp.asarray(lm), jnp.int32(0), budget)
+        tokens, parents = np.asarray(tree.tokens).tolist(), np.asarray(tree.parents).tolist()
+        chains = [list(rng.integers(0, vocab, size=size)) for _ in range(2)]
+        chains[1][:2] = chains[0][:2] if trial % 2 else chains[1][:2]  # half the time the chains share a prefix
+        reach = [np.cumsum(np.log(rng.uniform(0.3, 1.0, size))).astype(np.float32) for _ in range(2)]
+        once, once_scores = merge(tree, scores, jnp.asarray(chains[0], jnp.int32), jnp.asarray(reach[0]))
+        twice, _ = merge(once, once_scores, jnp.asarray(chains[1], jnp.int32), jnp.asarray(reach[1]))
+        mt, mp = np.asarray(twice.tokens), np.asarray(twice.parents)
+        validate_tree(mt, mp)
+        # The reference: every path of the tree and prefix of either chain, each at its best estimate.
+        cand = {p: float(np.asarray(scores)[i]) for p, i in _paths(tokens, parents).items() if p}
+        for chain, r in zip(chains, reach):
+            for d in range(1, size + 1):
+                cand[tuple(chain[:d])] = max(cand.get(tuple(chain[:d]), -np.inf), float(r[d - 1]))
+        ranked = sorted(cand, key=lambda p: (-cand[p], len(p)))
+        if abs(cand[ranked[budget - 1]] - cand[ranked[budget]]) > TOL:  # no near-tie at the cut
+            assert set(_paths(mt.tolist(), mp.tolist())) - {()} == set(ranked[:budget]), trial
+        got = np.asarray(once_scores)
+        once_paths = _paths(np.asarray(once.tokens).tolist(), np.asarray(once.parents).tolist())
+        assert got[0] == 0 and np.all(np.isneginf(got[~np.asarray(once.valid)]))
+        for p, i in once_paths.items():  # each kept node carries its best estimate from tree and chain 0
+            if p:
+                want = max([float(np.asarray(scores)[j]) for q, j in _paths(tokens, parents).items() if q == p]
+                           + [float(reach[0][len(p) - 1])] * (tuple(chains[0][:len(p)]) == p))
+                assert abs(got[i] - want) < TOL, (trial, p)
+
+
+def ngram_reference(texts, starts, orders, min_count):
+    """{order: {n-gram: (most frequent next token, its count, total)}} by counting, ties to the
+    smallest token."""
+    out = {}
+    for n in orders:
+        counts = {}
+        for text, start in zip(texts, starts):
+            for i in range(max(start, 1, n), len(text)):
+                gram = tuple(text[i - n:i])
+                counts.setdefault(gram, {}).setdefault(text[i], 0)
+                counts[gram][text[i]] += 1
+        table = {}
+        for gram, nxt in counts.items():
+            total = sum(nxt.values())
+            if total >= min_count:
+                token = min(nxt, key=lambda t: (-nxt[t], t))
+                table[gram] = (token, nxt[token], total)
+        out[n] = table
+    return out
+
+
+def corpus_chain_reference(ref, ctx, size, calibration=NGRAM_CALIBRATION):
+    alpha, beta = calibration
+    ctx, chain, scores, score = list(ctx), [], [], 0.0
+    for _ in range(size):
+        hit = None
+        for n in sorted(ref, reverse=True):
+            if len(ctx) >= n and tuple(ctx[-n:]) in ref[n]:
+                hit = ref[n][tuple(ctx[-n:])]
+                break
+        if hit is None:
+            break
+        token, count, total = hit
+        score += math.log(alpha * (count / total) ** beta)
+        chain.append(token)
+        scores.append(score)
+        ctx.append(token)
+    return chain + [0] * (size - len(chain)), scores + [-math.inf] * (size - len(scores))
+
+
+def test_ngram_table_and_corpus_chain_match_counting():
+    rng = np.random.default_rng(3)
+    # Texts with shared phrases, so that orders of every length match and counts exceed 1.
+    phrases = [list(rng.integers(0, 9, size=int(rng.integers(2, 7)))) for _ in range(6)]
+    texts = [sum((phrases[int(i)] for i in rng.integers(0, 6, size=8)), []) for _ in range(30)]
+    starts = [int(rng.integers(0, 6)) for _ in texts]
+    offsets = np.cumsum([0] + [len(t) for t in texts])
+    orders = (4, 3, 2)
+    table = ngram_table(np.concatenate(texts), offsets, np.asarray(starts), orders=orders, min_count=2)
+    ref = ngram_reference(texts, starts, orders, 2)
+    assert table.num_entries == sum(len(r) for r in ref.values())
+    chains = jax.jit(jax.vmap(corpus_chain, in_axes=(None, 0, None, None)), static_argnums=2)
+    for text in texts[:10] + [list(rng.integers(0, 9, size=20))]:
+        lengths = np.arange(1, len(text) + 1)
+        got_chain, got_scores = chains(jnp.asarray(text, jnp.int32), jnp.asarray(lengths, jnp.int32), 5, table)
+        for n, c, sc in zip(lengths, np.asarray(got_chain), np.asarray(got_scores)):
+            want_chain, want_scores = corpus_chain_reference(ref, text[:n], 5)
+            assert c.tolist() == want_chain, (text[:n], c)
+            np.testing.assert_allclose(sc, want_scores, rtol=1e-5)
+            assert np.all(np.diff(sc[np.isfinite(sc)]) <= 0)
+
+
+def test_ngram_table_rejects_bad_input():
+    tokens, offsets, starts = np.arange(10), np.array([0, 4, 10]), np.array([1, 1])
+    cases = [((tokens, offsets, np.array([1])), {}, "starts"),
+             ((tokens, np.array([0, 4, 9]), starts), {}, "offsets must rise from 0 to len"),
+             ((tokens, np.array([0, 6, 4, 10]), np.array([0, 0, 0])), {}, "offsets must rise"),
+             ((tokens - 5, offsets, starts), {}, r"token ids must be in \[0"),
+             ((tokens, offsets, starts), {"orders": (2, 3)}, "longest first"),
+             ((tokens, offsets, starts), {"min_count": 0}, "min_count must be >= 1"),
+             ((tokens, offsets, starts), {"calibration": (1.5, 1.0)}, "calibration")]
+    for args, kw, match in cases:
+        with pytest.raises(ValueError, match=match):
+            ngram_table(*args, **kw)
+    with pytest.raises(ValueError, match="size must be a static int >= 1"):
+        corpus_chain(jnp.arange(4), 3, 0, ngram_table(tokens, offsets, starts))

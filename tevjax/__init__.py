@@ -24,7 +24,8 @@ The tree budget and the temperature are never letters: write "budget" and "tempe
 ("budget 64", "temperature 0"). Scalars and counts that are not axis sizes are words too.
 
 Layers of the package (each knows nothing of the ones after it):
-  core      `DraftTree`, `exit_law`, `verify`, `build_ddtree`, `context_chain` / `merge_chain`: model-free tree math
+  core      `DraftTree`, `exit_law`, `verify`, `build_ddtree`, `context_chain` / `corpus_chain` / `merge_chain`:
+            model-free tree math
   models    `Transformer` (Llama/Qwen3 target), `DFlashDrafter`: thin Flax NNX modules
   convert   HF safetensors, GGUF, tokenizers, DFlash checkpoints, the embedded SmolLM2 default
   decode    `Decoder`: draft -> build -> one target tree pass -> verify -> commit, jitted
@@ -38,7 +39,7 @@ from __future__ import annotations
 
 import importlib
 
-from tevjax.builder import build_ddtree, context_chain, merge_chain
+from tevjax.builder import NgramTable, build_ddtree, context_chain, corpus_chain, merge_chain, ngram_table
 from tevjax.law import ExitLaw, exit_law
 from tevjax.tree import DraftTree, TreeValidationError, validate_tree
 from tevjax.verifiers import VerifyOutput, verify
@@ -73,6 +74,7 @@ _LAZY = {
     "Generation": "tevjax.decode.engine",
     "Interrupted": "tevjax.decode.engine",
     "load_models": "tevjax.loading",
+    "load_ngrams": "tevjax.loading",
     "load_target": "tevjax.loading",
     # training
     "RolloutConfig": "tevjax.train.rollout",
@@ -89,12 +91,15 @@ _LAZY = {
 __all__ = [
     "DraftTree",
     "ExitLaw",
+    "NgramTable",
     "TreeValidationError",
     "VerifyOutput",
     "build_ddtree",
     "context_chain",
+    "corpus_chain",
     "exit_law",
     "merge_chain",
+    "ngram_table",
     "validate_tree",
     "verify",
     *_LAZY,

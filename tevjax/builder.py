@@ -39,6 +39,7 @@ counts, not letters: arrays along them are named without a shape suffix and note
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -280,7 +281,8 @@ def chain_log_reach(order: jax.Array, size: int, survival=LOOKUP_SURVIVAL) -> ja
     return jnp.where(order > 0, logs[jnp.clip(order, 1, table.shape[0]) - 1], -jnp.inf)
 
 
-def merge_chain(tree: DraftTree, scores: jax.Array, chain: jax.Array, chain_scores: jax.Array) -> DraftTree:
+def merge_chain(tree: DraftTree, scores: jax.Array, chain: jax.Array, chain_scores: jax.Array, *,
+                with_scores: bool = False) -> DraftTree | tuple[DraftTree, jax.Array]:
     """The best N - 1 nodes of the union of a best-first draft tree and a chain from its root.
 
     Args:
@@ -289,7 +291,9 @@ def merge_chain(tree: DraftTree, scores: jax.Array, chain: jax.Array, chain_scor
       chain: [M] int token ids proposed as a path from the root; chain_scores: [M] float their
         log reach estimates, non-increasing (-inf: not proposed).
 
-    Returns the tree of N slots holding the N - 1 highest-scoring non-root nodes among the
+    Returns the tree (with `with_scores`, `(tree, [N] scores)`: 0 at the root, each node's merged
+    estimate, -inf for padding, so that another chain can be merged in) of N slots holding the
+    N - 1 highest-scoring non-root nodes among the
     tree's nodes and the chain's (ties to the shallower), numbered in that order. A chain token the
     tree already holds on the chain's path is one node, scored by the larger estimate. Both
     sources score a child no higher than its parent, and a merged node takes the larger of two
@@ -330,4 +334,164 @@ def merge_chain(tree: DraftTree, scores: jax.Array, chain: jax.Array, chain_scor
     real = jnp.take(u_score, chosen) > -jnp.inf
     parents = jnp.where(real & (node > 0), jnp.take(node_of, jnp.maximum(jnp.take(u_parent, chosen), 0)), -1)
     tokens = jnp.where(real, jnp.take(u_tokens, chosen), 0)
-    return DraftTree.from_parents(tokens, parents)
+    merged_tree = DraftTree.from_parents(tokens, parents)
+    if not with_scores:
+        return merged_tree
+    return merged_tree, jnp.where(real, jnp.take(u_score, chosen), -jnp.inf).at[0].set(0.0)
+
+
+# -------------------------------------------------------------------------------- corpus lookup
+# A small target's answers to different prompts share phrases ("I'm sorry for any confusion",
+# "Here is an example of"), templates and code idioms. `NgramTable` holds, for every n-gram a
+# corpus of the target's own answers continues at least `min_count` times, its most frequent next
+# token; `corpus_chain` follows it greedily from the committed text's last tokens (the longest
+# order that matches at each step), and `merge_chain` offers the chain to the tree like the
+# context chain. The context chain copies this answer's own text; the corpus chain covers what
+# other answers wrote. Exact, as any fixed tree is.
+
+# Suffix lengths the table holds, longest first.
+NGRAM_ORDERS = (6, 5, 4, 3, 2)
+# Reach estimate of one chain step whose n-gram continued with its token in a fraction p of the
+# corpus: alpha * p ** beta. The corpus fraction overstates how often a *new* answer continues the
+# same way. `experiments/corpus_calibration.py` (a table of one half of SmolLM2's GPU records,
+# chains on 300 answers of the other half): the first step held 0.73 / 0.54 / 0.34 / 0.22 / 0.13
+# of the time with p in [0.9, 1] / [0.7, 0.9) / [0.5, 0.7) / [0.3, 0.5) / below 0.3, where this
+# estimate gives 0.74 / 0.53 / 0.33 / 0.18 / 0.06. Scaling its log by 0.75 or 1.5 decoded no better
+# (`experiments/results/corpus_tune.md`).
+NGRAM_CALIBRATION = (0.75, 1.5)
+_NGRAM_MUL = 1000003  # polynomial hash multiplier (uint32 arithmetic wraps, in numpy and jax alike)
+_NGRAM_PAD = np.uint32(0xFFFFFFFF)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class NgramTable:
+    """For each order n (row i: `orders[i]`), the n-grams of a corpus sorted by their 32-bit hash,
+    with their most frequent next token and its log reach estimate. Rows are padded to one length
+    K with key 0xFFFFFFFF, token 0 and log reach -inf. Build it with `ngram_table`.
+
+    A hash collision can only make the chain propose a wrong token, which verification rejects."""
+
+    keys: jax.Array  # [O, K] uint32, ascending per row
+    tokens: jax.Array  # [O, K] int32
+    log_reach: jax.Array  # [O, K] float32, <= 0; -inf for padding
+    orders: tuple[int, ...] = dataclasses.field(metadata=dict(static=True), default=NGRAM_ORDERS)
+
+    @property
+    def num_entries(self) -> int:
+        return int(np.sum(np.isfinite(np.asarray(self.log_reach))))
+
+
+def _hash_np(tokens: np.ndarray, n: int) -> np.ndarray:
+    """[T - n + 1] uint32 hashes of tokens[i - n + 1 .. i] for i = n - 1 .. T - 1."""
+    h = np.zeros(len(tokens) - n + 1, np.uint32)
+    for k in range(n):
+        h = h * np.uint32(_NGRAM_MUL) + (tokens[k:len(tokens) - n + 1 + k].astype(np.uint32) + np.uint32(1))
+    return h
+
+
+def ngram_table(tokens: np.ndarray, offsets: np.ndarray, starts: np.ndarray, *, orders: tuple[int, ...] = NGRAM_ORDERS,
+                min_count: int = 2, calibration: tuple[float, float] = NGRAM_CALIBRATION) -> NgramTable:
+    """The n-gram table of a corpus of records (host-side numpy; seconds for millions of tokens).
+
+    Args:
+      tokens: [T] int token ids of the records, concatenated; offsets: [R + 1] record r is
+        tokens[offsets[r]:offsets[r + 1]]; starts: [R] the first position of each record whose
+        token is counted as a continuation (a prompt's length: answers are counted, prompts only
+        serve as context).
+      orders: suffix lengths, longest first; min_count: an n-gram enters when it occurs at least this
+        often with a continuation; calibration: (alpha, beta) of the reach estimate alpha * p ** beta.
+    """
+    tokens, offsets, starts = (np.asarray(a, np.int64) for a in (tokens, offsets, starts))
+    if tokens.ndim != 1 or offsets.ndim != 1 or starts.shape != (len(offsets) - 1,):
+        raise ValueError(f"tokens [T], offsets [R + 1] and starts [R] expected, got shapes {tokens.shape}, "
+                         f"{offsets.shape}, {starts.shape}")
+    if len(offsets) < 2 or offsets[0] != 0 or offsets[-1] != len(tokens) or np.any(np.diff(offsets) < 0):
+        raise ValueError("offsets must rise from 0 to len(tokens)")
+    if np.any(tokens < 0) or np.any(tokens >= 2 ** 31):
+        raise ValueError("token ids must be in [0, 2**31)")
+    if not orders or any(int(n) < 1 for n in orders) or list(orders) != sorted(set(orders), reverse=True):
+        raise ValueError(f"orders must be distinct suffix lengths >= 1, longest first; got {orders!r}")
+    if int(min_count) < 1:
+        raise ValueError(f"min_count must be >= 1, got {min_count}")
+    alpha, beta = (float(x) for x in calibration)
+    if not (0 < alpha <= 1 and beta > 0):
+        raise ValueError(f"calibration (alpha, beta) needs 0 < alpha <= 1 and beta > 0, got {calibration!r}")
+    record = np.repeat(np.arange(len(starts)), np.diff(offsets))  # [T] record of each position
+    first_next = offsets[:-1] + np.maximum(starts, 1)  # [R] first counted continuation position
+    rows = []
+    for n in orders:
+        if len(tokens) <= n:
+            rows.append((np.zeros(0, np.uint32), np.zeros(0, np.int64), np.zeros(0)))
+            continue
+        h = _hash_np(tokens, n)[:-1]  # n-gram ending at i = n - 1 .. T - 2
+        end = np.arange(n - 1, len(tokens) - 1)
+        r = record[end]
+        ok = (end - n + 1 >= offsets[r]) & (end + 1 < offsets[r + 1]) & (end + 1 >= first_next[r])
+        key, nxt = h[ok].astype(np.uint64), tokens[end[ok] + 1].astype(np.uint64)
+        if key.size == 0:
+            rows.append((np.zeros(0, np.uint32), np.zeros(0, np.int64), np.zeros(0)))
+            continue
+        pairs, counts = np.unique((key << np.uint64(32)) | nxt, return_counts=True)  # sorted by key, then token
+        pkey = (pairs >> np.uint64(32)).astype(np.uint32)
+        group = np.flatnonzero(np.r_[True, pkey[1:] != pkey[:-1]])  # first pair of each key
+        total = np.add.reduceat(counts, group)
+        # The most frequent continuation of each key (ties: the smallest token id).
+        best = np.lexsort((-counts, np.repeat(np.arange(len(group)), np.diff(np.r_[group, len(pkey)]))))[group]
+        keep = total >= min_count
+        p = counts[best][keep] / total[keep]
+        rows.append((pkey[group][keep], (pairs[best][keep] & np.uint64(0xFFFFFFFF)).astype(np.int64),
+                     np.log(alpha * p ** beta)))
+    k = max(1, max(len(row[0]) for row in rows))
+    keys = np.full((len(orders), k), _NGRAM_PAD, np.uint32)
+    toks = np.zeros((len(orders), k), np.int32)
+    reach = np.full((len(orders), k), -np.inf, np.float32)
+    for i, (kk, tt, rr) in enumerate(rows):
+        keys[i, :len(kk)], toks[i, :len(kk)], reach[i, :len(kk)] = kk, tt, rr
+    return NgramTable(keys=jnp.asarray(keys), tokens=jnp.asarray(toks), log_reach=jnp.asarray(reach),
+                      orders=tuple(int(n) for n in orders))
+
+
+def corpus_chain(seq: jax.Array, length: jax.Array, size: int, table: NgramTable) -> tuple[jax.Array, jax.Array]:
+    """A chain of `size` tokens that follows the table greedily from the context's last tokens.
+
+    Args:
+      seq: [S] int token ids; slots [0, length) hold the context (its last token is the tree root).
+      length: [] int context length >= 1.
+      size: static chain length >= 1.
+      table: the corpus n-grams.
+
+    Returns `(chain [size] int32, scores [size] float32)`: step i appends the next token of the
+    longest n-gram (of the context and chain[:i]) the table holds; scores are the cumulative log
+    reach estimates (non-increasing), -inf from the first step with no match on (chain token 0).
+
+    vmap over rows; each step is one binary search per order.
+    """
+    if not isinstance(size, (int, np.integer)) or isinstance(size, bool) or size < 1:
+        raise ValueError(f"size must be a static int >= 1, got {size!r}")
+    longest = max(table.orders)
+    seq = jnp.asarray(seq, jnp.int32)
+    length = jnp.asarray(length, jnp.int32)
+    pos = length - longest + jnp.arange(longest, dtype=jnp.int32)
+    window = jnp.where(pos >= 0, jnp.take(seq, jnp.clip(pos, 0, seq.shape[0] - 1)), -1)  # [longest], -1: none
+
+    def step(carry, _):
+        window, score = carry
+        token, reach, hit = jnp.int32(0), jnp.float32(-jnp.inf), jnp.bool_(False)
+        for row, n in enumerate(table.orders):  # longest first: the first match wins
+            grams = window[longest - n:]
+            h = jnp.uint32(0)
+            for k in range(n):
+                h = h * jnp.uint32(_NGRAM_MUL) + (grams[k].astype(jnp.uint32) + jnp.uint32(1))
+            keys = table.keys[row]
+            i = jnp.clip(jnp.searchsorted(keys, h), 0, keys.shape[0] - 1)
+            found = ~hit & jnp.all(grams >= 0) & (keys[i] == h) & (table.log_reach[row, i] > -jnp.inf)
+            token = jnp.where(found, table.tokens[row, i], token)
+            reach = jnp.where(found, table.log_reach[row, i], reach)
+            hit = hit | found
+        score = score + reach  # -inf stays -inf: a chain that stopped does not resume
+        window = jnp.concatenate([window[1:], jnp.where(score > -jnp.inf, token, -1)[None]])
+        return (window, score), (jnp.where(score > -jnp.inf, token, 0), score)
+
+    _, (chain, scores) = jax.lax.scan(step, (window, jnp.float32(0.0)), None, length=size)
+    return chain, scores
