@@ -181,17 +181,21 @@ def method_keys(budgets: list[int]) -> list[tuple[str, int]]:
     return [("ar", 0)] + [(m, b) for b in budgets for m in SPEC_METHODS]
 
 
-def make_decoders(models, keys, temperature: float, max_new: int, capacity: int, lookup: int | None = None) -> dict:
-    """One Decoder per (method, budget); `lookup` as `tevjax eval`'s (None: a chain as long as the budget)."""
-    from tevjax.evaluate import lookup_for
+def make_decoders(models, keys, temperature: float, max_new: int, capacity: int, lookup: int | None = None,
+                  corpus: int | None = None) -> dict:
+    """One Decoder per (method, budget); `lookup` and `corpus` as `tevjax eval`'s (None: chains as long
+    as the budget, the corpus chain where the drafter has a table)."""
+    from tevjax.evaluate import corpus_for, lookup_for
 
     decoders = {}
     for method, budget in keys:
         ar = method == "ar"  # the baseline: a Decoder without a drafter (verifier and budget unused)
-        spec = {"verifier": method, "budget": budget, "lookup": lookup_for(budget, lookup)}
+        spec = {"verifier": method, "budget": budget, "lookup": lookup_for(budget, lookup),
+                "corpus": corpus_for(budget, corpus, models.ngrams)}
         cfg = DecodeConfig(**({} if ar else spec), temperature=temperature,
                            max_new_tokens=max_new, eos_ids=models.eos_ids, capacity=capacity)
-        decoders[(method, budget)] = Decoder(models.target, None if ar else models.drafter, cfg)
+        decoders[(method, budget)] = Decoder(models.target, None if ar else models.drafter, cfg,
+                                             ngrams=models.ngrams)
     return decoders
 
 
@@ -317,6 +321,9 @@ def parse_args(argv):
     p.add_argument("--budgets", type=int, nargs="+", default=[8, 16, 32, 64])
     p.add_argument("--lookup", type=int, default=None,
                    help="context-lookup chain length, capped at each budget (default: the budget; 0: off)")
+    p.add_argument("--corpus", type=int, default=None,
+                   help="corpus-lookup chain length, capped at each budget (default: the budget where the drafter "
+                        "has a corpus table; 0: off)")
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     p.add_argument("--repeats", type=int, default=2, help="timed repeats per prompt and method (medians)")
     p.add_argument("--seed", type=int, default=0, help="gsm_symbolic seed and base of the sampling seeds")
@@ -334,8 +341,9 @@ def parse_args(argv):
     require_positive(p, args, "prompts", "max_new_tokens", "repeats", "tree_pass_calls")
     if any(b < 1 for b in args.budgets) or any(not 0 <= t < float("inf") for t in args.temperatures):
         p.error("budgets must be >= 1 and temperatures finite and >= 0")
-    if args.lookup is not None and args.lookup < 0:
-        p.error(f"--lookup must be >= 0, got {args.lookup}")
+    for flag in ("lookup", "corpus"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 0:
+            p.error(f"--{flag} must be >= 0, got {getattr(args, flag)}")
     args.budgets = sorted(set(args.budgets))
     return args
 
@@ -352,6 +360,8 @@ def main(argv=None) -> int:
     models = load_models("smollm2", args.drafter, dtype="float32")
     print(f"loaded SmolLM2-135M-Instruct (fp32) + tokenizer + drafter in {time.perf_counter() - t0:.1f} s", flush=True)
     drafter_desc = describe_drafter(models, args.drafter)
+    corpus_desc = ("off" if models.ngrams is None or args.corpus == 0 else "as long as the budget"
+                   if args.corpus is None else f"of {args.corpus} (capped at the budget)")
     print(f"drafter: {drafter_desc}", flush=True)
 
     ids = {ds: [chat_prompt_ids(models.tokenizer, p.text) for p in ps] for ds, ps in prompt_sets.items()}
@@ -391,7 +401,7 @@ def main(argv=None) -> int:
     done_timed, timed_start = 0, None
 
     for temperature in args.temperatures:
-        decoders = make_decoders(models, keys, temperature, args.max_new_tokens, capacity, args.lookup)
+        decoders = make_decoders(models, keys, temperature, args.max_new_tokens, capacity, args.lookup, args.corpus)
         reps = bucket_representatives(decoders[("ar", 0)], all_ids)
         for key, dec in decoders.items():
             c = sum(dec.compile([p]) for p in reps)
@@ -454,7 +464,7 @@ def main(argv=None) -> int:
         "template (with its default system prompt), batch 1.",
         f"- Drafter: {drafter_desc}; context-lookup chain "
         f"{'as long as the budget' if args.lookup is None else f'of {args.lookup} (capped at the budget)'}"
-        f"{' (off)' if args.lookup == 0 else ''}.",
+        f"{' (off)' if args.lookup == 0 else ''}; corpus-lookup chain {corpus_desc}.",
         f"- Prompts: {args.prompts} per dataset ({', '.join(args.datasets)}); max {args.max_new_tokens} new tokens "
         f"(EOS stops earlier); {args.repeats} timed repeat(s) per prompt and method; cache capacity {capacity} for "
         f"every method; T = 1 seeds: {args.seed} + 1000 x dataset index + prompt index.",

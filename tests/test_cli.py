@@ -143,6 +143,33 @@ def write_scripted_target(path, successors, max_positions: int = 64):
     write_tok_dir(tiny_meta(), path)
 
 
+def test_generate_uses_the_drafters_corpus_by_default(capsys, tiny_dir, tmp_path):
+    """A drafter directory with a corpus.npz decodes with a corpus chain as long as the budget
+    (`--corpus 0` turns it off); the tokens stay AR's. Without a corpus file the chain is off."""
+    from tevjax.convert.dflash_ckpt import save_dflash
+    from tevjax.loading import fresh_drafter
+
+    path, model = tiny_dir
+    drafter = fresh_drafter(model.cfg, seed=3, num_layers=1, block_size=6, mask_token_id=47)
+    save_dflash(drafter, drafter.cfg, tmp_path / "drafter")
+    reference = Decoder(model, None, DecodeConfig(max_new_tokens=8, eos_ids=(2,))).generate([[1, 2, 3]])[0]
+    argv = ["generate", "--target", str(path), "--drafter", str(tmp_path / "drafter"), "--prompt-ids", "1,2,3",
+            "--max-new-tokens", "8", "--budget", "4", "--json"]
+    code, out, err = _run(capsys, *argv)
+    assert code == 0, err
+    assert json.loads(out.strip().splitlines()[-1])["corpus"] == 0  # no corpus file: off
+    answer = [1, 2, 3] + reference.tokens
+    np.savez(tmp_path / "drafter" / "corpus.npz", tokens=np.array(answer * 2), offsets=np.array([0, len(answer),
+             2 * len(answer)]), starts=np.array([3, 3]))
+    for extra, corpus in (([], 4), (["--corpus", "2"], 2), (["--corpus", "0"], 0)):
+        code, out, err = _run(capsys, *argv, *extra)
+        assert code == 0, err
+        record = json.loads(out.strip().splitlines()[-1])
+        assert record["corpus"] == corpus and record["tokens"] == reference.tokens
+    code, _, err = _run(capsys, *argv, "--corpus", "5")
+    assert code == 2 and "--corpus 5 exceeds --budget 4" in err
+
+
 @pytest.fixture(scope="module")
 def scripted_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("scripted")

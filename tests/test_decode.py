@@ -18,6 +18,7 @@ from flax import nnx
 from scipy import stats as sps
 
 from tevjax import verifiers
+from tevjax.builder import ngram_table
 from tevjax.decode import DecodeConfig, Decoder
 from tevjax.models.cache import KVCache
 from tevjax.models.dflash import DFlashConfig, DFlashDrafter
@@ -42,7 +43,7 @@ def models():
 _DECODERS: dict = {}
 
 
-def _decoder(models, verifier, **kw):
+def _decoder(models, verifier, ngrams=None, **kw):
     """Decoders are cached so that tests sharing a configuration share its compiled functions.
     `verifier=AR` gives no drafter (the config keeps its default verifier, which goes unused)."""
     target, drafter = models
@@ -50,10 +51,11 @@ def _decoder(models, verifier, **kw):
     kw.setdefault("budget", 8)
     kw.setdefault("prompt_bucket", 16)
     kw.setdefault("capacity", 64)
-    key = (id(target), verifier, tuple(sorted(kw.items())))
+    key = (id(target), verifier, id(ngrams), tuple(sorted(kw.items())))
     if key not in _DECODERS:
         _DECODERS[key] = Decoder(target, drafter if verifier is not AR else None,
-                                 DecodeConfig(**({} if verifier is AR else {"verifier": verifier}), **kw))
+                                 DecodeConfig(**({} if verifier is AR else {"verifier": verifier}), **kw),
+                                 ngrams=ngrams)
     return _DECODERS[key]
 
 
@@ -145,6 +147,31 @@ def test_lookup_survival_ranks_the_chain_against_the_tree(models, ar_greedy):
     assert [g.rounds for g in never] == [g.rounds for g in plain]
     assert [g.rounds for g in always] != [g.rounds for g in never]
     assert [g.rounds for g in default] != [g.rounds for g in never]
+
+
+def test_corpus_chain_from_the_targets_own_answers_shortens_decoding(models, ar_greedy):
+    """A corpus table counted on the target's own greedy answers (to the same prompts: the chain
+    then knows the answer) takes far fewer rounds than the drafter's tree alone, merged alone or
+    after the context chain, with the same tokens, as a table of random text does too. Without a
+    table a corpus chain is refused."""
+    texts = [list(p) + a for p, a in zip(PROMPTS, ar_greedy)]
+    offsets = np.cumsum([0] + [len(t) for t in texts])
+    own = ngram_table(np.concatenate(texts), offsets, np.asarray([len(p) for p in PROMPTS]), min_count=1)
+    rng = np.random.default_rng(0)
+    other_texts = rng.integers(0, 24, size=(20, 30))
+    other = ngram_table(other_texts.ravel(), np.arange(0, 601, 30), np.zeros(20, int), min_count=1)
+    plain = _decoder(models, "tev").generate(PROMPTS)
+    runs = {name: _decoder(models, "tev", ngrams=table, corpus=6, lookup=lookup).generate(PROMPTS)
+            for name, table, lookup in (("own", own, 0), ("own+context", own, 5), ("other", other, 0))}
+    for gens in runs.values():
+        assert [g.tokens for g in gens] == ar_greedy
+    rounds = {name: sum(g.rounds for g in gens) for name, gens in runs.items()}
+    assert rounds["own"] < 0.6 * sum(g.rounds for g in plain), (rounds, sum(g.rounds for g in plain))
+    assert rounds["own+context"] <= 0.6 * sum(g.rounds for g in plain)
+    target, drafter = models
+    with pytest.raises(ValueError, match="corpus = 6 needs an n-gram table"):
+        Decoder(target, drafter, DecodeConfig(corpus=6))
+    assert Decoder(target, None, DecodeConfig(corpus=6)).ngrams is None  # no drafter: no lookup at all
 
 
 # --- the sampling law of the first three tokens ------------------------------------------------
@@ -247,6 +274,7 @@ def test_a_broken_verifier_is_detected(small_models, exact_first3, monkeypatch):
         ({"budget": 0}, "budget must be >= 1"),
         ({"budget": 4, "lookup": 5}, r"lookup must be between 0 and the budget \(4\), got 5"),
         ({"lookup": -1}, "lookup must be between 0 and the budget"),
+        ({"budget": 4, "corpus": 5}, r"corpus must be between 0 and the budget \(4\), got 5"),
         ({"lookup_survival": ((0.5, 0.4),) * 4}, r"survival must be a 5 x D table .* got shape \(4, 2\)"),
         ({"lookup_survival": ((0.5,),) * 5}, r"D >= 2 depths\), got shape \(5, 1\)"),
         ({"lookup_survival": ((0.5, 0.0),) * 5}, r"probabilities in \(0, 1\], got 0.0 .. 0.5"),

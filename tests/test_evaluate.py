@@ -4,10 +4,13 @@ greedy speculative outputs equal the autoregressive ones."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from flax import nnx
 
+from tevjax.builder import ngram_table
 from tevjax.decode.engine import DecodeConfig, Decoder
 from tevjax.evaluate import evaluate, format_table
 from tevjax.loading import LoadedModels
@@ -48,9 +51,21 @@ def test_evaluate_interleaves_methods_and_reports_consistent_numbers():
         # SR is the ratio of per-token times over all batches.
         assert np.isclose(row["sr"], (result["ar"]["seconds"] / want) / (row["seconds"] / row["tokens"]))
     assert [row["lookup"] for row in result["budgets"]] == [2, 5]  # default: a chain as long as the budget
+    assert [row["corpus"] for row in result["budgets"]] == [0, 0]  # no n-gram table: no corpus chain
     table = format_table(result)
-    assert "| 2 | 2 |" in table and "| 5 | 5 |" in table and "yes" in table
+    assert "| 2 | 2 | 0 |" in table and "| 5 | 5 | 0 |" in table and "yes" in table
     capped = evaluate(models, texts[:1], budgets=(2, 5), max_new_tokens=12, lookup=3, log=lines.append)
     assert [row["lookup"] for row in capped["budgets"]] == [2, 3] and capped["mismatches"] == 0
     with pytest.raises(ValueError, match="lookup must be >= 0 or None"):
         evaluate(models, texts, budgets=(2,), lookup=-1)
+    with pytest.raises(ValueError, match="corpus must be >= 0 or None"):
+        evaluate(models, texts, budgets=(2,), corpus=-1)
+    # With a table (the AR answers themselves) the corpus chain defaults to the budget, capped by `corpus`.
+    answers = [_CharTokenizer().encode(t + ">") + g.tokens for t, g in
+               zip(texts, ar.generate([_CharTokenizer().encode(t + ">") for t in texts]))]
+    ngrams = ngram_table(np.concatenate(answers), np.cumsum([0] + [len(a) for a in answers]), np.zeros(2, int),
+                         min_count=1)
+    with_table = dataclasses.replace(models, ngrams=ngrams)
+    corpus = evaluate(with_table, texts, budgets=(2, 5), max_new_tokens=12, corpus=4, log=lines.append)
+    assert [row["corpus"] for row in corpus["budgets"]] == [2, 4] and corpus["mismatches"] == 0
+    assert sum(r["tau"] for r in corpus["budgets"]) > sum(r["tau"] for r in result["budgets"])

@@ -291,6 +291,18 @@ CHECKS = {
         dec = Decoder(target, drafter, config(lookup=4), mesh=mesh)
         assert tokens(dec) == tokens(decoder(target, drafter, "tev"))
         assert dec.prefill(PROMPTS).history.sharding.spec[0] == "data"
+        # And a corpus chain after it, from a table of the answers themselves (so that it matches):
+        # the table is copied to every device, and the chain takes rounds off.
+        from tevjax.builder import ngram_table
+        plain = decoder(target, drafter, "tev")
+        answers = [p + g.tokens for p, g in zip(PROMPTS, plain.generate(PROMPTS))]
+        table = ngram_table(np.concatenate(answers), np.cumsum([0] + [len(a) for a in answers]),
+                            np.array([len(p) for p in PROMPTS]), min_count=1)
+        both = Decoder(target, drafter, config(lookup=4, corpus=4), mesh=mesh, ngrams=table)
+        assert tokens(both) == tokens(plain)
+        assert both.ngrams.keys.sharding.is_fully_replicated
+        rounds = lambda d: sum(g.rounds for g in d.generate(PROMPTS))
+        assert rounds(both) < rounds(plain)
     """,
     # Temperature 1, data parallel (4, 1): the unsharded tokens for the same seed (each row samples
     # with fold_in(seed key, row), whatever the split, and computes its own arithmetic).
@@ -459,7 +471,8 @@ CHECKS = {
 
 def test_sharded_decoding_on_forced_devices():
     """The fast subset: loading into (2, 2) shardings and greedy decoding there, (1, 4) greedy
-    decoding and its compiled HLO, lookup chains on (2, 2), and the errors of undivided meshes."""
+    decoding and its compiled HLO, context and corpus lookup chains on (2, 2), and the errors of undivided
+    meshes."""
     _run("errors", "load_2x2", "hlo_1x4", "lookup_2x2")
 
 

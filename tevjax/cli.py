@@ -61,10 +61,17 @@ LOOKUP_HELP = ("length of the context-lookup chain offered to each draft tree: t
                "latest earlier occurrence of the last committed tokens (default: the budget; 0: off)")
 
 
+CORPUS_HELP = ("length of the corpus-lookup chain offered to each draft tree: the continuation of the last "
+               "committed tokens in an n-gram table of the target's answers to other prompts, the drafter "
+               "directory's corpus.npz (default: the budget where there is one; 0: off)")
+
+
 def _check_lookup(args) -> None:
-    if args.lookup is not None and args.lookup > args.budget:
-        raise CliError(f"--lookup {args.lookup} exceeds --budget {args.budget}: a chain cannot take more "
-                       "tree nodes than the budget holds")
+    for flag in ("lookup", "corpus"):
+        value = getattr(args, flag, None)
+        if value is not None and value > args.budget:
+            raise CliError(f"--{flag} {value} exceeds --budget {args.budget}: a chain cannot take more "
+                           "tree nodes than the budget holds")
 
 
 def _float(name, minimum, inclusive):
@@ -194,6 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=_temperature, default=0.0, help="0 = greedy (default); any value below 1e-5 is greedy too")
     gen.add_argument("--budget", type=_positive_int("--budget"), default=16, help="draft tree budget (non-root nodes)")
     gen.add_argument("--lookup", type=_nonnegative_int("--lookup"), default=None, help=LOOKUP_HELP)
+    gen.add_argument("--corpus", type=_nonnegative_int("--corpus"), default=None, help=CORPUS_HELP)
     gen.add_argument("--verifier", default="tev",
                      help=f"{', '.join(verifier_choices(autoregressive=False))} (default tev), or "
                           f"{AUTOREGRESSIVE} (no drafter: the autoregressive baseline)")
@@ -291,6 +299,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--budgets", type=_int_list("--budgets"), default=(4, 8, 16, 32))
     ev.add_argument("--lookup", type=_nonnegative_int("--lookup"), default=None,
                     help=LOOKUP_HELP + "; capped at each budget")
+    ev.add_argument("--corpus", type=_nonnegative_int("--corpus"), default=None,
+                    help=CORPUS_HELP + "; capped at each budget")
     ev.add_argument("--temperature", type=_temperature, default=0.0)
     ev.add_argument("--verifier", default="tev",
                     help=f"{', '.join(verifier_choices(autoregressive=False))} (default tev)")
@@ -306,6 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--budget", type=_positive_int("--budget"), default=8,
                       help="draft tree budget (8: the best measured speed of the shipped drafter on 2 CPU cores)")
     demo.add_argument("--lookup", type=_nonnegative_int("--lookup"), default=None, help=LOOKUP_HELP)
+    demo.add_argument("--corpus", type=_nonnegative_int("--corpus"), default=None, help=CORPUS_HELP)
     demo.add_argument("--samples", type=_positive_int("--samples"), default=50_000,
                       help="verifier draws for the synthetic exit-law table")
     demo.add_argument("--repeats", type=_positive_int("--repeats"), default=3,
@@ -404,7 +415,7 @@ def cmd_generate(args) -> int:
     _check_lookup(args)
 
     from tevjax.decode.engine import DecodeConfig, Interrupted
-    from tevjax.evaluate import lookup_for
+    from tevjax.evaluate import corpus_for, lookup_for
     from tevjax.loading import load_models
 
     t0 = time.perf_counter()
@@ -430,8 +441,9 @@ def cmd_generate(args) -> int:
     # Without a drafter the config's verifier is never used: any valid name will do.
     cfg = DecodeConfig(verifier=args.verifier if speculative else "tev", budget=args.budget,
                        lookup=lookup_for(args.budget, args.lookup),  # checked <= budget above
+                       corpus=corpus_for(args.budget, args.corpus, models.ngrams),
                        temperature=args.temperature, max_new_tokens=args.max_new_tokens, eos_ids=models.eos_ids)
-    decoder = _decoder(models.target, models.drafter if speculative else None, cfg, mesh)
+    decoder = _decoder(models.target, models.drafter if speculative else None, cfg, mesh, models.ngrams)
     # Streaming prints row 0 as it grows; a multi-host job prints once, at the end.
     stream = not args.json and len(ids) == 1 and (mesh is None or jax_process_count() == 1)
     failed: list[str] = []
@@ -457,6 +469,7 @@ def cmd_generate(args) -> int:
                 "verifier": args.verifier,
                 "budget": args.budget if speculative else 0,
                 "lookup": cfg.lookup if speculative else 0,
+                "corpus": cfg.corpus if speculative else 0,
                 "temperature": args.temperature,
                 "drafter_trained": models.drafter_trained if speculative else None,
                 "compile_seconds": round(compile_seconds, 3),
@@ -470,6 +483,7 @@ def cmd_generate(args) -> int:
                 print(f"[tevjax] {len(g.tokens)} tokens in {seconds:.2f} s "
                       f"({record['tokens_per_second']} tok/s), {g.rounds} rounds, tau {g.tau:.2f}, "
                       f"verifier {args.verifier}, budget {record['budget']}, lookup {record['lookup']}, "
+                      f"corpus {record['corpus']}, "
                       f"temperature {args.temperature} "
                       f"(compile {compile_seconds:.1f} s, load {load_seconds:.1f} s)", flush=True)
 
@@ -515,12 +529,12 @@ def jax_process_count() -> int:
     return jax.process_count()
 
 
-def _decoder(target, drafter, cfg, mesh):
+def _decoder(target, drafter, cfg, mesh, ngrams=None):
     """A Decoder; a mesh that does not fit the models (heads, vocabulary) is a one-line error."""
     from tevjax.decode.engine import Decoder
 
     try:
-        return Decoder(target, drafter, cfg, mesh=mesh)
+        return Decoder(target, drafter, cfg, mesh=mesh, ngrams=ngrams)
     except ValueError as e:
         if mesh is None:
             raise
@@ -665,7 +679,7 @@ def cmd_eval(args) -> int:
         print(f"tevjax: note: {note}", file=sys.stderr)
     result = evaluate(models, texts, budgets=args.budgets, temperature=args.temperature, verifier=args.verifier,
                       max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, seed=args.seed,
-                      lookup=args.lookup,
+                      lookup=args.lookup, corpus=args.corpus,
                       log=lambda line: print(line, file=sys.stderr, flush=True), mesh=mesh)
     result["prompts"] = args.prompts
     if args.json:
@@ -682,6 +696,7 @@ def cmd_demo(args) -> int:
 
     _check_lookup(args)
     mismatches = demo.main(max_new_tokens=args.max_new_tokens, budget=args.budget, lookup=args.lookup,
+                           corpus=args.corpus,
                            samples=args.samples,
                            repeats=args.repeats, skip_models=args.skip_models)
     if mismatches:

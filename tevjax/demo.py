@@ -20,10 +20,11 @@ PROMPTS = (
 )
 
 
-def main(*, max_new_tokens: int = 64, budget: int = 8, lookup: int | None = None, samples: int = 50_000,
-         repeats: int = 3, skip_models: bool = False) -> int:
+def main(*, max_new_tokens: int = 64, budget: int = 8, lookup: int | None = None, corpus: int | None = None,
+         samples: int = 50_000, repeats: int = 3, skip_models: bool = False) -> int:
     """Runs the demonstration; returns how many greedy outputs differ from AR's (0 unless broken).
-    `lookup`: the context-lookup chain length (None: the budget; 0: the drafter's trees alone)."""
+    `lookup`, `corpus`: the context- and corpus-lookup chain lengths (None: the budget, the corpus
+    chain only where the drafter has a table; 0: off)."""
     print("=" * 78)
     print("Part 1. The canonical exit law on a fixed tree (paper Sec. 3-4)")
     print("=" * 78)
@@ -33,7 +34,7 @@ def main(*, max_new_tokens: int = 64, budget: int = 8, lookup: int | None = None
 
     from tevjax.convert.tokenizer import chat_prompt_ids
     from tevjax.decode.engine import DecodeConfig, Decoder
-    from tevjax.evaluate import lookup_for
+    from tevjax.evaluate import corpus_for, lookup_for
     from tevjax.loading import load_models
 
     print()
@@ -47,14 +48,17 @@ def main(*, max_new_tokens: int = 64, budget: int = 8, lookup: int | None = None
         print(f"note: {note}")
     ids = [chat_prompt_ids(models.tokenizer, p) for p in PROMPTS]
     common = dict(max_new_tokens=max_new_tokens, eos_ids=models.eos_ids, temperature=0.0)
-    lookup = lookup_for(budget, lookup)
-    spec = Decoder(models.target, models.drafter, DecodeConfig(verifier="tev", budget=budget, lookup=lookup, **common))
+    lookup, corpus = lookup_for(budget, lookup), corpus_for(budget, corpus, models.ngrams)
+    spec = Decoder(models.target, models.drafter,
+                   DecodeConfig(verifier="tev", budget=budget, lookup=lookup, corpus=corpus, **common),
+                   ngrams=models.ngrams)
     ar = Decoder(models.target, None, DecodeConfig(**common))  # no drafter: autoregressive
     t0 = time.perf_counter()
     for p in ids:
         spec.compile([p])
         ar.compile([p])
-    print(f"compiled DDTree+TEV (budget {budget}, lookup chain {lookup}) and the autoregressive baseline "
+    print(f"compiled DDTree+TEV (budget {budget}, lookup chain {lookup}, corpus chain {corpus}) and the "
+          "autoregressive baseline "
           f"in {time.perf_counter() - t0:.1f} s\n")
 
     # Timing on a shared 2-core machine swings by +-20% from one second to the next, so each prompt

@@ -54,12 +54,16 @@ def load_eval_prompts(spec: str, n: int, *, seed: int = 0) -> list[str]:
 
 def evaluate(models, texts: list[str], *, budgets=(4, 8, 16, 32), temperature: float = 0.0,
              verifier: str = "tev", max_new_tokens: int = 128, batch_size: int = 1, seed: int = 0,
-             lookup: int | None = None, log: Callable[[str], None] = print, mesh=None) -> dict:
+             lookup: int | None = None, corpus: int | None = None, log: Callable[[str], None] = print,
+             mesh=None) -> dict:
     """Measures AR and speculative decoding on the same prompts (on `mesh`'s devices if given);
     returns a JSON-ready dict. `lookup`: the context-lookup chain length (`DecodeConfig.lookup`),
-    capped at each budget; None: the budget itself; 0: the drafter's trees alone."""
-    if lookup is not None and lookup < 0:
-        raise ValueError(f"lookup must be >= 0 or None, got {lookup}")
+    capped at each budget; None: the budget itself; 0: the drafter's trees alone. `corpus`: the
+    corpus-lookup chain length (`DecodeConfig.corpus`), likewise, where `models.ngrams` is a table
+    (None without one: off)."""
+    for name, value in (("lookup", lookup), ("corpus", corpus)):
+        if value is not None and value < 0:
+            raise ValueError(f"{name} must be >= 0 or None, got {value}")
     from tevjax.convert.tokenizer import chat_prompt_ids
     from tevjax.decode.engine import DecodeConfig, Decoder
 
@@ -72,7 +76,9 @@ def evaluate(models, texts: list[str], *, budgets=(4, 8, 16, 32), temperature: f
     for budget in budgets:
         methods[int(budget)] = Decoder(models.target, models.drafter,
                                        DecodeConfig(verifier=verifier, budget=int(budget),
-                                                    lookup=lookup_for(int(budget), lookup), **base), mesh=mesh)
+                                                    lookup=lookup_for(int(budget), lookup),
+                                                    corpus=corpus_for(int(budget), corpus, models.ngrams), **base),
+                                       mesh=mesh, ngrams=models.ngrams)
     gens = {m: [] for m in methods}
     secs = {m: np.zeros(len(batches)) for m in methods}
     toks = {m: np.zeros(len(batches)) for m in methods}
@@ -99,7 +105,8 @@ def evaluate(models, texts: list[str], *, budgets=(4, 8, 16, 32), temperature: f
         per_prompt = np.array([x.tau for x in g])
         per_batch_sr = ar_rate / (secs[budget] / np.maximum(toks[budget], 1))
         mismatches = sum(a.tokens != b.tokens for a, b in zip(gens["ar"], g)) if temperature == 0 else None
-        row = {"budget": budget, "lookup": lookup_for(budget, lookup), "tau": block / max(rounds, 1),
+        row = {"budget": budget, "lookup": lookup_for(budget, lookup),
+               "corpus": corpus_for(budget, corpus, models.ngrams), "tau": block / max(rounds, 1),
                "tau_prompt_sd": float(per_prompt.std(ddof=1)) if len(g) > 1 else 0.0,
                "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds if seconds else None,
                "sr": (ar_s / max(ar_tokens, 1)) / (seconds / max(tokens, 1)) if seconds else None,
@@ -109,7 +116,7 @@ def evaluate(models, texts: list[str], *, budgets=(4, 8, 16, 32), temperature: f
         log(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}))
     return {
         "verifier": verifier, "temperature": temperature, "max_new_tokens": max_new_tokens,
-        "batch_size": batch_size, "num_prompts": len(texts), "seed": seed, "lookup": lookup,
+        "batch_size": batch_size, "num_prompts": len(texts), "seed": seed, "lookup": lookup, "corpus": corpus,
         "drafter_trained": models.drafter_trained,
         "ar": {"tokens": ar_tokens, "seconds": ar_s, "tokens_per_s": ar_tokens / ar_s if ar_s else None},
         "budgets": rows, "mismatches": sum(r["mismatches"] or 0 for r in rows),
@@ -122,18 +129,25 @@ def lookup_for(budget: int, lookup: int | None) -> int:
     return budget if lookup is None else min(lookup, budget)
 
 
+def corpus_for(budget: int, corpus: int | None, ngrams) -> int:
+    """The corpus chain length a `budget` decodes with: 0 without an n-gram table; else `corpus`
+    capped at the budget, None meaning the budget."""
+    return 0 if ngrams is None else lookup_for(budget, corpus)
+
+
 def format_table(result: dict) -> str:
     """A markdown table of one `evaluate` result."""
     ar = result["ar"]
     lines = [f"{result['num_prompts']} prompts, {result['max_new_tokens']} new tokens, "
              f"temperature {result['temperature']}, verifier {result['verifier']}, batch {result['batch_size']}; "
              f"AR {ar['tokens_per_s']:.2f} tok/s",
-             "", "| budget | lookup | tau | tok/s | SR vs AR [10-90% over batches] | greedy == AR |",
-             "|---:|---:|---:|---:|---:|:---:|"]
+             "", "| budget | lookup | corpus | tau | tok/s | SR vs AR [10-90% over batches] | greedy == AR |",
+             "|---:|---:|---:|---:|---:|---:|:---:|"]
     for r in result["budgets"]:
         same = "n/a" if r["mismatches"] is None else ("yes" if r["mismatches"] == 0 else f"NO ({r['mismatches']})")
         lo, hi = r["sr_range"]
-        lines.append(f"| {r['budget']} | {r.get('lookup', 0)} | {r['tau']:.3f} | {r['tokens_per_s']:.2f} "
+        lines.append(f"| {r['budget']} | {r.get('lookup', 0)} | {r.get('corpus', 0)} | {r['tau']:.3f} "
+                     f"| {r['tokens_per_s']:.2f} "
                      f"| {r['sr']:.3f} [{lo:.2f}-{hi:.2f}] "
                      f"| {same} |")
     return "\n".join(lines)

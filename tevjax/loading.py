@@ -8,14 +8,21 @@ used where it exists, else a freshly initialised drafter with a fixed seed (and 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import hashlib
+import io
 import os
+import uuid
 from pathlib import Path
 
+import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
+from tevjax.builder import NGRAM_CALIBRATION, NGRAM_ORDERS, NgramTable, ngram_table
 from tevjax.convert.dflash_ckpt import load_dflash
-from tevjax.convert.embedded import prepare_smollm2
+from tevjax.convert.embedded import default_cache_dir, prepare_smollm2
 from tevjax.convert.hf import load_hf_target
 from tevjax.convert.tokenizer import load_tokenizer
 from tevjax.models.config import ModelConfig
@@ -43,6 +50,9 @@ class LoadedModels:
     drafter_trained: bool
     eos_ids: tuple[int, ...]
     notes: list[str]
+    # The corpus-lookup table (`DecodeConfig.corpus`) of the drafter's directory (its `corpus.npz`:
+    # the target's answers to training prompts), or None where it has none.
+    ngrams: NgramTable | None = None
 
 
 def mask_token_for(target_cfg: ModelConfig, tokenizer) -> int:
@@ -152,5 +162,53 @@ def load_models(target: str = EMBEDDED, drafter: str | os.PathLike | None = None
             f"with seed {drafter_seed} is used; output is still exact, but tau will be close to 1"
         )
 
+    ngrams = None
+    corpus_dir = Path(drafter) if drafter is not None else TRAINED_DRAFTERS.get(target) if trained else None
+    if corpus_dir is not None and (corpus_dir / CORPUS_FILE).exists():
+        ngrams = load_ngrams(corpus_dir / CORPUS_FILE)
+        notes.append(f"corpus lookup: {ngrams.num_entries:,} n-grams from {corpus_dir / CORPUS_FILE}")
     return LoadedModels(target_cfg=target_cfg, target=loaded.target, tokenizer=loaded.tokenizer,
-                        drafter=draft_model, drafter_trained=trained, eos_ids=loaded.eos_ids, notes=notes)
+                        drafter=draft_model, drafter_trained=trained, eos_ids=loaded.eos_ids, notes=notes,
+                        ngrams=ngrams)
+
+
+CORPUS_FILE = "corpus.npz"
+NGRAM_CACHE_VERSION = 1  # raise when ngram_table's output changes for the same corpus and settings
+
+
+def load_ngrams(path: str | os.PathLike, *, cache: bool = True) -> NgramTable:
+    """The n-gram table of a corpus file: an npz of `tokens` [T], `offsets` [R + 1] and `starts` [R]
+    (`tevjax.builder.ngram_table`'s arguments).
+
+    Counting takes seconds for the shipped corpus, so the table is kept under the cache directory
+    (`$TEVJAX_CACHE`), named by the SHA-256 of the corpus file and the table's settings; a damaged
+    or missing cache entry is simply built again."""
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise ValueError(f"corpus file {str(path)!r}: {e}") from e
+    settings = f"{NGRAM_ORDERS}|{NGRAM_CALIBRATION}|{NGRAM_CACHE_VERSION}".encode()
+    digest = hashlib.sha256(data + settings).hexdigest()[:32]
+    entry = default_cache_dir() / "ngrams" / f"{digest}.npz"
+    if cache and entry.exists():
+        try:
+            with np.load(entry) as z:
+                return NgramTable(keys=jnp.asarray(z["keys"]), tokens=jnp.asarray(z["tokens"]),
+                                  log_reach=jnp.asarray(z["log_reach"]), orders=NGRAM_ORDERS)
+        except (OSError, KeyError, ValueError):
+            pass  # built again below
+    try:
+        with np.load(io.BytesIO(data)) as z:
+            tokens, offsets, starts = z["tokens"], z["offsets"], z["starts"]
+    except (OSError, KeyError, ValueError) as e:
+        raise ValueError(f"{str(path)!r} is not a corpus file (an npz of tokens, offsets and starts): {e}") from e
+    table = ngram_table(tokens, offsets, starts)
+    if cache:
+        with contextlib.suppress(OSError):  # a read-only cache only costs the next load its seconds
+            entry.parent.mkdir(parents=True, exist_ok=True)
+            tmp = entry.with_name(f".{entry.name}.tmp-{uuid.uuid4().hex[:8]}.npz")
+            np.savez(tmp, keys=np.asarray(table.keys), tokens=np.asarray(table.tokens),
+                     log_reach=np.asarray(table.log_reach))
+            os.replace(tmp, entry)
+    return table

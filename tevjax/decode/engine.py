@@ -10,6 +10,9 @@ draft rows per block, the maximum tree depth)::
     tree   = merge_chain(tree, context_chain(history))      [B, N]      cfg.lookup > 0: the best N - 1
                                                                          nodes of the tree and a chain
                                                                          copied from the committed text
+    tree   = merge_chain(tree, corpus_chain(history, ngrams)) [B, N]    cfg.corpus > 0: likewise, a chain
+                                                                         that follows an n-gram table of
+                                                                         the target's answers
     target(tree.tokens @ cache_len + depth, mask = prefix + tree.ancestors)  -> logits [B, N, V]
     out    = verify(key, tree, logits, temperature, method)  accepted path + bonus token
     commit : K/V of the accepted path moved to contiguous slots after the root, the target
@@ -62,8 +65,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from tevjax.builder import (LOOKUP_SURVIVAL, build_ddtree_from_top, chain_log_reach, check_survival, context_chain,
-                             merge_chain)
+from tevjax.builder import (LOOKUP_SURVIVAL, NgramTable, build_ddtree_from_top, chain_log_reach, check_survival,
+                             context_chain, corpus_chain, merge_chain)
 from tevjax.models.cache import KVCache, scatter_rows
 from tevjax.models.dflash import DFlashDrafter, DrafterCache, features_from_hidden, tapped_hidden
 from tevjax.models.transformer import Transformer
@@ -96,6 +99,11 @@ class DecodeConfig:
     # drafter's by these estimates, so a table measured on another target's text, or at T > 0,
     # can replace SmolLM2's greedy one. None: LOOKUP_SURVIVAL.
     lookup_survival: tuple[tuple[float, ...], ...] | None = None
+    # Length of a corpus-lookup chain offered to the tree each round (`tevjax.builder.corpus_chain`):
+    # the greedy continuation of the last committed tokens in an n-gram table of the target's own
+    # answers to other prompts, given to `Decoder(..., ngrams=table)`. Merged after the context
+    # chain, by the same rule. 0: none.
+    corpus: int = 0
     verifier: str = "tev"  # a name in tevjax.verifiers.VERIFIERS: "tev" | "predraw" | "sequential"
     temperature: float = 0.0  # below 1e-5 (tevjax.law.GREEDY_BELOW) = greedy
     max_new_tokens: int = 128
@@ -120,7 +128,8 @@ class DecodeConfig:
                              "Decoder(target, None, cfg)")
         if self.verifier not in VERIFIERS:
             raise ValueError(f"unknown verifier {self.verifier!r}; choose one of {sorted(VERIFIERS)}")
-        for name in ("budget", "lookup", "max_new_tokens", "prompt_bucket", "capacity_bucket", "prefill_chunk"):
+        for name in ("budget", "lookup", "corpus", "max_new_tokens", "prompt_bucket", "capacity_bucket",
+                     "prefill_chunk"):
             value = getattr(self, name)
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
                 raise TypeError(f"DecodeConfig.{name} must be an int, got {value!r} ({type(value).__name__})")
@@ -138,6 +147,8 @@ class DecodeConfig:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if not 0 <= self.lookup <= self.budget:
             raise ValueError(f"lookup must be between 0 and the budget ({self.budget}), got {self.lookup}")
+        if not 0 <= self.corpus <= self.budget:
+            raise ValueError(f"corpus must be between 0 and the budget ({self.budget}), got {self.corpus}")
         if self.lookup_survival is not None:
             object.__setattr__(self, "lookup_survival", check_survival(self.lookup_survival))
         for name in ("prompt_bucket", "capacity_bucket", "prefill_chunk"):
@@ -269,8 +280,9 @@ def _empty_state(tstate, dstate, roots, lengths, key_data, *, tgd, dgd, cfg: Dec
 
 
 def _uses_lookup(drafter, cfg: DecodeConfig) -> bool:
-    """Whether rounds merge a lookup chain into their trees (static): it needs a drafted tree."""
-    return drafter is not None and cfg.lookup > 0
+    """Whether rounds merge a lookup chain (context or corpus) into their trees, and so keep the
+    committed text (static): it needs a drafted tree."""
+    return drafter is not None and (cfg.lookup > 0 or cfg.corpus > 0)
 
 
 def _history_init(roots: jax.Array, lengths: jax.Array, capacity: int) -> jax.Array:
@@ -471,7 +483,8 @@ def emit(ver, state: DecodeState, cfg: DecodeConfig, active: jax.Array | None = 
     return out_buf, num_out, finished
 
 
-def _round(tstate, dstate, state: DecodeState, *, tgd, dgd, cfg: DecodeConfig, mesh=None) -> DecodeState:
+def _round(tstate, dstate, state: DecodeState, ngrams: NgramTable | None = None, *, tgd, dgd, cfg: DecodeConfig,
+           mesh=None) -> DecodeState:
     """One draft -> build -> tree pass -> verify -> commit -> emit round for every row."""
     target: Transformer = nnx.merge(tgd, tstate)
     active = ~state.done
@@ -483,11 +496,16 @@ def _round(tstate, dstate, state: DecodeState, *, tgd, dgd, cfg: DecodeConfig, m
         logits = draft(drafter, target, state.root, state.cache_len, state.drafter_cache, state.draft_head, mesh)
         # The scores are only read by the lookup merge; without it XLA drops them.
         trees, scores = draft_trees(logits, state.root, cfg.budget, drafter.vocab_ids(), mesh, with_scores=True)
-        if _uses_lookup(drafter, cfg):
+        if cfg.lookup > 0:
             chain, order = jax.vmap(context_chain, in_axes=(0, 0, None))(state.history, state.cache_len + 1,
                                                                         cfg.lookup)
             survival = cfg.lookup_survival or LOOKUP_SURVIVAL
             chain_scores = jax.vmap(chain_log_reach, in_axes=(0, None, None))(order, cfg.lookup, survival)
+            trees, scores = jax.vmap(functools.partial(merge_chain, with_scores=True))(trees, scores, chain,
+                                                                                       chain_scores)
+        if cfg.corpus > 0:
+            chain, chain_scores = jax.vmap(corpus_chain, in_axes=(0, 0, None, None))(
+                state.history, state.cache_len + 1, cfg.corpus, ngrams)
             trees = jax.vmap(merge_chain)(trees, scores, chain, chain_scores)
     else:
         trees = root_trees(state.root)
@@ -530,13 +548,13 @@ def _history_after(state: DecodeState, ver) -> jax.Array:
     return scatter_rows(state.history, jnp.where(ver.tokens >= 0, slots, state.history.shape[1]), ver.tokens)
 
 
-def _rounds(tstate, dstate, state: DecodeState, max_rounds: jax.Array, *, tgd, dgd, cfg: DecodeConfig,
-            mesh=None) -> DecodeState:
+def _rounds(tstate, dstate, state: DecodeState, max_rounds: jax.Array, ngrams: NgramTable | None = None, *, tgd,
+            dgd, cfg: DecodeConfig, mesh=None) -> DecodeState:
     """Rounds in one `lax.while_loop` (no host round-trip per round) until every row is done or
     `max_rounds` (a traced int32 scalar, so every count shares one compiled program) have run.
     Running it again on its result continues exactly where it stopped: the loop carries nothing
     but the state."""
-    body = functools.partial(_round, tstate, dstate, tgd=tgd, dgd=dgd, cfg=cfg, mesh=mesh)
+    body = functools.partial(_round, tstate, dstate, ngrams=ngrams, tgd=tgd, dgd=dgd, cfg=cfg, mesh=mesh)
 
     def cond(carry):
         s, i = carry
@@ -624,9 +642,15 @@ class Decoder:
     divides; `generate` and `stream` pad the batch with copies of the last prompt and drop them.
     """
 
-    def __init__(self, target: Transformer, drafter: DFlashDrafter | None, cfg: DecodeConfig, mesh=None):
+    def __init__(self, target: Transformer, drafter: DFlashDrafter | None, cfg: DecodeConfig, mesh=None, *,
+                 ngrams: NgramTable | None = None):
         if drafter is not None:
             drafter.cfg.check_target(target.cfg)
+        if drafter is not None and cfg.corpus > 0 and ngrams is None:
+            raise ValueError(f"DecodeConfig.corpus = {cfg.corpus} needs an n-gram table: Decoder(..., ngrams=table) "
+                             "(tevjax.builder.ngram_table, or load_models(...).ngrams)")
+        # Only a round that merges a corpus chain reads the table; otherwise it does not travel.
+        self.ngrams = ngrams if drafter is not None and cfg.corpus > 0 else None
         self.cfg = cfg
         self.target_cfg = target.cfg
         self.mesh = mesh
@@ -648,8 +672,12 @@ class Decoder:
                                      history=_uses_lookup(drafter, cfg))
             scalar = logical_sharding(mesh, ())
             rows = logical_sharding(mesh, ("batch",))
-            shard = dict(in_shardings=(tshard, dshard, sshard), out_shardings=sshard)
-            self._loop_shardings = dict(in_shardings=(tshard, dshard, sshard, scalar), out_shardings=sshard)
+            # The n-gram table is small and read by every row: a copy on each device.
+            nshard = None if self.ngrams is None else jax.tree.map(lambda _: logical_sharding(mesh, ()), self.ngrams)
+            if self.ngrams is not None:
+                self.ngrams = jax.device_put(self.ngrams, nshard)
+            shard = dict(in_shardings=(tshard, dshard, sshard, nshard), out_shardings=sshard)
+            self._loop_shardings = dict(in_shardings=(tshard, dshard, sshard, scalar, nshard), out_shardings=sshard)
             self._chunk_shardings = dict(in_shardings=(tshard, dshard, sshard, logical_sharding(mesh, ("batch", None)),
                                                        scalar), out_shardings=sshard)
             self._empty_shardings = dict(in_shardings=(tshard, dshard, rows, rows, logical_sharding(mesh, (None,))),
@@ -784,15 +812,16 @@ class Decoder:
         tokens = jax.ShapeDtypeStruct((b, self.chunk_size(lengths)), jnp.int32)
         self._prefill_chunk.lower(self.tstate, self.dstate, state, tokens, i32).compile()
         if streaming:
-            self._round.lower(self.tstate, self.dstate, state).compile()
+            self._round.lower(self.tstate, self.dstate, state, self.ngrams).compile()
         else:
-            self._loop.lower(self.tstate, self.dstate, state, i32).compile()
+            self._loop.lower(self.tstate, self.dstate, state, i32, self.ngrams).compile()
         return time.perf_counter() - t0
 
     def compiled_loop(self, state: DecodeState):
         """The ahead-of-time compiled round loop for `state`'s shapes (e.g. for `.memory_analysis()`);
         compiling again for known shapes hits jax's cache."""
-        return self._loop.lower(self.tstate, self.dstate, state, jax.ShapeDtypeStruct((), jnp.int32)).compile()
+        return self._loop.lower(self.tstate, self.dstate, state, jax.ShapeDtypeStruct((), jnp.int32),
+                                self.ngrams).compile()
 
     def run(self, state: DecodeState, *, rounds_per_call: int | None = None) -> DecodeState:
         """Runs rounds until every row is done (consumes `state`).
@@ -809,7 +838,7 @@ class Decoder:
         with _deferred_sigint() as sigint:
             while True:
                 t0 = time.perf_counter()
-                state = self._loop(self.tstate, self.dstate, state, np.int32(rounds))
+                state = self._loop(self.tstate, self.dstate, state, np.int32(rounds), self.ngrams)
                 done = host_array(state.done)  # waits for the call: the bound on how late Ctrl-C is seen
                 if sigint.hit:
                     raise Interrupted(state)
@@ -820,7 +849,7 @@ class Decoder:
 
     def step(self, state: DecodeState) -> DecodeState:
         """One jitted round (consumes `state`); the building block of `stream`."""
-        return self._round(self.tstate, self.dstate, state)
+        return self._round(self.tstate, self.dstate, state, self.ngrams)
 
     def results(self, state: DecodeState, prompt_lengths: Sequence[int] | None = None) -> list[Generation]:
         """Per-row results; `Generation.hidden` needs `cfg.hidden_layers` and the prompt lengths."""
