@@ -1,4 +1,5 @@
-"""What the context lookup (`DecodeConfig.lookup`) adds to the shipped drafter: tau, paired by prompt.
+"""What the lookup chains (`DecodeConfig.lookup`, `DecodeConfig.corpus`) add to the shipped drafter: tau,
+paired by prompt.
 
 Each arm decodes the same held-out prompts with TEV at one budget, in batches through the engine's
 `Decoder.generate`, with lookup chains of the given lengths (0: the drafter's tree alone). Greedy
@@ -12,10 +13,14 @@ with the survival table raised to the power k (`DecodeConfig.lookup_survival`), 
 reach is scaled by k: below 1 the chain wins more tree slots, above 1 fewer. `--survival FILE` adds
 an arm per lookup with a table from a JSON file (`lookup_survival.py --json`). With `--temperature`
 above 0 the arms sample (the same seed), so their outputs are not compared; prompts still pair them.
+`--corpus` crosses every arm with corpus-chain lengths (the drafter directory's `corpus.npz`),
+and `--corpus-exponents` scales the corpus chain's log reach as `--exponents` does the context's.
 
     python experiments/lookup_gain.py --lookups 0 8 --first-prompt 64 --num-prompts 192
     python experiments/lookup_gain.py --lookups 8 --exponents 1 0.5 0.75 1.5 2 --first-prompt 16 --num-prompts 48
     python experiments/lookup_gain.py --lookups 8 --survival T1.json --temperature 1
+    python experiments/lookup_gain.py --lookups 8 --corpus 0 8 --corpus-exponents 1 0.75 1.5 --first-prompt 16 \
+        --num-prompts 48
 """
 
 from __future__ import annotations
@@ -44,6 +49,10 @@ def parse_args(argv):
                    help="powers of the survival table, one arm per lookup > 0 each (1: the builder's table)")
     p.add_argument("--survival", type=Path, action="append", default=[],
                    help="a JSON survival table (5 rows of depths), one more arm per lookup > 0 (repeatable)")
+    p.add_argument("--corpus", type=int, nargs="+", default=[0],
+                   help="corpus-lookup chain lengths (DecodeConfig.corpus), one arm per lookup arm each")
+    p.add_argument("--corpus-exponents", type=float, nargs="+", default=[1.0],
+                   help="powers of the corpus chain's reach estimates, one arm per corpus > 0 each (1: the table's)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0, help="sampling seed (every arm the same)")
     p.add_argument("--drafter", default=None, help="drafter directory (default: the shipped one)")
@@ -58,11 +67,12 @@ def parse_args(argv):
     require_positive(p, args, "num_prompts", "budget", "max_new_tokens", "batch")
     if args.first_prompt < 0:
         p.error(f"--first-prompt must be >= 0, got {args.first_prompt}")
-    bad = [n for n in args.lookups if not 0 <= n <= args.budget]
+    bad = [n for n in args.lookups + args.corpus if not 0 <= n <= args.budget]
     if bad:
-        p.error(f"--lookups must lie in [0, --budget {args.budget}], got {bad}")
-    if not all(0 < k < float("inf") for k in args.exponents):
-        p.error(f"--exponents must be finite and > 0, got {args.exponents}")
+        p.error(f"--lookups and --corpus must lie in [0, --budget {args.budget}], got {bad}")
+    for flag, ks in (("--exponents", args.exponents), ("--corpus-exponents", args.corpus_exponents)):
+        if not all(0 < k < float("inf") for k in ks):
+            p.error(f"{flag} must be finite and > 0, got {ks}")
     if not 0 <= args.temperature < float("inf"):
         p.error(f"--temperature must be finite and >= 0, got {args.temperature}")
     from tevjax.builder import LOOKUP_SURVIVAL, check_survival
@@ -91,13 +101,18 @@ def main(argv=None) -> int:
     prompts = prompts[args.first_prompt:]
     greedy = is_greedy(args.temperature)
     arms, first = {}, None
-    runs = [(n, name) for n in args.lookups for name in (args.tables if n > 0 else ["-"])]
-    for lookup, name in runs:
+    if any(c > 0 for c in args.corpus) and models.ngrams is None:
+        raise SystemExit("--corpus needs a drafter directory with a corpus.npz")
+    runs = [(n, name, c, k) for n in args.lookups for name in (args.tables if n > 0 else ["-"]) for c in args.corpus
+            for k in (args.corpus_exponents if c > 0 else [1.0])]
+    for lookup, name, corpus, k in runs:
+        ngrams = (dataclasses.replace(models.ngrams, log_reach=models.ngrams.log_reach * k)
+                  if models.ngrams is not None else None)
         cfg = DecodeConfig(verifier="tev", budget=args.budget, lookup=lookup, max_new_tokens=args.max_new_tokens,
                            eos_ids=models.eos_ids, prompt_bucket=128, temperature=args.temperature,
-                           lookup_survival=args.tables.get(name))
-        capacity = Decoder(models.target, models.drafter, cfg).shapes([len(p) for p in prompts])[1]
-        decoder = Decoder(models.target, models.drafter, dataclasses.replace(cfg, capacity=capacity))
+                           lookup_survival=args.tables.get(name), corpus=corpus)
+        capacity = Decoder(models.target, models.drafter, cfg, ngrams=ngrams).shapes([len(p) for p in prompts])[1]
+        decoder = Decoder(models.target, models.drafter, dataclasses.replace(cfg, capacity=capacity), ngrams=ngrams)
         t0, gens = time.perf_counter(), []
         for i in range(0, len(prompts), args.batch):
             gens += decoder.generate(prompts[i:i + args.batch], seed=args.seed + i)
@@ -106,33 +121,36 @@ def main(argv=None) -> int:
             first = tokens
         elif greedy and tokens != first:
             bad = [i for i, (a, b) in enumerate(zip(tokens, first)) if a != b]
-            raise SystemExit(f"lookup {lookup}, table {name}: greedy outputs differ from the first arm's on "
-                             f"prompts {bad}")
-        arm = arms[lookup, name] = {"blocks": [round(g.tau * g.rounds) for g in gens],
+            raise SystemExit(f"lookup {lookup}, table {name}, corpus {corpus}^{k:g}: greedy outputs differ from the "
+                             f"first arm's on prompts {bad}")
+        arm = arms[lookup, name, corpus, k] = {"blocks": [round(g.tau * g.rounds) for g in gens],
                                     "rounds": [g.rounds for g in gens], "minutes": (time.perf_counter() - t0) / 60}
         tau = sum(arm["blocks"]) / sum(arm["rounds"])
-        print(f"lookup {lookup}, table {name}: tau {tau:.3f}, {arm['minutes']:.1f} min", flush=True)
+        print(f"lookup {lookup}, table {name}, corpus {corpus}^{k:g}: tau {tau:.3f}, {arm['minutes']:.1f} min",
+              flush=True)
 
     base = arms[runs[0]]
     mode = ("Greedy TEV" if greedy else f"TEV sampling at T = {args.temperature:g} (seed {args.seed} + batch start; "
             "arms decode different text, paired by prompt)")
     same = " Every arm's outputs equal the first arm's." if greedy else ""
     lines = [
-        "# The context lookup's gain in tau",
+        "# The lookup chains' gain in tau",
         "",
         f"{date}; `python experiments/lookup_gain.py {' '.join(sys.argv[1:] if argv is None else argv)}`.",
         f"{mode}, budget {args.budget}, {args.max_new_tokens} new tokens, {args.prompts} prompts "
         f"{args.first_prompt}-{args.first_prompt + args.num_prompts - 1}, batches of {args.batch}; drafter "
         f"{args.drafter or 'shipped'}.{same} {machine_facts()}",
         "",
-        "| lookup | survival table | tau | gain over the first arm [95% CI] | rounds | minutes |",
-        "|---:|---|---:|---|---:|---:|",
+        "| lookup | survival table | corpus | corpus reach^k | tau | gain over the first arm [95% CI] | rounds "
+        "| minutes |",
+        "|---:|---|---:|---:|---:|---|---:|---:|",
     ]
-    for (lookup, name), a in arms.items():
+    for (lookup, name, corpus, k), a in arms.items():
         tau = sum(a["blocks"]) / sum(a["rounds"])
         g = paired_gain(base["blocks"], base["rounds"], a["blocks"], a["rounds"])
         gain = "-" if a is base else f"{100 * g['gain']:+.1f}% [{100 * g['lo']:+.1f}, {100 * g['hi']:+.1f}]"
-        lines.append(f"| {lookup} | {name} | {tau:.3f} | {gain} | {sum(a['rounds'])} | {a['minutes']:.1f} |")
+        lines.append(f"| {lookup} | {name} | {corpus} | {k:g} | {tau:.3f} | {gain} | {sum(a['rounds'])} "
+                     f"| {a['minutes']:.1f} |")
     emit(lines, args.out)
     return 0
 

@@ -280,7 +280,11 @@ def test_lookup_experiments_check_their_arguments_and_measure_survival(capsys, t
     import lookup_survival
 
     argv = ["--budget", "4", "--lookups", "0", "5"]
-    assert "--lookups must lie in [0, --budget 4]" in error_of(lookup_gain.parse_args, argv, capsys)
+    assert "--lookups and --corpus must lie in [0, --budget 4]" in error_of(lookup_gain.parse_args, argv, capsys)
+    assert "--lookups and --corpus must lie in [0, --budget 4], got [8, -1]" in error_of(
+        lookup_gain.parse_args, ["--budget", "4", "--corpus", "-1"], capsys)
+    assert "--corpus-exponents must be finite and > 0" in error_of(
+        lookup_gain.parse_args, ["--corpus-exponents", "inf"], capsys)
     assert "--exponents must be finite and > 0" in error_of(lookup_gain.parse_args, ["--exponents", "1", "0"], capsys)
     assert lookup_gain.parse_args(["--exponents", "0.5", "2"]).exponents == [0.5, 2.0]
     (tmp_path / "flat.json").write_text("[[0.5, 0.6]]")
@@ -300,3 +304,14 @@ def test_lookup_experiments_check_their_arguments_and_measure_survival(capsys, t
     tokens = np.array([9, 8, 1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2], np.uint16)
     table, counts = lookup_survival.survival(tokens, np.array([0, 16]), np.array([2]), 1, 128, 3)
     assert counts.sum() > 0 and np.all(table[counts > 0] == 1.0)
+
+
+def test_corpus_calibration_checks_its_arguments_and_counts_held_tokens(capsys, tmp_path):
+    import corpus_calibration
+
+    assert "no such file" in error_of(corpus_calibration.main, [str(tmp_path / "a.npz"), str(tmp_path / "b.npz")],
+                                      capsys)
+    assert "--records must be" in error_of(corpus_calibration.main, ["a", "b", "--records", "0"], capsys)
+    chains = np.array([[1, 2, 3], [1, 9, 3], [4, 4, 4]])
+    future = np.array([[1, 2, 3], [1, 2, 3], [4, 4, 4]])
+    assert corpus_calibration.held(chains, future, np.array([True, True, False])).tolist() == [3, 1, 0]
