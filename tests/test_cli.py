@@ -166,6 +166,8 @@ def test_generate_uses_the_drafters_corpus_by_default(capsys, tiny_dir, tmp_path
         assert code == 0, err
         record = json.loads(out.strip().splitlines()[-1])
         assert record["corpus"] == corpus and record["tokens"] == reference.tokens
+    code, out, err = _run(capsys, *argv[:-1])  # streamed: the round-by-round path
+    assert code == 0 and "corpus 4," in out, err
     code, _, err = _run(capsys, *argv, "--corpus", "5")
     assert code == 2 and "--corpus 5 exceeds --budget 4" in err
 
