@@ -367,14 +367,14 @@ _NGRAM_PAD = np.uint32(0xFFFFFFFF)
 @dataclasses.dataclass(frozen=True)
 class NgramTable:
     """For each order n (row i: `orders[i]`), the n-grams of a corpus sorted by their 32-bit hash,
-    with their most frequent next token and its log reach estimate. Rows are padded to one length
-    K with key 0xFFFFFFFF, token 0 and log reach -inf. Build it with `ngram_table`.
+    with their most frequent next token and its log reach estimate. Rows are padded to one number
+    of entries with key 0xFFFFFFFF, token 0 and log reach -inf. Build it with `ngram_table`.
 
     A hash collision can only make the chain propose a wrong token, which verification rejects."""
 
-    keys: jax.Array  # [O, K] uint32, ascending per row
-    tokens: jax.Array  # [O, K] int32
-    log_reach: jax.Array  # [O, K] float32, <= 0; -inf for padding
+    keys: jax.Array  # [orders, entries] uint32, ascending per row
+    tokens: jax.Array  # [orders, entries] int32
+    log_reach: jax.Array  # [orders, entries] float32, <= 0; -inf for padding
     orders: tuple[int, ...] = dataclasses.field(metadata=dict(static=True), default=NGRAM_ORDERS)
 
     @property
@@ -395,8 +395,8 @@ def ngram_table(tokens: np.ndarray, offsets: np.ndarray, starts: np.ndarray, *, 
     """The n-gram table of a corpus of records (host-side numpy; seconds for millions of tokens).
 
     Args:
-      tokens: [T] int token ids of the records, concatenated; offsets: [R + 1] record r is
-        tokens[offsets[r]:offsets[r + 1]]; starts: [R] the first position of each record whose
+      tokens: [T] int token ids of the records, concatenated; offsets: [records + 1] record r is
+        tokens[offsets[r]:offsets[r + 1]]; starts: [records] the first position of each record whose
         token is counted as a continuation (a prompt's length: answers are counted, prompts only
         serve as context).
       orders: suffix lengths, longest first; min_count: an n-gram enters when it occurs at least this
@@ -404,8 +404,8 @@ def ngram_table(tokens: np.ndarray, offsets: np.ndarray, starts: np.ndarray, *, 
     """
     tokens, offsets, starts = (np.asarray(a, np.int64) for a in (tokens, offsets, starts))
     if tokens.ndim != 1 or offsets.ndim != 1 or starts.shape != (len(offsets) - 1,):
-        raise ValueError(f"tokens [T], offsets [R + 1] and starts [R] expected, got shapes {tokens.shape}, "
-                         f"{offsets.shape}, {starts.shape}")
+        raise ValueError(f"tokens [T], offsets [records + 1] and starts [records] expected, got shapes "
+                         f"{tokens.shape}, {offsets.shape}, {starts.shape}")
     if len(offsets) < 2 or offsets[0] != 0 or offsets[-1] != len(tokens) or np.any(np.diff(offsets) < 0):
         raise ValueError("offsets must rise from 0 to len(tokens)")
     if np.any(tokens < 0) or np.any(tokens >= 2 ** 31):
@@ -418,7 +418,7 @@ def ngram_table(tokens: np.ndarray, offsets: np.ndarray, starts: np.ndarray, *, 
     if not (0 < alpha <= 1 and beta > 0):
         raise ValueError(f"calibration (alpha, beta) needs 0 < alpha <= 1 and beta > 0, got {calibration!r}")
     record = np.repeat(np.arange(len(starts)), np.diff(offsets))  # [T] record of each position
-    first_next = offsets[:-1] + np.maximum(starts, 1)  # [R] first counted continuation position
+    first_next = offsets[:-1] + np.maximum(starts, 1)  # [records] first counted continuation position
     rows = []
     for n in orders:
         if len(tokens) <= n:

@@ -177,8 +177,8 @@ NGRAM_CACHE_VERSION = 1  # raise when ngram_table's output changes for the same 
 
 
 def load_ngrams(path: str | os.PathLike, *, cache: bool = True) -> NgramTable:
-    """The n-gram table of a corpus file: an npz of `tokens` [T], `offsets` [R + 1] and `starts` [R]
-    (`tevjax.builder.ngram_table`'s arguments).
+    """The n-gram table of a corpus file: an npz of `tokens` [T], `offsets` [records + 1] and
+    `starts` [records] (`tevjax.builder.ngram_table`'s arguments).
 
     Counting takes seconds for the shipped corpus, so the table is kept under the cache directory
     (`$TEVJAX_CACHE`), named by the SHA-256 of the corpus file and the table's settings; a damaged
