@@ -4,7 +4,7 @@ The table is counted on one records file; the chains are proposed at every posit
 `--tokens` answer tokens of `--records` records of another, and compared with the answer's next
 `--depth` tokens. Printed: how often the first step holds, by the corpus fraction p of the
 matched n-gram's continuation (the basis of `NGRAM_CALIBRATION`, which maps p to a reach estimate
-alpha * p ** beta), and by match order; and how the corpus chain and the context chain
+alpha * p ** beta); and how the corpus chain and the context chain
 (`context_chain`) cover the positions, alone and together. The records are the GPU run's greedy
 answers to later-turn training prompts; no evaluation prompt is among them.
 
@@ -39,11 +39,11 @@ def measure(table_file: Path, test_file: Path, records: int, answer_tokens: int,
 
     with np.load(table_file) as z:
         table = ngram_table(z["tokens"], z["offsets"], z["prompt_len"], calibration=(1.0, 1.0))  # log p itself
-    test = np.load(test_file)
-    tokens, offsets, prompt_len = test["tokens"].astype(np.int64), test["offsets"], test["prompt_len"]
+    with np.load(test_file) as test:
+        tokens, offsets, prompt_len = test["tokens"].astype(np.int64), test["offsets"], test["prompt_len"]
     corpus_at = jax.jit(jax.vmap(corpus_chain, in_axes=(None, 0, None, None)), static_argnums=2)
     context_at = jax.jit(jax.vmap(context_chain, in_axes=(None, 0, None)), static_argnums=2)
-    first_p, corpus_held, context_held, orders = [], [], [], []
+    first_p, corpus_held, context_held = [], [], []
     for r in range(min(records, len(prompt_len))):
         seq = tokens[offsets[r]:offsets[r + 1]]
         t = np.arange(prompt_len[r], min(len(seq), prompt_len[r] + answer_tokens) - depth)
@@ -59,7 +59,6 @@ def measure(table_file: Path, test_file: Path, records: int, answer_tokens: int,
         first_p.append(np.exp(scores[:, 0]))  # 0 where no n-gram matched
         corpus_held.append(held(chains, future, np.isfinite(scores[:, 0])))
         context_held.append(held(ctx, future, order > 0))
-        orders.append(order)
     p, lc, lx = (np.concatenate(x) for x in (first_p, corpus_held, context_held))
     return {"p": p, "corpus": lc, "context": lx, "calibration": NGRAM_CALIBRATION, "entries": table.num_entries}
 
