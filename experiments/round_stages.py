@@ -11,8 +11,10 @@ range.
 
 Stages: draft (drafter block pass + draft-vocabulary logits) with the head rows gathered once at
 prefill (`DecodeState.draft_head`, what the engine does) and gathered in the call (what it did
-before); draft_trees (log-softmax + DDTree builder); the tree pass with and without the drafter's
-taps; the AR pass; verify (TEV); commit.
+before); draft_trees (log-softmax + DDTree builder); the context chain with its merge and the
+corpus chain (`tevjax.builder`), and the engine's round with both (the default path where the
+drafter ships a corpus); the tree pass with and without the drafter's taps; the AR pass; verify
+(TEV); commit.
 
     python experiments/round_stages.py                    # budget 8, 20 iterations
     python experiments/round_stages.py --budget 4 --iters 30
@@ -21,6 +23,7 @@ taps; the AR pass; verify (TEV); commit.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import os
 import pathlib
@@ -32,6 +35,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from tevjax.builder import LOOKUP_SURVIVAL, chain_log_reach, context_chain, corpus_chain, merge_chain
 from tevjax.decode import engine
 from tevjax.loading import load_models
 from tevjax.verifiers import verify
@@ -66,13 +70,18 @@ def main(argv=None) -> None:
     ids = (m.tokenizer.encode(FILLER * (1 + args.prefix // 8)))[: args.prefix]
     cfg = engine.DecodeConfig(budget=args.budget, max_new_tokens=128)
     spec, ar = engine.Decoder(target, drafter, cfg), engine.Decoder(target, None, cfg)
+    # The default path adds both lookup chains (as long as the budget) where the drafter ships a corpus.
+    chains = m.ngrams is not None
+    chain_cfg = dataclasses.replace(cfg, lookup=args.budget, corpus=args.budget if chains else 0)
     sstate, astate = spec.prefill([ids]), ar.prefill([ids])
+    cstate = engine.Decoder(target, drafter, chain_cfg, ngrams=m.ngrams).prefill([ids])  # keeps the history
     tgd, dgd = spec.tgd, spec.dgd
     ts, ds = spec.tstate, spec.dstate
     taps = engine._taps(drafter, cfg)
 
     round_spec = jax.jit(functools.partial(engine._round, tgd=tgd, dgd=dgd, cfg=cfg))
     round_ar = jax.jit(functools.partial(engine._round, tgd=ar.tgd, dgd=None, cfg=cfg))
+    round_chains = jax.jit(functools.partial(engine._round, tgd=tgd, dgd=dgd, cfg=chain_cfg))
 
     @jax.jit
     def draft(ts, ds, st, head):
@@ -81,6 +90,16 @@ def main(argv=None) -> None:
     @functools.partial(jax.jit, static_argnums=2)
     def trees_of(ds, logits, budget, root):
         return engine.draft_trees(logits, root, budget, nnx.merge(dgd, ds).vocab_ids())
+
+    @jax.jit
+    def context(st, trees, scores):  # the engine's context-chain stage: chain, reach estimates, merge
+        chain, order = jax.vmap(context_chain, in_axes=(0, 0, None))(st.history, st.cache_len + 1, args.budget)
+        chain_scores = jax.vmap(chain_log_reach, in_axes=(0, None, None))(order, args.budget, LOOKUP_SURVIVAL)
+        return jax.vmap(functools.partial(merge_chain, with_scores=True))(trees, scores, chain, chain_scores)
+
+    @jax.jit
+    def corpus(st, ngrams):  # the corpus chain alone (its merge costs what the context merge does)
+        return jax.vmap(corpus_chain, in_axes=(0, 0, None, None))(st.history, st.cache_len + 1, args.budget, ngrams)
 
     @functools.partial(jax.jit, static_argnums=3)
     def tree_pass(ts, trees, st, taps):
@@ -96,6 +115,8 @@ def main(argv=None) -> None:
 
     logits = draft(ts, ds, sstate, sstate.draft_head)
     trees = trees_of(ds, logits, args.budget, sstate.root)
+    scored = jax.jit(lambda lg, root: engine.draft_trees(lg, root, args.budget, nnx.merge(dgd, ds).vocab_ids(),
+                                                         with_scores=True))(logits, sstate.root)
     out = tree_pass(ts, trees, sstate, taps)
     keys = jax.random.split(jax.random.key(0), 1)
     ver = tev(keys, trees, out.logits)
@@ -103,9 +124,13 @@ def main(argv=None) -> None:
     fns = {
         "AR round (engine, no drafter)": lambda: round_ar(ar.tstate, None, astate),
         f"speculative round (engine, budget {args.budget})": lambda: round_spec(ts, ds, sstate),
+        f"speculative round with the lookup chains (engine default: lookup {chain_cfg.lookup}, corpus "
+        f"{chain_cfg.corpus})": lambda: round_chains(ts, ds, cstate, m.ngrams),
         "draft, head gathered once (engine)": lambda: draft(ts, ds, sstate, sstate.draft_head),
         "draft, head gathered per call": lambda: draft(ts, ds, sstate, None),
         "draft_trees (log-softmax + builder)": lambda: trees_of(ds, logits, args.budget, sstate.root),
+        "context chain + merge": lambda: context(cstate, *scored),
+        **({f"corpus chain ({m.ngrams.num_entries:,} n-grams)": lambda: corpus(cstate, m.ngrams)} if chains else {}),
         f"tree pass, N = {args.budget + 1}, taps": lambda: tree_pass(ts, trees, sstate, taps),
         f"tree pass, N = {args.budget + 1}, no taps": lambda: tree_pass(ts, trees, sstate, ()),
         "AR pass (N = 1)": lambda: tree_pass(ts, ar_trees, astate, ()),

@@ -106,3 +106,52 @@ def test_drafter_scale_records_round_trip(tmp_path):
     np.savez(tmp_path / "bad.npz", **z)
     with pytest.raises(ValueError, match="bad.npz: inconsistent records file"):
         ds.load_records(tmp_path / "bad.npz")
+
+
+@pytest.mark.slow
+def test_drafter_scale_next_session_recipe(tmp_path):
+    """The flags the next GPU session's recipe uses (`gpu_drafter_scale.md`): a drafter grown to 2
+    layers, sampled responses (`--temperature 1`) and records of an earlier call carried along
+    (`--records`). On CPU with --tiny: the records are sampled, not greedy, answers to the given
+    prompts; the carried ones are trained on; the export has 2 layers and its first one moved."""
+    import numpy as np
+
+    from tevjax.convert.dflash_ckpt import load_dflash
+    from tevjax.decode.engine import DecodeConfig, Decoder
+    from tevjax.loading import TRAINED_DRAFTERS, load_target
+
+    sys.path.insert(0, str(ROOT / "experiments/gpu"))
+    try:
+        import drafter_scale as ds
+    finally:
+        sys.path.pop(0)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(100, 20000, n).tolist() for n in (12, 30, 7, 19, 25, 9, 14, 40)]
+    np.savez(tmp_path / "p.npz", ids=np.concatenate(prompts).astype(np.uint16),
+             offsets=np.cumsum([0] + [len(p) for p in prompts]), index=np.arange(200, 208))
+    carried = [(rng.integers(100, 20000, 20).tolist(), rng.integers(100, 20000, 30).tolist(), "length")
+               for _ in range(6)]
+    (tmp_path / "old").mkdir()
+    ds.save_records(tmp_path / "old", carried, np.arange(6))
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(ROOT / "experiments/gpu/drafter_scale.py"), "--tiny", "--prompts", str(tmp_path / "p.npz"),
+           "--init", str(TRAINED_DRAFTERS["smollm2"]), "--out", str(out), "--compile-cache", "", "--layers", "2",
+           "--temperature", "1", "--records", str(tmp_path / "old/records-0.npz"), str(tmp_path / "old/records-1.npz")]
+    proc = subprocess.run(cmd, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True,
+                          timeout=1800)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["records"] == 8 and summary["carried_records"] == 6 and summary["done"] == summary["steps"] > 0
+    records = ds.load_records(out / "records-0.npz") + ds.load_records(out / "records-1.npz")
+    assert [p for p, _, _ in records] == prompts
+    assert all(r and all(0 <= t < 49152 for t in r) for _, r, _ in records)
+    loaded = load_target("smollm2", dtype="float32")
+    greedy = Decoder(loaded.target, None, DecodeConfig(max_new_tokens=16, eos_ids=loaded.eos_ids))
+    # Sampling 16 tokens at T = 1 from this target reproduces the greedy answer to all 8 prompts with
+    # negligible probability; the run is seeded, so this is deterministic.
+    assert any(r != greedy.generate([p])[0].tokens for p, r, _ in records)
+    cfg, before = load_dflash(TRAINED_DRAFTERS["smollm2"], loaded.target_cfg)
+    cfg2, after = load_dflash(out / "drafter", loaded.target_cfg)
+    assert cfg.num_layers == 1 and cfg2.num_layers == 2
+    w0, w1 = (np.asarray(d.fc.kernel.get_value(), np.float32) for d in (before, after))
+    assert w0.shape == w1.shape and not np.array_equal(w0, w1)
