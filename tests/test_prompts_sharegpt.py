@@ -10,7 +10,7 @@ import pytest
 from tevjax.convert.embedded import prepare_smollm2
 from tevjax.convert.tokenizer import load_tokenizer
 from tevjax.prompts import (_normalise, _sharegpt_conversations, evaluation_texts, sharegpt_first_turns,
-                            sharegpt_prompts, sharegpt_replies)
+                            sharegpt_prompts, sharegpt_replies, source_conversation)
 from tevjax.train.rollout import RolloutConfig, _config_dict, _select_prompts
 
 
@@ -78,3 +78,37 @@ def test_data_plan_with_later_turns_keeps_the_heldout_prompts():
     assert _config_dict(RolloutConfig(**kw, turns="later"), "t", RolloutConfig(**kw))["rollout"]["turns"] == "later"
     with pytest.raises(ValueError, match="turns must be one of"):
         RolloutConfig(**kw, turns="all")
+
+
+def test_source_conversation_is_the_share_id_of_a_split_record():
+    assert source_conversation("QN3Tece_101") == "QN3Tece" == source_conversation("QN3Tece_0")
+    assert source_conversation("abc") == "abc" and source_conversation("a_b") == "a_b"
+    assert source_conversation("_7") == "_7" and source_conversation("x_y_12") == "x_y"
+
+
+@pytest.mark.parametrize("turns", ["first", "later"])
+def test_training_prompts_share_no_conversation_with_the_heldout_ones(turns):
+    """The split file keeps one ShareGPT conversation in several records ("<share>_<k>"). Plans
+    made before 2026-12-05 ("conversation") left out only the held-out records themselves, so
+    turns from the rest of a held-out prompt's conversation became training prompts; the default
+    ("source") leaves out every record of the held-out shares, and the held-out prompts stay the
+    ones shipped in `tevjax/assets/heldout.jsonl`."""
+    import json
+    from pathlib import Path
+
+    tokenizer = load_tokenizer(prepare_smollm2())
+    n = 600 if turns == "later" else 2000  # the old first-turn plan first shares a source at row 1,382
+    kw = dict(num_prompts=n, heldout_prompts=256, heldout_records=4, max_new_tokens=8, taps=(1,), turns=turns)
+    held, train = _select_prompts(tokenizer, RolloutConfig(**kw))
+    shipped = Path(__file__).resolve().parents[1] / "tevjax/assets/heldout.jsonl"
+    assert [r["id"] for r in held] == [json.loads(line)["id"] for line in shipped.read_text().splitlines()]
+
+    def source(row):
+        return source_conversation(row["id"].removeprefix("sharegpt/").split("#")[0])
+
+    sources = {source(r) for r in held}
+    assert not any(source(r) in sources for r in train) and len(train) == n
+    old_held, old_train = _select_prompts(tokenizer, RolloutConfig(**kw, exclusion="conversation"))
+    assert old_held == held and sum(source(r) in sources for r in old_train) > 0  # what the old plans held
+    with pytest.raises(ValueError, match="exclusion must be one of source, conversation"):
+        RolloutConfig(**kw, exclusion="none")

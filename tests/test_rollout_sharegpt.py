@@ -5,6 +5,8 @@ target with SmolLM2's vocabulary and tokenizer keeps it fast."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -73,3 +75,27 @@ def test_sharegpt_responses_need_sharegpt_prompts(tmp_path, loaded):
                       progress=False, log=lambda _: None)
     with pytest.raises(ValueError, match="responses must be one of"):
         _cfg("human")
+
+
+def test_a_directory_resumes_with_the_exclusion_it_was_planned_with(tmp_path, loaded):
+    """Directories planned before the exclusion field existed (their manifests lack it) left out only
+    the held-out records; resumed by today's default ("source") they keep their own prompts, and a
+    new directory's manifest says how it was planned."""
+    import json
+
+    old = tmp_path / "old"
+    cfg = RolloutConfig(num_prompts=4, heldout_prompts=3, heldout_records=2, max_new_tokens=8,
+                        max_prompt_tokens=96, batch_size=2, taps=TAPS, exclusion="conversation")
+    generate_data(loaded, cfg, old, progress=False, log=lambda _: None, stop_after_shards=2)
+    assert "exclusion" not in json.loads((old / "manifest.json").read_text())["rollout"]
+    prompts = (old / "prompts.jsonl").read_text()
+    today = dataclasses.replace(cfg, exclusion="source")
+    manifest = generate_data(loaded, today, old, resume=True, progress=False, log=lambda _: None)
+    assert manifest["complete"] and (old / "prompts.jsonl").read_text() == prompts
+    assert len(TrainData(old, "train")) == 4
+    new = tmp_path / "new"
+    generate_data(loaded, today, new, progress=False, log=lambda _: None, stop_after_shards=1)
+    assert json.loads((new / "manifest.json").read_text())["rollout"]["exclusion"] == "source"
+    with pytest.raises(ValueError, match="other settings: rollout.max_new_tokens"):
+        generate_data(loaded, dataclasses.replace(today, max_new_tokens=9), new, resume=True, progress=False,
+                      log=lambda _: None)

