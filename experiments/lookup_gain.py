@@ -14,7 +14,8 @@ reach is scaled by k: below 1 the chain wins more tree slots, above 1 fewer. `--
 an arm per lookup with a table from a JSON file (`lookup_survival.py --json`). With `--temperature`
 above 0 the arms sample (the same seed), so their outputs are not compared; prompts still pair them.
 `--corpus` crosses every arm with corpus-chain lengths (the drafter directory's `corpus.npz`),
-and `--corpus-exponents` scales the corpus chain's log reach as `--exponents` does the context's.
+and `--corpus-exponents` scales the corpus chain's log reach as `--exponents` does the context's;
+`--corpus-file` adds corpus arms with other corpora.
 
     python experiments/lookup_gain.py --lookups 0 8 --first-prompt 64 --num-prompts 192
     python experiments/lookup_gain.py --lookups 8 --exponents 1 0.5 0.75 1.5 2 --first-prompt 16 --num-prompts 48
@@ -53,6 +54,9 @@ def parse_args(argv):
                    help="corpus-lookup chain lengths (DecodeConfig.corpus), one arm per lookup arm each")
     p.add_argument("--corpus-exponents", type=float, nargs="+", default=[1.0],
                    help="powers of the corpus chain's reach estimates, one arm per corpus > 0 each (1: the table's)")
+    p.add_argument("--corpus-file", type=Path, action="append", default=[],
+                   help="a corpus .npz (tevjax.loading.load_ngrams) in place of the drafter directory's: one more "
+                        "set of corpus arms per file (repeatable; the drafter's own comes first)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0, help="sampling seed (every arm the same)")
     p.add_argument("--drafter", default=None, help="drafter directory (default: the shipped one)")
@@ -79,6 +83,9 @@ def parse_args(argv):
 
     args.tables = {f"builder^{k:g}": tuple(tuple(x ** k for x in row) for row in LOOKUP_SURVIVAL)
                    for k in args.exponents}
+    for path in args.corpus_file:
+        if not path.is_file():
+            p.error(f"--corpus-file {str(path)!r}: no such file")
     for path in args.survival:
         try:
             args.tables[path.stem] = check_survival(json.loads(path.read_text()))
@@ -92,7 +99,7 @@ def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     from tevjax.decode.engine import DecodeConfig, Decoder
     from tevjax.law import is_greedy
-    from tevjax.loading import load_models
+    from tevjax.loading import load_models, load_ngrams
 
     models = load_models("smollm2", args.drafter, dtype="float32")
     if not models.drafter_trained:
@@ -101,13 +108,19 @@ def main(argv=None) -> int:
     prompts = prompts[args.first_prompt:]
     greedy = is_greedy(args.temperature)
     arms, first = {}, None
-    if any(c > 0 for c in args.corpus) and models.ngrams is None:
-        raise SystemExit("--corpus needs a drafter directory with a corpus.npz")
-    runs = [(n, name, c, k) for n in args.lookups for name in (args.tables if n > 0 else ["-"]) for c in args.corpus
-            for k in (args.corpus_exponents if c > 0 else [1.0])]
-    for lookup, name, corpus, k in runs:
-        ngrams = (dataclasses.replace(models.ngrams, log_reach=models.ngrams.log_reach * k)
-                  if models.ngrams is not None else None)
+    corpora = {"drafter's": models.ngrams} if models.ngrams is not None else {}
+    for path in args.corpus_file:
+        try:
+            corpora[str(path)] = load_ngrams(path)
+        except ValueError as e:
+            raise SystemExit(f"--corpus-file: {e}")
+    if any(c > 0 for c in args.corpus) and not corpora:
+        raise SystemExit("--corpus needs a drafter directory with a corpus.npz, or --corpus-file")
+    runs = [(n, name, c, k, f) for n in args.lookups for name in (args.tables if n > 0 else ["-"]) for c in args.corpus
+            for k in (args.corpus_exponents if c > 0 else [1.0]) for f in (corpora if c > 0 else ["-"])]
+    for lookup, name, corpus, k, cfile in runs:
+        table = corpora.get(cfile, models.ngrams)
+        ngrams = dataclasses.replace(table, log_reach=table.log_reach * k) if table is not None else None
         cfg = DecodeConfig(verifier="tev", budget=args.budget, lookup=lookup, max_new_tokens=args.max_new_tokens,
                            eos_ids=models.eos_ids, prompt_bucket=128, temperature=args.temperature,
                            lookup_survival=args.tables.get(name), corpus=corpus)
@@ -121,12 +134,12 @@ def main(argv=None) -> int:
             first = tokens
         elif greedy and tokens != first:
             bad = [i for i, (a, b) in enumerate(zip(tokens, first)) if a != b]
-            raise SystemExit(f"lookup {lookup}, table {name}, corpus {corpus}^{k:g}: greedy outputs differ from the "
+            raise SystemExit(f"lookup {lookup}, table {name}, corpus {corpus}^{k:g} ({cfile}): greedy outputs differ from the "
                              f"first arm's on prompts {bad}")
-        arm = arms[lookup, name, corpus, k] = {"blocks": [round(g.tau * g.rounds) for g in gens],
+        arm = arms[lookup, name, corpus, k, cfile] = {"blocks": [round(g.tau * g.rounds) for g in gens],
                                     "rounds": [g.rounds for g in gens], "minutes": (time.perf_counter() - t0) / 60}
         tau = sum(arm["blocks"]) / sum(arm["rounds"])
-        print(f"lookup {lookup}, table {name}, corpus {corpus}^{k:g}: tau {tau:.3f}, {arm['minutes']:.1f} min",
+        print(f"lookup {lookup}, table {name}, corpus {corpus}^{k:g} ({cfile}): tau {tau:.3f}, {arm['minutes']:.1f} min",
               flush=True)
 
     base = arms[runs[0]]
@@ -141,15 +154,15 @@ def main(argv=None) -> int:
         f"{args.first_prompt}-{args.first_prompt + args.num_prompts - 1}, batches of {args.batch}; drafter "
         f"{args.drafter or 'shipped'}.{same} {machine_facts()}",
         "",
-        "| lookup | survival table | corpus | corpus reach^k | tau | gain over the first arm [95% CI] | rounds "
-        "| minutes |",
-        "|---:|---|---:|---:|---:|---|---:|---:|",
+        "| lookup | survival table | corpus | corpus reach^k | corpus file | tau | gain over the first arm [95% CI] "
+        "| rounds | minutes |",
+        "|---:|---|---:|---:|---|---:|---|---:|---:|",
     ]
-    for (lookup, name, corpus, k), a in arms.items():
+    for (lookup, name, corpus, k, cfile), a in arms.items():
         tau = sum(a["blocks"]) / sum(a["rounds"])
         g = paired_gain(base["blocks"], base["rounds"], a["blocks"], a["rounds"])
-        gain = "-" if a is base else f"{100 * g['gain']:+.1f}% [{100 * g['lo']:+.1f}, {100 * g['hi']:+.1f}]"
-        lines.append(f"| {lookup} | {name} | {corpus} | {k:g} | {tau:.3f} | {gain} | {sum(a['rounds'])} "
+        gain = "-" if a is base else f"{100 * g['gain']:+.2f}% [{100 * g['lo']:+.2f}, {100 * g['hi']:+.2f}]"
+        lines.append(f"| {lookup} | {name} | {corpus} | {k:g} | {cfile} | {tau:.3f} | {gain} | {sum(a['rounds'])} "
                      f"| {a['minutes']:.1f} |")
     emit(lines, args.out)
     return 0

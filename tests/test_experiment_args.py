@@ -287,6 +287,8 @@ def test_lookup_experiments_check_their_arguments_and_measure_survival(capsys, t
         lookup_gain.parse_args, ["--corpus-exponents", "inf"], capsys)
     assert "--exponents must be finite and > 0" in error_of(lookup_gain.parse_args, ["--exponents", "1", "0"], capsys)
     assert lookup_gain.parse_args(["--exponents", "0.5", "2"]).exponents == [0.5, 2.0]
+    assert "--corpus-file " + repr(str(tmp_path / "none.npz")) + ": no such file" in error_of(
+        lookup_gain.parse_args, ["--corpus-file", str(tmp_path / "none.npz")], capsys)
     (tmp_path / "flat.json").write_text("[[0.5, 0.6]]")
     assert "survival must be a 5 x D table" in error_of(
         lookup_gain.parse_args, ["--survival", str(tmp_path / "flat.json")], capsys)

@@ -112,8 +112,9 @@ def test_drafter_scale_records_round_trip(tmp_path):
 def test_drafter_scale_next_session_recipe(tmp_path):
     """The flags the next GPU session's recipe uses (`gpu_drafter_scale.md`): a drafter grown to 2
     layers, sampled responses (`--temperature 1`) and records of an earlier call carried along
-    (`--records`). On CPU with --tiny: the records are sampled, not greedy, answers to the given
-    prompts; the carried ones are trained on; the export has 2 layers and its first one moved."""
+    (`--records`, less those `--drop-index` lists). On CPU with --tiny: the records are sampled, not
+    greedy, answers to the given prompts; the carried ones are trained on; the export has 2 layers
+    and its first one moved."""
     import numpy as np
 
     from tevjax.convert.dflash_ckpt import load_dflash
@@ -133,15 +134,17 @@ def test_drafter_scale_next_session_recipe(tmp_path):
                for _ in range(6)]
     (tmp_path / "old").mkdir()
     ds.save_records(tmp_path / "old", carried, np.arange(6))
+    (tmp_path / "drop.json").write_text(json.dumps({"drop_index": [1, 4, 99]}))
     out = tmp_path / "out"
     cmd = [sys.executable, str(ROOT / "experiments/gpu/drafter_scale.py"), "--tiny", "--prompts", str(tmp_path / "p.npz"),
            "--init", str(TRAINED_DRAFTERS["smollm2"]), "--out", str(out), "--compile-cache", "", "--layers", "2",
-           "--temperature", "1", "--records", str(tmp_path / "old/records-0.npz"), str(tmp_path / "old/records-1.npz")]
+           "--temperature", "1", "--records", str(tmp_path / "old/records-0.npz"), str(tmp_path / "old/records-1.npz"),
+           "--drop-index", str(tmp_path / "drop.json")]
     proc = subprocess.run(cmd, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True,
                           timeout=1800)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["records"] == 8 and summary["carried_records"] == 6 and summary["done"] == summary["steps"] > 0
+    assert summary["records"] == 8 and summary["carried_records"] == 4 and summary["done"] == summary["steps"] > 0
     records = ds.load_records(out / "records-0.npz") + ds.load_records(out / "records-1.npz")
     assert [p for p, _, _ in records] == prompts
     assert all(r and all(0 <= t < 49152 for t in r) for _, r, _ in records)

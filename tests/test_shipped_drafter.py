@@ -5,6 +5,7 @@ token, and its model card names the command that measured it."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ from tevjax.loading import SMOLLM2_MASK_TOKEN, TRAINED_DRAFTERS
 from tevjax.models.config import PRESETS
 
 SHIPPED = TRAINED_DRAFTERS["smollm2"]
+ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(not (SHIPPED / "config.json").exists(), reason="no drafter shipped")
 
 
@@ -41,8 +43,12 @@ def test_shipped_corpus_is_answers_to_training_prompts_and_its_table_is_cached(t
     corpus = SHIPPED / CORPUS_FILE
     assert corpus.stat().st_size < 5 * 2**20
     with np.load(corpus) as z:
-        tokens, offsets, starts = z["tokens"], z["offsets"], z["starts"]
+        tokens, offsets, starts, index = z["tokens"], z["offsets"], z["starts"], z["index"]
     assert offsets[0] == 0 and offsets[-1] == len(tokens) and np.all(np.diff(offsets) > starts)
+    # No record answers a turn of a held-out prompt's conversation (experiments/heldout_sources.py).
+    sources = json.loads((ROOT / "experiments/results/gpu_records_heldout_sources.json").read_text())
+    assert len(index) == len(starts) == sources["num_records"] - len(sources["drop_index"]) == 18_496
+    assert not set(index.tolist()) & set(sources["drop_index"]) and len(set(index.tolist())) == len(index)
     from tevjax.convert.embedded import prepare_smollm2
     from tevjax.convert.tokenizer import chat_prompt_ids, load_tokenizer
 
@@ -67,3 +73,22 @@ def test_shipped_corpus_is_answers_to_training_prompts_and_its_table_is_cached(t
         load_ngrams(bad)
     with pytest.raises(ValueError, match="corpus file .*missing.npz"):
         load_ngrams(tmp_path / "missing.npz")
+
+
+def test_the_records_that_share_a_heldout_conversation_are_the_listed_ones(tmp_path):
+    """experiments/heldout_sources.py, run again: it rebuilds the later-turn plan the GPU records
+    were drawn from, checks that every record's prompt is its plan prompt, and lists the records
+    whose ShareGPT conversation holds a held-out prompt; the committed list and the shipped corpus
+    are what it makes."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, str(ROOT / "experiments/heldout_sources.py"), "--out", str(tmp_path / "s.json"),
+                           "--corpus-out", str(tmp_path / "c.npz")], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    made = json.loads((tmp_path / "s.json").read_text())
+    assert made == json.loads((ROOT / "experiments/results/gpu_records_heldout_sources.json").read_text())
+    assert len(made["drop_index"]) == 448 and len(made["heldout_affected"]) == 70
+    with np.load(tmp_path / "c.npz") as a, np.load(SHIPPED / "corpus.npz") as b:
+        for k in ("tokens", "offsets", "starts", "index"):
+            np.testing.assert_array_equal(a[k], b[k])

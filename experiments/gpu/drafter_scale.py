@@ -60,6 +60,9 @@ def parse_args(argv=None):
     p.add_argument("--probe", type=Path, default=None, help="HF config.json: random-weight timing run")
     p.add_argument("--records", type=Path, nargs="*", default=[],
                    help="records-*.npz of earlier runs: trained on along with the new records (3.3 MB per 19k)")
+    p.add_argument("--drop-index", type=Path, default=None,
+                   help="JSON whose drop_index lists plan indices of --records to leave out "
+                        "(experiments/heldout_sources.py: records that share a held-out prompt's conversation)")
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--gen-seconds", type=float, default=240.0, help="generation ends by this time")
     p.add_argument("--train-seconds", type=float, default=520.0, help="training ends by this time")
@@ -291,7 +294,9 @@ def main(argv=None) -> int:
     if args.probe is None:
         save_records(args.out, records, index[:len(records)])
         log("records saved", records=len(records))
-    carried = [r for path in args.records for r in load_records(path)]
+    drop = set(json.loads(args.drop_index.read_text())["drop_index"]) if args.drop_index else set()
+    carried = [r for path in args.records for r, i in zip(load_records(path), np.load(path)["index"].tolist())
+               if i not in drop]
     if carried:
         log("carried records", records=len(carried), files=[str(p) for p in args.records])
     trainer, state, stats = train(args, target, drafter, records + carried, args.train_seconds, probe)
