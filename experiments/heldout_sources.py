@@ -45,13 +45,13 @@ def main(argv=None) -> int:
     from tevjax.convert.embedded import prepare_smollm2
     from tevjax.convert.tokenizer import load_tokenizer
     from tevjax.prompts import source_conversation
-    from tevjax.train.rollout import RolloutConfig, _select_prompts
+    from tevjax.train.rollout import RolloutConfig, select_prompts
 
     def source(row):
         return source_conversation(row["id"].removeprefix("sharegpt/").split("#")[0])
 
     cfg = RolloutConfig(num_prompts=args.num_prompts, turns="later", exclusion="conversation", taps=(0,))
-    held, plan = _select_prompts(load_tokenizer(prepare_smollm2()), cfg)
+    held, plan = select_prompts(load_tokenizer(prepare_smollm2()), cfg)
     held_of = collections.defaultdict(list)  # share id -> held-out prompt indices
     for r in held:
         held_of[source(r)].append(r["index"])

@@ -158,3 +158,60 @@ def test_drafter_scale_next_session_recipe(tmp_path):
     assert cfg.num_layers == 1 and cfg2.num_layers == 2
     w0, w1 = (np.asarray(d.fc.kernel.get_value(), np.float32) for d in (before, after))
     assert w0.shape == w1.shape and not np.array_equal(w0, w1)
+
+
+def test_staging_splits_the_target_and_plans_prompts_without_heldout_conversations(tmp_path):
+    """experiments/gpu/stage_drafter_scale.py: the two folders join into the GGUF again (its digest
+    travels too), each call weighs the same and fits the cap, and the prompts are the plans'
+    training prompts (first turns first), none from a held-out prompt's conversation."""
+    import hashlib
+    import json as _json
+
+    import numpy as np
+
+    from tevjax.convert.embedded import prepare_smollm2, smollm2_gguf_path
+    from tevjax.convert.tokenizer import load_tokenizer
+    from tevjax.prompts import source_conversation
+    from tevjax.train.rollout import RolloutConfig, select_prompts
+
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    for name in ("gguf-0.19.0-py3-none-any.whl", "optax-0.2.8-py3-none-any.whl"):
+        (wheels / name).write_bytes(b"wheel")
+    s1, s2 = tmp_path / "s1", tmp_path / "s2"
+    proc = subprocess.run([sys.executable, str(ROOT / "experiments/gpu/stage_drafter_scale.py"), str(s1), str(s2),
+                           "--wheels", str(wheels), "--max-prompts", "40", "--all-prompts"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    report = _json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("{")))
+    gguf = smollm2_gguf_path().read_bytes()
+    joined = (s1 / "gguf.partA").read_bytes() + (s2 / "gguf.partB").read_bytes()
+    assert joined == gguf and (s2 / "gguf.sha256").read_text().split()[0] == hashlib.sha256(joined).hexdigest()
+    c1, c2 = report["call_bytes"]
+    assert abs(c1 - c2) <= 1 and c1 < report["cap"]
+    for d in (s1, s2):
+        assert sorted(f.name for f in d.glob("*.whl")) == ["gguf-0.19.0-py3-none-any.whl", "optax-0.2.8-py3-none-any.whl"]
+    assert (s1 / "config.json").read_bytes() == (prepare_smollm2() / "config.json").read_bytes()
+    assert {f.name for f in s2.glob("gpu_*")} == {"gpu_drafter_scale_records-0.npz", "gpu_drafter_scale_records-1.npz",
+                                                  "gpu_records_heldout_sources.json"}
+    with np.load(s1 / "prompts.npz") as z:
+        ids, offsets, index = z["ids"], z["offsets"], z["index"]
+    assert index.tolist() == [1_000_000 + i for i in range(40)] + list(range(40))
+    prompts = [ids[offsets[i]:offsets[i + 1]].tolist() for i in range(80)]
+    tokenizer = load_tokenizer(prepare_smollm2())
+    heldout = [_json.loads(line)["id"].removeprefix("sharegpt/")
+               for line in (ROOT / "tevjax/assets/heldout.jsonl").read_text().splitlines()]
+    sources = {source_conversation(h) for h in heldout}
+    for k, turns in enumerate(("first", "later")):  # the plans `tevjax data` makes today, in order
+        _, rows = select_prompts(tokenizer, RolloutConfig(num_prompts=40, turns=turns, taps=(0,)))
+        assert [r["prompt_ids"] for r in rows] == prompts[40 * k:40 * (k + 1)]
+        assert not any(source_conversation(r["id"].removeprefix("sharegpt/").split("#")[0]) in sources for r in rows)
+    # By default the prompts the GPU run's records answer stay home (their answers travel in STAGE2).
+    sys.path.insert(0, str(ROOT / "experiments/gpu"))
+    try:
+        import stage_drafter_scale as st
+    finally:
+        sys.path.pop(0)
+    answered = st.answered_prompts()
+    assert len(answered) > 18_000 and tuple(prompts[0]) not in answered
+    _, _, index = st.plan_prompts(["later"], 40, answered | {tuple(prompts[45])})
+    assert 5 not in index.tolist() and set(index.tolist()) < set(range(40))  # prompts[45] is later-turn row 5

@@ -11,7 +11,7 @@ from tevjax.convert.embedded import prepare_smollm2
 from tevjax.convert.tokenizer import load_tokenizer
 from tevjax.prompts import (_normalise, _sharegpt_conversations, evaluation_texts, sharegpt_first_turns,
                             sharegpt_prompts, sharegpt_replies, source_conversation)
-from tevjax.train.rollout import RolloutConfig, _config_dict, _select_prompts
+from tevjax.train.rollout import RolloutConfig, _config_dict, select_prompts
 
 
 @pytest.fixture(scope="module")
@@ -65,8 +65,8 @@ def test_later_replies_are_the_assistant_turn_that_follows(later, conversations)
 def test_data_plan_with_later_turns_keeps_the_heldout_prompts():
     tokenizer = load_tokenizer(prepare_smollm2())
     kw = dict(num_prompts=40, heldout_prompts=24, heldout_records=4, max_new_tokens=8, taps=(1,))
-    held_first, train_first = _select_prompts(tokenizer, RolloutConfig(**kw))
-    held, train = _select_prompts(tokenizer, RolloutConfig(**kw, turns="later"))
+    held_first, train_first = select_prompts(tokenizer, RolloutConfig(**kw))
+    held, train = select_prompts(tokenizer, RolloutConfig(**kw, turns="later"))
     assert held == held_first  # training-time evaluations read the same prompts either way
     assert all("#" in r["id"] for r in train) and not any("#" in r["id"] for r in train_first)
     held_conversations = {r["id"].removeprefix("sharegpt/") for r in held}
@@ -99,7 +99,7 @@ def test_training_prompts_share_no_conversation_with_the_heldout_ones(turns):
     tokenizer = load_tokenizer(prepare_smollm2())
     n = 600 if turns == "later" else 2000  # the old first-turn plan first shares a source at row 1,382
     kw = dict(num_prompts=n, heldout_prompts=256, heldout_records=4, max_new_tokens=8, taps=(1,), turns=turns)
-    held, train = _select_prompts(tokenizer, RolloutConfig(**kw))
+    held, train = select_prompts(tokenizer, RolloutConfig(**kw))
     shipped = Path(__file__).resolve().parents[1] / "tevjax/assets/heldout.jsonl"
     assert [r["id"] for r in held] == [json.loads(line)["id"] for line in shipped.read_text().splitlines()]
 
@@ -108,7 +108,7 @@ def test_training_prompts_share_no_conversation_with_the_heldout_ones(turns):
 
     sources = {source(r) for r in held}
     assert not any(source(r) in sources for r in train) and len(train) == n
-    old_held, old_train = _select_prompts(tokenizer, RolloutConfig(**kw, exclusion="conversation"))
+    old_held, old_train = select_prompts(tokenizer, RolloutConfig(**kw, exclusion="conversation"))
     assert old_held == held and sum(source(r) in sources for r in old_train) > 0  # what the old plans held
     with pytest.raises(ValueError, match="exclusion must be one of source, conversation"):
         RolloutConfig(**kw, exclusion="none")

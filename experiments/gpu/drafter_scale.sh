@@ -6,6 +6,8 @@
 #   experiments/gpu/drafter_scale.sh probe STAGE1       # call 1: part A + prompts + wheels
 #   experiments/gpu/drafter_scale.sh run STAGE2 OUTDIR GEN_S TRAIN_S   # call 2 on the same machine
 #
+# `python experiments/gpu/stage_drafter_scale.py STAGE1 STAGE2` makes both folders (and says what to
+# move out of the working tree so that each call fits).
 # STAGE1 holds gguf.partA, prompts.npz (see drafter_scale.py), config.json (the target's HF config)
 # and *.whl: `gguf` (not on the machine) and optax 0.2.8, installed with --no-deps. Not flax: the
 # image's jax 0.11.2 broke flax 0.12.8's import (no jax.experimental.hijax.HiPrimitive) and runs

@@ -55,8 +55,8 @@ from tevjax.models.dflash import tapped_hidden
 from tevjax.models.layers import causal_mask
 from tevjax.models.transformer import Transformer
 
-__all__ = ["RolloutConfig", "generate_data", "sequence_hidden", "batch_features", "read_manifest", "MANIFEST",
-           "FORMAT_VERSION"]
+__all__ = ["RolloutConfig", "generate_data", "select_prompts", "sequence_hidden", "batch_features", "read_manifest",
+           "MANIFEST", "FORMAT_VERSION"]
 
 MANIFEST = "manifest.json"
 RESPONSES = ("target", "sharegpt")
@@ -205,9 +205,11 @@ def batch_features(state, tokens: jax.Array, length: jax.Array, *, graphdef, tap
 # ----------------------------------------------------------------------------------- prompts
 
 
-def _select_prompts(tokenizer, cfg: RolloutConfig) -> tuple[list[dict], list[dict]]:
+def select_prompts(tokenizer, cfg: RolloutConfig, *, exact: bool = True) -> tuple[list[dict], list[dict]]:
     """(held-out rows, training rows): ShareGPT human turns in a fixed order, chat template applied,
-    prompts over `max_prompt_tokens` skipped.
+    prompts over `max_prompt_tokens` skipped: the plan `tevjax data` writes (`prompts.jsonl`).
+    `exact=False` returns fewer than `cfg.num_prompts` training rows where fewer fit (all of them,
+    for a large `num_prompts`) instead of raising.
 
     Held-out prompts are the first `heldout_prompts` first turns that fit, whatever `cfg.responses`
     and `cfg.turns` are. Training rows follow them in the same order (`turns="first"`), or are the
@@ -245,7 +247,7 @@ def _select_prompts(tokenizer, cfg: RolloutConfig) -> tuple[list[dict], list[dic
         later = sharegpt_prompts(None, seed=cfg.seed, turns="later", min_chars=40,
                                  exclude_conversations=held_conversations, exclude_sources=sources)
         train, _ = fitting(later, cfg.num_prompts, bool(replies))
-    if (len(held), len(train)) != (cfg.heldout_prompts, cfg.num_prompts):
+    if len(held) != cfg.heldout_prompts or (exact and len(train) != cfg.num_prompts):
         raise ValueError(f"only {len(held)} + {len(train)} ShareGPT prompts ({cfg.turns} turns for training) fit "
                          f"max_prompt_tokens={cfg.max_prompt_tokens}; {cfg.heldout_prompts} held out + "
                          f"{cfg.num_prompts} training requested")
@@ -379,7 +381,7 @@ def generate_data(loaded, cfg: RolloutConfig, out_dir: str | os.PathLike, *, res
         if prompts is None:
             if loaded.tokenizer is None:
                 raise ValueError(f"target {loaded.name!r} has no tokenizer: data generation needs one for the chat template")
-            held, train = _select_prompts(loaded.tokenizer, cfg)
+            held, train = select_prompts(loaded.tokenizer, cfg)
         else:
             if (len(prompts[0]), len(prompts[1])) != (cfg.heldout_prompts, cfg.num_prompts):
                 raise ValueError(f"given {len(prompts[0])} held-out and {len(prompts[1])} training prompts, the "
