@@ -134,13 +134,13 @@ def main(argv=None) -> int:
             first = tokens
         elif greedy and tokens != first:
             bad = [i for i, (a, b) in enumerate(zip(tokens, first)) if a != b]
-            raise SystemExit(f"lookup {lookup}, table {name}, corpus {corpus}^{k:g} ({cfile}): greedy outputs differ from the "
-                             f"first arm's on prompts {bad}")
+            raise SystemExit(f"lookup {lookup}, table {name}, corpus {corpus}^{k:g} ({cfile}): greedy outputs differ "
+                             f"from the first arm's on prompts {bad}")
         arm = arms[lookup, name, corpus, k, cfile] = {"blocks": [round(g.tau * g.rounds) for g in gens],
                                     "rounds": [g.rounds for g in gens], "minutes": (time.perf_counter() - t0) / 60}
         tau = sum(arm["blocks"]) / sum(arm["rounds"])
-        print(f"lookup {lookup}, table {name}, corpus {corpus}^{k:g} ({cfile}): tau {tau:.3f}, {arm['minutes']:.1f} min",
-              flush=True)
+        print(f"lookup {lookup}, table {name}, corpus {corpus}^{k:g} ({cfile}): tau {tau:.3f}, "
+              f"{arm['minutes']:.1f} min", flush=True)
 
     base = arms[runs[0]]
     mode = ("Greedy TEV" if greedy else f"TEV sampling at T = {args.temperature:g} (seed {args.seed} + batch start; "

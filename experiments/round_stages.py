@@ -35,7 +35,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from tevjax.builder import LOOKUP_SURVIVAL, chain_log_reach, context_chain, corpus_chain, merge_chain
+from tevjax.builder import corpus_chain
 from tevjax.decode import engine
 from tevjax.loading import load_models
 from tevjax.verifiers import verify
@@ -92,10 +92,9 @@ def main(argv=None) -> None:
         return engine.draft_trees(logits, root, budget, nnx.merge(dgd, ds).vocab_ids())
 
     @jax.jit
-    def context(st, trees, scores):  # the engine's context-chain stage: chain, reach estimates, merge
-        chain, order = jax.vmap(context_chain, in_axes=(0, 0, None))(st.history, st.cache_len + 1, args.budget)
-        chain_scores = jax.vmap(chain_log_reach, in_axes=(0, None, None))(order, args.budget, LOOKUP_SURVIVAL)
-        return jax.vmap(functools.partial(merge_chain, with_scores=True))(trees, scores, chain, chain_scores)
+    def context(st, trees, scores):  # the engine's context-chain stage alone: chain, reach estimates, merge
+        return engine.merge_lookups(trees, scores, st.history, st.cache_len, None,
+                                    dataclasses.replace(chain_cfg, corpus=0))
 
     @jax.jit
     def corpus(st, ngrams):  # the corpus chain alone (its merge costs what the context merge does)
@@ -130,7 +129,8 @@ def main(argv=None) -> None:
         "draft, head gathered per call": lambda: draft(ts, ds, sstate, None),
         "draft_trees (log-softmax + builder)": lambda: trees_of(ds, logits, args.budget, sstate.root),
         "context chain + merge": lambda: context(cstate, *scored),
-        **({f"corpus chain ({m.ngrams.num_entries:,} n-grams)": lambda: corpus(cstate, m.ngrams)} if chains else {}),
+        **({f"corpus chain ({m.ngrams.num_entries:,} n-grams)": lambda: corpus(cstate, m.ngrams)}
+           if chains else {}),
         f"tree pass, N = {args.budget + 1}, taps": lambda: tree_pass(ts, trees, sstate, taps),
         f"tree pass, N = {args.budget + 1}, no taps": lambda: tree_pass(ts, trees, sstate, ()),
         "AR pass (N = 1)": lambda: tree_pass(ts, ar_trees, astate, ()),

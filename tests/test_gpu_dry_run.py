@@ -136,9 +136,10 @@ def test_drafter_scale_next_session_recipe(tmp_path):
     ds.save_records(tmp_path / "old", carried, np.arange(6))
     (tmp_path / "drop.json").write_text(json.dumps({"drop_index": [1, 4, 99]}))
     out = tmp_path / "out"
-    cmd = [sys.executable, str(ROOT / "experiments/gpu/drafter_scale.py"), "--tiny", "--prompts", str(tmp_path / "p.npz"),
-           "--init", str(TRAINED_DRAFTERS["smollm2"]), "--out", str(out), "--compile-cache", "", "--layers", "2",
-           "--temperature", "1", "--records", str(tmp_path / "old/records-0.npz"), str(tmp_path / "old/records-1.npz"),
+    cmd = [sys.executable, str(ROOT / "experiments/gpu/drafter_scale.py"), "--tiny",
+           "--prompts", str(tmp_path / "p.npz"), "--init", str(TRAINED_DRAFTERS["smollm2"]), "--out", str(out),
+           "--compile-cache", "", "--layers", "2", "--temperature", "1",
+           "--records", str(tmp_path / "old/records-0.npz"), str(tmp_path / "old/records-1.npz"),
            "--drop-index", str(tmp_path / "drop.json")]
     proc = subprocess.run(cmd, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True,
                           timeout=1800)
@@ -180,7 +181,8 @@ def test_staging_splits_the_target_and_plans_prompts_without_heldout_conversatio
         (wheels / name).write_bytes(b"wheel")
     s1, s2 = tmp_path / "s1", tmp_path / "s2"
     proc = subprocess.run([sys.executable, str(ROOT / "experiments/gpu/stage_drafter_scale.py"), str(s1), str(s2),
-                           "--wheels", str(wheels), "--max-prompts", "40", "--all-prompts"], capture_output=True, text=True, timeout=600)
+                           "--wheels", str(wheels), "--max-prompts", "40", "--all-prompts"],
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     report = _json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("{")))
     gguf = smollm2_gguf_path().read_bytes()
@@ -189,7 +191,8 @@ def test_staging_splits_the_target_and_plans_prompts_without_heldout_conversatio
     c1, c2 = report["call_bytes"]
     assert abs(c1 - c2) <= 1 and c1 < report["cap"]
     for d in (s1, s2):
-        assert sorted(f.name for f in d.glob("*.whl")) == ["gguf-0.19.0-py3-none-any.whl", "optax-0.2.8-py3-none-any.whl"]
+        assert sorted(f.name for f in d.glob("*.whl")) == ["gguf-0.19.0-py3-none-any.whl",
+                                                          "optax-0.2.8-py3-none-any.whl"]
     assert (s1 / "config.json").read_bytes() == (prepare_smollm2() / "config.json").read_bytes()
     assert {f.name for f in s2.glob("gpu_*")} == {"gpu_drafter_scale_records-0.npz", "gpu_drafter_scale_records-1.npz",
                                                   "gpu_records_heldout_sources.json"}

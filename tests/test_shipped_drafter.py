@@ -83,8 +83,9 @@ def test_the_records_that_share_a_heldout_conversation_are_the_listed_ones(tmp_p
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, str(ROOT / "experiments/heldout_sources.py"), "--out", str(tmp_path / "s.json"),
-                           "--corpus-out", str(tmp_path / "c.npz")], capture_output=True, text=True, timeout=900)
+    proc = subprocess.run([sys.executable, str(ROOT / "experiments/heldout_sources.py"), "--out",
+                           str(tmp_path / "s.json"), "--corpus-out", str(tmp_path / "c.npz")],
+                          capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     made = json.loads((tmp_path / "s.json").read_text())
     assert made == json.loads((ROOT / "experiments/results/gpu_records_heldout_sources.json").read_text())

@@ -33,10 +33,14 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from drafter_scale import load_records  # noqa: E402  (this folder's)
+
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "experiments" / "results"
 FIRST_TURN_OFFSET = 1_000_000  # index of first-turn prompts in prompts.npz: row + this
 CAP = 64 * 2**20
+RECORDS = sorted(RESULTS.glob("gpu_drafter_scale_records-*.npz"))  # the first GPU run's answers
 MARGIN = 2**20  # the call's own bookkeeping, and files the tree gains before the call
 # Not needed on the GPU machine; the tree cannot carry them next to half of the GGUF.
 MOVE_OUT = tuple(ROOT / p for p in ("experiments/checkpoints", "experiments/results",
@@ -67,12 +71,7 @@ def parse_args(argv=None):
 
 def answered_prompts() -> set[tuple[int, ...]]:
     """The prompts (token ids) the GPU run's records already answer."""
-    out = set()
-    for f in sorted(RESULTS.glob("gpu_drafter_scale_records-*.npz")):
-        with np.load(f) as z:
-            tokens, offsets, prompt_len = z["tokens"], z["offsets"], z["prompt_len"]
-        out |= {tuple(tokens[o:o + n].tolist()) for o, n in zip(offsets[:-1], prompt_len)}
-    return out
+    return {tuple(p) for f in RECORDS for p, _, _ in load_records(f)}
 
 
 def plan_prompts(turns: list[str], max_prompts: int | None,
@@ -130,7 +129,7 @@ def main(argv=None) -> int:
     for d in (args.stage1, args.stage2):
         wheels(args.wheels, d)
     if not args.no_records:
-        for f in sorted(RESULTS.glob("gpu_drafter_scale_records-*.npz")) + [RESULTS / "gpu_records_heldout_sources.json"]:
+        for f in RECORDS + [RESULTS / "gpu_records_heldout_sources.json"]:
             shutil.copy2(f, args.stage2)
     # The GGUF is split so that both calls send the same amount, with the tree they travel in.
     stages = (args.stage1, args.stage2)
@@ -150,7 +149,8 @@ def main(argv=None) -> int:
             print(f"note: {d} is outside the working tree: a call sends it only from inside")
     if max(calls) > CAP - MARGIN:
         raise SystemExit(f"a call would send {max(calls) / 2**20:.1f} MiB, over the cap of 64 MiB less "
-                         f"{MARGIN / 2**20:g} MiB of margin: carry fewer prompts or records, or split the GGUF in three")
+                         f"{MARGIN / 2**20:g} MiB of margin: carry fewer prompts or records, or split the GGUF "
+                         "in three")
     return 0
 
 

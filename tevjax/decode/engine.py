@@ -76,7 +76,7 @@ from tevjax.tree import DraftTree
 from tevjax.verifiers import VERIFIERS, verify
 
 __all__ = ["CALL_SECONDS", "DecodeConfig", "DecodeState", "Decoder", "Generation", "Interrupted", "STATE_AXES",
-           "commit", "draft", "draft_trees", "emit", "root_trees", "state_shardings", "tree_pass"]
+           "commit", "draft", "draft_trees", "emit", "merge_lookups", "root_trees", "state_shardings", "tree_pass"]
 
 # Wall time one call of the jitted round loop aims at (`Decoder.run`): Ctrl-C is seen between calls,
 # so this bounds how late it is answered; each call costs one host sync (~0.1 ms), so a quarter
@@ -483,6 +483,23 @@ def emit(ver, state: DecodeState, cfg: DecodeConfig, active: jax.Array | None = 
     return out_buf, num_out, finished
 
 
+def merge_lookups(trees: DraftTree, scores: jax.Array, history: jax.Array | None, cache_len: jax.Array,
+                  ngrams: NgramTable | None, cfg: DecodeConfig) -> DraftTree:
+    """The drafter's trees [B, N] (with their builder scores [B, N]) with the context-lookup chain
+    (`cfg.lookup` > 0) and then the corpus-lookup chain (`cfg.corpus` > 0) merged in; `history`
+    [B, S] holds each row's committed tokens, `cache_len + 1` of them."""
+    if cfg.lookup > 0:
+        chain, order = jax.vmap(context_chain, in_axes=(0, 0, None))(history, cache_len + 1, cfg.lookup)
+        survival = cfg.lookup_survival or LOOKUP_SURVIVAL
+        chain_scores = jax.vmap(chain_log_reach, in_axes=(0, None, None))(order, cfg.lookup, survival)
+        trees, scores = jax.vmap(functools.partial(merge_chain, with_scores=True))(trees, scores, chain, chain_scores)
+    if cfg.corpus > 0:
+        chain, chain_scores = jax.vmap(corpus_chain, in_axes=(0, 0, None, None))(history, cache_len + 1, cfg.corpus,
+                                                                                ngrams)
+        trees = jax.vmap(merge_chain)(trees, scores, chain, chain_scores)
+    return trees
+
+
 def _round(tstate, dstate, state: DecodeState, ngrams: NgramTable | None = None, *, tgd, dgd, cfg: DecodeConfig,
            mesh=None) -> DecodeState:
     """One draft -> build -> tree pass -> verify -> commit -> emit round for every row."""
@@ -496,17 +513,7 @@ def _round(tstate, dstate, state: DecodeState, ngrams: NgramTable | None = None,
         logits = draft(drafter, target, state.root, state.cache_len, state.drafter_cache, state.draft_head, mesh)
         # The scores are only read by the lookup merge; without it XLA drops them.
         trees, scores = draft_trees(logits, state.root, cfg.budget, drafter.vocab_ids(), mesh, with_scores=True)
-        if cfg.lookup > 0:
-            chain, order = jax.vmap(context_chain, in_axes=(0, 0, None))(state.history, state.cache_len + 1,
-                                                                        cfg.lookup)
-            survival = cfg.lookup_survival or LOOKUP_SURVIVAL
-            chain_scores = jax.vmap(chain_log_reach, in_axes=(0, None, None))(order, cfg.lookup, survival)
-            trees, scores = jax.vmap(functools.partial(merge_chain, with_scores=True))(trees, scores, chain,
-                                                                                       chain_scores)
-        if cfg.corpus > 0:
-            chain, chain_scores = jax.vmap(corpus_chain, in_axes=(0, 0, None, None))(
-                state.history, state.cache_len + 1, cfg.corpus, ngrams)
-            trees = jax.vmap(merge_chain)(trees, scores, chain, chain_scores)
+        trees = merge_lookups(trees, scores, state.history, state.cache_len, ngrams, cfg)
     else:
         trees = root_trees(state.root)
     out = tree_pass(target, trees, state.cache_len, state.target_cache, _taps(drafter, cfg))
