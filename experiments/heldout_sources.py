@@ -47,14 +47,11 @@ def main(argv=None) -> int:
     from tevjax.prompts import source_conversation
     from tevjax.train.rollout import RolloutConfig, select_prompts
 
-    def source(row):
-        return source_conversation(row["id"].removeprefix("sharegpt/").split("#")[0])
-
     cfg = RolloutConfig(num_prompts=args.num_prompts, turns="later", exclusion="conversation", taps=(0,))
     held, plan = select_prompts(load_tokenizer(prepare_smollm2()), cfg)
     held_of = collections.defaultdict(list)  # share id -> held-out prompt indices
     for r in held:
-        held_of[source(r)].append(r["index"])
+        held_of[source_conversation(r["id"])].append(r["index"])
     parts = [dict(np.load(path)) for path in args.records]
     index = np.concatenate([z["index"] for z in parts]).astype(np.int64)
     tokens = np.concatenate([z["tokens"] for z in parts])
@@ -64,14 +61,14 @@ def main(argv=None) -> int:
     for r, i in enumerate(index):  # the records' indices really are this plan's
         if tokens[offsets[r]:offsets[r] + prompt_len[r]].tolist() != plan[i]["prompt_ids"]:
             raise SystemExit(f"record {r} (plan index {i}): its prompt is not the plan's prompt {plan[i]['id']}")
-    shared = np.array([source(plan[i]) in held_of for i in index])
-    affected = collections.Counter(h for i in index[shared] for h in held_of[source(plan[i])])
+    shared = np.array([source_conversation(plan[i]["id"]) in held_of for i in index])
+    affected = collections.Counter(h for i in index[shared] for h in held_of[source_conversation(plan[i]["id"])])
     report = {
         "plan": "tevjax data --num-prompts %d --turns later --exclusion conversation" % args.num_prompts,
         "records": [str(path.relative_to(HERE.parent)) if path.is_relative_to(HERE.parent) else str(path)
                     for path in args.records],
         "num_records": int(len(index)),
-        "plan_prompts_sharing": int(sum(source(r) in held_of for r in plan)),
+        "plan_prompts_sharing": int(sum(source_conversation(r["id"]) in held_of for r in plan)),
         "drop_index": sorted(int(i) for i in index[shared]),
         "heldout_affected": {str(h): n for h, n in sorted(affected.items())},
     }

@@ -151,9 +151,11 @@ def source_conversation(conversation_id: str) -> str:
     """The ShareGPT share a record comes from. The packaged split file cuts long conversations into
     records with ids "<share id>_<k>", so one conversation's turns can sit in many records: a
     held-out prompt's conversation goes on in records with other ids, under the same share id.
-    An id without a numeric "_<k>" suffix is its own source."""
-    head, sep, tail = conversation_id.rpartition("_")
-    return head if sep and head and tail.isdigit() else conversation_id
+    An id without a numeric "_<k>" suffix is its own source. A `Prompt.id` ("sharegpt/<record
+    id>", "#<turn>" for later turns) gives its record's source."""
+    record = conversation_id.removeprefix("sharegpt/").split("#")[0]
+    head, sep, tail = record.rpartition("_")
+    return head if sep and head and tail.isdigit() else record
 
 
 def _prompt_id(cid: str, k: int) -> str:

@@ -84,13 +84,13 @@ def plan_prompts(turns: list[str], max_prompts: int | None,
 
     tokenizer = load_tokenizer(prepare_smollm2())
     seqs, index = [], []
-    for turns in turns:
-        cfg = RolloutConfig(num_prompts=max_prompts or 10**6, turns=turns, taps=(0,))
+    for plan in turns:
+        cfg = RolloutConfig(num_prompts=max_prompts or 10**6, turns=plan, taps=(0,))
         _, rows = select_prompts(tokenizer, cfg, exact=False)
         kept = [r for r in rows if tuple(r["prompt_ids"]) not in skip]
         seqs += [r["prompt_ids"] for r in kept]
-        index += [r["index"] + (FIRST_TURN_OFFSET if turns == "first" else 0) for r in kept]
-        print(f"{turns} turns: {len(kept)} prompts ({len(rows) - len(kept)} already answered)")
+        index += [r["index"] + (FIRST_TURN_OFFSET if plan == "first" else 0) for r in kept]
+        print(f"{plan} turns: {len(kept)} prompts ({len(rows) - len(kept)} already answered)")
     if max(max(s) for s in seqs) >= 2**16:
         raise SystemExit("token ids do not fit uint16")
     return (np.concatenate([np.asarray(s, np.uint16) for s in seqs]), np.r_[0, np.cumsum([len(s) for s in seqs])],

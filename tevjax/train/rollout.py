@@ -240,7 +240,7 @@ def select_prompts(tokenizer, cfg: RolloutConfig, *, exact: bool = True) -> tupl
     held_conversations = {r["id"].removeprefix("sharegpt/") for r in held}
     sources = {source_conversation(c) for c in held_conversations} if cfg.exclusion == "source" else set()
     if cfg.turns == "first":
-        pool = [p for p in first[end:] if source_conversation(p.id.removeprefix("sharegpt/")) not in sources]
+        pool = [p for p in first[end:] if source_conversation(p.id) not in sources]
         train, _ = fitting(pool, cfg.num_prompts, bool(replies))
     else:
         # Later turns under 40 characters are mostly "continue" or "thanks", which mean nothing alone.
