@@ -14,6 +14,11 @@ decoding test of that precision takes ~16 minutes. Use it to choose what to deco
 the decoding test: the held-out records are prompts 0-63 of `tevjax/assets/heldout.jsonl`, so a
 decoding test that should be independent of a screen uses other prompts (`--first-prompt 64`).
 
+`--trajectory` scores every position and walks the rounds as decoding takes them (each round's
+root is the token the previous tree missed; `tevjax.train.heldout.trajectory_blocks`): tau_traj is
+decoding's own tau on the recorded answers, which uniform anchors overstate (decoding's roots are
+the harder positions). It costs ~4x the anchors of the default 128 per record.
+
     python experiments/heldout_screen.py --data DATA --drafter A --label a --drafter B --label b
 """
 
@@ -48,6 +53,8 @@ def parse_args(argv):
     p.add_argument("--budgets", type=int, nargs="+", default=[4, 8, 16])
     p.add_argument("--seq-len", type=int, default=512, help="record length read (prompt + response)")
     p.add_argument("--seed", type=int, default=1234, help="anchor draw (the same for every drafter)")
+    p.add_argument("--trajectory", action="store_true",
+                   help="also score decoding's rounds along each record (every position is an anchor)")
     p.add_argument("--out", type=Path, default=RESULTS, help="results markdown; .json goes next to it")
     args = p.parse_args(argv)
     require_positive(p, args, "records", "anchors", "seq_len")
@@ -57,6 +64,18 @@ def parse_args(argv):
         p.error(f"--data {str(args.data)!r}: not a `tevjax data` directory (no manifest.json)")
     drafters_and_labels(p, args, default_label="shipped")
     return args
+
+
+def _sums(run: dict, kind: str, budget: int) -> tuple[list, list]:
+    """Per record (blocks, rounds) of one tau: uniform anchors ("sim") or decoding's rounds ("traj")."""
+    if kind == "sim":
+        return run[f"tau_{budget}"], run["anchors"]
+    return run[f"traj_tokens_{budget}"], run[f"traj_rounds_{budget}"]
+
+
+def _tau(run: dict, kind: str, budget: int) -> float:
+    blocks, rounds = _sums(run, kind, budget)
+    return sum(blocks) / max(sum(rounds), 1)
 
 
 def main(argv=None) -> int:
@@ -81,7 +100,8 @@ def main(argv=None) -> int:
         if screen is None:  # the same records and anchors for every drafter (their taps must agree)
             taps = drafter.cfg.target_layer_ids
             screen = HeldoutEval(data, data.tap_columns(taps), records=args.records, anchors=args.anchors,
-                                 seq_len=args.seq_len, budgets=tuple(args.budgets), seed=args.seed)
+                                 seq_len=args.seq_len, budgets=tuple(args.budgets), seed=args.seed,
+                                 trajectory=args.trajectory)
         elif drafter.cfg.target_layer_ids != taps:
             raise SystemExit(f"{label}: taps {drafter.cfg.target_layer_ids} differ from {args.label[0]}'s {taps}")
         t0 = time.perf_counter()
@@ -89,10 +109,11 @@ def main(argv=None) -> int:
         acc = rec["acc_hits"].sum(0) / np.maximum(rec["acc_count"].sum(0), 1)
         runs[label] = {"drafter": path or "shipped", "seconds": time.perf_counter() - t0,
                        "anchors": rec["anchors"].tolist(), "acc": acc[:4].tolist(),
-                       **{f"tau_{b}": rec[f"tau_{b}"].tolist() for b in args.budgets}}
+                       **{k: rec[k].tolist() for k in rec if k.startswith(("tau_", "traj_"))}}
         print(f"{label}: {runs[label]['seconds']:.0f} s", flush=True)
 
     first = next(iter(runs.values()))
+    kinds = ("sim", "traj") if args.trajectory else ("sim",)
     lines = [
         "# Held-out screen: simulated greedy tau, paired over records",
         "",
@@ -100,26 +121,29 @@ def main(argv=None) -> int:
         f"- Command: `python experiments/heldout_screen.py {' '.join(argv)}`",
         f"- Machine: {machine_facts()}.",
         f"- {len(first['anchors'])} held-out records of `{args.data.name}`, {int(sum(first['anchors']))} anchors "
-        f"(up to {args.anchors} per record, seed {args.seed}, the same for every drafter). tau_sim@b: the greedy "
+        + ("(every position of each answer" if args.trajectory else f"(up to {args.anchors} per record, seed {args.seed}")
+        + ", the same for every drafter). tau_sim@b: the greedy "
         "block length (accepted + bonus) of the drafter's DDTree at budget b against the target's recorded "
-        "continuation. acc@k: top-1 accuracy at block position k.",
+        "continuation. acc@k: top-1 accuracy at block position k."
+        + (" tau_traj@b: tokens per round along decoding's rounds (`--trajectory`)." if args.trajectory else ""),
         "",
-        "| drafter | " + " | ".join(f"tau_sim@{b}" for b in args.budgets) + " | acc@1 | acc@2 | acc@3 | acc@4 |",
-        "|---|" + "---:|" * (len(args.budgets) + 4),
+        "| drafter | " + " | ".join(f"tau_{kind}@{b}" for kind in kinds for b in args.budgets)
+        + " | acc@1 | acc@2 | acc@3 | acc@4 |",
+        "|---|" + "---:|" * (len(kinds) * len(args.budgets) + 4),
     ]
     for label, run in runs.items():
-        n = sum(run["anchors"])
-        lines.append(f"| {label} | " + " | ".join(f"{sum(run[f'tau_{b}']) / n:.3f}" for b in args.budgets)
+        lines.append(f"| {label} | " + " | ".join(f"{_tau(run, kind, b):.3f}" for kind in kinds for b in args.budgets)
                      + " | " + " | ".join(f"{a:.3f}" for a in run["acc"]) + " |")
     labels = list(runs)
     if len(labels) > 1:
         lines += ["", f"Paired over records against {labels[0]} (95% interval of the relative gain):", ""]
         for label in labels[1:]:
-            parts = []
-            for b in args.budgets:
-                g = paired_gain(first[f"tau_{b}"], first["anchors"], runs[label][f"tau_{b}"], runs[label]["anchors"])
-                parts.append(f"@{b} {g['gain']:+.1%} [{g['lo']:+.1%}, {g['hi']:+.1%}]")
-            lines.append(f"- {label}: " + "; ".join(parts) + ".")
+            for kind in kinds:
+                parts = []
+                for b in args.budgets:
+                    g = paired_gain(*_sums(first, kind, b), *_sums(runs[label], kind, b))
+                    parts.append(f"@{b} {g['gain']:+.1%} [{g['lo']:+.1%}, {g['hi']:+.1%}]")
+                lines.append(f"- {label}, tau_{kind}: " + "; ".join(parts) + ".")
     emit(lines, args.out)
     payload = {"date": date, "command": "python experiments/heldout_screen.py " + " ".join(argv),
                "machine": machine_facts(), "versions": versions(), "z95": Z95,

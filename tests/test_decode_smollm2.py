@@ -280,3 +280,29 @@ def test_cli_generate_on_a_hf_directory(tiny_llama_dir):
     assert rec["verifier"] == "tev" and rec["prompt_ids"] == prompt and json.loads(rec["text"]) == rec["tokens"]
     _check_exact("CLI tev on a HF directory vs in-process AR", rec["tokens"], ref, logits)
     assert len(ref) == n or ref[-1] in models.eos_ids
+
+
+def test_heldout_trajectory_takes_the_decoders_rounds(smollm2, prompt_ids, tmp_path):
+    """`HeldoutEval(trajectory=True)` walks decoding's rounds over a record without the target: on
+    the target's own greedy answers it emits each answer in the rounds the decoder takes (the
+    shipped drafter alone, TEV, budget 8), so tau_traj is decoding's tau on those answers."""
+    from tevjax.loading import load_target
+    from tevjax.train.dataset import TrainData
+    from tevjax.train.heldout import HeldoutEval
+    from tevjax.train.rollout import RolloutConfig, generate_data
+
+    drafter, budget, new = smollm2.drafter, 8, 48
+    taps = drafter.cfg.target_layer_ids
+    cfg = RolloutConfig(num_prompts=1, heldout_prompts=len(prompt_ids), heldout_records=len(prompt_ids),
+                        max_new_tokens=new, max_prompt_tokens=64, batch_size=len(prompt_ids), taps=taps)
+    generate_data(load_target(dtype="float32"), cfg, tmp_path / "d", prompts=(list(prompt_ids), [prompt_ids[0]]),
+                  progress=False, log=lambda _: None)
+    data = TrainData(tmp_path / "d", "heldout")
+    ev = HeldoutEval(data, data.tap_columns(taps), records=len(prompt_ids), seq_len=128, budgets=(budget,),
+                     trajectory=True)
+    rec = ev.per_record(drafter, smollm2.target)
+    dec = Decoder(smollm2.target, drafter, DecodeConfig(budget=budget, max_new_tokens=new, eos_ids=smollm2.eos_ids))
+    gens = dec.generate(list(prompt_ids))
+    assert rec[f"traj_tokens_{budget}"].tolist() == [len(g.tokens) for g in gens]
+    assert rec[f"traj_rounds_{budget}"].tolist() == [g.rounds for g in gens]
+    assert all(g.rounds < len(g.tokens) for g in gens)  # the drafter accepted tokens: rounds are not trivial

@@ -28,7 +28,7 @@ from tevjax.models.dflash import DFlashConfig, DFlashDrafter, draft_vocab_from_c
 from tevjax.sharding import make_mesh
 from tevjax.testing import forced_devices_env, random_model, tiny_config
 from tevjax.train.dataset import Batch, TrainData
-from tevjax.train.heldout import HeldoutEval, greedy_accepted_depth
+from tevjax.train.heldout import HeldoutEval, greedy_accepted_depth, trajectory_blocks
 from tevjax.train.rollout import RolloutConfig, generate_data, read_manifest
 from tevjax.train.run import RunError, export_run, train
 from tevjax.train.step import TrainConfig, Trainer, teacher_logits
@@ -295,6 +295,36 @@ def test_heldout_records_sum_to_the_check(data_dir, target):
     again = ev.per_record(drafter, target)
     for k in rec:
         np.testing.assert_array_equal(rec[k], again[k], err_msg=k)
+
+
+def test_trajectory_walks_decodings_rounds():
+    # Anchors 4..11 (the answer is positions 5..12); invalid padding anchors never count.
+    anchors = np.array([4, 5, 6, 7, 8, 9, 10, 11, 40, 40])
+    valid = np.array([True] * 8 + [False] * 2)
+    depth = np.array([2, 0, 0, 1, 5, 0, 3, 0, 7, 7])
+    # Roots 4 (emits 3), 7 (2), 9 (1) and 10 (2 of its 4: the answer ends at 12): the 8 answer tokens.
+    assert trajectory_blocks(anchors, valid, depth) == (8, 4)
+    assert trajectory_blocks(anchors, valid, np.zeros(10, int)) == (8, 8)  # every round emits its bonus alone
+    assert trajectory_blocks(anchors, valid, np.full(10, 7)) == (8, 1)  # one round reaches the end
+    assert trajectory_blocks(anchors, np.zeros(10, bool), depth) == (0, 0)
+
+
+def test_heldout_trajectory_emits_each_answer_once(data_dir, target):
+    """With `trajectory`, every record's rounds emit exactly its answer's tokens, at least one and
+    at most BS per round, and tau_traj is their ratio; the uniform-anchor sums are unchanged in
+    kind (every eligible position is an anchor)."""
+    data = TrainData(data_dir, "heldout")
+    drafter = _drafter(target)
+    ev = HeldoutEval(data, data.tap_columns(TAPS), records=4, seq_len=40, budgets=(2, 5), batch=3, trajectory=True)
+    rec = ev.per_record(drafter, target)
+    answer = np.asarray(data.batch(range(4), data.tap_columns(TAPS), 40)["loss_mask"]).sum(axis=1)
+    assert rec["anchors"].tolist() == answer.tolist()  # each answer token's predecessor is an anchor
+    for b in (2, 5):
+        tokens, rounds = rec[f"traj_tokens_{b}"], rec[f"traj_rounds_{b}"]
+        assert tokens.tolist() == answer.tolist()
+        assert np.all(rounds >= 1) and np.all(rounds <= tokens) and np.all(BS * rounds >= tokens)
+    metrics = ev(drafter, target)
+    assert metrics["tau_traj@5"] == pytest.approx(rec["traj_tokens_5"].sum() / rec["traj_rounds_5"].sum())
 
 
 def test_exit_loss_reads_only_its_exit_sequences(data_dir, target):
