@@ -121,7 +121,8 @@ def main(argv=None) -> int:
         f"- Command: `python experiments/heldout_screen.py {' '.join(argv)}`",
         f"- Machine: {machine_facts()}.",
         f"- {len(first['anchors'])} held-out records of `{args.data.name}`, {int(sum(first['anchors']))} anchors "
-        + ("(every position of each answer" if args.trajectory else f"(up to {args.anchors} per record, seed {args.seed}")
+        + ("(every position of each answer" if args.trajectory
+           else f"(up to {args.anchors} per record, seed {args.seed}")
         + ", the same for every drafter). tau_sim@b: the greedy "
         "block length (accepted + bonus) of the drafter's DDTree at budget b against the target's recorded "
         "continuation. acc@k: top-1 accuracy at block position k."

@@ -144,6 +144,6 @@ class HeldoutEval:
         metrics = {f"acc@{k + 1}": float(acc[k]) for k in range(min(4, len(acc)))}
         metrics.update({f"tau_sim@{b}": float(totals[f"tau_{b}"]) / n for b in self.budgets})
         if self.trajectory:
-            metrics.update({f"tau_traj@{b}": float(totals[f"traj_tokens_{b}"]) / max(float(totals[f"traj_rounds_{b}"]), 1.0)
-                            for b in self.budgets})
+            metrics.update({f"tau_traj@{b}": float(totals[f"traj_tokens_{b}"])
+                            / max(float(totals[f"traj_rounds_{b}"]), 1.0) for b in self.budgets})
         return metrics
