@@ -109,7 +109,9 @@ class HeldoutEval:
                  trajectory: bool = False):
         n = min(records, len(data))
         self.batches = [data.batch(range(s, min(n, s + batch)), columns, seq_len) for s in range(0, n, batch)]
-        # The trajectory needs the drafter at every position: anchors = seq_len takes them all.
+        # The trajectory needs the drafter at every position: anchors = seq_len takes them all. The
+        # draft logits of a batch are then [batch, seq_len, G, Vd] (1.9 GB in float32 for SmolLM2's
+        # drafter at 8 x 512), so a longer seq_len wants a smaller batch.
         self.anchors = seq_len if trajectory else anchors
         self.budgets, self.seed, self.trajectory = tuple(budgets), seed, trajectory
 
