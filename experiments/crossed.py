@@ -12,7 +12,7 @@ one budget (batch 1, seed + prompt index, compilation excluded), interleaved pro
 a rotated order so that machine noise hits them alike (as `tevjax eval` does).
 
 * tau = tokens / rounds pooled over prompts +- delta-method SE, and the paired gain against
-  (token-only, predraw) on the same prompts (`paired_stats.py`);
+  (token-only, predraw) on the same prompts (`tevjax.stats`);
 * SR = AR seconds per token / method seconds per token over all prompts, with the 10-90% range of
   per-prompt SRs (what a shared machine adds);
 * verifier stage = decision + the engine's cache commit (as the paper times it), timed with

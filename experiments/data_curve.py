@@ -28,8 +28,9 @@ from pathlib import Path
 
 import numpy as np
 
+from tevjax.stats import Z95
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from paired_stats import Z95  # noqa: E402
 from report import emit  # noqa: E402
 
 HERE = Path(__file__).resolve().parent

@@ -11,7 +11,7 @@ accepted length of a tree at an anchor is read off the data, as in the training-
 check, `tevjax.train.heldout`):
 
 1. simulated greedy tau per budget at global temperatures T, paired against T = 1 with records as
-   units (`paired_stats.paired_gain`);
+   units (`tevjax.stats.paired_gain`);
 2. per depth: the mean top-1 draft probability against top-1 accuracy, over all anchors and over
    the anchors whose earlier data tokens were all the drafter's top-1 (the top path's conditional
    calibration, which is what the tree's deep nodes depend on);
@@ -31,8 +31,9 @@ from pathlib import Path
 
 import numpy as np
 
+from tevjax.stats import paired_gain
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from paired_stats import paired_gain  # noqa: E402
 from report import emit, require_positive  # noqa: E402
 
 HERE = Path(__file__).resolve().parent

@@ -19,7 +19,7 @@ again, and an interrupted run resumes from its last checkpoint, so rerunning the
 Evaluation: each drafter decodes the same prompts (TEV, DDTree, batch 1, seed `--seed` + prompt
 index) at every budget and temperature; tau = emitted tokens / rounds pooled over prompts (as
 `tevjax eval`), with a delta-method standard error over prompts, and each arm against (a) paired
-on the same prompts (`paired_stats.py`): the relative gain, its 95% interval, and the smallest
+on the same prompts (`tevjax.stats`): the relative gain, its 95% interval, and the smallest
 gain that interval can tell from 0 (the "can it separate 5%?" column).
 
     python experiments/exittrain_ablation.py                        # make exittrain (hours on 2 cores)
@@ -43,9 +43,10 @@ from pathlib import Path
 
 import numpy as np
 
+from tevjax.stats import detectable_gain, paired_gain, tau_se
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report import budget_axes, require_positive  # noqa: E402
-from paired_stats import detectable_gain, paired_gain, tau_se  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "exittrain_ablation.md"
 QUICK_RESULTS = Path("/tmp/exittrain_ablation_quick.md")

@@ -5,7 +5,7 @@ with the target's features. At an anchor in a response, the drafter's DDTree at 
 under greedy verification, exactly the path that follows the recorded continuation, so the block
 length there can be read off the data without running the target (`tevjax.train.heldout`). This
 script scores several drafters at the same anchors of every held-out record and compares them
-paired over records (records are the independent units; `paired_stats.paired_gain`).
+paired over records (records are the independent units; `tevjax.stats.paired_gain`).
 
 It measures the same quantity as decoding (`round_blocks.py`), weighted differently: anchors
 sample every response position, where decoding's rounds start wherever the previous block ended.
@@ -33,8 +33,9 @@ from pathlib import Path
 
 import numpy as np
 
+from tevjax.stats import Z95, paired_gain
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from paired_stats import Z95, paired_gain  # noqa: E402
 from real_trees import machine_facts, versions  # noqa: E402
 from report import drafters_and_labels, emit, require_positive  # noqa: E402
 

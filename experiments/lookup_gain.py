@@ -5,7 +5,7 @@ Each arm decodes the same held-out prompts with TEV at one budget, in batches th
 `Decoder.generate`, with lookup chains of the given lengths (0: the drafter's tree alone). Greedy
 outputs must not depend on the tree, so every arm's tokens are checked against the first arm's;
 the result is each arm's tau (output-block length, bonus included, pooled over rounds) and its
-paired gain over the first arm with a 95% interval (prompts as units: `paired_stats`). Wall times
+paired gain over the first arm with a 95% interval (prompts as units: `tevjax.stats`). Wall times
 are reported as a reading aid only; speed is `tevjax eval`'s job.
 
 `--exponents` calibrates the chain against the drafter: each lookup arm runs once per exponent k,
@@ -34,8 +34,9 @@ import sys
 import time
 from pathlib import Path
 
+from tevjax.stats import paired_gain
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from paired_stats import paired_gain  # noqa: E402
 from real_trees import load_prompt_ids, machine_facts  # noqa: E402
 from report import emit, require_positive  # noqa: E402
 

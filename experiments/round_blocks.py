@@ -26,8 +26,9 @@ from pathlib import Path
 
 import numpy as np
 
+from tevjax.stats import Z95, paired_gain
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from paired_stats import Z95, paired_gain  # noqa: E402
 from real_trees import load_prompt_ids, machine_facts, versions  # noqa: E402
 from report import drafters_and_labels, emit, require_positive  # noqa: E402
 

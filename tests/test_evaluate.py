@@ -46,6 +46,12 @@ def test_evaluate_interleaves_methods_and_reports_consistent_numbers():
     for row in result["budgets"]:
         assert row["tokens"] == want  # greedy: the same tokens, so the same count
         assert 1.0 <= row["tau"] <= 6.0
+        # Per-prompt counts, in prompt order: they give the pooled tau back, and its standard error.
+        emitted, rounds = np.array(row["prompt_emitted"]), np.array(row["prompt_rounds"])
+        assert emitted.shape == rounds.shape == (2,) and np.all(rounds >= 1) and np.all(emitted >= rounds)
+        assert np.isclose(row["tau"], emitted.sum() / rounds.sum())
+        d = emitted / emitted.sum() - rounds / rounds.sum()
+        assert np.isclose(row["tau_se"], row["tau"] * np.sqrt(2 * np.sum(d * d)))
         lo, hi = row["sr_range"]
         assert 0 < lo <= hi and np.isfinite(row["sr"])
         # SR is the ratio of per-token times over all batches.
@@ -56,6 +62,10 @@ def test_evaluate_interleaves_methods_and_reports_consistent_numbers():
     assert "| 2 | 2 | 0 |" in table and "| 5 | 5 | 0 |" in table and "yes" in table
     capped = evaluate(models, texts[:1], budgets=(2, 5), max_new_tokens=12, lookup=3, log=lines.append)
     assert [row["lookup"] for row in capped["budgets"]] == [2, 3] and capped["mismatches"] == 0
+    assert [row["tau_se"] for row in capped["budgets"]] == [None, None]  # one prompt: no spread to measure
+    row = result["budgets"][0]
+    lo, hi = row["tau"] - 1.959963984540054 * row["tau_se"], row["tau"] + 1.959963984540054 * row["tau_se"]
+    assert f"| {row['tau']:.3f} [{lo:.3f}, {hi:.3f}] |" in table
     with pytest.raises(ValueError, match="lookup must be >= 0 or None"):
         evaluate(models, texts, budgets=(2,), lookup=-1)
     with pytest.raises(ValueError, match="corpus must be >= 0 or None"):

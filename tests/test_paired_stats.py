@@ -1,13 +1,10 @@
-"""The experiments' tau error bars (experiments/paired_stats.py), checked against values worked by hand."""
+"""The tau error bars of `tevjax eval` and the experiments (`tevjax.stats`), checked against values worked by hand."""
 
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
-from paired_stats import Z95, detectable_gain, influence, paired_gain, tau_se  # noqa: E402
+from tevjax.stats import Z95, detectable_gain, influence, paired_gain, tau_se
 
 
 def test_tau_and_se_by_hand():

@@ -21,6 +21,8 @@ from typing import Callable
 
 import numpy as np
 
+from tevjax import stats
+
 __all__ = ["evaluate", "format_table", "load_eval_prompts", "HELDOUT_FILE"]
 
 # The held-out ShareGPT prompts of the shipped drafter's data (never trained on).
@@ -100,20 +102,24 @@ def evaluate(models, texts: list[str], *, budgets=(4, 8, 16, 32), temperature: f
             continue
         g = gens[budget]
         tokens, seconds = int(toks[budget].sum()), float(secs[budget].sum())
-        rounds = sum(x.rounds for x in g)
-        block = sum(x.tau * x.rounds for x in g)
+        emitted = [int(round(x.tau * x.rounds)) for x in g]  # per prompt: output-block tokens, bonus included
+        per_rounds = [int(x.rounds) for x in g]
+        rounds, block = sum(per_rounds), sum(emitted)
         per_prompt = np.array([x.tau for x in g])
+        # Prompts are the independent units; the per-prompt counts stay in the row so that two runs on
+        # the same prompts can be compared paired (`tevjax.stats.paired_gain`).
+        tau_se = stats.tau_se(emitted, per_rounds)[1] if len(g) > 1 and rounds else None
         per_batch_sr = ar_rate / (secs[budget] / np.maximum(toks[budget], 1))
         mismatches = sum(a.tokens != b.tokens for a, b in zip(gens["ar"], g)) if temperature == 0 else None
         row = {"budget": budget, "lookup": lookup_for(budget, lookup),
                "corpus": corpus_for(budget, corpus, models.ngrams), "tau": block / max(rounds, 1),
-               "tau_prompt_sd": float(per_prompt.std(ddof=1)) if len(g) > 1 else 0.0,
+               "tau_se": tau_se, "tau_prompt_sd": float(per_prompt.std(ddof=1)) if len(g) > 1 else 0.0,
                "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds if seconds else None,
                "sr": (ar_s / max(ar_tokens, 1)) / (seconds / max(tokens, 1)) if seconds else None,
                "sr_range": [float(np.percentile(per_batch_sr, 10)), float(np.percentile(per_batch_sr, 90))],
                "mismatches": mismatches}
-        rows.append(row)
         log(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}))
+        rows.append(row | {"prompt_emitted": emitted, "prompt_rounds": per_rounds})
     return {
         "verifier": verifier, "temperature": temperature, "max_new_tokens": max_new_tokens,
         "batch_size": batch_size, "num_prompts": len(texts), "seed": seed, "lookup": lookup, "corpus": corpus,
@@ -141,12 +147,15 @@ def format_table(result: dict) -> str:
     lines = [f"{result['num_prompts']} prompts, {result['max_new_tokens']} new tokens, "
              f"temperature {result['temperature']}, verifier {result['verifier']}, batch {result['batch_size']}; "
              f"AR {ar['tokens_per_s']:.2f} tok/s",
-             "", "| budget | lookup | corpus | tau | tok/s | SR vs AR [10-90% over batches] | greedy == AR |",
+             "", "| budget | lookup | corpus | tau [95% over prompts] | tok/s | SR vs AR [10-90% over batches] "
+             "| greedy == AR |",
              "|---:|---:|---:|---:|---:|---:|:---:|"]
     for r in result["budgets"]:
         same = "n/a" if r["mismatches"] is None else ("yes" if r["mismatches"] == 0 else f"NO ({r['mismatches']})")
         lo, hi = r["sr_range"]
-        lines.append(f"| {r['budget']} | {r.get('lookup', 0)} | {r.get('corpus', 0)} | {r['tau']:.3f} "
+        se = r.get("tau_se")
+        band = "" if se is None else f" [{r['tau'] - stats.Z95 * se:.3f}, {r['tau'] + stats.Z95 * se:.3f}]"
+        lines.append(f"| {r['budget']} | {r.get('lookup', 0)} | {r.get('corpus', 0)} | {r['tau']:.3f}{band} "
                      f"| {r['tokens_per_s']:.2f} "
                      f"| {r['sr']:.3f} [{lo:.2f}-{hi:.2f}] "
                      f"| {same} |")
