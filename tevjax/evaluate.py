@@ -105,7 +105,7 @@ def evaluate(models, texts: list[str], *, budgets=(4, 8, 16, 32), temperature: f
         emitted = [int(round(x.tau * x.rounds)) for x in g]  # per prompt: output-block tokens, bonus included
         per_rounds = [int(x.rounds) for x in g]
         rounds, block = sum(per_rounds), sum(emitted)
-        per_prompt = np.array([x.tau for x in g])
+        per_prompt = np.array(emitted) / np.maximum(per_rounds, 1)  # each prompt's own tau
         # Prompts are the independent units; the per-prompt counts stay in the row so that two runs on
         # the same prompts can be compared paired (`tevjax.stats.paired_gain`).
         tau_se = stats.tau_se(emitted, per_rounds)[1] if len(g) > 1 and rounds else None
