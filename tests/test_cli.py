@@ -43,6 +43,8 @@ def _run(capsys, *argv):
         (["generate", "--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
         (["generate", "--prompt", "hi", "--budget", "-3"], "--budget must be >= 1"),
         (["generate", "--prompt", "hi", "--lookup", "-1"], "--lookup must be >= 0"),
+        (["eval", "--budgets", "8,0"], "--budgets must all be >= 1, got '8,0'"),
+        (["train", "--data", "d", "--out", "o", "--steps", "1", "--taps", "1,-2"], "--taps must all be >= 0"),
         (["generate", "--prompt", "hi", "--budget", "4", "--lookup", "5"], "--lookup 5 exceeds --budget 4"),
         (["demo", "--budget", "2", "--lookup", "3"], "--lookup 3 exceeds --budget 2"),
         (["generate", "--prompt", "hi", "--drafter", "/no/such/drafter"], "no such checkpoint directory"),

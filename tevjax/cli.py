@@ -109,7 +109,8 @@ def _weight(name):
     return parse
 
 
-def _int_list(name):
+def _int_list(name, minimum):
+    # Checked here, not where the values are used: `eval` would otherwise load the target first.
     def parse(text):
         try:
             values = tuple(int(x) for x in text.replace(" ", "").split(",") if x != "")
@@ -117,6 +118,8 @@ def _int_list(name):
             raise argparse.ArgumentTypeError(f"{name} must be comma-separated integers, got {text!r}") from None
         if not values:
             raise argparse.ArgumentTypeError(f"{name} is empty")
+        if min(values) < minimum:
+            raise argparse.ArgumentTypeError(f"{name} must all be >= {minimum}, got {text!r}")
         return values
 
     return parse
@@ -228,7 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="held-out prompts that also get regenerated responses, for training-time evaluation")
     data.add_argument("--max-prompt-tokens", type=_positive_int("--max-prompt-tokens"), default=256)
     data.add_argument("--batch-size", type=_positive_int("--batch-size"), default=64, help="prompts per generate call (= per shard)")
-    data.add_argument("--taps", type=_int_list("--taps"), default=None,
+    data.add_argument("--taps", type=_int_list("--taps", 0), default=None,
                       help="target layers whose hidden states are stored (default: 5 evenly spaced from 1 to L-3, plus L-1)")
     data.add_argument("--seed", type=int, default=0, help="prompt order")
     data.add_argument("--responses", choices=["target", "sharegpt"], default="target",
@@ -253,7 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="drafter layers (default 1); with --init, more layers than the drafter has appends new "
                          "ones that start as the identity (a deeper drafter warm-started from a trained one)")
     tr.add_argument("--block-size", type=_positive_int("--block-size"), default=16)
-    tr.add_argument("--taps", type=_int_list("--taps"), default=None,
+    tr.add_argument("--taps", type=_int_list("--taps", 0), default=None,
                     help="target layers the drafter reads (default: every layer stored in --data)")
     tr.add_argument("--init", default=None, help="start from this DFlash drafter directory instead of a fresh one")
     tr.add_argument("--draft-vocab", type=_nonnegative_int("--draft-vocab"), default=0,
@@ -300,7 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--prompts", default="heldout",
                     help="a file with one prompt per line, or heldout[:DATA_DIR], mtbench, humaneval, gsm")
     ev.add_argument("--num-prompts", type=_positive_int("--num-prompts"), default=8)
-    ev.add_argument("--budgets", type=_int_list("--budgets"), default=(4, 8, 16, 32))
+    ev.add_argument("--budgets", type=_int_list("--budgets", 1), default=(4, 8, 16, 32))
     ev.add_argument("--lookup", type=_nonnegative_int("--lookup"), default=None,
                     help=LOOKUP_HELP + "; capped at each budget")
     ev.add_argument("--corpus", type=_nonnegative_int("--corpus"), default=None,
