@@ -1,10 +1,15 @@
 """The tau error bars of `tevjax eval` and the experiments (`tevjax.stats`), checked against values worked by hand."""
 
+import json
 import math
+import sys
+from pathlib import Path
 
 import pytest
 
 from tevjax.stats import Z95, detectable_gain, influence, paired_gain, tau_se
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
 
 
 def test_tau_and_se_by_hand():
@@ -47,3 +52,60 @@ def test_detectable_gain_and_errors():
         influence([1, 2], [1])
     with pytest.raises(ValueError, match="same prompts"):
         paired_gain([1, 2], [1, 1], [1, 2, 3], [1, 1, 1])
+
+
+def _eval_json(path, rows, **settings):
+    """A file as `tevjax eval --json` writes it, with only the fields `compare_evals` reads."""
+    run = {"prompts": "heldout", "num_prompts": 3, "max_new_tokens": 16, "temperature": 0.0, "seed": 0}
+    run.update(settings)
+    run["budgets"] = [{"budget": b, "prompt_emitted": e, "prompt_rounds": r} for b, e, r in rows]
+    path.write_text(json.dumps(run))
+    return str(path)
+
+
+def test_compare_evals_pairs_the_budgets_both_arms_hold(tmp_path, capsys):
+    import compare_evals
+
+    a = _eval_json(tmp_path / "a.json", [(8, [10, 12, 16], [6, 8, 8]), (16, [10, 12, 16], [5, 8, 7])])
+    b8 = _eval_json(tmp_path / "b8.json", [(8, [10, 12, 16], [4, 6, 4])])
+    b32 = _eval_json(tmp_path / "b32.json", [(32, [10, 12, 16], [3, 3, 3])])
+    out = tmp_path / "report.md"
+    results = compare_evals.main(["--a", a, "--b", b8, b32, "--label-b", "chains", "--out", str(out)])
+    assert [r["budget"] for r in results] == [8]  # 16 is only in A, 32 only in B
+    expected = paired_gain([10, 12, 16], [6, 8, 8], [10, 12, 16], [4, 6, 4])
+    assert results[0]["gain"] == pytest.approx(expected)
+    assert results[0]["a"][0] == pytest.approx(38 / 22) and results[0]["b"][0] == pytest.approx(38 / 14)
+    assert "| 8 | 1.727 [" in out.read_text() and f"{100 * expected['gain']:+.1f}%" in out.read_text()
+
+
+@pytest.mark.parametrize("b_rows, b_settings, message", [
+    ([(8, [1, 2, 3], [1, 1, 1])], {"num_prompts": 4}, "other prompts or settings (num_prompts 3 vs 4)"),
+    ([(8, [1, 2, 3], [1, 1, 1])], {"temperature": 1.0}, "temperature 0.0 vs 1.0"),
+    ([(16, [1, 2, 3], [1, 1, 1])], {}, "no budget in both arms (A: [8], B: [16])"),
+])
+def test_compare_evals_refuses_runs_that_do_not_pair(tmp_path, capsys, b_rows, b_settings, message):
+    import compare_evals
+
+    a = _eval_json(tmp_path / "a.json", [(8, [1, 2, 3], [1, 1, 1])])
+    b = _eval_json(tmp_path / "b.json", b_rows, **b_settings)
+    with pytest.raises(SystemExit) as e:
+        compare_evals.main(["--a", a, "--b", b])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_compare_evals_names_the_bad_file(tmp_path, capsys):
+    import compare_evals
+
+    good = _eval_json(tmp_path / "good.json", [(8, [1, 2, 3], [1, 1, 1])])
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"prompts": "heldout", "num_prompts": 3, "max_new_tokens": 16, "temperature": 0.0,
+                               "seed": 0, "budgets": [{"budget": 8, "tau": 2.0}]}))
+    (tmp_path / "bad.json").write_text("{not json")
+    cases = [(str(old), f"{old}: budget 8 has no per-prompt counts"),
+             (str(tmp_path / "bad.json"), "bad.json: not JSON"),
+             (str(tmp_path / "none.json"), "none.json: no such file"),
+             (good + " " + good, "budget 8 is in two files of the same arm")]
+    for b, message in cases:
+        with pytest.raises(SystemExit):
+            compare_evals.main(["--a", good, "--b", *b.split()])
+        assert message in capsys.readouterr().err

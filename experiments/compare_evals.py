@@ -1,0 +1,125 @@
+"""Two arms of `tevjax eval --json` runs on the same prompts, compared paired over prompts.
+
+Each arm is one or more JSON files written by `tevjax eval --json` (an arm's budgets may come from
+separate runs). For every budget that both arms hold, it prints each arm's tau with its 95%
+interval, and the relative gain of arm B over arm A with its 95% interval. Both are
+delta-method intervals with prompts as the units (`tevjax.stats`). Pairing removes the spread
+between prompts, which is most of tau's variance. The runs must cover the same prompts (the same
+set, count, token limit, temperature and seed), and every row must hold the per-prompt counts
+(`prompt_emitted`, `prompt_rounds`) that `tevjax eval` keeps since 2026-12-05.
+
+    python experiments/compare_evals.py \
+        --a experiments/results/heldout256_alone_b8_b16_t0.json --label-a "drafter alone" \
+        --b experiments/results/heldout256_default_b8_t0.json \
+            experiments/results/heldout256_default_b16_t0.json --label-b "default" \
+        --out experiments/results/heldout256_chains_gain.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import emit  # noqa: E402
+
+from tevjax.stats import Z95, paired_gain, tau_se  # noqa: E402
+
+# What two runs must share for their prompts, and so their per-prompt counts, to pair.
+SAME = ("prompts", "num_prompts", "max_new_tokens", "temperature", "seed")
+
+
+class CompareError(ValueError):
+    """A file or a pair of runs that cannot be compared; the message names which and why."""
+
+
+def load_arm(paths: list[str]) -> tuple[dict, dict[int, dict]]:
+    """(the runs' shared settings, {budget: row}) for one arm's files."""
+    settings, rows = None, {}
+    for path in paths:
+        try:
+            run = json.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise CompareError(f"{path}: no such file") from None
+        except json.JSONDecodeError as e:
+            raise CompareError(f"{path}: not JSON ({e.msg} at line {e.lineno})") from None
+        if not isinstance(run, dict) or "budgets" not in run or any(k not in run for k in SAME):
+            raise CompareError(f"{path}: not the output of `tevjax eval --json`")
+        these = {k: run[k] for k in SAME}
+        if settings is not None and these != settings:
+            raise CompareError(f"{path}: other prompts or settings than {paths[0]} ({_differences(settings, these)})")
+        settings = these
+        for row in run["budgets"]:
+            if "prompt_emitted" not in row or "prompt_rounds" not in row:
+                raise CompareError(f"{path}: budget {row['budget']} has no per-prompt counts "
+                                   "(made before `tevjax eval` kept them; run it again)")
+            if row["budget"] in rows:
+                raise CompareError(f"{path}: budget {row['budget']} is in two files of the same arm")
+            rows[row["budget"]] = row
+    return settings, rows
+
+
+def _differences(a: dict, b: dict) -> str:
+    return ", ".join(f"{k} {a[k]!r} vs {b[k]!r}" for k in SAME if a[k] != b[k])
+
+
+def compare(arm_a: list[str], arm_b: list[str]) -> tuple[dict, list[dict]]:
+    """(the shared settings, one result per budget both arms hold, in increasing budget)."""
+    settings_a, rows_a = load_arm(arm_a)
+    settings_b, rows_b = load_arm(arm_b)
+    if settings_a != settings_b:
+        raise CompareError(f"the arms ran on other prompts or settings ({_differences(settings_a, settings_b)})")
+    budgets = sorted(set(rows_a) & set(rows_b))
+    if not budgets:
+        raise CompareError(f"no budget in both arms (A: {sorted(rows_a)}, B: {sorted(rows_b)})")
+    results = []
+    for budget in budgets:
+        a, b = rows_a[budget], rows_b[budget]
+        counts = [a["prompt_emitted"], a["prompt_rounds"], b["prompt_emitted"], b["prompt_rounds"]]
+        results.append({"budget": budget, "a": tau_se(*counts[:2]), "b": tau_se(*counts[2:]),
+                        "gain": paired_gain(*counts)})
+    return settings_a, results
+
+
+def report(settings: dict, results: list[dict], label_a: str, label_b: str) -> list[str]:
+    def tau(pair):
+        t, se = pair
+        return f"{t:.3f} [{t - Z95 * se:.3f}, {t + Z95 * se:.3f}]"
+
+    lines = [f"# {label_b} against {label_a}, paired over prompts", "",
+             f"`{' '.join(sys.argv)}`", "",
+             (f"{settings['num_prompts']} prompts of `{settings['prompts']}`, temperature {settings['temperature']}, "
+              f"{settings['max_new_tokens']} new tokens, seed {settings['seed']}. tau with its 95% interval "
+              "over prompts; the gain is tau_B / tau_A - 1 with its paired 95% interval (`tevjax.stats`)."), "",
+             f"| budget | tau ({label_a}) | tau ({label_b}) | gain [95%] |", "|---:|---:|---:|---:|"]
+    for r in results:
+        g = r["gain"]
+        lines.append(f"| {r['budget']} | {tau(r['a'])} | {tau(r['b'])} | "
+                     f"{100 * g['gain']:+.1f}% [{100 * g['lo']:+.1f}, {100 * g['hi']:+.1f}] |")
+    return lines
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--a", nargs="+", required=True, help="arm A's `tevjax eval --json` files")
+    p.add_argument("--b", nargs="+", required=True, help="arm B's files")
+    p.add_argument("--label-a", default="A")
+    p.add_argument("--label-b", default="B")
+    p.add_argument("--out", type=Path, default=None, help="also write the report here")
+    return p, p.parse_args(argv)
+
+
+def main(argv=None) -> list[dict]:
+    parser, args = parse_args(argv)
+    try:
+        settings, results = compare(args.a, args.b)
+    except CompareError as e:
+        parser.error(str(e))
+    emit(report(settings, results, args.label_a, args.label_b), args.out)
+    return results
+
+
+if __name__ == "__main__":
+    main()
