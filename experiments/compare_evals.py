@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from pathlib import Path
 
@@ -89,7 +90,7 @@ def report(settings: dict, results: list[dict], label_a: str, label_b: str) -> l
         return f"{t:.3f} [{t - Z95 * se:.3f}, {t + Z95 * se:.3f}]"
 
     lines = [f"# {label_b} against {label_a}, paired over prompts", "",
-             f"`{' '.join(sys.argv)}`", "",
+             f"`{shlex.join(['python', *sys.argv])}`", "",
              (f"{settings['num_prompts']} prompts of `{settings['prompts']}`, temperature {settings['temperature']}, "
               f"{settings['max_new_tokens']} new tokens, seed {settings['seed']}. tau with its 95% interval "
               "over prompts; the gain is tau_B / tau_A - 1 with its paired 95% interval (`tevjax.stats`)."), "",
