@@ -44,6 +44,8 @@ def load_arm(paths: list[str]) -> tuple[dict, dict[int, dict]]:
             run = json.loads(Path(path).read_text())
         except FileNotFoundError:
             raise CompareError(f"{path}: no such file") from None
+        except OSError as e:  # a directory, no permission
+            raise CompareError(f"{path}: cannot be read ({e.strerror})") from None
         except json.JSONDecodeError as e:
             raise CompareError(f"{path}: not JSON ({e.msg} at line {e.lineno})") from None
         if not isinstance(run, dict) or "budgets" not in run or any(k not in run for k in SAME):
