@@ -32,8 +32,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-__all__ = ["CACHE_AXES", "DRAFTER_AXES", "LOGICAL_RULES", "TARGET_AXES", "batch_sharding", "cache_shardings",
-           "check_batch", "global_batch_array", "host_array", "initialize_distributed", "logical_sharding",
+__all__ = ["CACHE_AXES", "DRAFTER_AXES", "LOGICAL_RULES", "TARGET_AXES", "any_process", "barrier", "batch_sharding",
+           "cache_shardings", "check_batch", "global_batch_array", "host_array", "initialize_distributed", "logical_sharding",
            "logical_spec", "make_mesh", "param_shardings", "parse_mesh", "place", "put", "replicated", "shard_model",
            "shardings_by_path"]
 
@@ -280,6 +280,30 @@ def host_array(x: jax.Array) -> np.ndarray:
     from jax.experimental import multihost_utils
 
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def any_process(*flags: bool) -> tuple[bool, ...]:
+    """Each flag OR-ed over the processes of a multi-host job (as given in a single process).
+
+    A decision that leads to a collective (a checkpoint, an evaluation over the mesh, a stop) must be
+    the same on every host, or one host waits in a collective the others never join. Each host's
+    clock and signals are its own, so hosts agree on the OR of their wishes. It is a collective
+    itself: every process must call it at the same point.
+    """
+    if jax.process_count() == 1:
+        return tuple(bool(f) for f in flags)
+    from jax.experimental import multihost_utils
+
+    every = np.asarray(multihost_utils.process_allgather(np.asarray(flags, np.int32)))
+    return tuple(bool(f) for f in every.reshape(jax.process_count(), len(flags)).any(axis=0))
+
+
+def barrier(name: str) -> None:
+    """Waits until every process of a multi-host job reaches the barrier `name` (no-op in one)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
 
 
 def parse_mesh(text: str) -> dict[str, int]:

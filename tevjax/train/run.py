@@ -29,7 +29,7 @@ import jax
 import numpy as np
 
 from tevjax.models.dflash import DFlashConfig, DFlashDrafter, check_draft_vocab
-from tevjax.sharding import global_batch_array, make_mesh
+from tevjax.sharding import any_process, barrier, global_batch_array, make_mesh
 from tevjax.train.dataset import Batch, TrainData
 from tevjax.train.rollout import settings_diff
 from tevjax.train.step import TrainConfig, Trainer, TrainState
@@ -40,6 +40,9 @@ RUN_FILE = "run.json"
 CKPT_DIR = "checkpoints"
 LOG_FILE = "log.jsonl"
 DRAFT_VOCAB_FILE = "draft_vocab.npy"  # the run's draft vocabulary (a reduced one only)
+# In a multi-host run the processes agree every this many steps whether to checkpoint, evaluate or
+# stop: agreeing is a collective, and a host sync per step would stall the step pipeline.
+AGREE_EVERY = 10
 
 
 class RunError(ValueError):
@@ -142,13 +145,21 @@ def train(target, drafter: DFlashDrafter, data_dir: str | os.PathLike, run_dir: 
     mesh = mesh or make_mesh()
     # Before anything is written: a drafter, config or mesh the Trainer refuses leaves no run behind.
     trainer = Trainer(drafter, target, cfg, mesh)
-    if saved is None:
+    nproc, pid = jax.process_count(), jax.process_index()
+    local = cfg.batch_size // nproc
+    if local * nproc != cfg.batch_size:
+        raise RunError(f"batch size {cfg.batch_size} is not divisible by the {nproc} processes")
+    # Multi-host: RUN_DIR is shared, so every process checks it (above) before process 0 writes
+    # it; otherwise a slower host would find the new run.json and refuse the run as existing.
+    barrier("tevjax-train-checked")
+    if saved is None and pid == 0:
         run.mkdir(parents=True, exist_ok=True)
         if drafter.draft_vocab is not None:
             np.save(vocab_file, np.asarray(jax.device_get(drafter.vocab_ids()), np.int32))
         tmp = run / (RUN_FILE + ".tmp")
         tmp.write_text(json.dumps(record, indent=1), encoding="utf-8")
         os.replace(tmp, run / RUN_FILE)
+    barrier("tevjax-train-written")
     mgr = _checkpoint_manager(run, keep)
     if resume:
         state, meta = _restore(mgr, trainer.abstract_state(), run)
@@ -160,13 +171,9 @@ def train(target, drafter: DFlashDrafter, data_dir: str | os.PathLike, run_dir: 
     except FileNotFoundError:
         heldout = None
 
-    nproc, pid = jax.process_count(), jax.process_index()
-    local = cfg.batch_size // nproc
-    if local * nproc != cfg.batch_size:
-        raise RunError(f"batch size {cfg.batch_size} is not divisible by the {nproc} processes")
-
-    # SIGTERM and a first Ctrl-C stop after the current step (with a checkpoint); a second Ctrl-C
-    # interrupts at once. Raising inside a step could lose the donated state, so the first only asks.
+    # SIGTERM and a first Ctrl-C stop after the current step (with a checkpoint; multi-host, at the
+    # next agreed step); a second Ctrl-C interrupts at once. Raising inside a step could lose the
+    # donated state, so the first only asks.
     stop = {"signal": None}
 
     def on_signal(signum, _frame):
@@ -214,16 +221,21 @@ def train(target, drafter: DFlashDrafter, data_dir: str | os.PathLike, run_dir: 
                     bar.update(1)
                     extra = f" exit {m['loss_exit']:.4f}" if "loss_exit" in m else ""
                     bar.set_postfix_str(f"tok {m['loss_tok']:.3f}{extra} acc1 {m['acc1']:.2f} {rate:.1f} blocks/s")
+            if nproc > 1 and (step + 1) % AGREE_EVERY and step + 1 != last_step:
+                continue
             now = time.monotonic()
-            if heldout is not None and now - t_eval >= eval_every_s:
+            want_eval, want_ckpt, want_stop = any_process(
+                heldout is not None and now - t_eval >= eval_every_s, now - t_ckpt >= checkpoint_every_s,
+                stop["signal"] is not None)
+            if want_eval:
                 ev = heldout(trainer.drafter(state), target)
                 write_log({"step": step + 1, "heldout": ev})
                 log(json.dumps({"step": step + 1, "heldout": {k: round(v, 4) for k, v in ev.items()}}))
                 t_eval = time.monotonic()
-            if now - t_ckpt >= checkpoint_every_s:
+            if want_ckpt:
                 _save(mgr, state, meta_now(step + 1))
                 t_ckpt = now
-            if stop["signal"] is not None:
+            if want_stop:
                 log(json.dumps({"event": "stopped by signal", "step": step + 1}))
                 break
     except KeyboardInterrupt:

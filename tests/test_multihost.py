@@ -1,0 +1,132 @@
+"""Multi-host: two processes joined by `jax.distributed` on this machine, against one process.
+
+Each process of the job sees 2 forced CPU devices, and they talk through JAX's CPU collectives
+(gloo); the reference is one process with 4 forced devices. Both run the same script on the same
+(2, 2) mesh, so its `data` axis spans the two processes and its `model` axis stays within each.
+The script trains a tiny drafter with `train` (stopping part-way, then `resume=True`) and decodes
+with it, greedy and at T = 1. The processes join through `initialize_distributed`, the function
+the CLI calls, reading the coordinator from the environment as it does.
+
+Equal means bit-for-bit. On this mesh the cross-process reductions each add two partial results,
+and a sum of two floats does not depend on their order. So anything lost or counted twice
+(another host's slice of a batch, a checkpoint written from one host only, a sampling key that
+differs between hosts) shows as a difference, not as rounding.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tevjax.testing import forced_devices_env
+
+TESTS = Path(__file__).parent
+
+SCRIPT = textwrap.dedent("""
+    import dataclasses, json, sys
+    sys.path.insert(0, {tests!r})
+    import jax
+    import numpy as np
+    from tevjax.decode import DecodeConfig, Decoder
+    from tevjax.sharding import host_array, initialize_distributed, make_mesh
+    from tevjax.train.run import train
+    from tevjax.train.step import Trainer
+    from test_train import CFG, _drafter, _target
+
+    processes, data, run, out = {processes}, {data!r}, {run!r}, {out!r}
+    assert initialize_distributed() == (processes > 1)
+    pid = jax.process_index()
+    assert (jax.process_count(), jax.device_count()) == (processes, 4), (jax.process_count(), jax.devices())
+    target, mesh = _target(), make_mesh(2, 2)
+    cfg = dataclasses.replace(CFG, steps=16)
+    quiet = dict(target_name="tiny", heldout_records=4, progress=False, log=lambda _: None)
+    # The hosts' clocks disagree: process 0 wants a checkpoint and an evaluation after every step,
+    # the others never. They agree at steps 10 and 12 (every AGREE_EVERY steps and at the end of
+    # the leg), so all of them write and evaluate there together instead of one waiting in a
+    # collective the others never join.
+    often = 0.0 if pid == 0 else 1e9
+    train(target, _drafter(target), data, run, cfg, until=12, mesh=mesh, checkpoint_every_s=often,
+          eval_every_s=often, **quiet)
+    state = train(target, _drafter(target), data, run, cfg, resume=True, mesh=mesh, **quiet)
+    result = {{"params": {{"/".join(map(str, p)): host_array(v).tolist()
+                         for p, v in jax.tree_util.tree_flatten_with_path(state.params)[0]}},
+              "step": int(state.step)}}
+    trained = Trainer(_drafter(target), target, cfg, mesh).drafter(state)
+    prompts = [[1, 5, 7, 9, 11], [1, 3], [1, 4, 4, 4, 8, 9], [6]]
+    for temperature in (0.0, 1.0):
+        dc = DecodeConfig(budget=4, max_new_tokens=10, temperature=temperature, prompt_bucket=8, capacity=48)
+        gens = Decoder(target, trained, dc, mesh=mesh).generate(prompts, seed=3)
+        result[f"tokens_t{{temperature:g}}"] = [g.tokens for g in gens]
+    with open(f"{{out}}/p{{processes}}_{{pid}}.json", "w") as f:
+        json.dump(result, f)
+""")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def _job(processes: int, data: Path, run: Path, out: Path, timeout: float = 300) -> None:
+    """Runs SCRIPT as one job of `processes` processes with 4 devices in all; fails on any error or
+    on a hang (a process waiting in a collective that another never joins)."""
+    code = SCRIPT.format(tests=str(TESTS), processes=processes, data=str(data), run=str(run), out=str(out))
+    env = forced_devices_env(4 // processes)
+    port = _free_port()
+    procs = []
+    for pid in range(processes):
+        extra = {} if processes == 1 else {"JAX_COORDINATOR_ADDRESS": f"localhost:{port}",
+                                           "JAX_NUM_PROCESSES": str(processes), "JAX_PROCESS_ID": str(pid)}
+        procs.append(subprocess.Popen([sys.executable, "-c", code], env={**env, **extra}, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=timeout)[0])
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        pytest.fail(f"the {processes}-process job did not finish in {timeout:.0f} s (a host left waiting?)")
+    for pid, (p, log) in enumerate(zip(procs, logs)):
+        assert p.returncode == 0, f"process {pid} of {processes}:\n{log[-4000:]}"
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    from test_train import PROMPTS, ROLLOUT, _loaded, _target
+
+    from tevjax.train.rollout import generate_data
+
+    out = tmp_path_factory.mktemp("data") / "d"
+    generate_data(_loaded(_target()), ROLLOUT, out, prompts=PROMPTS, progress=False, log=lambda _: None)
+    return out
+
+
+def test_two_processes_train_resume_and_decode_as_one(tmp_path, data_dir):
+    _job(1, data_dir, tmp_path / "one", tmp_path)
+    _job(2, data_dir, tmp_path / "two", tmp_path)
+    one = json.loads((tmp_path / "p1_0.json").read_text())
+    for pid in (0, 1):
+        two = json.loads((tmp_path / f"p2_{pid}.json").read_text())
+        assert two["step"] == one["step"] == 16
+        assert two["params"].keys() == one["params"].keys()
+        for name, want in one["params"].items():
+            np.testing.assert_array_equal(np.asarray(two["params"][name]), np.asarray(want),
+                                          err_msg=f"process {pid}: {name}")
+        assert two["tokens_t0"] == one["tokens_t0"], pid
+        assert two["tokens_t1"] == one["tokens_t1"], pid
+    # Process 0's every-step clock was heard at the agreed steps only; the resumed leg's clocks
+    # (5 and 10 minutes) never fired, so its only checkpoint is the final one.
+    run = tmp_path / "two"
+    assert sorted(int(p.name) for p in (run / "checkpoints").iterdir()) == [10, 12, 16]
+    log = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in log if "heldout" in e] == [10, 12, 16]
+    assert json.loads((run / "run.json").read_text())["train"]["steps"] == 16
