@@ -33,9 +33,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 __all__ = ["CACHE_AXES", "DRAFTER_AXES", "LOGICAL_RULES", "TARGET_AXES", "any_process", "barrier", "batch_sharding",
-           "cache_shardings", "check_batch", "global_batch_array", "host_array", "initialize_distributed", "logical_sharding",
-           "logical_spec", "make_mesh", "param_shardings", "parse_mesh", "place", "put", "replicated", "shard_model",
-           "shardings_by_path"]
+           "cache_shardings", "check_batch", "global_batch_array", "host_array", "initialize_distributed",
+           "logical_sharding", "logical_spec", "make_mesh", "param_shardings", "parse_mesh", "place", "put",
+           "replicated", "shard_model", "shardings_by_path"]
 
 # Logical axis name -> mesh axis (None: replicated). The one table every sharded array reads.
 #
