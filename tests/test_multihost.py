@@ -3,9 +3,10 @@
 Each process of the job sees 2 forced CPU devices, and they talk through JAX's CPU collectives
 (gloo); the reference is one process with 4 forced devices. Both run the same script on the same
 (2, 2) mesh, so its `data` axis spans the two processes and its `model` axis stays within each.
-The script trains a tiny drafter with `train` (stopping part-way, then `resume=True`) and decodes
-with it, greedy and at T = 1. The processes join through `initialize_distributed`, the function
-the CLI calls, reading the coordinator from the environment as it does.
+The script makes a data directory with `generate_data` on the mesh, trains a tiny drafter on it
+with `train` (stopping part-way, then `resume=True`) and decodes with it, greedy and at T = 1. The
+processes join through `initialize_distributed`, the function the CLI calls, reading the
+coordinator from the environment as it does.
 
 Equal means bit-for-bit. On this mesh the cross-process reductions each add two partial results,
 and a sum of two floats does not depend on their order. So anything lost or counted twice
@@ -35,16 +36,23 @@ SCRIPT = textwrap.dedent("""
     import jax
     import numpy as np
     from tevjax.decode import DecodeConfig, Decoder
-    from tevjax.sharding import host_array, initialize_distributed, make_mesh
+    from tevjax.sharding import host_array, initialize_distributed, make_mesh, shard_model
+    from tevjax.train.rollout import generate_data, sequence_hidden
     from tevjax.train.run import train
     from tevjax.train.step import Trainer
-    from test_train import CFG, _drafter, _target
+    from test_train import CFG, PROMPTS, ROLLOUT, TAPS, _drafter, _loaded, _target
 
     processes, data, run, out = {processes}, {data!r}, {run!r}, {out!r}
     assert initialize_distributed() == (processes > 1)
     pid = jax.process_index()
     assert (jax.process_count(), jax.device_count()) == (processes, 4), (jax.process_count(), jax.devices())
     target, mesh = _target(), make_mesh(2, 2)
+    shard_model(target, mesh)  # as `load_target(mesh=)` loads it for `tevjax data --mesh`
+    generate_data(_loaded(target), ROLLOUT, data, prompts=PROMPTS, mesh=mesh, progress=False, log=lambda _: None)
+    # 5 sequences: the chunk's rows are padded to a multiple of the data axis.
+    seqs = [p + [7] * k for k, p in enumerate(PROMPTS[1][:5])]
+    np.savez(f"{{out}}/hidden_p{{processes}}_{{pid}}.npz",
+             *[h.view(np.uint16) for h in sequence_hidden(target, seqs, TAPS, mesh=mesh)])
     cfg = dataclasses.replace(CFG, steps=16)
     quiet = dict(target_name="tiny", heldout_records=4, progress=False, log=lambda _: None)
     # The hosts' clocks disagree: process 0 wants a checkpoint and an evaluation after every step,
@@ -99,20 +107,57 @@ def _job(processes: int, data: Path, run: Path, out: Path, timeout: float = 300)
         assert p.returncode == 0, f"process {pid} of {processes}:\n{log[-4000:]}"
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    from test_train import PROMPTS, ROLLOUT, _loaded, _target
-
-    from tevjax.train.rollout import generate_data
-
-    out = tmp_path_factory.mktemp("data") / "d"
-    generate_data(_loaded(_target()), ROLLOUT, out, prompts=PROMPTS, progress=False, log=lambda _: None)
-    return out
+def _shard_files(data: Path) -> dict[str, bytes]:
+    return {str(f.relative_to(data)): f.read_bytes() for f in sorted((data / "shards").rglob("*")) if f.is_file()}
 
 
-def test_two_processes_train_resume_and_decode_as_one(tmp_path, data_dir):
-    _job(1, data_dir, tmp_path / "one", tmp_path)
-    _job(2, data_dir, tmp_path / "two", tmp_path)
+def _bf16(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def test_two_processes_generate_train_resume_and_decode_as_one(tmp_path):
+    from test_train import PROMPTS, ROLLOUT, TAPS, _loaded, _target
+
+    from tevjax.train.rollout import generate_data, sequence_hidden
+
+    _job(1, tmp_path / "data_one", tmp_path / "one", tmp_path)
+    _job(2, tmp_path / "data_two", tmp_path / "two", tmp_path)
+
+    # The data: the two-process job wrote every file of the one-process job, byte for byte, and
+    # both hold the unsharded run's responses, with its features to bfloat16 rounding (split sums
+    # round differently before the cast).
+    one, two = _shard_files(tmp_path / "data_one"), _shard_files(tmp_path / "data_two")
+    assert one.keys() == two.keys() and len(one) == 4 * 5, sorted(one)
+    for name in one:
+        assert one[name] == two[name], name
+    target = _target()
+    plain = tmp_path / "data_plain"
+    generate_data(_loaded(target), ROLLOUT, plain, prompts=PROMPTS, progress=False, log=lambda _: None)
+    ref = _shard_files(plain)
+    assert ref.keys() == one.keys()
+    for name in ref:
+        if name.endswith("features.npy"):
+            got, want = (_bf16(np.load(tmp_path / d / name)) for d in ("data_one", "data_plain"))
+            np.testing.assert_allclose(got, want, rtol=2 ** -7, atol=1e-3, err_msg=name)
+        else:
+            assert one[name] == ref[name], name
+    manifests = [json.loads((tmp_path / d / "manifest.json").read_text())
+                 for d in ("data_one", "data_two", "data_plain")]
+    for m in manifests:
+        m.pop("timings")
+    assert manifests[0] == manifests[1] == manifests[2] and manifests[0]["complete"]
+
+    # Teacher-forced features (`sequence_hidden`, the ShareGPT-replies path) on the mesh.
+    seqs = [p + [7] * k for k, p in enumerate(PROMPTS[1][:5])]
+    want = sequence_hidden(target, seqs, TAPS)
+    for name in ("hidden_p1_0", "hidden_p2_0", "hidden_p2_1"):
+        got = np.load(tmp_path / f"{name}.npz")
+        assert len(got.files) == len(want)
+        for k, w in enumerate(want):
+            np.testing.assert_allclose(_bf16(got[f"arr_{k}"]), w.astype(np.float32), rtol=2 ** -7, atol=1e-3,
+                                       err_msg=f"{name} sequence {k}")
+
+    # Training and decoding: bit for bit, on every process.
     one = json.loads((tmp_path / "p1_0.json").read_text())
     for pid in (0, 1):
         two = json.loads((tmp_path / f"p2_{pid}.json").read_text())

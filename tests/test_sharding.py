@@ -145,6 +145,9 @@ def test_mesh_parsing_and_device_count_errors():
     (["generate", "--prompt-ids", "1,2", "--mesh", "data=64,model=2"], "needs 128 devices"),
     (["generate", "--prompt-ids", "1,2", "--mesh", "data=x"], "expected entries like data=2,model=1"),
     (["eval", "--mesh", "model=64"], "model=64 needs at least 64 devices"),
+    (["data", "--num-prompts", "8", "--out", "/nonexistent/d", "--mesh", "data=64"], "needs 64 devices"),
+    (["data", "--num-prompts", "8", "--out", "/nonexistent/d", "--coordinator", "localhost:1"],
+     "--coordinator needs --num-processes"),
 ])
 def test_cli_mesh_errors_are_one_line(capsys, argv, message):
     assert main(argv) == 2

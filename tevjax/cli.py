@@ -170,7 +170,7 @@ def _prompt_ids(text):
 
 
 def _add_mesh_args(parser, default: str) -> None:
-    """--mesh and the multi-host flags (generate, eval and train share them)."""
+    """--mesh and the multi-host flags (generate, eval, data and train share them)."""
     parser.add_argument("--mesh", default=None,
                         help=f"device mesh data=D,model=M: rows over D devices, heads/MLP/vocabulary over M "
                              f"(default: {default})")
@@ -245,6 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "conversations (default), or only the held-out records, as plans made before 2026-12-05 "
                            "did; a --resume'd directory keeps its own")
     data.add_argument("--no-progress", action="store_true", help="no progress bar (JSON lines only)")
+    _add_mesh_args(data, "one device")
     data.set_defaults(func=cmd_data)
 
     tr = sub.add_parser("train", help="train a DFlash drafter (token loss + ExitTrain); `tevjax train export RUN DIR` exports")
@@ -555,7 +556,8 @@ def cmd_data(args) -> int:
 
     if args.out.exists() and not args.out.is_dir():
         raise CliError(f"--out {str(args.out)!r} is a file, not a directory")
-    loaded = load_target(args.target, dtype="float32")
+    mesh = _mesh(args, default_all=False)
+    loaded = load_target(args.target, dtype="float32", mesh=mesh)
     for note in loaded.notes:
         print(f"tevjax: note: {note}", file=sys.stderr)
     n_layers = loaded.target_cfg.num_layers
@@ -570,7 +572,7 @@ def cmd_data(args) -> int:
                         turns=args.turns, exclusion=args.exclusion)
     manifest = generate_data(loaded, cfg, args.out, resume=args.resume, progress=not args.no_progress,
                              log=lambda line: print(line, file=sys.stderr, flush=True),
-                             train_shards=args.train_shards)
+                             train_shards=args.train_shards, mesh=mesh)
     shards = manifest["shards"].values()
     print(json.dumps({"out": str(args.out), "complete": manifest["complete"],
                       "records": sum(s["records"] for s in shards),

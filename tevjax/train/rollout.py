@@ -30,6 +30,11 @@ training because one target forward over a batch costs as much as a whole traini
 (`experiments/results/train_throughput.md`); bfloat16 keeps the range of tapped activations
 (they reach ~25k at position 0, too close to float16's 65k) at half float32's size.
 
+On a device mesh (`mesh=`, `tevjax data --mesh`) each generate call is split over the devices
+(its rows over `data`, the target's heads, MLP and vocabulary over `model`) and, in a multi-host
+job, over every host's devices: all processes run the same calls, and process 0 alone writes the
+directory, which must be one the hosts share.
+
 Resume: shards are the unit of work. A restarted run (`--resume`) checks that its configuration
 equals the manifest's and generates only the shards that are missing, so no record is lost or
 written twice. Leftover temporary shard directories from an interrupted run are removed.
@@ -54,6 +59,7 @@ from tevjax.models.cache import KVCache
 from tevjax.models.dflash import tapped_hidden
 from tevjax.models.layers import causal_mask
 from tevjax.models.transformer import Transformer
+from tevjax.sharding import barrier, batch_sharding, host_array, put
 
 __all__ = ["RolloutConfig", "generate_data", "select_prompts", "sequence_hidden", "batch_features", "read_manifest",
            "MANIFEST", "FORMAT_VERSION"]
@@ -164,24 +170,28 @@ def _hidden_fn(state, tokens, *, graphdef, taps):
 
 
 def sequence_hidden(target: Transformer, sequences: Sequence[Sequence[int]], taps: tuple[int, ...], *,
-                    bucket: int = 128, chunk: int = 16) -> list[np.ndarray]:
+                    bucket: int = 128, chunk: int = 16, mesh=None) -> list[np.ndarray]:
     """Per sequence, [T, n, D] bfloat16 hidden states of `taps` (n = len(taps)), one causal forward.
 
     Sequences are right-padded to a multiple of `bucket` (causal attention: padding after a token
     cannot change it) and run `chunk` at a time to bound the [chunk, H, T, T] attention scores.
+    With a `mesh` (the target's own), each chunk's rows are split over `data`, padded with empty
+    rows to a multiple of it.
     """
     from flax import nnx
 
     graphdef, state = nnx.split(target)
+    rows = 1 if mesh is None else mesh.shape["data"]
     out: list[np.ndarray] = [None] * len(sequences)  # type: ignore[list-item]
     order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
     for start in range(0, len(order), chunk):
         idx = order[start: start + chunk]
         t = max(bucket, -(-max(len(sequences[i]) for i in idx) // bucket) * bucket)
-        tokens = np.zeros((len(idx), t), np.int32)
+        tokens = np.zeros((-(-len(idx) // rows) * rows, t), np.int32)
         for j, i in enumerate(idx):
             tokens[j, : len(sequences[i])] = sequences[i]
-        hidden = np.asarray(_hidden_fn(state, jnp.asarray(tokens), graphdef=graphdef, taps=tuple(taps)))
+        tokens = jnp.asarray(tokens) if mesh is None else put(tokens, batch_sharding(mesh, 2))
+        hidden = host_array(_hidden_fn(state, tokens, graphdef=graphdef, taps=tuple(taps)))
         for j, i in enumerate(idx):
             out[i] = hidden[j, : len(sequences[i])]
     return out
@@ -344,7 +354,7 @@ def _check_resume(manifest: dict, expected: dict, data_dir: Path) -> None:
 def generate_data(loaded, cfg: RolloutConfig, out_dir: str | os.PathLike, *, resume: bool = False,
                   prompts: tuple[list[list[int]], list[list[int]]] | None = None, progress: bool = True,
                   log=print, stop_after_shards: int | None = None,
-                  train_shards: tuple[int, int] | None = None) -> dict:
+                  train_shards: tuple[int, int] | None = None, mesh=None) -> dict:
     """Generates (or, with `resume`, completes) a data directory; returns the manifest.
 
     `loaded` is a `tevjax.loading.LoadedTarget` (target model, tokenizer, EOS ids). `prompts`
@@ -353,12 +363,15 @@ def generate_data(loaded, cfg: RolloutConfig, out_dir: str | os.PathLike, *, res
     `train_shards` = (first, end) generates only those training shards of the plan (and the
     held-out ones): a later session adds new records without regenerating earlier shards, and
     hosts can split one plan. A shard's records depend only on the config and its index, so the
-    shards of separate slices are the ones a single run would have made.
+    shards of separate slices are the ones a single run would have made. `mesh`: the mesh the
+    target was loaded on (`load_target(mesh=)`); every process of a multi-host job makes the same
+    call, and process 0 alone writes `out_dir`.
     """
     from tevjax.decode.engine import DecodeConfig, Decoder
 
     out = Path(out_dir)
     tcfg = loaded.target_cfg
+    writer = jax.process_index() == 0
     for t in cfg.taps:
         if not 0 <= t < tcfg.num_layers:
             raise ValueError(f"tap {t} is outside the target's layers [0, {tcfg.num_layers})")
@@ -375,7 +388,6 @@ def generate_data(loaded, cfg: RolloutConfig, out_dir: str | os.PathLike, *, res
         expected = _config_dict(cfg, loaded.name, tcfg)
         if out.exists() and any(out.iterdir()):
             raise FileExistsError(f"{out} exists and is not empty: choose a new --out")
-        out.mkdir(parents=True, exist_ok=True)
         if prompts is not None and cfg.responses == "sharegpt":
             raise ValueError("ShareGPT responses belong to ShareGPT prompts: given prompts need responses='target'")
         if prompts is None:
@@ -388,17 +400,24 @@ def generate_data(loaded, cfg: RolloutConfig, out_dir: str | os.PathLike, *, res
                                  f"config asks for {cfg.heldout_prompts} and {cfg.num_prompts}")
             held, train = ([{"index": i, "id": f"given/{i}", "text": None, "prompt_ids": list(map(int, p))}
                             for i, p in enumerate(part)] for part in prompts)
-        _write_jsonl(out / "heldout.jsonl", held)
-        _write_jsonl(out / "prompts.jsonl", train)
         manifest = {"format": FORMAT_VERSION, **expected, "shards": {}, "timings": {}}
-        _write_json_atomic(out / MANIFEST, manifest)
-    (out / SHARDS).mkdir(exist_ok=True)
-    for stale in (out / SHARDS).glob(_TMP + "*"):
-        shutil.rmtree(stale, ignore_errors=True)
+        # Every process has checked the directory before process 0 starts writing it.
+        barrier("tevjax-data-checked")
+        if writer:
+            out.mkdir(parents=True, exist_ok=True)
+            _write_jsonl(out / "heldout.jsonl", held)
+            _write_jsonl(out / "prompts.jsonl", train)
+            _write_json_atomic(out / MANIFEST, manifest)
+    if writer:
+        (out / SHARDS).mkdir(exist_ok=True)
+        for stale in (out / SHARDS).glob(_TMP + "*"):
+            shutil.rmtree(stale, ignore_errors=True)
+    barrier("tevjax-data-written")
 
     rows = {"heldout": _read_jsonl(out / "heldout.jsonl"), "train": _read_jsonl(out / "prompts.jsonl")}
     plan = _shard_plan(cfg)
-    todo = [p for p in plan if not (out / SHARDS / p[0]).is_dir()]
+    present = {name for name, *_ in plan if (out / SHARDS / name).is_dir()}
+    todo = [p for p in plan if p[0] not in present]
     if train_shards is not None:
         first, end = train_shards
         train_plan = [p for p in plan if p[1] == "train"]
@@ -409,15 +428,19 @@ def generate_data(loaded, cfg: RolloutConfig, out_dir: str | os.PathLike, *, res
         todo = [p for p in todo if p[0] not in skip]
     # Shards on disk that the manifest does not list yet (a stop between rename and manifest write).
     for name, *_ in plan:
-        if (out / SHARDS / name).is_dir() and name not in manifest["shards"]:
+        if name in present and name not in manifest["shards"]:
             manifest["shards"][name] = _shard_summary(out / SHARDS / name)
-    _write_json_atomic(out / MANIFEST, manifest)
+    if writer:
+        _write_json_atomic(out / MANIFEST, manifest)
+    # Every process has listed the shards to make before process 0 writes the first of them.
+    barrier("tevjax-data-planned")
 
     decoder = Decoder(loaded.target, None, DecodeConfig(  # no drafter: autoregressive greedy
-        temperature=0.0, max_new_tokens=cfg.max_new_tokens, eos_ids=loaded.eos_ids, hidden_layers=cfg.taps))
+        temperature=0.0, max_new_tokens=cfg.max_new_tokens, eos_ids=loaded.eos_ids, hidden_layers=cfg.taps),
+        mesh=mesh)
     total_prompts = sum(e - s for _, _, s, e in todo)
     bar = None
-    if progress and todo:
+    if progress and todo and writer:
         from tqdm import tqdm
 
         bar = tqdm(total=total_prompts, unit="prompt", desc="tevjax data", dynamic_ncols=True)
@@ -431,7 +454,7 @@ def generate_data(loaded, cfg: RolloutConfig, out_dir: str | os.PathLike, *, res
         if split == "train" and cfg.responses == "sharegpt":
             replies = [_reply_ids(loaded.tokenizer, r, loaded.eos_ids, cfg.max_new_tokens) for r in batch]
             seqs = [r["prompt_ids"] + ids for r, (ids, _) in zip(batch, replies)]
-            feats = sequence_hidden(loaded.target, seqs, cfg.taps)  # one causal forward per record
+            feats = sequence_hidden(loaded.target, seqs, cfg.taps, mesh=mesh)  # one causal forward per record
             responses = [(ids, stop) for ids, stop in replies]
         else:
             gens = decoder.generate([r["prompt_ids"] for r in batch])
@@ -446,30 +469,38 @@ def generate_data(loaded, cfg: RolloutConfig, out_dir: str | os.PathLike, *, res
                             "prompt_index": r["index"], "prompt_len": len(p), "response_len": len(tokens),
                             "stop": stop})
         t2 = time.perf_counter()
-        _write_shard(out / SHARDS / name, records, feats)
-        manifest["shards"][name] = _shard_summary(out / SHARDS / name)
         timings = manifest["timings"]
         timings["generate_seconds"] = timings.get("generate_seconds", 0.0) + (t1 - t0)
         timings["pack_seconds"] = timings.get("pack_seconds", 0.0) + (t2 - t1)
-        _write_json_atomic(out / MANIFEST, manifest)
+        manifest["shards"][name] = _records_summary(records)
+        present.add(name)
+        if writer:
+            _write_shard(out / SHARDS / name, records, feats)
+            _write_json_atomic(out / MANIFEST, manifest)
         new_tokens = sum(r["response_len"] for r in records)
         tokens_done += new_tokens
         rate = tokens_done / (time.perf_counter() - t_start)
         if bar is not None:
             bar.update(end - start)
             bar.set_postfix_str(f"{rate:.0f} tok/s, shard {name}")
-        log(json.dumps({"shard": name, "records": len(records), "response_tokens": new_tokens,
-                        "generate_s": round(t1 - t0, 2), "pack_s": round(t2 - t1, 2),
-                        "tok_per_s": round(rate, 1)}))
+        if writer:
+            log(json.dumps({"shard": name, "records": len(records), "response_tokens": new_tokens,
+                            "generate_s": round(t1 - t0, 2), "pack_s": round(t2 - t1, 2),
+                            "tok_per_s": round(rate, 1)}))
     if bar is not None:
         bar.close()
-    manifest["complete"] = all((out / SHARDS / p[0]).is_dir() for p in plan)
-    _write_json_atomic(out / MANIFEST, manifest)
+    manifest["complete"] = len(present) == len(plan)
+    if writer:
+        _write_json_atomic(out / MANIFEST, manifest)
+    barrier("tevjax-data-done")  # the directory is whole for every process that returns
     return manifest
 
 
 def _shard_summary(shard: Path) -> dict:
-    meta = json.loads((shard / "records.json").read_text(encoding="utf-8"))
+    return _records_summary(json.loads((shard / "records.json").read_text(encoding="utf-8")))
+
+
+def _records_summary(meta: list[dict]) -> dict:
     return {"records": len(meta), "response_tokens": int(sum(m["response_len"] for m in meta)),
             "tokens": int(sum(m["prompt_len"] + m["response_len"] for m in meta)),
             "eos": int(sum(m["stop"] == "eos" for m in meta))}
