@@ -12,10 +12,17 @@ Equal means bit-for-bit. On this mesh the cross-process reductions each add two 
 and a sum of two floats does not depend on their order. So anything lost or counted twice
 (another host's slice of a batch, a checkpoint written from one host only, a sampling key that
 differs between hosts) shows as a difference, not as rounding.
+
+Each host's clock is its own, and the script makes them disagree: process 0 wants a checkpoint
+and an evaluation after every step, and process 1's clock, as the decoder reads it, runs ten times
+as fast. Before the hosts agreed on such decisions, the first crashed the job in gloo ("collective
+mismatch"), and decoding's round counts per call, sized from each host's own timing, did the same
+when load made the hosts' timings differ.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import socket
 import subprocess
@@ -23,6 +30,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
@@ -46,6 +54,10 @@ SCRIPT = textwrap.dedent("""
     assert initialize_distributed() == (processes > 1)
     pid = jax.process_index()
     assert (jax.process_count(), jax.device_count()) == (processes, 4), (jax.process_count(), jax.devices())
+    if pid == 1:  # this host's clock runs 10 times as fast, so it would size the decoder's calls otherwise
+        import time, types
+        import tevjax.decode.engine as engine
+        engine.time = types.SimpleNamespace(perf_counter=lambda: 10 * time.perf_counter())
     target, mesh = _target(), make_mesh(2, 2)
     shard_model(target, mesh)  # as `load_target(mesh=)` loads it for `tevjax data --mesh`
     generate_data(_loaded(target), ROLLOUT, data, prompts=PROMPTS, mesh=mesh, progress=False, log=lambda _: None)
@@ -103,8 +115,9 @@ def _job(processes: int, data: Path, run: Path, out: Path, timeout: float = 300)
         for p in procs:
             p.kill()
         pytest.fail(f"the {processes}-process job did not finish in {timeout:.0f} s (a host left waiting?)")
-    for pid, (p, log) in enumerate(zip(procs, logs)):
-        assert p.returncode == 0, f"process {pid} of {processes}:\n{log[-4000:]}"
+    failed = [pid for pid, p in enumerate(procs) if p.returncode != 0]
+    assert not failed, "\n".join(f"process {pid} of {processes} (exit {procs[pid].returncode}):\n{logs[pid][-3000:]}"
+                                  for pid in range(processes))
 
 
 def _shard_files(data: Path) -> dict[str, bytes]:
@@ -116,9 +129,10 @@ def _bf16(bits: np.ndarray) -> np.ndarray:
 
 
 def test_two_processes_generate_train_resume_and_decode_as_one(tmp_path):
-    from test_train import PROMPTS, ROLLOUT, TAPS, _loaded, _target
+    from test_train import CFG, PROMPTS, ROLLOUT, TAPS, _drafter, _loaded, _params, _target
 
     from tevjax.train.rollout import generate_data, sequence_hidden
+    from tevjax.train.run import train
 
     _job(1, tmp_path / "data_one", tmp_path / "one", tmp_path)
     _job(2, tmp_path / "data_two", tmp_path / "two", tmp_path)
@@ -175,3 +189,13 @@ def test_two_processes_generate_train_resume_and_decode_as_one(tmp_path):
     log = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
     assert [e["step"] for e in log if "heldout" in e] == [10, 12, 16]
     assert json.loads((run / "run.json").read_text())["train"]["steps"] == 16
+    # The run the two hosts wrote exports, and resumes, in this one process as they trained it.
+    exported = _params(run, target)
+    assert exported.keys() == one["params"].keys()
+    for name, want in one["params"].items():
+        np.testing.assert_array_equal(exported[name], np.asarray(want, np.float32), err_msg=name)
+    state = train(target, _drafter(target), tmp_path / "data_two", run, dataclasses.replace(CFG, steps=16),
+                  resume=True, target_name="tiny", heldout_records=4, progress=False, log=lambda _: None)
+    got = {"/".join(map(str, p)): np.asarray(v) for p, v in jax.tree_util.tree_flatten_with_path(state.params)[0]}
+    for name, want in one["params"].items():
+        np.testing.assert_array_equal(got[name], np.asarray(want, np.float32), err_msg=name)

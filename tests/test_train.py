@@ -398,6 +398,9 @@ def test_exact_resume_and_checkpoint_safety(tmp_path, data_dir, target):
             f.write_bytes(b"\0" * f.stat().st_size)
     with pytest.raises(RunError, match=f"checkpoints/{CFG.steps}: checkpoint is corrupt"):
         train(target, _drafter(target), data_dir, tmp_path / "a", CFG, resume=True, **quiet)
+    with pytest.raises(RunError, match=f"checkpoints/{CFG.steps}: cannot read the drafter parameters"):
+        export_run(tmp_path / "a", tmp_path / "a-export", target.cfg)
+    assert not (tmp_path / "a-export").exists()
     with pytest.raises(RunError, match=f"checkpoints/{CFG.steps}"):
         export_run(tmp_path / "a", tmp_path / "x", target.cfg)
 

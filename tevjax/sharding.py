@@ -34,9 +34,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 __all__ = ["CACHE_AXES", "DRAFTER_AXES", "LOGICAL_RULES", "TARGET_AXES", "any_process", "barrier", "batch_sharding",
-           "cache_shardings", "check_batch", "global_batch_array", "host_array", "initialize_distributed",
-           "logical_sharding", "logical_spec", "make_mesh", "param_shardings", "parse_mesh", "place", "put",
-           "replicated", "shard_model", "shardings_by_path"]
+           "cache_shardings", "check_batch", "every_process", "global_batch_array", "host_array",
+           "initialize_distributed", "logical_sharding", "logical_spec", "make_mesh", "param_shardings", "parse_mesh",
+           "place", "put", "replicated", "shard_model", "shardings_by_path"]
 
 # Logical axis name -> mesh axis (None: replicated). The one table every sharded array reads.
 #
@@ -278,25 +278,31 @@ def host_array(x: jax.Array) -> np.ndarray:
     """The whole of a (possibly multi-host) global array as a numpy array on this host."""
     if getattr(x, "is_fully_addressable", True):
         return np.asarray(x)
+    if x.is_fully_replicated:  # every process holds all of it: no collective needed
+        return np.asarray(x.addressable_data(0))
     from jax.experimental import multihost_utils
 
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
-def any_process(*flags: bool) -> tuple[bool, ...]:
-    """Each flag OR-ed over the processes of a multi-host job (as given in a single process).
-
-    A decision that leads to a collective (a checkpoint, an evaluation over the mesh, a stop) must be
-    the same on every host, or one host waits in a collective the others never join. Each host's
-    clock and signals are its own, so hosts agree on the OR of their wishes. It is a collective
-    itself: every process must call it at the same point.
-    """
+def every_process(values: Sequence[int]) -> np.ndarray:
+    """[P, n]: the int32 `values` of each of the P processes of a multi-host job, one row each
+    ([1, n] in a single process, with no collective). Host-side decisions that lead to collectives
+    (a checkpoint, an evaluation over the mesh, a stop, a round count) must be the same on every
+    host, or one host waits in a collective the others never join; each host's clock and signals
+    are its own, so hosts decide from everyone's values. A collective itself: every process must
+    call it at the same point."""
+    row = np.asarray(values, np.int32).reshape(-1)
     if jax.process_count() == 1:
-        return tuple(bool(f) for f in flags)
+        return row[None]
     from jax.experimental import multihost_utils
 
-    every = np.asarray(multihost_utils.process_allgather(np.asarray(flags, np.int32)))
-    return tuple(bool(f) for f in every.reshape(jax.process_count(), len(flags)).any(axis=0))
+    return np.asarray(multihost_utils.process_allgather(row)).reshape(jax.process_count(), row.size)
+
+
+def any_process(*flags: bool) -> tuple[bool, ...]:
+    """Each flag OR-ed over the processes of a multi-host job (as given in a single process)."""
+    return tuple(bool(f) for f in every_process([bool(f) for f in flags]).any(axis=0))
 
 
 def barrier(name: str) -> None:

@@ -71,7 +71,8 @@ from tevjax.models.cache import KVCache, scatter_rows
 from tevjax.models.dflash import DFlashDrafter, DrafterCache, features_from_hidden, tapped_hidden
 from tevjax.models.transformer import Transformer
 from tevjax.seeding import seed_key
-from tevjax.sharding import CACHE_AXES, LOGICAL_RULES, check_batch, host_array, logical_sharding, param_shardings, put
+from tevjax.sharding import (CACHE_AXES, LOGICAL_RULES, check_batch, every_process, host_array, logical_sharding,
+                             param_shardings, put)
 from tevjax.tree import DraftTree
 from tevjax.verifiers import VERIFIERS, verify
 
@@ -847,12 +848,17 @@ class Decoder:
                 t0 = time.perf_counter()
                 state = self._loop(self.tstate, self.dstate, state, np.int32(rounds), self.ngrams)
                 done = host_array(state.done)  # waits for the call: the bound on how late Ctrl-C is seen
-                if sigint.hit:
+                want = rounds if rounds_per_call is not None else \
+                    _next_rounds(rounds, time.perf_counter() - t0, self.cfg.max_new_tokens)
+                # The hosts of a multi-host job must make the same calls (their loops' collectives
+                # pair up), but each has its own clock and Ctrl-C: all take the smallest round
+                # count and stop if any was interrupted.
+                hit, want = every_process([sigint.hit, want]).T
+                if hit.any():
                     raise Interrupted(state)
                 if done.all():
                     return state
-                if rounds_per_call is None:
-                    rounds = _next_rounds(rounds, time.perf_counter() - t0, self.cfg.max_new_tokens)
+                rounds = int(want.min())
 
     def step(self, state: DecodeState) -> DecodeState:
         """One jitted round (consumes `state`); the building block of `stream`."""

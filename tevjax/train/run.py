@@ -281,16 +281,19 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, target_cf
     step = mgr.latest_step()
     if step is None:
         raise RunError(f"{run}: no complete checkpoint to export")
+    mgr.close()
     where = run / CKPT_DIR / str(step)
     try:
-        # Restored without a target structure: nested dicts of arrays, from which only the drafter
-        # parameters are taken (the optimizer state is not needed for an export).
-        raw = mgr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(None))).state["params"]
+        # Nested dicts of host (numpy) arrays, from which only the drafter parameters are taken (an
+        # export needs no optimizer state). Host arrays, not the saved shardings: the run may have
+        # been trained on devices and hosts this process does not have.
+        reader = ocp.PyTreeCheckpointer()
+        tree = ocp.PyTreeCheckpointHandler().metadata(where / "state").tree
+        as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+        raw = reader.restore(where / "state", args=ocp.args.PyTreeRestore(restore_args=as_numpy))["params"]
     except Exception as e:  # noqa: BLE001 - orbax raises many types for damaged files; name the checkpoint
         raise RunError(f"{where}: cannot read the drafter parameters ({type(e).__name__}: "
                        f"{str(e).splitlines()[0][:300]})") from None
-    finally:
-        mgr.close()
     for path, var in nnx.iter_graph(drafter):
         if not isinstance(var, nnx.Param):
             continue

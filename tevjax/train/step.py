@@ -47,7 +47,7 @@ from tevjax.law import edge_stats, law_from_edges
 from tevjax.models.cache import KVCache
 from tevjax.models.dflash import DFlashDrafter
 from tevjax.models.transformer import Transformer
-from tevjax.sharding import batch_sharding, check_batch, param_shardings, replicated
+from tevjax.sharding import batch_sharding, check_batch, host_array, param_shardings, replicated
 from tevjax.train.dataset import Batch
 from tevjax.train.objectives import (EXIT_WEIGHTS, distill_loss_terms, exit_loss_terms, exit_weights, ratio,
                                      sample_anchors, token_loss_terms)
@@ -355,4 +355,5 @@ class Trainer:
         return self._step(state, self.tstate, self.dconst, batch)
 
     def drafter(self, state: TrainState) -> DFlashDrafter:
-        return nnx.merge(self.dgd, jax.device_get(state.params), jax.device_get(self.dconst))
+        # host_array: on a multi-host mesh whose `model` axis spans hosts, no host holds a whole parameter.
+        return nnx.merge(self.dgd, *(jax.tree.map(host_array, t) for t in (state.params, self.dconst)))
