@@ -836,9 +836,10 @@ class Decoder:
 
         The jitted loop is called repeatedly, each call stopping after at most `rounds_per_call`
         rounds (default: adapted from the last call's time so that a call takes about
-        CALL_SECONDS). The results do not depend on the split: a call continues exactly where the
-        last one stopped. Ctrl-C (in the main thread) is answered after the call in flight:
-        `Interrupted` then carries the state, whose finished rows are complete.
+        CALL_SECONDS, on the slowest host of a multi-host job). The results do not depend on the
+        split: a call continues exactly where the last one stopped. Ctrl-C (in the main thread, on
+        any host) is answered after the call in flight: `Interrupted` then carries the state, whose
+        finished rows are complete.
         """
         if rounds_per_call is not None and rounds_per_call < 1:
             raise ValueError(f"rounds_per_call must be >= 1, got {rounds_per_call}")
