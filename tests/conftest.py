@@ -4,6 +4,8 @@ import os
 import tempfile
 from pathlib import Path
 
+import pytest
+
 # Many tests build decoders and trainers whose programs equal ones compiled earlier: every new
 # `Decoder` or `train()` call traces again and XLA would compile again. JAX's persistent
 # compilation cache turns those repeats into disk reads (test_train.py: 227 s -> 109 s). Set in
@@ -17,3 +19,27 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 # HLO programs are the same; only their machine code is less optimised.
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+
+
+# A fixture two modules share (test_decode_smollm2, test_multihost).
+@pytest.fixture(scope="module")
+def tiny_llama_dir(tmp_path_factory):
+    """A random 4-layer Llama saved by transformers (safetensors + config.json, no tokenizer).
+
+    Four layers, because the fresh drafter the CLI builds for a target without a drafter taps the
+    public default layers, which need a target with >= 4 layers.
+
+    initializer_range 0.3 (not transformers' 0.02) gives O(1) logit gaps, so the greedy path has no
+    near-ties."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        rms_norm_eps=1e-6, rope_theta=10000.0, initializer_range=0.3, bos_token_id=1,
+        eos_token_id=2, tie_word_embeddings=False)
+    path = tmp_path_factory.mktemp("tiny_llama")
+    transformers.LlamaForCausalLM(config).to(torch.float32).save_pretrained(path)
+    return path

@@ -243,29 +243,6 @@ def test_cli_generate_json_on_embedded_default(smollm2, prompt_ids, reference):
     assert rec["tokens_per_second"] == pytest.approx(len(rec["tokens"]) / rec["seconds"], rel=1e-2)
 
 
-@pytest.fixture(scope="module")
-def tiny_llama_dir(tmp_path_factory):
-    """A random 4-layer Llama saved by transformers (safetensors + config.json, no tokenizer).
-
-    Four layers, because the fresh drafter the CLI builds for a target without a drafter taps the
-    public default layers, which need a target with >= 4 layers.
-
-    initializer_range 0.3 (not transformers' 0.02) gives O(1) logit gaps, so the greedy path has no
-    near-ties."""
-    import torch
-    import transformers
-
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        rms_norm_eps=1e-6, rope_theta=10000.0, initializer_range=0.3, bos_token_id=1,
-        eos_token_id=2, tie_word_embeddings=False)
-    path = tmp_path_factory.mktemp("tiny_llama")
-    transformers.LlamaForCausalLM(config).to(torch.float32).save_pretrained(path)
-    return path
-
-
 def test_cli_generate_on_a_hf_directory(tiny_llama_dir):
     n, prompt = 24, [1, 2, 3]
     rec, = _cli_json(["--target", str(tiny_llama_dir), "--prompt-ids", "1,2,3",

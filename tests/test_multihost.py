@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -95,18 +96,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _job(processes: int, data: Path, run: Path, out: Path, timeout: float = 300) -> None:
-    """Runs SCRIPT as one job of `processes` processes with 4 devices in all; fails on any error or
-    on a hang (a process waiting in a collective that another never joins)."""
-    code = SCRIPT.format(tests=str(TESTS), processes=processes, data=str(data), run=str(run), out=str(out))
-    env = forced_devices_env(4 // processes)
-    port = _free_port()
-    procs = []
-    for pid in range(processes):
-        extra = {} if processes == 1 else {"JAX_COORDINATOR_ADDRESS": f"localhost:{port}",
-                                           "JAX_NUM_PROCESSES": str(processes), "JAX_PROCESS_ID": str(pid)}
-        procs.append(subprocess.Popen([sys.executable, "-c", code], env={**env, **extra}, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+def _launch(argvs: list[list[str]], envs: list[dict], what: str, timeout: float = 300) -> list[str]:
+    """Runs one process per argv (with its environment) and returns their outputs; fails on any
+    error or on a hang (a process waiting in a collective that another never joins)."""
+    procs = [subprocess.Popen(argv, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+             for argv, env in zip(argvs, envs)]
     logs = []
     try:
         for p in procs:
@@ -114,10 +108,22 @@ def _job(processes: int, data: Path, run: Path, out: Path, timeout: float = 300)
     except subprocess.TimeoutExpired:
         for p in procs:
             p.kill()
-        pytest.fail(f"the {processes}-process job did not finish in {timeout:.0f} s (a host left waiting?)")
+        pytest.fail(f"{what} did not finish in {timeout:.0f} s (a host left waiting?)")
     failed = [pid for pid, p in enumerate(procs) if p.returncode != 0]
-    assert not failed, "\n".join(f"process {pid} of {processes} (exit {procs[pid].returncode}):\n{logs[pid][-3000:]}"
-                                  for pid in range(processes))
+    assert not failed, "\n".join(f"{what}, process {pid} (exit {p.returncode}):\n{log[-3000:]}"
+                                  for pid, (p, log) in enumerate(zip(procs, logs)))
+    return logs
+
+
+def _job(processes: int, data: Path, run: Path, out: Path) -> None:
+    """SCRIPT as one job of `processes` processes with 4 devices in all, joined through the
+    environment."""
+    code = SCRIPT.format(tests=str(TESTS), processes=processes, data=str(data), run=str(run), out=str(out))
+    env, port = forced_devices_env(4 // processes), _free_port()
+    envs = [env if processes == 1 else {**env, "JAX_COORDINATOR_ADDRESS": f"localhost:{port}",
+                                        "JAX_NUM_PROCESSES": str(processes), "JAX_PROCESS_ID": str(pid)}
+            for pid in range(processes)]
+    _launch([[sys.executable, "-c", code]] * processes, envs, f"the {processes}-process job")
 
 
 def _shard_files(data: Path) -> dict[str, bytes]:
@@ -199,3 +205,21 @@ def test_two_processes_generate_train_resume_and_decode_as_one(tmp_path):
     got = {"/".join(map(str, p)): np.asarray(v) for p, v in jax.tree_util.tree_flatten_with_path(state.params)[0]}
     for name, want in one["params"].items():
         np.testing.assert_array_equal(got[name], np.asarray(want, np.float32), err_msg=name)
+
+
+def test_cli_generate_joins_two_processes_by_its_flags(tiny_llama_dir):
+    """`tevjax generate` on two processes joined by --coordinator / --num-processes / --process-id
+    on a (2, 2) mesh prints, on each of them, the tokens one process prints on one device."""
+    base = [sys.executable, "-m", "tevjax", "generate", "--target", str(tiny_llama_dir), "--prompt-ids", "1,2,3",
+            "--max-new-tokens", "12", "--budget", "4", "--json"]
+    port = _free_port()
+    joined = [base + ["--mesh", "data=2,model=2", "--coordinator", f"localhost:{port}", "--num-processes", "2",
+                      "--process-id", str(pid)] for pid in (0, 1)]
+    env = {**os.environ, "PYTHONPATH": str(TESTS.parent) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    logs = _launch([base] + joined, [env] + [{**env, **forced_devices_env(2)}] * 2, "tevjax generate")
+    records = [[json.loads(line) for line in log.splitlines() if line.startswith("{")] for log in logs]
+    assert [len(r) for r in records] == [1, 1, 1], logs
+    one = records[0][0]
+    assert len(one["tokens"]) == 12 or one["tokens"][-1] == 2
+    for pid in (0, 1):
+        assert records[pid + 1][0]["tokens"] == one["tokens"], (pid, records)
