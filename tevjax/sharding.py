@@ -19,8 +19,9 @@ across GPUs" (`pmap` is legacy and implemented on jit + shard_map).
 Multi-host: call `initialize_distributed` first (it runs `jax.distributed.initialize` when
 coordinator flags or the usual cluster environment variables are present); the mesh then spans
 every process's devices and each process feeds its own slice of the global batch
-(`global_batch_array`). Host-side decisions that start a collective (a checkpoint, an evaluation)
-go through `any_process`, so that every host takes them at the same step.
+(`global_batch_array`). Host-side decisions that start a collective (a checkpoint, an evaluation,
+a decoder call's round count) go through `every_process` / `any_process`, so that every host takes
+them at the same point.
 """
 
 from __future__ import annotations
