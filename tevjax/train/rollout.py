@@ -477,7 +477,7 @@ def generate_data(loaded, cfg: RolloutConfig, out_dir: str | os.PathLike, *, res
         if writer:
             _write_shard(out / SHARDS / name, records, feats)
             _write_json_atomic(out / MANIFEST, manifest)
-        new_tokens = sum(r["response_len"] for r in records)
+        new_tokens = manifest["shards"][name]["response_tokens"]
         tokens_done += new_tokens
         rate = tokens_done / (time.perf_counter() - t_start)
         if bar is not None:
