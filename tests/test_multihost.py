@@ -96,9 +96,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(argvs: list[list[str]], envs: list[dict], what: str, timeout: float = 300) -> list[str]:
-    """Runs one process per argv (with its environment) and returns their outputs; fails on any
-    error or on a hang (a process waiting in a collective that another never joins)."""
+def _launch(argvs: list[list[str]], envs: list[dict], what: str, timeout: float = 300,
+            codes: list[int] | None = None) -> list[str]:
+    """Runs one process per argv (with its environment) and returns their outputs; fails on an
+    exit status other than `codes` (default: all 0) or on a hang (a process waiting in a
+    collective that another never joins)."""
     procs = [subprocess.Popen(argv, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
              for argv, env in zip(argvs, envs)]
     logs = []
@@ -109,20 +111,24 @@ def _launch(argvs: list[list[str]], envs: list[dict], what: str, timeout: float 
         for p in procs:
             p.kill()
         pytest.fail(f"{what} did not finish in {timeout:.0f} s (a host left waiting?)")
-    failed = [pid for pid, p in enumerate(procs) if p.returncode != 0]
-    assert not failed, "\n".join(f"{what}, process {pid} (exit {p.returncode}):\n{log[-3000:]}"
-                                  for pid, (p, log) in enumerate(zip(procs, logs)))
+    want = [0] * len(procs) if codes is None else codes
+    assert [p.returncode for p in procs] == want, "\n".join(
+        f"{what}, process {pid} (exit {p.returncode}):\n{log[-3000:]}" for pid, (p, log) in enumerate(zip(procs, logs)))
     return logs
+
+
+def _joined_envs(env: dict, processes: int = 2) -> list[dict]:
+    port = _free_port()
+    return [{**env, "JAX_COORDINATOR_ADDRESS": f"localhost:{port}", "JAX_NUM_PROCESSES": str(processes),
+             "JAX_PROCESS_ID": str(pid)} for pid in range(processes)]
 
 
 def _job(processes: int, data: Path, run: Path, out: Path) -> None:
     """SCRIPT as one job of `processes` processes with 4 devices in all, joined through the
     environment."""
     code = SCRIPT.format(tests=str(TESTS), processes=processes, data=str(data), run=str(run), out=str(out))
-    env, port = forced_devices_env(4 // processes), _free_port()
-    envs = [env if processes == 1 else {**env, "JAX_COORDINATOR_ADDRESS": f"localhost:{port}",
-                                        "JAX_NUM_PROCESSES": str(processes), "JAX_PROCESS_ID": str(pid)}
-            for pid in range(processes)]
+    env = forced_devices_env(4 // processes)
+    envs = [env] if processes == 1 else _joined_envs(env, processes)
     _launch([[sys.executable, "-c", code]] * processes, envs, f"the {processes}-process job")
 
 
@@ -223,3 +229,54 @@ def test_cli_generate_joins_two_processes_by_its_flags(tiny_llama_dir):
     assert len(one["tokens"]) == 12 or one["tokens"][-1] == 2
     for pid in (0, 1):
         assert records[pid + 1][0]["tokens"] == one["tokens"], (pid, records)
+
+
+# No hang when one host fails. The limit is well under jax.distributed's own: without
+# `abort_job`, the failing process waits 300 s in the shutdown barrier while the other waits in
+# a collective, then both abort with a coordination-service message that names no cause.
+FAIL_LIMIT_S = 90
+
+FAILING = textwrap.dedent("""
+    import jax
+    import numpy as np
+    from tevjax.sharding import every_process, initialize_distributed
+
+    assert initialize_distributed()
+    for step in range(1000):  # a collective per step, as a training or decoding loop has
+        every_process([step])
+        if jax.process_index() == 1 and step == 3:
+            raise RuntimeError("host 1 fails at step 3")
+    print("finished")
+""")
+
+
+def test_an_uncaught_exception_on_one_host_ends_the_job():
+    """Process 1 raises after a few collectives; process 0, waiting in the next one, is told why
+    and exits too, instead of waiting out jax.distributed's timeouts."""
+    logs = _launch([[sys.executable, "-c", FAILING]] * 2, _joined_envs(forced_devices_env(1)), "the failing job",
+                   timeout=FAIL_LIMIT_S, codes=[1, 1])
+    assert "RuntimeError: host 1 fails at step 3" in logs[1] and "Traceback" in logs[1], logs[1]
+    assert "tevjax: stopping process 0 of 2: process 1 failed: RuntimeError: host 1 fails at step 3" in logs[0], logs[0]
+    assert "finished" not in logs[0], logs[0]
+
+
+@pytest.mark.parametrize("lacking", ["--target", "--batch-file"])
+def test_cli_error_on_one_host_ends_the_job(tiny_llama_dir, tmp_path, lacking):
+    """`tevjax generate` with a file that one host lacks: that host prints the error and exits with
+    the CLI's usage status, and the other stops with the same reason instead of waiting for it.
+    The model directory is found missing after the job is joined, while the other host loads and
+    shards the model; the prompt file before any model is loaded, as the job is joined."""
+    missing = tmp_path / "not-on-this-host"
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("hello\nworld\n")
+    argvs = [[sys.executable, "-m", "tevjax", "generate", "--target", str(tiny_llama_dir), "--batch-file",
+              str(prompts), "--no-chat", "--max-new-tokens", "12", "--budget", "4", "--mesh", "data=2", "--json"]
+             for _ in range(2)]
+    argvs[1][argvs[1].index(lacking) + 1] = str(missing)
+    env = {**forced_devices_env(1), "PYTHONPATH": str(TESTS.parent) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    logs = _launch(argvs, _joined_envs(env), "tevjax generate", timeout=FAIL_LIMIT_S, codes=[1, 2])
+    error = next(line for line in logs[1].splitlines() if line.startswith("tevjax: error:"))
+    assert str(missing) in error and "Traceback" not in logs[1], logs[1]
+    why = error.removeprefix("tevjax: error: ")
+    assert f"tevjax: stopping process 0 of 2: process 1 failed: {why}" in logs[0], logs[0]
+    assert '"tokens"' not in logs[0], logs[0]

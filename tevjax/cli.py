@@ -584,16 +584,27 @@ def cmd_data(args) -> int:
 def _mesh(args, *, default_all: bool):
     """The --mesh device mesh (after joining a multi-host job), or None for one device when
     neither --mesh nor a multi-host job asks for one and `default_all` is False."""
-    from tevjax.sharding import initialize_distributed, make_mesh, parse_mesh
+    from tevjax.sharding import make_mesh, parse_mesh
 
+    distributed = _join(args)
+    if not (args.mesh or distributed or default_all):
+        return None
     try:
-        distributed = initialize_distributed(args.coordinator, args.num_processes, args.process_id)
-        if not (args.mesh or distributed or default_all):
-            return None
         sizes = parse_mesh(args.mesh) if args.mesh else {}
         return make_mesh(sizes.get("data"), sizes.get("model", 1))
     except ValueError as e:
-        raise CliError(str(e) if str(e).startswith("--") else f"--mesh {args.mesh or ''}: {e}") from None
+        raise CliError(f"--mesh {args.mesh or ''}: {e}") from None
+
+
+def _join(args) -> bool:
+    """Joins the multi-host job that the flags or the environment ask for (once); whether one
+    was joined."""
+    from tevjax.sharding import initialize_distributed
+
+    try:
+        return initialize_distributed(args.coordinator, args.num_processes, args.process_id)
+    except ValueError as e:
+        raise CliError(str(e)) from None
 
 
 def cmd_train(args) -> int:
@@ -722,21 +733,36 @@ def main(argv: list[str] | None = None) -> int:
         argv = [*argv[:first], "train-export", *argv[first + 2:]]
     args = parser.parse_args(argv)
     try:
+        if hasattr(args, "coordinator"):
+            # A multi-host job is joined before any check, so that a check one host fails (a file
+            # only the others have) ends the job at once (`_failed`) instead of leaving them
+            # waiting for it in jax.distributed's initialization (300 s).
+            _join(args)
         return args.func(args)
     except KeyboardInterrupt:
         print("tevjax: interrupted", file=sys.stderr)
-        return 130
+        return _failed("interrupted", 130)
     except (CliError, ValueError, FileNotFoundError, FileExistsError, OSError) as e:
         if args.debug:
             raise
         print(f"tevjax: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
+        return _failed(str(e), EXIT_USAGE)
     except Exception as e:  # noqa: BLE001 - the CLI never shows a raw traceback unless asked
         if args.debug:
             raise
         print(f"tevjax: internal error: {type(e).__name__}: {e} (rerun with --debug for the traceback)",
               file=sys.stderr)
-        return 1
+        return _failed(f"{type(e).__name__}: {e}", 1)
+
+
+def _failed(why: str, code: int) -> int:
+    """`code`, after ending the rest of a multi-host job this process belongs to (which it joined
+    through tevjax.sharding, so that module is loaded if it did): the other processes would
+    otherwise wait in their next collective for this one."""
+    sharding = sys.modules.get("tevjax.sharding")
+    if sharding is not None:
+        sharding.abort_job(why, code)  # returns only outside a multi-host job
+    return code
 
 
 if __name__ == "__main__":
