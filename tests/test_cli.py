@@ -114,6 +114,11 @@ def test_generate_json_matches_autoregressive_greedy(capsys, tiny_dir):
     code, out, _ = _run(capsys, "generate", "--target", str(path), "--prompt-ids", "1,2,3", "--max-new-tokens", "8",
                         "--verifier", "ar", "--json")
     assert code == 0 and json.loads(out.strip().splitlines()[-1])["tokens"] == reference.tokens
+    # Without --budget, the CPU's default: 8, the faster of 8 and 16 on this CPU.
+    code, out, err = _run(capsys, "generate", "--target", str(path), "--prompt-ids", "1,2,3", "--max-new-tokens", "8",
+                          "--json")
+    record = json.loads(out.strip().splitlines()[-1])
+    assert code == 0 and (record["budget"], record["lookup"]) == (8, 8) and record["tokens"] == reference.tokens, err
 
 
 # A model that answers with a fixed byte string: every layer's output projections are zero, so
