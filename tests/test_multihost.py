@@ -45,7 +45,8 @@ SCRIPT = textwrap.dedent("""
     import jax
     import numpy as np
     from tevjax.decode import DecodeConfig, Decoder
-    from tevjax.sharding import host_array, initialize_distributed, make_mesh, shard_model
+    from tevjax.multihost import initialize_distributed
+    from tevjax.sharding import host_array, make_mesh, shard_model
     from tevjax.train.rollout import generate_data, sequence_hidden
     from tevjax.train.run import train
     from tevjax.train.step import Trainer
@@ -239,7 +240,7 @@ FAIL_LIMIT_S = 90
 FAILING = textwrap.dedent("""
     import jax
     import numpy as np
-    from tevjax.sharding import every_process, initialize_distributed
+    from tevjax.multihost import every_process, initialize_distributed
 
     assert initialize_distributed()
     for step in range(1000):  # a collective per step, as a training or decoding loop has

@@ -86,6 +86,7 @@ _LAZY = {
     "make_mesh": "tevjax.sharding",
     "param_shardings": "tevjax.sharding",
     "shard_model": "tevjax.sharding",
+    "initialize_distributed": "tevjax.multihost",
 }
 
 __all__ = [

@@ -614,7 +614,7 @@ def _mesh(args, *, default_all: bool):
 def _join(args) -> bool:
     """Joins the multi-host job that the flags or the environment ask for (once); whether one
     was joined."""
-    from tevjax.sharding import initialize_distributed
+    from tevjax.multihost import initialize_distributed
 
     try:
         return initialize_distributed(args.coordinator, args.num_processes, args.process_id)
@@ -772,11 +772,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def _failed(why: str, code: int) -> int:
     """`code`, after ending the rest of a multi-host job this process belongs to (which it joined
-    through tevjax.sharding, so that module is loaded if it did): the other processes would
+    through tevjax.multihost, so that module is loaded if it did): the other processes would
     otherwise wait in their next collective for this one."""
-    sharding = sys.modules.get("tevjax.sharding")
-    if sharding is not None:
-        sharding.abort_job(why, code)  # returns only outside a multi-host job
+    multihost = sys.modules.get("tevjax.multihost")
+    if multihost is not None:
+        multihost.abort_job(why, code)  # returns only outside a multi-host job
     return code
 
 

@@ -16,18 +16,13 @@ matmul runs on its own slice of the weights and XLA inserts one all-reduce of th
 activations after `o_proj` and `down_proj`. One jit over a mesh is the modern form of "pmapped
 across GPUs" (`pmap` is legacy and implemented on jit + shard_map).
 
-Multi-host: call `initialize_distributed` first (it runs `jax.distributed.initialize` when
-coordinator flags or the usual cluster environment variables are present); the mesh then spans
+Multi-host: join the job first (`tevjax.multihost.initialize_distributed`); the mesh then spans
 every process's devices and each process feeds its own slice of the global batch
-(`global_batch_array`). Host-side decisions that start a collective (a checkpoint, an evaluation,
-a decoder call's round count) go through `every_process` / `any_process`, so that every host takes
-them at the same point. A process that fails ends the whole job within seconds (`abort_job`), rather
-than leaving the others waiting in a collective.
+(`global_batch_array`).
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -35,10 +30,9 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-__all__ = ["CACHE_AXES", "DRAFTER_AXES", "LOGICAL_RULES", "TARGET_AXES", "abort_job", "any_process", "barrier",
-           "batch_sharding", "cache_shardings", "check_batch", "every_process", "global_batch_array", "host_array",
-           "initialize_distributed", "logical_sharding", "logical_spec", "make_mesh", "param_shardings", "parse_mesh",
-           "place", "put", "replicated", "shard_model", "shardings_by_path"]
+__all__ = ["CACHE_AXES", "DRAFTER_AXES", "LOGICAL_RULES", "TARGET_AXES", "batch_sharding", "cache_shardings",
+           "check_batch", "global_batch_array", "host_array", "logical_sharding", "logical_spec", "make_mesh",
+           "param_shardings", "parse_mesh", "place", "put", "replicated", "shard_model", "shardings_by_path"]
 
 # Logical axis name -> mesh axis (None: replicated). The one table every sharded array reads.
 #
@@ -287,34 +281,6 @@ def host_array(x: jax.Array) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
-def every_process(values: Sequence[int]) -> np.ndarray:
-    """[P, n]: the int32 `values` of each of the P processes of a multi-host job, one row each
-    ([1, n] in a single process, with no collective). Host-side decisions that lead to collectives
-    (a checkpoint, an evaluation over the mesh, a stop, a round count) must be the same on every
-    host, or one host waits in a collective the others never join; each host's clock and signals
-    are its own, so hosts decide from everyone's values. A collective itself: every process must
-    call it at the same point."""
-    row = np.asarray(values, np.int32).reshape(-1)
-    if jax.process_count() == 1:
-        return row[None]
-    from jax.experimental import multihost_utils
-
-    return np.asarray(multihost_utils.process_allgather(row)).reshape(jax.process_count(), row.size)
-
-
-def any_process(*flags: bool) -> tuple[bool, ...]:
-    """Each flag OR-ed over the processes of a multi-host job (as given in a single process)."""
-    return tuple(bool(f) for f in every_process([bool(f) for f in flags]).any(axis=0))
-
-
-def barrier(name: str) -> None:
-    """Waits until every process of a multi-host job reaches the barrier `name` (no-op in one)."""
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        multihost_utils.sync_global_devices(name)
-
-
 def parse_mesh(text: str) -> dict[str, int]:
     """'data=2,model=1' -> {"data": 2, "model": 1}, with one-line errors."""
     out: dict[str, int] = {}
@@ -356,156 +322,3 @@ def global_batch_array(mesh: Mesh, local: np.ndarray) -> jax.Array:
     """A global array, batch-sharded over `data`, from this process's slice of the global batch
     (the whole batch in a single-process run)."""
     return jax.make_array_from_process_local_data(batch_sharding(mesh, local.ndim), local)
-
-
-def initialize_distributed(coordinator: str | None = None, num_processes: int | None = None,
-                           process_id: int | None = None) -> bool:
-    """Runs `jax.distributed.initialize` for a multi-host job; returns whether it did.
-
-    Flags win over the environment: JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID
-    (the last two are read here; jax itself reads only the first). With a coordinator but no
-    process count, or under SLURM / Open MPI, JAX's cluster auto-detection fills in the rest. A
-    single-host run without any of them does nothing. A joined process watches for another's
-    failure (`abort_job`), and its uncaught exceptions end the job.
-    """
-    if _kv_client() is not None:  # already joined (the CLI joins before its checks, then again)
-        return True
-    env = os.environ
-
-    def env_int(name):
-        if name not in env:
-            return None
-        try:
-            return int(env[name])
-        except ValueError:
-            raise ValueError(f"{name}={env[name]!r} is not an integer") from None
-
-    from_flags = coordinator is not None
-    coordinator = coordinator or env.get("JAX_COORDINATOR_ADDRESS")
-    num_processes = num_processes if num_processes is not None else env_int("JAX_NUM_PROCESSES")
-    process_id = process_id if process_id is not None else env_int("JAX_PROCESS_ID")
-    if coordinator is not None and num_processes is not None and process_id is not None:
-        jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
-                                   process_id=process_id)
-    elif from_flags:
-        raise ValueError("--coordinator needs --num-processes and --process-id")
-    elif coordinator is not None or any(v in env for v in ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE")):
-        jax.distributed.initialize()
-    else:
-        return False
-    _watch_for_abort()
-    return True
-
-
-# One process's failure ends the whole job. Without this, a host that raises leaves the others
-# waiting in their next collective, and itself in jax.distributed's shutdown barrier: 300 s
-# (shutdown_timeout) before both abort, or 100 s (heartbeat_timeout) if it exits without that
-# barrier, each with a coordination-service message that does not say what failed. Instead, the
-# failing process leaves its reason in the job's key-value store under every other process's
-# _ABORT key and exits at once; each process's watchdog thread waits on its own key, prints the
-# reason and exits too.
-#
-# The store lives in process 0, and once it is gone jax's client aborts any process still
-# running ("detected fatal errors"), with that message rather than the reason. So process 0
-# exits last: before it does, it waits until every other process has acknowledged (_ACK), as
-# each does just before it exits.
-_ABORT, _ACK = "tevjax/abort/{}", "tevjax/abort_ack/{}"
-_ACK_WAIT_S = 5.0
-_job: tuple[Any, int, int] | None = None  # (key-value client, this process, processes) once joined
-
-
-def _kv_client():
-    # jax has no public accessor for the job's key-value store; orbax reads this same attribute.
-    from jax._src.distributed import global_state
-
-    return global_state.client
-
-
-def _exit_job(code: int) -> None:
-    """Exits this process of a failing job: process 0 (the store's host) only after the others
-    have acknowledged, or _ACK_WAIT_S has passed."""
-    import sys
-    import time
-
-    client, pid, count = _job
-    sys.stdout.flush()
-    sys.stderr.flush()
-    try:
-        client.key_value_set(_ACK.format(pid), "1", allow_overwrite=True)
-    except Exception:  # noqa: BLE001 - the store is gone: nobody waits for this process
-        pass
-    if pid == 0:
-        deadline = time.monotonic() + _ACK_WAIT_S
-        for other in range(1, count):  # a process that died without a word never acknowledges
-            try:
-                client.blocking_key_value_get(_ACK.format(other), max(1, int(1000 * (deadline - time.monotonic()))))
-            except Exception:  # noqa: BLE001
-                pass
-        time.sleep(0.2)  # so the acknowledged processes have exited when the store goes
-    os._exit(code)
-
-
-def _watch_for_abort() -> None:
-    """Starts this process's abort watchdog and routes uncaught exceptions to `abort_job`."""
-    import atexit
-    import sys
-    import threading
-
-    global _job
-    client, pid, count = _kv_client(), jax.process_index(), jax.process_count()
-    if client is None or count == 1 or _job is not None:
-        return
-    _job = (client, pid, count)
-
-    def watch():
-        while True:
-            try:  # the wait releases the GIL; it is renewed hourly so no RPC deadline is reached
-                why = client.blocking_key_value_get(_ABORT.format(pid), 3_600_000)
-            except Exception as e:  # noqa: BLE001 - a renewed wait, or the store is gone
-                if "DEADLINE_EXCEEDED" in str(e):
-                    continue
-                return  # the store's host exited: jax's own error polling ends this process
-            if not why:  # this process is exiting normally (stop_watch below)
-                return
-            print(f"tevjax: stopping process {pid} of {count}: {why}", file=sys.stderr, flush=True)
-            _exit_job(1)
-
-    watcher = threading.Thread(target=watch, name="tevjax-abort-watch", daemon=True)
-    watcher.start()
-
-    def stop_watch():
-        # A daemon thread whose wait ends during interpreter shutdown (as jax.distributed's own
-        # shutdown cancels it) aborts the process, so the watchdog is woken and joined first; atexit
-        # runs this before jax's handler, which was registered earlier. From here on a peer's
-        # failure reaches this process through jax's heartbeats instead.
-        try:
-            client.key_value_set(_ABORT.format(pid), "", allow_overwrite=True)
-        except Exception:  # noqa: BLE001 - the store is gone, and the wait with it
-            pass
-        watcher.join(timeout=_ACK_WAIT_S)
-
-    atexit.register(stop_watch)
-    previous = sys.excepthook
-
-    def excepthook(kind, value, tb):
-        previous(kind, value, tb)
-        abort_job(f"{kind.__name__}: {value}", 130 if issubclass(kind, KeyboardInterrupt) else 1)
-
-    sys.excepthook = excepthook
-
-
-def abort_job(why: str, code: int = 1) -> None:
-    """Ends a multi-host job joined by `initialize_distributed`: this process exits now with
-    `code`, and every other one within seconds with 1, printing `why` and which process failed.
-    Returns without doing anything in a single-process run. Uncaught exceptions call it; so does
-    the CLI on any error, after printing it."""
-    if _job is None:
-        return
-    client, pid, count = _job
-    for other in range(count):
-        if other != pid:
-            try:
-                client.key_value_set(_ABORT.format(other), f"process {pid} failed: {why}", allow_overwrite=True)
-            except Exception:  # noqa: BLE001 - the store is gone: its host's exit already ends the job
-                break
-    _exit_job(code)

@@ -70,8 +70,9 @@ from tevjax.builder import (LOOKUP_SURVIVAL, NgramTable, build_ddtree_from_top, 
 from tevjax.models.cache import KVCache, scatter_rows
 from tevjax.models.dflash import DFlashDrafter, DrafterCache, features_from_hidden, tapped_hidden
 from tevjax.models.transformer import Transformer
+from tevjax.multihost import every_process
 from tevjax.seeding import seed_key
-from tevjax.sharding import (CACHE_AXES, LOGICAL_RULES, check_batch, every_process, host_array, logical_sharding,
+from tevjax.sharding import (CACHE_AXES, LOGICAL_RULES, check_batch, host_array, logical_sharding,
                              param_shardings, put)
 from tevjax.tree import DraftTree
 from tevjax.verifiers import VERIFIERS, verify

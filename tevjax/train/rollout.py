@@ -59,7 +59,8 @@ from tevjax.models.cache import KVCache
 from tevjax.models.dflash import tapped_hidden
 from tevjax.models.layers import causal_mask
 from tevjax.models.transformer import Transformer
-from tevjax.sharding import barrier, batch_sharding, host_array, put
+from tevjax.multihost import barrier
+from tevjax.sharding import batch_sharding, host_array, put
 
 __all__ = ["RolloutConfig", "generate_data", "select_prompts", "sequence_hidden", "batch_features", "read_manifest",
            "MANIFEST", "FORMAT_VERSION"]

@@ -29,7 +29,8 @@ import jax
 import numpy as np
 
 from tevjax.models.dflash import DFlashConfig, DFlashDrafter, check_draft_vocab
-from tevjax.sharding import any_process, barrier, global_batch_array, make_mesh
+from tevjax.multihost import any_process, barrier
+from tevjax.sharding import global_batch_array, make_mesh
 from tevjax.train.dataset import Batch, TrainData
 from tevjax.train.rollout import settings_diff
 from tevjax.train.step import TrainConfig, Trainer, TrainState
