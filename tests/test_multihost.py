@@ -230,6 +230,28 @@ def test_cli_generate_joins_two_processes_by_its_flags(tiny_llama_dir):
     assert len(one["tokens"]) == 12 or one["tokens"][-1] == 2
     for pid in (0, 1):
         assert records[pid + 1][0]["tokens"] == one["tokens"], (pid, records)
+        # Each host says which job it joins before jax.distributed's wait, and what it joined.
+        joining = f"tevjax: joining the job at localhost:{port} as process {pid} of 2, waiting up to 300 s"
+        assert joining in logs[pid + 1], logs[pid + 1]
+        assert f"tevjax: joined: process {pid} of 2, 4 devices in all" in logs[pid + 1], logs[pid + 1]
+    assert "joining" not in logs[0]
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"JAX_NUM_PROCESSES": "0", "JAX_PROCESS_ID": "0"}, "a job of 0 processes (--num-processes / JAX_NUM_PROCESSES)"),
+    ({"JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "-1"},
+     "process id -1 (--process-id / JAX_PROCESS_ID) is not in 0..1"),
+    ({"JAX_NUM_PROCESSES": "two", "JAX_PROCESS_ID": "0"}, "JAX_NUM_PROCESSES='two' is not an integer"),
+])
+def test_bad_job_environment_is_refused_before_joining(monkeypatch, env, message):
+    from tevjax.multihost import initialize_distributed
+
+    monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "localhost:1")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError) as e:
+        initialize_distributed()
+    assert message in str(e.value)
 
 
 # No hang when one host fails. The limit is well under jax.distributed's own: without

@@ -148,6 +148,8 @@ def test_mesh_parsing_and_device_count_errors():
     (["data", "--num-prompts", "8", "--out", "/nonexistent/d", "--mesh", "data=64"], "needs 64 devices"),
     (["data", "--num-prompts", "8", "--out", "/nonexistent/d", "--coordinator", "localhost:1"],
      "--coordinator needs --num-processes"),
+    (["generate", "--prompt-ids", "1,2", "--coordinator", "localhost:1", "--num-processes", "2", "--process-id", "2"],
+     "process id 2 (--process-id / JAX_PROCESS_ID) is not in 0..1, the ids of a job of 2 processes"),
 ])
 def test_cli_mesh_errors_are_one_line(capsys, argv, message):
     assert main(argv) == 2

@@ -617,7 +617,8 @@ def _join(args) -> bool:
     from tevjax.multihost import initialize_distributed
 
     try:
-        return initialize_distributed(args.coordinator, args.num_processes, args.process_id)
+        return initialize_distributed(args.coordinator, args.num_processes, args.process_id,
+                                      log=lambda m: print(f"tevjax: {m}", file=sys.stderr, flush=True))
     except ValueError as e:
         raise CliError(str(e)) from None
 

@@ -15,13 +15,15 @@ Three things each host would otherwise do on its own:
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
-__all__ = ["abort_job", "any_process", "barrier", "every_process", "initialize_distributed"]
+__all__ = ["JOIN_TIMEOUT_S", "abort_job", "any_process", "barrier", "every_process", "initialize_distributed"]
+
+JOIN_TIMEOUT_S = 300  # jax.distributed's default: hosts of one job may start minutes apart
 
 
 def every_process(values: Sequence[int]) -> np.ndarray:
@@ -51,7 +53,7 @@ def barrier(name: str) -> None:
 
 
 def initialize_distributed(coordinator: str | None = None, num_processes: int | None = None,
-                           process_id: int | None = None) -> bool:
+                           process_id: int | None = None, log: Callable[[str], None] | None = None) -> bool:
     """Runs `jax.distributed.initialize` for a multi-host job; returns whether it did.
 
     Flags win over the environment: JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID
@@ -59,6 +61,10 @@ def initialize_distributed(coordinator: str | None = None, num_processes: int | 
     process count, or under SLURM / Open MPI, JAX's cluster auto-detection fills in the rest. A
     single-host run without any of them does nothing. A joined process watches for another's
     failure (`abort_job`), and its uncaught exceptions end the job.
+
+    `log` hears, before the wait, which job is being joined: jax.distributed waits up to
+    `JOIN_TIMEOUT_S` for every process and then aborts this one with a message that names no
+    cause, so a host that failed before joining is otherwise hard to tell from a slow one.
     """
     if _kv_client() is not None:  # already joined (the CLI joins before its checks, then again)
         return True
@@ -76,15 +82,26 @@ def initialize_distributed(coordinator: str | None = None, num_processes: int | 
     coordinator = coordinator or env.get("JAX_COORDINATOR_ADDRESS")
     num_processes = num_processes if num_processes is not None else env_int("JAX_NUM_PROCESSES")
     process_id = process_id if process_id is not None else env_int("JAX_PROCESS_ID")
+    log = log or (lambda _: None)
+    waits = f"waiting up to {JOIN_TIMEOUT_S} s for every process"
     if coordinator is not None and num_processes is not None and process_id is not None:
+        if num_processes < 1:
+            raise ValueError(f"a job of {num_processes} processes (--num-processes / JAX_NUM_PROCESSES): "
+                             f"it needs at least 1")
+        if not 0 <= process_id < num_processes:
+            raise ValueError(f"process id {process_id} (--process-id / JAX_PROCESS_ID) is not in "
+                             f"0..{num_processes - 1}, the ids of a job of {num_processes} processes")
+        log(f"joining the job at {coordinator} as process {process_id} of {num_processes}, {waits}")
         jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
-                                   process_id=process_id)
+                                   process_id=process_id, initialization_timeout=JOIN_TIMEOUT_S)
     elif from_flags:
         raise ValueError("--coordinator needs --num-processes and --process-id")
     elif coordinator is not None or any(v in env for v in ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE")):
-        jax.distributed.initialize()
+        log(f"joining the job that JAX's cluster detection finds, {waits}")
+        jax.distributed.initialize(initialization_timeout=JOIN_TIMEOUT_S)
     else:
         return False
+    log(f"joined: process {jax.process_index()} of {jax.process_count()}, {jax.device_count()} devices in all")
     _watch_for_abort()
     return True
 
