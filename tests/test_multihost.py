@@ -25,16 +25,19 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
 
+from test_interrupt import python_sigint_handler  # noqa: F401  (a fixture)
 from tevjax.testing import forced_devices_env
 
 TESTS = Path(__file__).parent
@@ -98,12 +101,12 @@ def _free_port() -> int:
 
 
 def _launch(argvs: list[list[str]], envs: list[dict], what: str, timeout: float = 300,
-            codes: list[int] | None = None) -> list[str]:
-    """Runs one process per argv (with its environment) and returns their outputs; fails on an
-    exit status other than `codes` (default: all 0) or on a hang (a process waiting in a
-    collective that another never joins)."""
-    procs = [subprocess.Popen(argv, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-             for argv, env in zip(argvs, envs)]
+            codes: list[int | tuple[int, ...]] | None = None, cwds: list[Path] | None = None) -> list[str]:
+    """Runs one process per argv (with its environment, in its directory) and returns their
+    outputs; fails on an exit status other than `codes` (default: all 0; a tuple allows any of
+    its statuses) or on a hang (a process waiting in a collective that another never joins)."""
+    procs = [subprocess.Popen(argv, env=env, cwd=cwd, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+             for argv, env, cwd in zip(argvs, envs, cwds or [None] * len(argvs))]
     logs = []
     try:
         for p in procs:
@@ -112,8 +115,8 @@ def _launch(argvs: list[list[str]], envs: list[dict], what: str, timeout: float 
         for p in procs:
             p.kill()
         pytest.fail(f"{what} did not finish in {timeout:.0f} s (a host left waiting?)")
-    want = [0] * len(procs) if codes is None else codes
-    assert [p.returncode for p in procs] == want, "\n".join(
+    want = [c if isinstance(c, tuple) else (c,) for c in ([0] * len(procs) if codes is None else codes)]
+    assert all(p.returncode in w for p, w in zip(procs, want)), "\n".join(
         f"{what}, process {pid} (exit {p.returncode}):\n{log[-3000:]}" for pid, (p, log) in enumerate(zip(procs, logs)))
     return logs
 
@@ -283,23 +286,101 @@ def test_an_uncaught_exception_on_one_host_ends_the_job():
     assert "finished" not in logs[0], logs[0]
 
 
-@pytest.mark.parametrize("lacking", ["--target", "--batch-file"])
+@pytest.mark.parametrize("lacking", ["model", "prompts.txt"])
 def test_cli_error_on_one_host_ends_the_job(tiny_llama_dir, tmp_path, lacking):
     """`tevjax generate` with a file that one host lacks: that host prints the error and exits with
     the CLI's usage status, and the other stops with the same reason instead of waiting for it.
-    The model directory is found missing after the job is joined, while the other host loads and
-    shards the model; the prompt file before any model is loaded, as the job is joined."""
-    missing = tmp_path / "not-on-this-host"
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text("hello\nworld\n")
-    argvs = [[sys.executable, "-m", "tevjax", "generate", "--target", str(tiny_llama_dir), "--batch-file",
-              str(prompts), "--no-chat", "--max-new-tokens", "12", "--budget", "4", "--mesh", "data=2", "--json"]
-             for _ in range(2)]
-    argvs[1][argvs[1].index(lacking) + 1] = str(missing)
+    The hosts run the same command line in directories of their own, and one lacks the model
+    directory (found missing after the job is joined, while the other loads and shards the model)
+    or the prompt file (found missing before any model is loaded)."""
+    hosts = [tmp_path / "host0", tmp_path / "host1"]
+    for host in hosts:
+        host.mkdir()
+        (host / "model").symlink_to(tiny_llama_dir)
+        (host / "prompts.txt").write_text("hello\nworld\n")
+    (hosts[1] / lacking).unlink()
+    argv = [sys.executable, "-m", "tevjax", "generate", "--target", "model", "--batch-file", "prompts.txt",
+            "--no-chat", "--max-new-tokens", "12", "--budget", "4", "--mesh", "data=2", "--json"]
     env = {**forced_devices_env(1), "PYTHONPATH": str(TESTS.parent) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    logs = _launch(argvs, _joined_envs(env), "tevjax generate", timeout=FAIL_LIMIT_S, codes=[1, 2])
+    logs = _launch([argv] * 2, _joined_envs(env), "tevjax generate", timeout=FAIL_LIMIT_S, codes=[1, 2], cwds=hosts)
     error = next(line for line in logs[1].splitlines() if line.startswith("tevjax: error:"))
-    assert str(missing) in error and "Traceback" not in logs[1], logs[1]
+    assert lacking in error and "Traceback" not in logs[1], logs[1]
     why = error.removeprefix("tevjax: error: ")
     assert f"tevjax: stopping process 0 of 2: process 1 failed: {why}" in logs[0], logs[0]
     assert '"tokens"' not in logs[0], logs[0]
+
+
+CHECKED = textwrap.dedent("""
+    import jax
+    from tevjax.multihost import check_same, initialize_distributed
+
+    assert initialize_distributed()
+    check_same("the settings", {"budget": 8, "prompts": [[1, 2], [3]]})  # the same everywhere: passes
+    try:
+        check_same("the prompts", [[1, 2], [3 + jax.process_index()]])
+    except ValueError as e:
+        print("refused:", e)
+""")
+
+
+def test_check_same_names_the_process_that_differs():
+    """Every process raises the same error (so none is left in a collective), naming the process
+    whose value is not process 0's."""
+    logs = _launch([[sys.executable, "-c", CHECKED]] * 2, _joined_envs(forced_devices_env(1)), "the checked job",
+                   timeout=FAIL_LIMIT_S)
+    for log in logs:
+        assert "refused: the prompts differs between the job's processes: process 1 against process 0" in log, log
+
+
+def test_cli_flags_that_differ_between_hosts_are_refused(tiny_llama_dir):
+    """A flag that differs between hosts (a launcher's mistake) would send them into different
+    collectives, or decode different prompts; the CLI refuses it before loading anything."""
+    argvs = [[sys.executable, "-m", "tevjax", "generate", "--target", str(tiny_llama_dir), "--prompt-ids", "1,2,3",
+              "--max-new-tokens", str(n), "--budget", "4", "--mesh", "data=2", "--json"] for n in (12, 16)]
+    env = {**forced_devices_env(1), "PYTHONPATH": str(TESTS.parent) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    # Both processes fail at once, so either may hear of the other's failure before its own: each
+    # exits with the CLI's usage status (its own error) or 1 (the other's), with the same reason.
+    logs = _launch(argvs, _joined_envs(env), "tevjax generate", timeout=FAIL_LIMIT_S, codes=[(1, 2), (1, 2)])
+    why = ("the command line (other than --process-id and --coordinator) differs between the job's processes: "
+           "process 1 against process 0")
+    for log in logs:
+        assert why in log and '"tokens"' not in log, log
+
+
+def test_ctrl_c_on_one_host_stops_the_job_in_order(tmp_path, python_sigint_handler):
+    """`tevjax generate` on two processes, batches of two prompts: [a, a] finish and print; in
+    [a, z] the "a" row finishes within a few rounds and "z" would decode 30000 tokens. SIGINT to
+    process 0 only: both processes stop after the same round (they agree on it), print the finished
+    "a" row, and exit 130, in order rather than through `abort_job`."""
+    from test_cli import write_scripted_target
+    from test_interrupt import CHAIN, LOOP
+
+    target = tmp_path / "scripted"
+    write_scripted_target(target, [*zip(CHAIN, CHAIN[1:]), (LOOP, LOOP)], max_positions=32768)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a\na\na\nz\n")
+    argv = [sys.executable, "-m", "tevjax", "generate", "--target", str(target), "--batch-file", str(prompts),
+            "--batch-size", "2", "--no-chat", "--verifier", "ar", "--max-new-tokens", "30000", "--json",
+            "--mesh", "data=2"]
+    env = {**forced_devices_env(1), "PYTHONPATH": str(TESTS.parent) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    procs = [subprocess.Popen(argv, env=e, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for e in _joined_envs(env)]
+    try:
+        first = []  # the first batch, printed on every host (gloo prints to stdout too)
+        while len([line for line in first if line.startswith("{")]) < 2:
+            first.append(procs[0].stdout.readline())
+            assert first[-1], ("process 0 ended early", first, procs[0].stderr.read())
+        time.sleep(3.0)  # the "a" row of the second batch finishes within a few rounds
+        assert all(p.poll() is None for p in procs), "the 'z' row finished: the test needs a longer generation"
+        procs[0].send_signal(signal.SIGINT)
+        outs = [p.communicate(timeout=FAIL_LIMIT_S) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    outs[0] = ("".join(first) + outs[0][0], outs[0][1])
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 130 and "tevjax: interrupted" in err and "stopping process" not in err, err
+        records = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+        assert [r["text"] for r in records] == ["ok", "ok", "ok"], out
+        assert records[2]["prompt"] == "a" and records[2]["tokens"] == CHAIN[1:]

@@ -440,6 +440,7 @@ def cmd_generate(args) -> int:
     from tevjax.decode.engine import DecodeConfig, Interrupted
     from tevjax.evaluate import corpus_for, lookup_for
     from tevjax.loading import load_models
+    from tevjax.multihost import check_same
 
     t0 = time.perf_counter()
     models = load_models(args.target, args.drafter, dtype=args.dtype, mesh=mesh)
@@ -447,6 +448,7 @@ def cmd_generate(args) -> int:
     for note in models.notes:
         print(f"tevjax: note: {note}", file=sys.stderr)
     ids = _encode(models, prompts, args.chat)
+    check_same("the prompts", ids)  # in a multi-host job: the same file on every host
     vocab = models.target_cfg.vocab_size
     limit = models.target_cfg.max_position_embeddings
     slots = args.budget + 1 if speculative else 1
@@ -653,8 +655,11 @@ def cmd_train(args) -> int:
     from tevjax.train.run import train
     from tevjax.train.step import TrainConfig
 
+    from tevjax.multihost import check_same
+
     manifest = read_manifest(args.data)
     mesh = _mesh(args, default_all=True)
+    check_same(f"--data {str(args.data)!r} (its manifest)", manifest)  # in a multi-host job
     loaded = load_target(args.target, dtype=args.dtype, mesh=mesh)
     if manifest["target_config"]["vocab_size"] != loaded.target_cfg.vocab_size or \
             manifest["target_config"]["num_layers"] != loaded.target_cfg.num_layers:
@@ -709,6 +714,9 @@ def cmd_eval(args) -> int:
     mesh = _mesh(args, default_all=False)
     texts = load_eval_prompts(args.prompts, args.num_prompts, seed=args.seed)
     from tevjax.loading import load_models
+    from tevjax.multihost import check_same
+
+    check_same("the prompts", texts)  # in a multi-host job: the same package, or file, on every host
 
     models = load_models(args.target, args.drafter, mesh=mesh)
     for note in models.notes:
@@ -753,11 +761,18 @@ def main(argv: list[str] | None = None) -> int:
             # A multi-host job is joined before any check, so that a check one host fails (a file
             # only the others have) ends the job at once (`_failed`) instead of leaving them
             # waiting for it in jax.distributed's initialization (300 s).
-            _join(args)
+            if _join(args):
+                from tevjax.multihost import check_same
+
+                check_same("the command line (other than --process-id and --coordinator)",
+                           {k: v for k, v in vars(args).items() if k not in ("process_id", "coordinator", "func")})
         return args.func(args)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         print("tevjax: interrupted", file=sys.stderr)
-        return _failed("interrupted", 130)
+        # The decoder's stop (`Interrupted`) is agreed by every host of a multi-host job, which all
+        # exit together and in order; any other interrupt (a second Ctrl-C) reached this host only.
+        engine = sys.modules.get("tevjax.decode.engine")
+        return 130 if engine is not None and isinstance(e, engine.Interrupted) else _failed("interrupted", 130)
     except (CliError, ValueError, FileNotFoundError, FileExistsError, OSError) as e:
         if args.debug:
             raise

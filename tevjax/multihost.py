@@ -2,12 +2,13 @@
 
 A multi-host job runs the same program on every process (one per host), joined by
 `jax.distributed`; a jit over a mesh then spans every process's devices (`tevjax.sharding`).
-Three things each host would otherwise do on its own:
+Four things each host would otherwise have or do on its own:
 - **Decisions.** Each host's clock and signals are its own, but a decision that starts a
   collective (a checkpoint, an evaluation over the mesh, a stop, a decoder call's round count)
   must be taken by every host at the same point, or one waits in a collective the others never
   join. Such decisions go through `every_process` / `any_process`.
 - **Writes.** One process writes a shared file, between `barrier`s.
+- **Inputs.** The command and the files it reads must be the same on every host (`check_same`).
 - **Failures.** A process that fails ends the whole job within seconds (`abort_job`), rather than
   leaving the others waiting in a collective.
 """
@@ -21,7 +22,8 @@ from typing import Any
 import jax
 import numpy as np
 
-__all__ = ["JOIN_TIMEOUT_S", "abort_job", "any_process", "barrier", "every_process", "initialize_distributed"]
+__all__ = ["JOIN_TIMEOUT_S", "abort_job", "any_process", "barrier", "check_same", "every_process",
+           "initialize_distributed"]
 
 JOIN_TIMEOUT_S = 300  # jax.distributed's default: hosts of one job may start minutes apart
 
@@ -50,6 +52,22 @@ def barrier(name: str) -> None:
         from jax.experimental import multihost_utils
 
         multihost_utils.sync_global_devices(name)
+
+
+def check_same(what: str, value: Any) -> None:
+    """Raises ValueError, on every process of a multi-host job alike, where `value` (compared by
+    its repr) is not the same on every process as on process 0; a collective. A job's processes
+    must run the same command on the same inputs: a flag that differs (--max-new-tokens on one
+    host) sends them into different collectives, and a prompt file or data directory that differs
+    under the same path (a host's local copy) gives a result with no error at all."""
+    import hashlib
+
+    digest = np.frombuffer(hashlib.sha256(repr(value).encode()).digest()[:16], np.int32)
+    table = every_process(digest)
+    differ = [p for p in range(len(table)) if (table[p] != table[0]).any()]
+    if differ:
+        raise ValueError(f"{what} differs between the job's processes: process{'es' * (len(differ) > 1)} "
+                         f"{', '.join(map(str, differ))} against process 0")
 
 
 def initialize_distributed(coordinator: str | None = None, num_processes: int | None = None,
