@@ -111,9 +111,10 @@ def test_generate_json_matches_autoregressive_greedy(capsys, tiny_dir):
                         "--budget", "4", "--lookup", "0", "--json")
     assert code == 0 and json.loads(out.strip().splitlines()[-1])["lookup"] == 0
     assert json.loads(out.strip().splitlines()[-1])["tokens"] == reference.tokens
-    code, out, _ = _run(capsys, "generate", "--target", str(path), "--prompt-ids", "1,2,3", "--max-new-tokens", "8",
-                        "--verifier", "ar", "--json")
+    code, out, err = _run(capsys, "generate", "--target", str(path), "--prompt-ids", "1,2,3", "--max-new-tokens", "8",
+                          "--verifier", "ar", "--json")
     assert code == 0 and json.loads(out.strip().splitlines()[-1])["tokens"] == reference.tokens
+    assert "drafter" not in err, err  # the baseline loads no drafter, so no note about one
     # Without --budget, the CPU's default: 8, the faster of 8 and 16 on this CPU.
     code, out, err = _run(capsys, "generate", "--target", str(path), "--prompt-ids", "1,2,3", "--max-new-tokens", "8",
                           "--json")

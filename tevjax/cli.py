@@ -443,7 +443,7 @@ def cmd_generate(args) -> int:
     from tevjax.multihost import check_same
 
     t0 = time.perf_counter()
-    models = load_models(args.target, args.drafter, dtype=args.dtype, mesh=mesh)
+    models = load_models(args.target, args.drafter, dtype=args.dtype, mesh=mesh, with_drafter=speculative)
     load_seconds = time.perf_counter() - t0
     for note in models.notes:
         print(f"tevjax: note: {note}", file=sys.stderr)

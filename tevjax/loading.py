@@ -46,7 +46,7 @@ class LoadedModels:
     target_cfg: ModelConfig
     target: Transformer
     tokenizer: object | None  # transformers PreTrainedTokenizerFast, or None (ids only)
-    drafter: DFlashDrafter
+    drafter: DFlashDrafter | None  # None from load_models(with_drafter=False)
     drafter_trained: bool
     eos_ids: tuple[int, ...]
     notes: list[str]
@@ -130,13 +130,17 @@ def load_target(target: str = EMBEDDED, *, dtype: str | None = None, mesh=None) 
 
 
 def load_models(target: str = EMBEDDED, drafter: str | os.PathLike | None = None, *,
-                dtype: str | None = None, drafter_seed: int = 0, mesh=None) -> LoadedModels:
+                dtype: str | None = None, drafter_seed: int = 0, mesh=None, with_drafter: bool = True) -> LoadedModels:
     """Loads the target (embedded name or HF directory), its tokenizer and a drafter; with a
-    `mesh`, every weight is placed in its sharding as it is loaded."""
+    `mesh`, every weight is placed in its sharding as it is loaded. `with_drafter=False` (the
+    autoregressive baseline) loads neither a drafter nor its corpus."""
     if drafter is not None and not Path(drafter).is_dir():  # fail before the slow target load
         raise FileNotFoundError(f"--drafter {str(drafter)!r}: no such checkpoint directory")
     loaded = load_target(target, dtype=dtype, mesh=mesh)
     target_cfg, notes = loaded.target_cfg, list(loaded.notes)
+    if not with_drafter:
+        return LoadedModels(target_cfg=target_cfg, target=loaded.target, tokenizer=loaded.tokenizer, drafter=None,
+                            drafter_trained=False, eos_ids=loaded.eos_ids, notes=notes)
 
     trained = True
     # The drafter computes in the target's dtype (it runs the target's embedding and LM head), not
