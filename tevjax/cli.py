@@ -610,7 +610,7 @@ def _mesh(args, *, default_all: bool):
         sizes = parse_mesh(args.mesh) if args.mesh else {}
         return make_mesh(sizes.get("data"), sizes.get("model", 1))
     except ValueError as e:
-        raise CliError(f"--mesh {args.mesh or ''}: {e}") from None
+        raise CliError(str(e) if str(e).startswith("--mesh") else f"--mesh {args.mesh or ''}: {e}") from None
 
 
 def _join(args) -> bool:
