@@ -384,3 +384,41 @@ def test_ctrl_c_on_one_host_stops_the_job_in_order(tmp_path, python_sigint_handl
         records = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
         assert [r["text"] for r in records] == ["ok", "ok", "ok"], out
         assert records[2]["prompt"] == "a" and records[2]["tokens"] == CHAIN[1:]
+
+
+DIFFERENT_INIT = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {tests!r})
+    import jax
+    from tevjax.multihost import initialize_distributed
+    from tevjax.sharding import make_mesh
+    from tevjax.train.run import train
+    from test_train import CFG, _drafter, _target
+
+    assert initialize_distributed()
+    target = _target()
+    try:  # process 1 starts from another drafter (a host's own copy of --init, say)
+        train(target, _drafter(target, seed=jax.process_index()), {data!r}, {run!r}, CFG, mesh=make_mesh(2, 1),
+              target_name="tiny", heldout_records=4, progress=False, log=lambda _: None)
+    except ValueError as e:
+        print("refused:", e)
+""")
+
+
+def test_training_refuses_hosts_that_start_from_different_drafters(tmp_path):
+    """Every process feeds the mesh its own copy of the initial parameters, and nothing else would
+    notice that they differ: `train` compares them (and the settings and the data manifest) first,
+    and every process refuses before anything is written."""
+    from test_train import PROMPTS, ROLLOUT, _loaded, _target
+
+    from tevjax.train.rollout import generate_data
+
+    data, run = tmp_path / "data", tmp_path / "run"
+    generate_data(_loaded(_target()), ROLLOUT, data, prompts=PROMPTS, progress=False, log=lambda _: None)
+    code = DIFFERENT_INIT.format(tests=str(TESTS), data=str(data), run=str(run))
+    logs = _launch([[sys.executable, "-c", code]] * 2, _joined_envs(forced_devices_env(1)), "the training job",
+                   timeout=FAIL_LIMIT_S)
+    for log in logs:
+        assert ("refused: the initial drafter's parameters differs between the job's processes: "
+                "process 1 against process 0") in log, log
+    assert not run.exists()

@@ -655,11 +655,8 @@ def cmd_train(args) -> int:
     from tevjax.train.run import train
     from tevjax.train.step import TrainConfig
 
-    from tevjax.multihost import check_same
-
     manifest = read_manifest(args.data)
     mesh = _mesh(args, default_all=True)
-    check_same(f"--data {str(args.data)!r} (its manifest)", manifest)  # in a multi-host job
     loaded = load_target(args.target, dtype=args.dtype, mesh=mesh)
     if manifest["target_config"]["vocab_size"] != loaded.target_cfg.vocab_size or \
             manifest["target_config"]["num_layers"] != loaded.target_cfg.num_layers:

@@ -55,19 +55,45 @@ def barrier(name: str) -> None:
 
 
 def check_same(what: str, value: Any) -> None:
-    """Raises ValueError, on every process of a multi-host job alike, where `value` (compared by
-    its repr) is not the same on every process as on process 0; a collective. A job's processes
-    must run the same command on the same inputs: a flag that differs (--max-new-tokens on one
-    host) sends them into different collectives, and a prompt file or data directory that differs
-    under the same path (a host's local copy) gives a result with no error at all."""
+    """Raises ValueError, on every process of a multi-host job alike, where `value` is not the same
+    on every process as on process 0; a collective (nothing at all in a single process). A job's
+    processes must run the same command on the same inputs: a flag that differs (--max-new-tokens
+    on one host) sends them into different collectives, and a file that differs under the same path
+    (a host's own copy of the data or of a checkpoint) gives a result with no error at all.
+
+    `value`: dicts, lists and tuples of scalars, strings and arrays, compared by content (an array
+    that spans processes, which no process holds whole, by its shape and dtype only)."""
+    if jax.process_count() == 1:
+        return
     import hashlib
 
-    digest = np.frombuffer(hashlib.sha256(repr(value).encode()).digest()[:16], np.int32)
-    table = every_process(digest)
+    h = hashlib.sha256()
+    _feed(h, value)
+    table = every_process(np.frombuffer(h.digest()[:16], np.int32))
     differ = [p for p in range(len(table)) if (table[p] != table[0]).any()]
     if differ:
         raise ValueError(f"{what} differs between the job's processes: process{'es' * (len(differ) > 1)} "
                          f"{', '.join(map(str, differ))} against process 0")
+
+
+def _feed(h, value: Any) -> None:
+    if isinstance(value, dict):
+        h.update(b"{")
+        for key in sorted(value, key=repr):
+            _feed(h, key)
+            _feed(h, value[key])
+        h.update(b"}")
+    elif isinstance(value, (list, tuple)):
+        h.update(b"[")
+        for item in value:
+            _feed(h, item)
+        h.update(b"]")
+    elif isinstance(value, (np.ndarray, jax.Array)):
+        h.update(repr((str(value.dtype), tuple(value.shape))).encode())
+        if getattr(value, "is_fully_addressable", True):
+            h.update(np.ascontiguousarray(np.asarray(value)).tobytes())
+    else:
+        h.update(repr(value).encode())
 
 
 def initialize_distributed(coordinator: str | None = None, num_processes: int | None = None,

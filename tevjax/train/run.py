@@ -27,9 +27,10 @@ from typing import Callable
 
 import jax
 import numpy as np
+from flax import nnx
 
 from tevjax.models.dflash import DFlashConfig, DFlashDrafter, check_draft_vocab
-from tevjax.multihost import any_process, barrier
+from tevjax.multihost import any_process, barrier, check_same
 from tevjax.sharding import global_batch_array, make_mesh
 from tevjax.train.dataset import Batch, TrainData
 from tevjax.train.rollout import settings_diff
@@ -150,8 +151,13 @@ def train(target, drafter: DFlashDrafter, data_dir: str | os.PathLike, run_dir: 
     local = cfg.batch_size // nproc
     if local * nproc != cfg.batch_size:
         raise RunError(f"batch size {cfg.batch_size} is not divisible by the {nproc} processes")
-    # Multi-host: RUN_DIR is shared, so every process checks it (above) before process 0 writes
-    # it; otherwise a slower host would find the new run.json and refuse the run as existing.
+    # Multi-host: every process trains the same drafter on the same data with the same settings
+    # (a host's own copy of DATA or of the initial drafter would otherwise differ in silence).
+    check_same("the run's settings", record)
+    check_same(f"the data manifest of {data_dir}", data.manifest)
+    check_same("the initial drafter's parameters", jax.tree_util.tree_leaves(nnx.state(drafter)))
+    # RUN_DIR is shared, so every process checks it (above) before process 0 writes it; otherwise
+    # a slower host would find the new run.json and refuse the run as existing.
     barrier("tevjax-train-checked")
     if saved is None and pid == 0:
         run.mkdir(parents=True, exist_ok=True)
@@ -266,7 +272,6 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, target_cf
                dtype: str = "bfloat16") -> DFlashConfig:
     """Writes the latest checkpoint's drafter in the public DFlash format (bf16 by default)."""
     import orbax.checkpoint as ocp
-    from flax import nnx
 
     from tevjax.convert.dflash_ckpt import save_dflash
 
