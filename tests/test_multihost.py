@@ -341,7 +341,7 @@ def test_cli_flags_that_differ_between_hosts_are_refused(tiny_llama_dir):
     # Both processes fail at once, so either may hear of the other's failure before its own: each
     # exits with the CLI's usage status (its own error) or 1 (the other's), with the same reason.
     logs = _launch(argvs, _joined_envs(env), "tevjax generate", timeout=FAIL_LIMIT_S, codes=[(1, 2), (1, 2)])
-    why = ("the command line (other than --process-id and --coordinator) differs between the job's processes: "
+    why = ("the command line (other than --process-id, --coordinator and --debug) differs between the job's processes: "
            "process 1 against process 0")
     for log in logs:
         assert why in log and '"tokens"' not in log, log

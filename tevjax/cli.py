@@ -761,8 +761,9 @@ def main(argv: list[str] | None = None) -> int:
             if _join(args):
                 from tevjax.multihost import check_same
 
-                check_same("the command line (other than --process-id and --coordinator)",
-                           {k: v for k, v in vars(args).items() if k not in ("process_id", "coordinator", "func")})
+                own = ("process_id", "coordinator", "debug", "func")  # each host's own, or not a setting
+                check_same("the command line (other than --process-id, --coordinator and --debug)",
+                           {k: v for k, v in vars(args).items() if k not in own})
         return args.func(args)
     except KeyboardInterrupt as e:
         print("tevjax: interrupted", file=sys.stderr)
