@@ -43,3 +43,21 @@ def tiny_llama_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny_llama")
     transformers.LlamaForCausalLM(config).to(torch.float32).save_pretrained(path)
     return path
+
+
+# A fixture two modules share (test_cli, test_multihost): `tevjax eval` needs text prompts.
+@pytest.fixture(scope="module")
+def text_target_dir(tmp_path_factory):
+    """A random 4-layer Llama with the tiny byte tokenizer of test_tokenizer (text in, text out)."""
+    from test_gguf import tiny_vocab
+    from test_tokenizer import tiny_meta, write_tok_dir
+
+    from tevjax.convert.hf import save_hf_target
+    from tevjax.testing import random_model, tiny_config
+
+    path = tmp_path_factory.mktemp("text_target")
+    model = random_model(tiny_config("llama", num_layers=4, max_position_embeddings=128, vocab_size=len(tiny_vocab())),
+                         seed=5)
+    save_hf_target(model, path)
+    write_tok_dir(tiny_meta(), path)
+    return path

@@ -151,6 +151,29 @@ def write_scripted_target(path, successors, max_positions: int = 64):
     write_tok_dir(tiny_meta(), path)
 
 
+def test_eval_measures_ar_and_each_budget_on_a_prompt_file(capsys, text_target_dir, tmp_path):
+    """`tevjax eval --json`: AR and every budget on the same prompts (the file's first
+    --num-prompts lines), greedy outputs equal to AR's, tau the pooled block length of the
+    per-prompt counts it reports; without --json, the same run as a table."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("hello\n\nworld\nabc\nxyz\nnot read\n")
+    argv = ["eval", "--target", str(text_target_dir), "--prompts", str(prompts), "--num-prompts", "4",
+            "--budgets", "2,4", "--max-new-tokens", "8"]
+    code, out, err = _run(capsys, *argv, "--json")
+    assert code == 0, err
+    result = json.loads(out.strip().splitlines()[-1])
+    assert (result["num_prompts"], result["prompts"], result["mismatches"]) == (4, str(prompts), 0)
+    assert [r["budget"] for r in result["budgets"]] == [2, 4]
+    for row in result["budgets"]:
+        assert row["mismatches"] == 0 and row["tokens"] == result["ar"]["tokens"] > 0
+        assert len(row["prompt_emitted"]) == len(row["prompt_rounds"]) == 4
+        assert row["tau"] == pytest.approx(sum(row["prompt_emitted"]) / sum(row["prompt_rounds"]))
+        assert row["tau"] >= 1.0 and row["sr"] > 0
+    code, out, err = _run(capsys, *argv)
+    assert code == 0, err
+    assert "| budget | lookup | corpus | tau" in out and "4 prompts, 8 new tokens" in out
+
+
 def test_generate_uses_the_drafters_corpus_by_default(capsys, tiny_dir, tmp_path):
     """A drafter directory with a corpus.npz decodes with a corpus chain as long as the budget
     (`--corpus 0` turns it off); the tokens stay AR's. Without a corpus file the chain is off."""

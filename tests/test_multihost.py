@@ -422,3 +422,23 @@ def test_training_refuses_hosts_that_start_from_different_drafters(tmp_path):
         assert ("refused: the initial drafter's parameters differs between the job's processes: "
                 "process 1 against process 0") in log, log
     assert not run.exists()
+
+
+def test_cli_eval_on_two_processes_measures_what_one_does(text_target_dir, tmp_path):
+    """`tevjax eval` on two processes (batches of 2 prompts over a data=2 mesh) reports on both
+    the per-prompt rounds and block lengths of a one-process run, with every greedy output equal
+    to AR's; only the timings differ."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("hello\nworld\nabc\nxyz\n")
+    base = [sys.executable, "-m", "tevjax", "eval", "--target", str(text_target_dir), "--prompts", str(prompts),
+            "--num-prompts", "4", "--budgets", "2,4", "--max-new-tokens", "8", "--batch-size", "2", "--json"]
+    env = {**forced_devices_env(1), "PYTHONPATH": str(TESTS.parent) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    logs = _launch([base] + [base + ["--mesh", "data=2"]] * 2, [env] + _joined_envs(env), "tevjax eval")
+    results = [json.loads([line for line in log.splitlines() if line.startswith('{"verifier"')][-1]) for log in logs]
+
+    def measured(result):
+        return [(r["budget"], r["tau"], r["prompt_emitted"], r["prompt_rounds"], r["tokens"], r["mismatches"])
+                for r in result["budgets"]], result["ar"]["tokens"]
+
+    assert results[0]["mismatches"] == 0 and len(results[0]["budgets"]) == 2
+    assert measured(results[1]) == measured(results[2]) == measured(results[0])
