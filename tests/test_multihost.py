@@ -312,12 +312,20 @@ def test_cli_error_on_one_host_ends_the_job(tiny_llama_dir, tmp_path, lacking):
 
 CHECKED = textwrap.dedent("""
     import jax
+    import numpy as np
     from tevjax.multihost import check_same, initialize_distributed
 
     assert initialize_distributed()
     check_same("the settings", {"budget": 8, "prompts": [[1, 2], [3]]})  # the same everywhere: passes
     try:
         check_same("the prompts", [[1, 2], [3 + jax.process_index()]])
+    except ValueError as e:
+        print("refused:", e)
+    # Arrays by content: numpy abridges the repr of this one to its ends, which are the same.
+    weights = np.zeros(10_000, np.float32)
+    weights[5_000] = jax.process_index()
+    try:
+        check_same("the weights", {"w": weights, "key": jax.random.key(0)})
     except ValueError as e:
         print("refused:", e)
 """)
@@ -330,6 +338,7 @@ def test_check_same_names_the_process_that_differs():
                    timeout=FAIL_LIMIT_S)
     for log in logs:
         assert "refused: the prompts differs between the job's processes: process 1 against process 0" in log, log
+        assert "refused: the weights differs between the job's processes: process 1 against process 0" in log, log
 
 
 def test_cli_flags_that_differ_between_hosts_are_refused(tiny_llama_dir):

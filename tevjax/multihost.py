@@ -89,6 +89,8 @@ def _feed(h, value: Any) -> None:
             _feed(h, item)
         h.update(b"]")
     elif isinstance(value, (np.ndarray, jax.Array)):
+        if jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):  # typed keys have no numpy form
+            value = jax.random.key_data(value)
         h.update(repr((str(value.dtype), tuple(value.shape))).encode())
         if getattr(value, "is_fully_addressable", True):
             h.update(np.ascontiguousarray(np.asarray(value)).tobytes())
