@@ -15,7 +15,12 @@ Four things each host would otherwise have or do on its own:
 
 from __future__ import annotations
 
+import atexit
+import hashlib
 import os
+import sys
+import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -65,8 +70,6 @@ def check_same(what: str, value: Any) -> None:
     that spans processes, which no process holds whole, by its shape and dtype only)."""
     if jax.process_count() == 1:
         return
-    import hashlib
-
     h = hashlib.sha256()
     _feed(h, value)
     table = every_process(np.frombuffer(h.digest()[:16], np.int32))
@@ -179,9 +182,6 @@ def _kv_client():
 def _exit_job(code: int) -> None:
     """Exits this process of a failing job: process 0 (the store's host) only after the others
     have acknowledged, or _ACK_WAIT_S has passed."""
-    import sys
-    import time
-
     client, pid, count = _job
     sys.stdout.flush()
     sys.stderr.flush()
@@ -202,10 +202,6 @@ def _exit_job(code: int) -> None:
 
 def _watch_for_abort() -> None:
     """Starts this process's abort watchdog and routes uncaught exceptions to `abort_job`."""
-    import atexit
-    import sys
-    import threading
-
     global _job
     client, pid, count = _kv_client(), jax.process_index(), jax.process_count()
     if client is None or count == 1 or _job is not None:
