@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -308,6 +309,53 @@ def test_cli_error_on_one_host_ends_the_job(tiny_llama_dir, tmp_path, lacking):
     why = error.removeprefix("tevjax: error: ")
     assert f"tevjax: stopping process 0 of 2: process 1 failed: {why}" in logs[0], logs[0]
     assert '"tokens"' not in logs[0], logs[0]
+
+
+@pytest.mark.parametrize("pid", [0, 1])
+def test_a_job_that_never_assembles_stops_at_the_join_timeout(tiny_llama_dir, pid):
+    """One process of a 2-process job starts, the other never does. The one that started (the
+    coordinator's host, or a process that connects to it) waits --join-timeout seconds, then
+    exits with status 1 and says what happened; jax.distributed alone aborts it (SIGABRT) with a
+    stack trace that blames another task that "died"."""
+    argv = [sys.executable, "-m", "tevjax", "generate", "--target", str(tiny_llama_dir), "--prompt-ids", "1,2,3",
+            "--max-new-tokens", "8", "--mesh", "data=2", "--coordinator", f"localhost:{_free_port()}",
+            "--num-processes", "2", "--process-id", str(pid), "--join-timeout", "2"]
+    env = {**forced_devices_env(1), "PYTHONPATH": str(TESTS.parent) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    start = time.monotonic()
+    log, = _launch([argv], [env], "the lone process", timeout=FAIL_LIMIT_S, codes=[1])
+    assert f"process {pid} of 2: the job at localhost:" in log and "was not joined by every process within 2 s" in log, log
+    assert "Check failure" not in log and "Traceback" not in log, log
+    assert time.monotonic() - start < FAIL_LIMIT_S
+
+
+@pytest.mark.parametrize("change", ["weights", "files"])
+def test_hosts_with_different_copies_of_the_model_are_refused(tiny_llama_dir, tmp_path, change):
+    """Each host loads its own copy of the target under the same path, and a jit over the mesh
+    trusts them to be the same: a copy whose weights differ (one number of one tensor), or that
+    lacks a file the loader reads, is refused on every host, naming what differs, before any
+    weight is placed on the mesh."""
+    from safetensors.numpy import load_file, save_file
+
+    hosts = [tmp_path / "host0", tmp_path / "host1"]
+    for host in hosts:
+        shutil.copytree(tiny_llama_dir, host / "model")
+    if change == "weights":
+        tensors = load_file(hosts[1] / "model" / "model.safetensors")
+        tensors["model.norm.weight"][3] += 1e-3
+        save_file(tensors, hosts[1] / "model" / "model.safetensors", metadata={"format": "pt"})
+        why = "the target 'model': model.safetensors differs between the job's processes: process 1 against process 0"
+    else:
+        (hosts[1] / "model" / "generation_config.json").unlink()
+        why = "which files the target 'model' has"
+    argv = [sys.executable, "-m", "tevjax", "generate", "--target", "model", "--prompt-ids", "1,2,3",
+            "--max-new-tokens", "8", "--budget", "4", "--mesh", "data=2", "--json"]
+    env = {**forced_devices_env(1), "PYTHONPATH": str(TESTS.parent) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    # Both fail at once: each exits with its own error (2) or the other's (1), for the same reason.
+    logs = _launch([argv] * 2, _joined_envs(env), "tevjax generate", timeout=FAIL_LIMIT_S, codes=[(1, 2), (1, 2)],
+                   cwds=hosts)
+    for log in logs:
+        assert why in log and "differs between the job's processes: process 1 against process 0" in log, log
+        assert '"tokens"' not in log and "Traceback" not in log, log
 
 
 CHECKED = textwrap.dedent("""

@@ -189,6 +189,9 @@ def _add_mesh_args(parser, default: str) -> None:
     parser.add_argument("--coordinator", default=None, help="multi-host: coordinator address host:port")
     parser.add_argument("--num-processes", type=_positive_int("--num-processes"), default=None)
     parser.add_argument("--process-id", type=_nonnegative_int("--process-id"), default=None)
+    parser.add_argument("--join-timeout", type=_positive_float("--join-timeout"), default=None, metavar="S",
+                        help="multi-host: seconds to wait for every process to join, then stop (default: 300, "
+                             "as jax.distributed)")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -616,11 +619,12 @@ def _mesh(args, *, default_all: bool):
 def _join(args) -> bool:
     """Joins the multi-host job that the flags or the environment ask for (once); whether one
     was joined."""
-    from tevjax.multihost import initialize_distributed
+    from tevjax.multihost import JOIN_TIMEOUT_S, initialize_distributed
 
     try:
         return initialize_distributed(args.coordinator, args.num_processes, args.process_id,
-                                      log=lambda m: print(f"tevjax: {m}", file=sys.stderr, flush=True))
+                                      log=lambda m: print(f"tevjax: {m}", file=sys.stderr, flush=True),
+                                      timeout_s=args.join_timeout or JOIN_TIMEOUT_S)
     except ValueError as e:
         raise CliError(str(e)) from None
 

@@ -28,6 +28,7 @@ from tevjax.convert.tokenizer import load_tokenizer
 from tevjax.models.config import ModelConfig
 from tevjax.models.dflash import DFlashConfig, DFlashDrafter
 from tevjax.models.transformer import Transformer
+from tevjax.multihost import check_same_files
 from tevjax.sharding import shard_model
 
 __all__ = ["LoadedModels", "LoadedTarget", "load_models", "load_target", "fresh_drafter", "mask_token_for", "TRAINED_DRAFTERS",
@@ -39,6 +40,14 @@ EMBEDDED = "smollm2"
 SMOLLM2_MASK_TOKEN = 16
 # Trained drafters shipped with the package, by embedded target name.
 TRAINED_DRAFTERS = {EMBEDDED: Path(__file__).resolve().parent / "assets" / "smollm2-dflash"}
+CORPUS_FILE = "corpus.npz"
+# What the loaders read from a target's or a drafter's directory: config, weights, tokenizer (as
+# transformers reads it) and corpus. In a multi-host job every host reads its own copy, and these
+# must be the same on all of them (`check_same_files`); the rest (a model card, the embedded
+# conversion's own bookkeeping, whose file stamps are each host's own) may differ.
+CHECKPOINT_FILES = ("config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json",
+                    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                    "chat_template.jinja", CORPUS_FILE)
 
 
 @dataclasses.dataclass
@@ -116,6 +125,7 @@ def load_target(target: str = EMBEDDED, *, dtype: str | None = None, mesh=None) 
         hf_dir = Path(target)
         if not hf_dir.is_dir():
             raise FileNotFoundError(f"--target {target!r}: not a directory (use 'smollm2' or a Hugging Face model directory)")
+    check_same_files(f"the target {str(target)!r}", hf_dir, CHECKPOINT_FILES)  # multi-host: every host's copy
     target_cfg, model = load_hf_target(hf_dir, dtype=dtype, mesh=mesh)
     tokenizer = None
     if (Path(hf_dir) / "tokenizer.json").exists() or (Path(hf_dir) / "tokenizer_config.json").exists():
@@ -147,8 +157,10 @@ def load_models(target: str = EMBEDDED, drafter: str | os.PathLike | None = None
     # in its storage dtype: a bf16 checkpoint next to an fp32 target runs in fp32.
     ddtype = dtype or target_cfg.dtype
     if drafter is not None:
+        check_same_files(f"the drafter {str(drafter)!r}", drafter, CHECKPOINT_FILES)
         _, draft_model = load_dflash(Path(drafter), target_cfg, dtype=ddtype, param_dtype=ddtype, mesh=mesh)
     elif target == EMBEDDED and (TRAINED_DRAFTERS[EMBEDDED] / "config.json").exists():
+        check_same_files("the shipped drafter", TRAINED_DRAFTERS[EMBEDDED], CHECKPOINT_FILES)
         _, draft_model = load_dflash(TRAINED_DRAFTERS[EMBEDDED], target_cfg, dtype=ddtype, param_dtype=ddtype,
                                      mesh=mesh)
         notes.append(f"drafter: the project's trained SmolLM2 drafter ({TRAINED_DRAFTERS[EMBEDDED]})")
@@ -176,7 +188,6 @@ def load_models(target: str = EMBEDDED, drafter: str | os.PathLike | None = None
                         ngrams=ngrams)
 
 
-CORPUS_FILE = "corpus.npz"
 NGRAM_CACHE_VERSION = 1  # raise when ngram_table's output changes for the same corpus and settings
 
 

@@ -8,7 +8,8 @@ Four things each host would otherwise have or do on its own:
   must be taken by every host at the same point, or one waits in a collective the others never
   join. Such decisions go through `every_process` / `any_process`.
 - **Writes.** One process writes a shared file, between `barrier`s.
-- **Inputs.** The command and the files it reads must be the same on every host (`check_same`).
+- **Inputs.** The command and the files it reads must be the same on every host (`check_same`,
+  `check_same_files`).
 - **Failures.** A process that fails ends the whole job within seconds (`abort_job`), rather than
   leaving the others waiting in a collective.
 """
@@ -21,16 +22,17 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
 
-__all__ = ["JOIN_TIMEOUT_S", "abort_job", "any_process", "barrier", "check_same", "every_process",
-           "initialize_distributed"]
+__all__ = ["JOIN_TIMEOUT_S", "abort_job", "any_process", "barrier", "check_same", "check_same_files",
+           "every_process", "initialize_distributed"]
 
-JOIN_TIMEOUT_S = 300  # jax.distributed's default: hosts of one job may start minutes apart
+JOIN_TIMEOUT_S = 300.0  # jax.distributed's default: hosts of one job may start minutes apart
 
 
 def every_process(values: Sequence[int]) -> np.ndarray:
@@ -79,6 +81,41 @@ def check_same(what: str, value: Any) -> None:
                          f"{', '.join(map(str, differ))} against process 0")
 
 
+def check_same_files(what: str, directory: str | os.PathLike, patterns: Iterable[str]) -> None:
+    """Raises ValueError, on every process of a multi-host job alike, where the files of
+    `directory` that match `patterns` (glob patterns, top level only) are not the same on every
+    process as on process 0, by name and content; the error names the files that differ. A
+    collective (nothing at all in a single process).
+
+    Each host loads its own copy of a checkpoint, and a jit over a mesh that spans hosts trusts
+    every process to feed it the same weights: a host with another version of the weights (or of
+    the tokenizer) gives a result with no error at all."""
+    if jax.process_count() == 1:
+        return
+    directory = Path(directory)
+    names = sorted({p.name for pattern in patterns for p in directory.glob(pattern) if p.is_file()})
+    check_same(f"which files {what} has ({', '.join(names) or 'none'} on process {jax.process_index()})", names)
+    if not names:
+        return
+    digests = np.stack([np.frombuffer(_file_digest(directory / name), np.int32) for name in names])
+    table = every_process(digests.reshape(-1)).reshape(jax.process_count(), *digests.shape)
+    differ = [p for p in range(len(table)) if (table[p] != table[0]).any()]
+    if differ:
+        files = [name for i, name in enumerate(names) if (table[:, i] != table[0, i]).any()]
+        raise ValueError(f"{what}: {', '.join(files)} differ{'s' * (len(files) == 1)} between the job's processes: "
+                         f"process{'es' * (len(differ) > 1)} {', '.join(map(str, differ))} against process 0")
+
+
+def _file_digest(path: Path) -> bytes:
+    """The first 16 bytes of the file's SHA-256 (about 1 GB/s here; read in chunks, so a file of
+    any size costs 1 MiB of memory)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.digest()[:16]
+
+
 def _feed(h, value: Any) -> None:
     if isinstance(value, dict):
         h.update(b"{")
@@ -95,14 +132,15 @@ def _feed(h, value: Any) -> None:
         if jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):  # typed keys have no numpy form
             value = jax.random.key_data(value)
         h.update(repr((str(value.dtype), tuple(value.shape))).encode())
-        if getattr(value, "is_fully_addressable", True):
-            h.update(np.ascontiguousarray(np.asarray(value)).tobytes())
+        if getattr(value, "is_fully_addressable", True):  # bytes as they are: no copy, any dtype (bf16)
+            h.update(np.ascontiguousarray(np.asarray(value)).reshape(-1).view(np.uint8))
     else:
         h.update(repr(value).encode())
 
 
 def initialize_distributed(coordinator: str | None = None, num_processes: int | None = None,
-                           process_id: int | None = None, log: Callable[[str], None] | None = None) -> bool:
+                           process_id: int | None = None, log: Callable[[str], None] | None = None,
+                           timeout_s: float = JOIN_TIMEOUT_S) -> bool:
     """Runs `jax.distributed.initialize` for a multi-host job; returns whether it did.
 
     Flags win over the environment: JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID
@@ -111,10 +149,13 @@ def initialize_distributed(coordinator: str | None = None, num_processes: int | 
     single-host run without any of them does nothing. A joined process watches for another's
     failure (`abort_job`), and its uncaught exceptions end the job.
 
-    `log` hears, before the wait, which job is being joined: jax.distributed waits up to
-    `JOIN_TIMEOUT_S` for every process and then aborts this one with a message that names no
-    cause, so a host that failed before joining is otherwise hard to tell from a slow one.
+    `log` hears, before the wait, which job is being joined. Every process waits up to
+    `timeout_s` for the others to join, and then exits with status 1 and a message that says
+    so. (jax.distributed alone aborts it with a stack trace that blames "another task" that
+    "died", though the one missing may never have started.)
     """
+    if not timeout_s > 0:
+        raise ValueError(f"a join timeout of {timeout_s} s: it must be positive")
     if _kv_client() is not None:  # already joined (the CLI joins before its checks, then again)
         return True
     env = os.environ
@@ -132,7 +173,7 @@ def initialize_distributed(coordinator: str | None = None, num_processes: int | 
     num_processes = num_processes if num_processes is not None else env_int("JAX_NUM_PROCESSES")
     process_id = process_id if process_id is not None else env_int("JAX_PROCESS_ID")
     log = log or (lambda _: None)
-    waits = f"waiting up to {JOIN_TIMEOUT_S} s for every process"
+    waits = f"waiting up to {timeout_s:g} s for every process"
     if coordinator is not None and num_processes is not None and process_id is not None:
         if num_processes < 1:
             raise ValueError(f"a job of {num_processes} processes (--num-processes / JAX_NUM_PROCESSES): "
@@ -141,18 +182,46 @@ def initialize_distributed(coordinator: str | None = None, num_processes: int | 
             raise ValueError(f"process id {process_id} (--process-id / JAX_PROCESS_ID) is not in "
                              f"0..{num_processes - 1}, the ids of a job of {num_processes} processes")
         log(f"joining the job at {coordinator} as process {process_id} of {num_processes}, {waits}")
-        jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
-                                   process_id=process_id, initialization_timeout=JOIN_TIMEOUT_S)
+        _join_within(timeout_s, f"process {process_id} of {num_processes}: the job at {coordinator}",
+                     coordinator_address=coordinator, num_processes=num_processes, process_id=process_id)
     elif from_flags:
         raise ValueError("--coordinator needs --num-processes and --process-id")
     elif coordinator is not None or any(v in env for v in ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE")):
         log(f"joining the job that JAX's cluster detection finds, {waits}")
-        jax.distributed.initialize(initialization_timeout=JOIN_TIMEOUT_S)
+        _join_within(timeout_s, "this process: the job that JAX's cluster detection finds")
     else:
         return False
     log(f"joined: process {jax.process_index()} of {jax.process_count()}, {jax.device_count()} devices in all")
     _watch_for_abort()
     return True
+
+
+def _join_within(timeout_s: float, job: str, **kwargs) -> None:
+    """jax.distributed.initialize, ended by this process after `timeout_s` with a message that
+    says what happened. jax's own deadline is set later, so that this one comes first; its wait
+    releases the GIL, so a timer thread runs meanwhile."""
+    joined = threading.Event()
+
+    def give_up():
+        if joined.is_set():
+            return
+        print(f"tevjax: error: {job} was not joined by every process within {timeout_s:g} s. Every host must "
+              f"start the same command, with the same coordinator and number of processes, within the join "
+              f"timeout (--join-timeout) of the first; a host that failed before joining leaves the others "
+              f"waiting here.", file=sys.stderr, flush=True)
+        os._exit(1)
+
+    timer = threading.Timer(timeout_s, give_up)
+    timer.daemon = True
+    timer.start()
+    try:
+        jax.distributed.initialize(initialization_timeout=int(timeout_s) + _JAX_JOIN_MARGIN_S, **kwargs)
+    finally:
+        joined.set()
+        timer.cancel()
+
+
+_JAX_JOIN_MARGIN_S = 30
 
 
 # One process's failure ends the whole job. Without this, a host that raises leaves the others
