@@ -151,6 +151,20 @@ def write_scripted_target(path, successors, max_positions: int = 64):
     write_tok_dir(tiny_meta(), path)
 
 
+def test_a_text_prompt_too_long_for_the_target_is_one_error(capfd, text_target_dir):
+    """A text prompt longer than the target's positions: the CLI's one-line error, naming the
+    prompt and its length, and not also transformers' warning that the model will fail with
+    indexing errors (printed as the tokenizer passes its limit, before tevjax's own check)."""
+    try:
+        code = main(["generate", "--target", str(text_target_dir), "--no-chat", "--prompt", "ab" * 100,
+                     "--max-new-tokens", "4", "--budget", "2"])
+    except SystemExit as e:
+        code = e.code
+    _, err = capfd.readouterr()
+    assert code == 2 and "prompt 0 (--prompt) is 200 tokens" in err and "exceeds the target's 128 positions" in err
+    assert "indexing errors" not in err and "longer than the specified maximum" not in err, err
+
+
 def test_eval_measures_ar_and_each_budget_on_a_prompt_file(capsys, text_target_dir, tmp_path):
     """`tevjax eval --json`: AR and every budget on the same prompts (the file's first
     --num-prompts lines), greedy outputs equal to AR's, tau the pooled block length of the

@@ -402,8 +402,8 @@ def _check_positions(args, speculative: bool) -> None:
     need = 1 + args.max_new_tokens + slots
     if need > limit:
         what = f"{slots} tree slots (--budget {args.budget} + root)" if speculative else "1 slot for the next token"
-        raise CliError(f"a 1-token prompt + --max-new-tokens {args.max_new_tokens} + {what} = {need} exceeds "
-                       f"the target's {limit} positions")
+        raise CliError(f"--max-new-tokens {args.max_new_tokens} + {what} need {need} positions with even a "
+                       f"1-token prompt, which exceeds the target's {limit} positions")
 
 
 def _encode(models, prompts, chat: bool) -> list[list[int]]:

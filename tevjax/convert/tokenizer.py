@@ -206,6 +206,10 @@ def load_tokenizer(hf_dir: str | os.PathLike):
     if template is not None and not (isinstance(template, str) or named):
         raise ValueError(f"{path / 'tokenizer_config.json'}: field 'chat_template' must be a Jinja "
                          f"template string, got {template!r:.60}")
+    # Prompt lengths are checked by the decoder and the CLI, against the target's positions less
+    # the new tokens and tree slots, with an error that names the prompt. transformers' own check
+    # would print first, at the tokenizer's limit, that the model will fail with indexing errors.
+    tok.model_max_length = int(1e30)  # transformers' value for "no limit" (VERY_LARGE_INTEGER)
     return tok
 
 
