@@ -287,6 +287,38 @@ def test_an_uncaught_exception_on_one_host_ends_the_job():
     assert "finished" not in logs[0], logs[0]
 
 
+FAILING_LATE = textwrap.dedent("""
+    import time
+    import jax
+    from tevjax.multihost import every_process, initialize_distributed
+
+    assert initialize_distributed()
+    every_process([1])
+    if jax.process_index() == {failing}:
+        time.sleep(1.0)  # the other process has finished and waits in jax.distributed's shutdown
+        raise RuntimeError("host {failing} fails after the other finished")
+    print("finished")
+""")
+
+
+@pytest.mark.parametrize("failing", [0, 1])
+def test_a_host_that_fails_after_another_finished_ends_it_too(failing):
+    """One process finishes its work and waits, at exit, for the other in jax.distributed's
+    shutdown barrier; the other then raises. The finished one is told why and exits with status
+    1 at once, where before it waited out jax's heartbeat timeout (100 s, more than this test
+    allows) and was aborted (SIGABRT) with a message that named no cause. Process 0 hosts the
+    job's store, so both directions are checked."""
+    code = FAILING_LATE.format(failing=failing)
+    logs = _launch([[sys.executable, "-c", code]] * 2, _joined_envs(forced_devices_env(1)), "the failing job",
+                   timeout=FAIL_LIMIT_S, codes=[1, 1])
+    other = 1 - failing
+    assert f"RuntimeError: host {failing} fails after the other finished" in logs[failing], logs[failing]
+    assert "finished" in logs[other].splitlines(), logs[other]
+    assert (f"tevjax: stopping process {other} of 2: process {failing} failed: RuntimeError: host {failing} fails "
+            f"after the other finished") in logs[other], logs[other]
+    assert "Check failure" not in logs[other], logs[other]
+
+
 @pytest.mark.parametrize("lacking", ["model", "prompts.txt"])
 def test_cli_error_on_one_host_ends_the_job(tiny_llama_dir, tmp_path, lacking):
     """`tevjax generate` with a file that one host lacks: that host prints the error and exits with

@@ -17,6 +17,7 @@ Four things each host would otherwise have or do on its own:
 from __future__ import annotations
 
 import atexit
+import contextlib
 import hashlib
 import os
 import sys
@@ -277,15 +278,17 @@ def _watch_for_abort() -> None:
         return
     _job = (client, pid, count)
 
+    stopping = threading.Event()
+
     def watch():
-        while True:
+        while not stopping.is_set():
             try:  # the wait releases the GIL; it is renewed hourly so no RPC deadline is reached
                 why = client.blocking_key_value_get(_ABORT.format(pid), 3_600_000)
             except Exception as e:  # noqa: BLE001 - a renewed wait, or the store is gone
                 if "DEADLINE_EXCEEDED" in str(e):
                     continue
-                return  # the store's host exited: jax's own error polling ends this process
-            if not why:  # this process is exiting normally (stop_watch below)
+                return  # the job was shut down, or the store's host exited (jax's error polling ends this one)
+            if not why:  # woken by shut_down below
                 return
             print(f"tevjax: stopping process {pid} of {count}: {why}", file=sys.stderr, flush=True)
             _exit_job(1)
@@ -293,18 +296,23 @@ def _watch_for_abort() -> None:
     watcher = threading.Thread(target=watch, name="tevjax-abort-watch", daemon=True)
     watcher.start()
 
-    def stop_watch():
-        # A daemon thread whose wait ends during interpreter shutdown (as jax.distributed's own
-        # shutdown cancels it) aborts the process, so the watchdog is woken and joined first; atexit
-        # runs this before jax's handler, which was registered earlier. From here on a peer's
-        # failure reaches this process through jax's heartbeats instead.
+    def shut_down():
+        # At exit, jax.distributed's shutdown waits in a barrier until every process reaches it.
+        # It runs here, before jax's own exit handler (registered earlier, so run later), with the
+        # watchdog still watching: a process that fails while this one waits (it finished first)
+        # ends this one too, at once, rather than after jax's heartbeat timeout and an abort.
+        # Then the watchdog is woken and joined: a daemon thread whose wait ends during
+        # interpreter shutdown aborts the process.
         try:
+            jax.distributed.shutdown()
+        except Exception as e:  # noqa: BLE001 - jax's own handler would meet the same
+            print(f"tevjax: note: leaving the job: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        stopping.set()
+        with contextlib.suppress(Exception):  # the store is gone with the job, and the wait with it
             client.key_value_set(_ABORT.format(pid), "", allow_overwrite=True)
-        except Exception:  # noqa: BLE001 - the store is gone, and the wait with it
-            pass
         watcher.join(timeout=_ACK_WAIT_S)
 
-    atexit.register(stop_watch)
+    atexit.register(shut_down)
     previous = sys.excepthook
 
     def excepthook(kind, value, tb):
