@@ -497,7 +497,7 @@ DIFFERENT_INIT = textwrap.dedent("""
 def test_training_refuses_hosts_that_start_from_different_drafters(tmp_path):
     """Every process feeds the mesh its own copy of the initial parameters, and nothing else would
     notice that they differ: `train` compares them (and the settings and the data manifest) first,
-    and every process refuses before anything is written."""
+    and every process refuses before anything is written into the run directory."""
     from test_train import PROMPTS, ROLLOUT, _loaded, _target
 
     from tevjax.train.rollout import generate_data
@@ -510,7 +510,56 @@ def test_training_refuses_hosts_that_start_from_different_drafters(tmp_path):
     for log in logs:
         assert ("refused: the initial drafter's parameters differs between the job's processes: "
                 "process 1 against process 0") in log, log
-    assert not run.exists()
+    assert list(run.iterdir()) == []  # made by process 0 to check that the hosts share it; nothing written
+
+
+NOT_SHARED = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {tests!r})
+    import jax
+    from tevjax.multihost import initialize_distributed
+    from tevjax.sharding import make_mesh
+    from tevjax.train.rollout import generate_data
+    from tevjax.train.run import train
+    from test_train import CFG, PROMPTS, ROLLOUT, _drafter, _loaded, _target
+
+    assert initialize_distributed()
+    target = _target()
+    try:  # "data" and "run" are relative paths, and each host runs in a directory of its own
+        if {what!r} == "data":
+            generate_data(_loaded(target), ROLLOUT, "data", prompts=PROMPTS, mesh=make_mesh(2, 1), progress=False,
+                          log=lambda _: None)
+        else:
+            train(target, _drafter(target), {data!r}, "run", CFG, mesh=make_mesh(2, 1), target_name="tiny",
+                  heldout_records=4, progress=False, log=lambda _: None)
+    except ValueError as e:
+        print("refused:", e)
+""")
+
+
+@pytest.mark.parametrize("what", ["data", "run"])
+def test_directories_the_hosts_do_not_share_are_refused(tmp_path, what):
+    """Process 0 writes the data and run directories and every host reads them, and orbax writes
+    each checkpoint from every host: a path that is each host's own directory (a local disk, or
+    here a relative path) made a training job wait forever, with no message, for the parts of
+    its first checkpoint. Every host now refuses it first, naming the hosts that cannot see it."""
+    from test_train import PROMPTS, ROLLOUT, _loaded, _target
+
+    from tevjax.train.rollout import generate_data
+
+    data = tmp_path / "shared_data"
+    if what == "run":
+        generate_data(_loaded(_target()), ROLLOUT, data, prompts=PROMPTS, progress=False, log=lambda _: None)
+    hosts = [tmp_path / "host0", tmp_path / "host1"]
+    for host in hosts:
+        host.mkdir()
+    code = NOT_SHARED.format(tests=str(TESTS), what=what, data=str(data))
+    logs = _launch([[sys.executable, "-c", code]] * 2, _joined_envs(forced_devices_env(1)), f"the {what} job",
+                   timeout=FAIL_LIMIT_S, cwds=hosts)
+    for log in logs:
+        assert (f"refused: the {what} directory (--out) '{what}' is not a directory that the job's processes share: "
+                f"process 1 cannot see a file that process 0 wrote there") in log, log
+    assert [list((host / what).iterdir()) for host in hosts if (host / what).exists()] == [[]]
 
 
 def test_cli_eval_on_two_processes_measures_what_one_does(text_target_dir, tmp_path):

@@ -7,7 +7,8 @@ Four things each host would otherwise have or do on its own:
   collective (a checkpoint, an evaluation over the mesh, a stop, a decoder call's round count)
   must be taken by every host at the same point, or one waits in a collective the others never
   join. Such decisions go through `every_process` / `any_process`.
-- **Writes.** One process writes a shared file, between `barrier`s.
+- **Writes.** One process writes a shared file, between `barrier`s, in a directory that every
+  process sees (`check_shared_dir`).
 - **Inputs.** The command and the files it reads must be the same on every host (`check_same`,
   `check_same_files`).
 - **Failures.** A process that fails ends the whole job within seconds (`abort_job`), rather than
@@ -20,6 +21,7 @@ import atexit
 import contextlib
 import hashlib
 import os
+import secrets
 import sys
 import threading
 import time
@@ -31,7 +33,7 @@ import jax
 import numpy as np
 
 __all__ = ["JOIN_TIMEOUT_S", "abort_job", "any_process", "barrier", "check_same", "check_same_files",
-           "every_process", "initialize_distributed"]
+           "check_shared_dir", "every_process", "initialize_distributed"]
 
 JOIN_TIMEOUT_S = 300.0  # jax.distributed's default: hosts of one job may start minutes apart
 
@@ -105,6 +107,45 @@ def check_same_files(what: str, directory: str | os.PathLike, patterns: Iterable
         files = [name for i, name in enumerate(names) if (table[:, i] != table[0, i]).any()]
         raise ValueError(f"{what}: {', '.join(files)} differ{'s' * (len(files) == 1)} between the job's processes: "
                          f"process{'es' * (len(differ) > 1)} {', '.join(map(str, differ))} against process 0")
+
+
+def check_shared_dir(what: str, directory: str | os.PathLike, *, wait_s: float = 10.0) -> None:
+    """Raises ValueError, on every process of a multi-host job alike, unless `directory` is one
+    directory that every process sees: a shared filesystem, mounted at the same path on every
+    host. Process 0 makes it if it does not exist. A collective (nothing at all in a single
+    process). Call it before any process decides anything from what the directory holds.
+
+    Process 0 writes a file under a fresh random name there, and every other process looks for it
+    for up to `wait_s` seconds (a network filesystem may show a new file late). Without this
+    check, a run directory that is each host's own leaves orbax waiting forever for the other
+    hosts' parts of a checkpoint, with no message; a data directory, the other hosts failing to
+    read files that only process 0's copy has."""
+    if jax.process_count() == 1:
+        return
+    directory, pid = Path(directory), jax.process_index()
+    token = int(every_process([secrets.randbits(31) if pid == 0 else 0])[0, 0])
+    probe = directory / f".tevjax-shared-{token}"
+    problem = ""
+    if pid == 0:
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            probe.write_text("each process of a multi-host job looks for this file; process 0 removes it\n")
+        except OSError as e:
+            problem = f"process 0 cannot write there ({e.strerror or e})"
+    if any_process(bool(problem))[0]:  # every process raises alike, whichever failed
+        raise ValueError(f"{what} {str(directory)!r}: {problem or 'process 0 cannot write there'}")
+    deadline = time.monotonic() + wait_s
+    while not (seen := probe.exists()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    table = every_process([seen])
+    if pid == 0:
+        with contextlib.suppress(OSError):
+            probe.unlink()
+    blind = [p for p in range(len(table)) if not table[p, 0]]
+    if blind:
+        raise ValueError(f"{what} {str(directory)!r} is not a directory that the job's processes share: "
+                         f"process{'es' * (len(blind) > 1)} {', '.join(map(str, blind))} cannot see a file that "
+                         f"process 0 wrote there. It must be on a filesystem that every host mounts at that path.")
 
 
 def _file_digest(path: Path) -> bytes:

@@ -59,7 +59,7 @@ from tevjax.models.cache import KVCache
 from tevjax.models.dflash import tapped_hidden
 from tevjax.models.layers import causal_mask
 from tevjax.models.transformer import Transformer
-from tevjax.multihost import barrier
+from tevjax.multihost import barrier, check_shared_dir
 from tevjax.sharding import batch_sharding, host_array, put
 
 __all__ = ["RolloutConfig", "generate_data", "select_prompts", "sequence_hidden", "batch_features", "read_manifest",
@@ -376,6 +376,9 @@ def generate_data(loaded, cfg: RolloutConfig, out_dir: str | os.PathLike, *, res
     for t in cfg.taps:
         if not 0 <= t < tcfg.num_layers:
             raise ValueError(f"tap {t} is outside the target's layers [0, {tcfg.num_layers})")
+    # Multi-host: process 0 writes the directory and every process reads it, so every host must see
+    # the same one (a host's own would fail, or resume from another state, in its own way).
+    check_shared_dir("the data directory (--out)", out)
     if (out / MANIFEST).exists():
         if not resume:
             raise FileExistsError(f"{out} already holds a data directory: pass --resume to complete it, or choose a new --out")

@@ -30,7 +30,7 @@ import numpy as np
 from flax import nnx
 
 from tevjax.models.dflash import DFlashConfig, DFlashDrafter, check_draft_vocab
-from tevjax.multihost import any_process, barrier, check_same
+from tevjax.multihost import any_process, barrier, check_same, check_shared_dir
 from tevjax.sharding import global_batch_array, make_mesh
 from tevjax.train.dataset import Batch, TrainData
 from tevjax.train.rollout import settings_diff
@@ -119,6 +119,9 @@ def train(target, drafter: DFlashDrafter, data_dir: str | os.PathLike, run_dir: 
     from tevjax.train.heldout import HeldoutEval
 
     run = Path(run_dir)
+    # Multi-host: orbax writes each checkpoint from every host into this one directory (a host's
+    # own would leave it waiting forever), and every host must find the same run in it.
+    check_shared_dir("the run directory (--out)", run)
     saved = None
     if (run / RUN_FILE).exists():
         if not resume:
