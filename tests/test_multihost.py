@@ -562,6 +562,18 @@ def test_directories_the_hosts_do_not_share_are_refused(tmp_path, what):
     assert [list((host / what).iterdir()) for host in hosts if (host / what).exists()] == [[]]
 
 
+def test_a_lingering_probe_does_not_make_a_directory_hold_files(tmp_path):
+    """A network filesystem may list check_shared_dir's probe on another host for a moment after
+    process 0 removed it; that host must still take a new run's directory for empty."""
+    from tevjax.multihost import holds_files
+
+    assert not holds_files(tmp_path / "absent")
+    (tmp_path / ".tevjax-shared-12345").write_text("")
+    assert not holds_files(tmp_path)
+    (tmp_path / "run.json").write_text("{}")
+    assert holds_files(tmp_path)
+
+
 def test_cli_eval_on_two_processes_measures_what_one_does(text_target_dir, tmp_path):
     """`tevjax eval` on two processes (batches of 2 prompts over a data=2 mesh) reports on both
     the per-prompt rounds and block lengths of a one-process run, with every greedy output equal

@@ -33,7 +33,7 @@ import jax
 import numpy as np
 
 __all__ = ["JOIN_TIMEOUT_S", "abort_job", "any_process", "barrier", "check_same", "check_same_files",
-           "check_shared_dir", "every_process", "initialize_distributed"]
+           "check_shared_dir", "every_process", "holds_files", "initialize_distributed"]
 
 JOIN_TIMEOUT_S = 300.0  # jax.distributed's default: hosts of one job may start minutes apart
 
@@ -124,7 +124,7 @@ def check_shared_dir(what: str, directory: str | os.PathLike, *, wait_s: float =
         return
     directory, pid = Path(directory), jax.process_index()
     token = int(every_process([secrets.randbits(31) if pid == 0 else 0])[0, 0])
-    probe = directory / f".tevjax-shared-{token}"
+    probe = directory / f"{_PROBE}{token}"
     problem = ""
     if pid == 0:
         try:
@@ -141,11 +141,22 @@ def check_shared_dir(what: str, directory: str | os.PathLike, *, wait_s: float =
     if pid == 0:
         with contextlib.suppress(OSError):
             probe.unlink()
+    barrier("tevjax-shared-dir-probed")  # so that no process finds the probe in what it reads next
     blind = [p for p in range(len(table)) if not table[p, 0]]
     if blind:
         raise ValueError(f"{what} {str(directory)!r} is not a directory that the job's processes share: "
                          f"process{'es' * (len(blind) > 1)} {', '.join(map(str, blind))} cannot see a file that "
                          f"process 0 wrote there. It must be on a filesystem that every host mounts at that path.")
+
+
+_PROBE = ".tevjax-shared-"
+
+
+def holds_files(directory: str | os.PathLike) -> bool:
+    """Whether `directory` exists and holds anything but `check_shared_dir`'s probe, which another
+    host's view of a network filesystem may still list for a moment after it is removed."""
+    directory = Path(directory)
+    return directory.exists() and any(not p.name.startswith(_PROBE) for p in directory.iterdir())
 
 
 def _file_digest(path: Path) -> bytes:

@@ -59,7 +59,7 @@ from tevjax.models.cache import KVCache
 from tevjax.models.dflash import tapped_hidden
 from tevjax.models.layers import causal_mask
 from tevjax.models.transformer import Transformer
-from tevjax.multihost import barrier, check_shared_dir
+from tevjax.multihost import barrier, check_shared_dir, holds_files
 from tevjax.sharding import batch_sharding, host_array, put
 
 __all__ = ["RolloutConfig", "generate_data", "select_prompts", "sequence_hidden", "batch_features", "read_manifest",
@@ -390,7 +390,7 @@ def generate_data(loaded, cfg: RolloutConfig, out_dir: str | os.PathLike, *, res
         _check_resume(manifest, expected, out)
     else:
         expected = _config_dict(cfg, loaded.name, tcfg)
-        if out.exists() and any(out.iterdir()):
+        if holds_files(out):
             raise FileExistsError(f"{out} exists and is not empty: choose a new --out")
         if prompts is not None and cfg.responses == "sharegpt":
             raise ValueError("ShareGPT responses belong to ShareGPT prompts: given prompts need responses='target'")

@@ -30,7 +30,7 @@ import numpy as np
 from flax import nnx
 
 from tevjax.models.dflash import DFlashConfig, DFlashDrafter, check_draft_vocab
-from tevjax.multihost import any_process, barrier, check_same, check_shared_dir
+from tevjax.multihost import any_process, barrier, check_same, check_shared_dir, holds_files
 from tevjax.sharding import global_batch_array, make_mesh
 from tevjax.train.dataset import Batch, TrainData
 from tevjax.train.rollout import settings_diff
@@ -144,7 +144,7 @@ def train(target, drafter: DFlashDrafter, data_dir: str | os.PathLike, run_dir: 
     else:
         if resume:
             raise RunError(f"--resume: {run} holds no training run to resume")
-        if run.exists() and any(run.iterdir()):
+        if holds_files(run):
             raise RunError(f"{run} exists and is not empty: choose a new --out")
 
     mesh = mesh or make_mesh()
