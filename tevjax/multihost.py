@@ -209,7 +209,7 @@ def initialize_distributed(coordinator: str | None = None, num_processes: int | 
     """
     if not timeout_s > 0:
         raise ValueError(f"a join timeout of {timeout_s} s: it must be positive")
-    if _kv_client() is not None:  # already joined (the CLI joins before its checks, then again)
+    if jax.distributed.is_initialized():  # already joined (the CLI joins before its checks, then again)
         return True
     env = os.environ
 
@@ -295,10 +295,17 @@ _job: tuple[Any, int, int] | None = None  # (key-value client, this process, pro
 
 
 def _kv_client():
-    # jax has no public accessor for the job's key-value store; orbax reads this same attribute.
-    from jax._src.distributed import global_state
+    """The job's key-value client, or None. jax has no public accessor for it (orbax reads this
+    same private attribute): should a jax release move it, jobs run as before, without the
+    failure watch, and say so."""
+    try:
+        from jax._src.distributed import global_state
 
-    return global_state.client
+        return global_state.client
+    except (ImportError, AttributeError):
+        print("tevjax: note: this jax release does not expose the job's key-value store where tevjax looks for "
+              "it; a failing host will not end the others early", file=sys.stderr, flush=True)
+        return None
 
 
 def _exit_job(code: int) -> None:
