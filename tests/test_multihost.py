@@ -574,6 +574,18 @@ def test_a_lingering_probe_does_not_make_a_directory_hold_files(tmp_path):
     assert holds_files(tmp_path)
 
 
+def test_a_jax_without_the_private_key_value_client_degrades_to_a_note(monkeypatch, capsys):
+    """tevjax reads the job's key-value client from a private jax attribute (as orbax does). A jax
+    release that moves it must not break a job: no failure watch, and a note that says so."""
+    import jax._src.distributed as distributed
+
+    from tevjax import multihost
+
+    monkeypatch.delattr(distributed, "global_state")
+    assert multihost._kv_client() is None
+    assert "a failing host will not end the others early" in capsys.readouterr().err
+
+
 def test_cli_eval_on_two_processes_measures_what_one_does(text_target_dir, tmp_path):
     """`tevjax eval` on two processes (batches of 2 prompts over a data=2 mesh) reports on both
     the per-prompt rounds and block lengths of a one-process run, with every greedy output equal
