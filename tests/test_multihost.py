@@ -586,6 +586,37 @@ def test_a_jax_without_the_private_key_value_client_degrades_to_a_note(monkeypat
     assert "a failing host will not end the others early" in capsys.readouterr().err
 
 
+OTHER_SOFTWARE = textwrap.dedent("""
+    import jax
+    from tevjax import multihost
+
+    if {other!r} == "jax":  # process 1 has another jax installed (as its metadata says)
+        real = multihost._software
+        multihost._software = lambda: {{**real(), "jax": "0.0.1"}} if jax.process_index() == 1 else real()
+    try:
+        multihost.initialize_distributed()
+        print("joined")
+    except ValueError as e:
+        print("refused:", e)
+""")
+
+
+def test_hosts_with_other_software_are_refused_as_they_join():
+    """A host with another version of jax (or of tevjax's source, or of another package it
+    computes with) would run other programs: collectives out of step, or other values in silence.
+    Joining compares them, in one collective, and every host refuses, naming the package and its
+    own version of it."""
+    logs = _launch([[sys.executable, "-c", OTHER_SOFTWARE.format(other="jax")]] * 2,
+                   _joined_envs(forced_devices_env(1)), "the job", timeout=FAIL_LIMIT_S)
+    version = jax.__version__
+    assert (f"refused: the installed software: jax ({version} on process 0) differs between the job's processes: "
+            f"process 1 against process 0") in logs[0], logs[0]
+    assert "refused: the installed software: jax (0.0.1 on process 1) differs" in logs[1], logs[1]
+    logs = _launch([[sys.executable, "-c", OTHER_SOFTWARE.format(other="none")]] * 2,
+                   _joined_envs(forced_devices_env(1)), "the job", timeout=FAIL_LIMIT_S)
+    assert all("joined" in log.splitlines() for log in logs), logs
+
+
 def test_cli_eval_on_two_processes_measures_what_one_does(text_target_dir, tmp_path):
     """`tevjax eval` on two processes (batches of 2 prompts over a data=2 mesh) reports on both
     the per-prompt rounds and block lengths of a one-process run, with every greedy output equal

@@ -9,8 +9,8 @@ Four things each host would otherwise have or do on its own:
   join. Such decisions go through `every_process` / `any_process`.
 - **Writes.** One process writes a shared file, between `barrier`s, in a directory that every
   process sees (`check_shared_dir`).
-- **Inputs.** The command and the files it reads must be the same on every host (`check_same`,
-  `check_same_files`).
+- **Inputs.** The software, the command and the files it reads must be the same on every host
+  (`check_same`, `check_same_files`; the software when joining).
 - **Failures.** A process that fails ends the whole job within seconds (`abort_job`), rather than
   leaving the others waiting in a collective.
 """
@@ -100,12 +100,20 @@ def check_same_files(what: str, directory: str | os.PathLike, patterns: Iterable
     check_same(f"which files {what} has ({', '.join(names) or 'none'} on process {jax.process_index()})", names)
     if not names:
         return
-    digests = np.stack([np.frombuffer(_file_digest(directory / name), np.int32) for name in names])
-    table = every_process(digests.reshape(-1)).reshape(jax.process_count(), *digests.shape)
+    _check_each(what, {name: _file_digest(directory / name) for name in names})
+
+
+def _check_each(what: str, digests: dict[str, bytes], shown: dict[str, str] | None = None) -> None:
+    """Raises ValueError, on every process alike, naming the keys whose 16-byte digests are not
+    process 0's on every process (with this process's `shown` value of each, where given); one
+    collective for all of them."""
+    rows = np.stack([np.frombuffer(d[:16], np.int32) for d in digests.values()])
+    table = every_process(rows.reshape(-1)).reshape(jax.process_count(), *rows.shape)
     differ = [p for p in range(len(table)) if (table[p] != table[0]).any()]
     if differ:
-        files = [name for i, name in enumerate(names) if (table[:, i] != table[0, i]).any()]
-        raise ValueError(f"{what}: {', '.join(files)} differ{'s' * (len(files) == 1)} between the job's processes: "
+        keys = [k for i, k in enumerate(digests) if (table[:, i] != table[0, i]).any()]
+        named = [f"{k} ({shown[k]} on process {jax.process_index()})" if shown else k for k in keys]
+        raise ValueError(f"{what}: {', '.join(named)} differ{'s' * (len(keys) == 1)} between the job's processes: "
                          f"process{'es' * (len(differ) > 1)} {', '.join(map(str, differ))} against process 0")
 
 
@@ -246,7 +254,33 @@ def initialize_distributed(coordinator: str | None = None, num_processes: int | 
         return False
     log(f"joined: process {jax.process_index()} of {jax.process_count()}, {jax.device_count()} devices in all")
     _watch_for_abort()
+    if jax.process_count() > 1:
+        software = _software()
+        _check_each("the installed software", {k: hashlib.sha256(v.encode()).digest() for k, v in software.items()},
+                    software)
     return True
+
+
+_PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy", "ml_dtypes", "transformers")
+
+
+def _software() -> dict[str, str]:
+    """What each host must have installed alike: tevjax's own source (a host with an older
+    checkout runs other programs, and sends its collectives out of step or computes other values
+    in silence), the packages it computes with, and Python."""
+    from importlib import metadata
+
+    h = hashlib.sha256()
+    root = Path(__file__).resolve().parent
+    for path in sorted(root.rglob("*.py")):
+        h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    software = {"tevjax source": f"sha256 {h.hexdigest()[:12]}", "Python": sys.version.split()[0]}
+    for package in _PACKAGES:
+        try:
+            software[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            software[package] = "not installed"
+    return software
 
 
 def _join_within(timeout_s: float, job: str, **kwargs) -> None:
