@@ -360,6 +360,38 @@ def _params(run_dir, target):
     return {"/".join(map(str, p)): np.asarray(v) for p, v in jax.tree_util.tree_flatten_with_path(nnx.state(d))[0]}
 
 
+def test_a_seq_len_that_crops_every_response_is_refused(tmp_path, data_dir, target):
+    """Records are cropped to seq_len from their start, and anchors need a supervised next token:
+    a seq_len no longer than every prompt trained on nothing (zero blocks, a loss of 0, and a
+    "finished" run). It is refused before anything is written, naming the shortest prompt; one
+    that crops only some records trains, with a note that counts them."""
+    from tevjax.train.dataset import TrainData
+
+    first = TrainData(data_dir).first_supervised()
+    assert sorted(first.tolist()) == sorted(len(p) for p in PROMPTS[1])  # a record's response follows its prompt
+    shortest = int(first.min())
+    quiet = dict(progress=False, target_name="tiny", heldout_records=4)
+
+    def cfg(seq_len):
+        return TrainConfig(**{**CFG.__dict__, "seq_len": seq_len})
+
+    with pytest.raises(RunError, match=f"--seq-len {shortest} crops all {len(first)} training records before their "
+                                       f"responses, so there is nothing to train on; the shortest prompt is "
+                                       f"{shortest} tokens"):
+        train(target, _drafter(target), data_dir, tmp_path / "run", cfg(shortest), log=lambda _: None, **quiet)
+    assert not (tmp_path / "run").exists()
+    logged = []
+    train(target, _drafter(target), data_dir, tmp_path / "run", cfg(shortest + 1), until=1, log=logged.append, **quiet)
+    cropped = int((first > shortest).sum())
+    assert 0 < cropped < len(first)
+    assert any(f"crops {cropped} of {len(first)} training records" in line for line in logged), logged
+    # Every held-out prompt here is longer than the shortest training prompt: the held-out check
+    # would report zeros, so there is none, and a note says why.
+    assert (TrainData(data_dir, "heldout").first_supervised() > shortest).all()
+    assert any("no held-out evaluation" in line for line in logged), logged
+    assert not any('"heldout"' in line for line in logged), logged
+
+
 def test_exact_resume_and_checkpoint_safety(tmp_path, data_dir, target):
     quiet = dict(progress=False, log=lambda _: None, target_name="tiny", heldout_records=4)
     straight = train(target, _drafter(target), data_dir, tmp_path / "a", CFG, **quiet)

@@ -76,6 +76,22 @@ class TrainData:
     def response_tokens(self) -> int:
         return int(sum(int(np.asarray(sh["loss_mask"]).sum()) for sh in self._shards))
 
+    def first_supervised(self) -> np.ndarray:
+        """[records] int64: each record's first supervised (response) position, counted from its
+        start (its prompt's length), or -1 where it has none. Training crops records to seq_len
+        and draws anchors where the next token is supervised, so a record whose first one is at
+        seq_len or beyond adds nothing."""
+        out = np.full(len(self.index), -1, np.int64)
+        r = 0
+        for sh in self._shards:
+            mask = np.asarray(sh["loss_mask"]).astype(bool)
+            offsets = np.asarray(sh["offsets"])
+            for a, b in zip(offsets[:-1], offsets[1:]):
+                hits = np.flatnonzero(mask[a:b])
+                out[r] = hits[0] if hits.size else -1
+                r += 1
+        return out
+
     def token_counts(self, vocab_size: int) -> np.ndarray:
         """[V] int64 how often each token id is a supervised (response) token: the statistics a
         reduced draft vocabulary is chosen from."""

@@ -51,6 +51,21 @@ class RunError(ValueError):
     """A run directory that cannot be used as asked (exists, mismatched, corrupt)."""
 
 
+def _check_seq_len(data: TrainData, seq_len: int, log: Callable[[str], None]) -> None:
+    """Refuses a sequence length that crops every record before its response (the run would
+    train on nothing: zero blocks, a loss of 0), and notes how many records it crops so."""
+    first = data.first_supervised()
+    lost = int(((first < 1) | (first >= seq_len)).sum())
+    if lost == len(first):
+        prompts = first[first >= 1]
+        shortest = f"; the shortest prompt is {int(prompts.min())} tokens" if prompts.size else ""
+        raise RunError(f"--seq-len {seq_len} crops all {len(first)} training records before their responses, "
+                       f"so there is nothing to train on{shortest}")
+    if lost:
+        log(json.dumps({"event": "note", "note": f"--seq-len {seq_len} crops {lost} of {len(first)} training records "
+                                                 f"before their responses; they add nothing"}))
+
+
 def _checkpoint_manager(run_dir: Path, keep: int = 3):
     import orbax.checkpoint as ocp
 
@@ -132,6 +147,7 @@ def train(target, drafter: DFlashDrafter, data_dir: str | os.PathLike, run_dir: 
     # A resume reads the shards the run started with, even if `tevjax data` has added more since.
     data = TrainData(data_dir, "train", shards=saved.get("train_shards") if saved else None)
     columns = data.tap_columns(drafter.cfg.target_layer_ids)
+    _check_seq_len(data, cfg.seq_len, log)
     record = _run_record(cfg, drafter.cfg, Path(data_dir), target_name, data.shard_names)
     record = json.loads(json.dumps(record))
     vocab_file = run / DRAFT_VOCAB_FILE
@@ -177,9 +193,16 @@ def train(target, drafter: DFlashDrafter, data_dir: str | os.PathLike, run_dir: 
     else:
         state = trainer.init_state()
     try:
-        heldout = HeldoutEval(TrainData(data_dir, "heldout"), columns, records=heldout_records, seq_len=cfg.seq_len)
+        held = TrainData(data_dir, "heldout")
     except FileNotFoundError:
         heldout = None
+    else:
+        heldout = HeldoutEval(held, columns, records=heldout_records, seq_len=cfg.seq_len)
+        first = held.first_supervised()[:heldout_records]
+        if ((first < 1) | (first >= cfg.seq_len)).all():  # it would report zeros
+            log(json.dumps({"event": "note", "note": f"no held-out evaluation: --seq-len {cfg.seq_len} crops all "
+                                                     f"{len(first)} held-out records before their responses"}))
+            heldout = None
 
     # SIGTERM and a first Ctrl-C stop after the current step (with a checkpoint; multi-host, at the
     # next agreed step); a second Ctrl-C interrupts at once. Raising inside a step could lose the
