@@ -473,6 +473,8 @@ def test_two_device_step_equals_one_device_step(tmp_path, data_dir):
     (["train", "--data", "/nonexistent", "--out", "/tmp/x", "--steps", "2"], "--data '/nonexistent': no such directory"),
     (["train", "--data", ".", "--out", "/tmp/x", "--steps", "0"], "--steps must be >= 1"),
     (["train", "--data", ".", "--out", "/tmp/x", "--steps", "2", "--exit-weight", "bogus"], "--exit-weight 'bogus'"),
+    (["train", "--data", ".", "--out", "/tmp/x", "--steps", "2", "--anchors", "4", "--exit-anchors", "5"],
+     "--exit-anchors 5 exceeds --anchors 4"),
     (["train", "--data", ".", "--out", "/tmp/x", "--steps", "2", "--lr", "-1"], "--lr must be a finite number > 0"),
     (["train", "--data", ".", "--out", "/tmp/x", "--steps", "2", "--distill", "1.5"],
      "--distill must be a weight in [0, 1]"),

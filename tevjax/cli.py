@@ -282,7 +282,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--exit-lambda", type=_nonnegative_float("--exit-lambda"), default=0.1, help="0 = token loss only")
     tr.add_argument("--exit-weight", default="w", help="w (default), w_depth, P_floored or P_rescaled")
     tr.add_argument("--exit-budget", type=_positive_int("--exit-budget"), default=8, help="tree budget of the exit loss")
-    tr.add_argument("--exit-anchors", type=_positive_int("--exit-anchors"), default=8, help="anchors per sequence with a tree")
+    tr.add_argument("--exit-anchors", type=_positive_int("--exit-anchors"), default=None,
+                    help="anchors per sequence with a tree, at most --anchors (default: 8, or --anchors if fewer)")
     tr.add_argument("--exit-sequences", type=_positive_int("--exit-sequences"), default=None,
                     help="sequences per batch whose anchors get trees (default: all); fewer sequences with more "
                          "--exit-anchors each give the same trees from fewer target tokens")
@@ -636,6 +637,9 @@ def cmd_train(args) -> int:
         raise CliError(f"--exit-weight {args.exit_weight!r} is not one of {', '.join(EXIT_WEIGHTS)}")
     if not args.data.is_dir():
         raise CliError(f"--data {str(args.data)!r}: no such directory")
+    if args.exit_anchors is not None and args.exit_anchors > args.anchors:  # a subset of the anchors
+        raise CliError(f"--exit-anchors {args.exit_anchors} exceeds --anchors {args.anchors}: the trees of the exit "
+                       f"loss grow from a subset of the anchors")
     if args.init is not None and not Path(args.init).is_dir():
         raise CliError(f"--init {args.init!r}: no such drafter directory")
     if args.init is not None and args.draft_vocab:
@@ -689,7 +693,7 @@ def cmd_train(args) -> int:
                       lr=args.lr, warmup=args.warmup, weight_decay=args.weight_decay,
                       gamma=args.gamma or None, distill=args.distill, exit_lambda=args.exit_lambda,
                       exit_weight=args.exit_weight,
-                      exit_budget=args.exit_budget, exit_anchors=min(args.exit_anchors, args.anchors),
+                      exit_budget=args.exit_budget, exit_anchors=args.exit_anchors or min(8, args.anchors),
                       exit_sequences=args.exit_sequences, seed=args.seed)
     state = train(loaded.target, drafter, args.data, args.out, cfg, target_name=args.target, resume=args.resume,
                   until=args.until, mesh=mesh, checkpoint_every_s=args.checkpoint_every,
