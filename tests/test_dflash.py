@@ -344,6 +344,14 @@ def test_bad_checkpoints_fail_by_name(public_ckpt, target, tmp_path):
     with pytest.raises(CheckpointError, match=r"'fc\.weight': expected shape \(64, 128\), got \(64, 64\)"):
         load_dflash(_write_checkpoint(tmp_path / "shape", hf_cfg, wrong))
 
+    nan = dict(tensors)  # a corrupt file, or an export of a diverged run
+    nan["layers.0.mlp.up_proj.weight"] = nan["layers.0.mlp.up_proj.weight"].copy()
+    nan["layers.0.mlp.up_proj.weight"][3, :2] = [np.nan, np.inf]
+    size = nan["layers.0.mlp.up_proj.weight"].size
+    with pytest.raises(CheckpointError, match=rf"'layers\.0\.mlp\.up_proj\.weight' holds 2 non-finite value\(s\) "
+                                              rf"\(NaN or inf\) among its {size:,}"):
+        load_dflash(_write_checkpoint(tmp_path / "nan", hf_cfg, nan))
+
     extra = dict(tensors)
     extra["embed_tokens.weight"] = np.zeros((300, 64), ml_dtypes.bfloat16)
     extra_path = _write_checkpoint(tmp_path / "extra", hf_cfg, extra)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shutil
 
 import jax
@@ -139,6 +140,22 @@ def test_tied_checkpoint_with_redundant_lm_head(tmp_path):
     save_file(tensors, tmp_path / "model.safetensors")
     with pytest.raises(CheckpointError, match=r"lm_head\.weight.*differs.*tie_word_embeddings"):
         load_hf_target(tmp_path)
+
+
+def test_a_target_with_non_finite_weights_is_refused_by_name(tmp_path):
+    """A NaN weight makes every output garbage in silence; loading names the tensor instead. The
+    fast path (a float64 sum) must not refuse finite weights whose float32 sum would overflow."""
+    model = random_model(tiny_config("llama"), seed=2)
+    save_hf_target(model, tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    name = "model.layers.1.mlp.down_proj.weight"
+    tensors[name][0, 0] = np.nan
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(CheckpointError, match=rf"'{re.escape(name)}' holds 1 non-finite value\(s\)"):
+        load_hf_target(tmp_path)
+    tensors[name][...] = 3e38  # finite, though their float32 sum is not
+    save_file(tensors, tmp_path / "model.safetensors")
+    load_hf_target(tmp_path)
 
 
 def test_rule_table_asserts_source_shapes():

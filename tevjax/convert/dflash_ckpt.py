@@ -40,7 +40,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from tevjax.convert.hf import CheckpointError, WeightRule, checkpoint_config_path, read_safetensors_dir
+from tevjax.convert.hf import (CheckpointError, WeightRule, checked_tensor, checkpoint_config_path,
+                               read_safetensors_dir)
 from tevjax.models.config import ModelConfig
 from tevjax.models.dflash import DFlashConfig, DFlashDrafter, check_draft_vocab
 from tevjax.sharding import place, shardings_by_path
@@ -143,10 +144,7 @@ def load_drafter_params(drafter: DFlashDrafter, tensors: Mapping[str, np.ndarray
             raise CheckpointError(f"tensor {DRAFT_VOCAB!r}: {e}") from None
     dtype = jnp.dtype(cfg.param_dtype)
     for rule in rules:
-        x = np.asarray(tensors[rule.hf_name])
-        if not (np.issubdtype(x.dtype, np.floating) or x.dtype == jnp.bfloat16):
-            raise CheckpointError(f"tensor {rule.hf_name!r} has non-float dtype {x.dtype}")
-        value = rule.to_param(rule.hf_name, x)
+        value = rule.to_param(rule.hf_name, checked_tensor(rule.hf_name, tensors[rule.hf_name]))
         var = params[rule.param]
         want = tuple(var.get_value().shape)
         if tuple(value.shape) != want:  # a table bug rather than a checkpoint bug

@@ -49,6 +49,24 @@ class CheckpointError(ValueError):
     names the file and/or tensor."""
 
 
+def checked_tensor(name: str, x) -> np.ndarray:
+    """`x` as a numpy array, or a CheckpointError naming the tensor: a dtype other than a float,
+    or values that are not finite. A NaN or inf weight (a corrupt file, a diverged run's export)
+    otherwise reaches every output in silence: garbage text from a target; from a drafter,
+    proposals that are all rejected, so decoding stays exact but slower than without it."""
+    x = np.asarray(x)
+    if not (np.issubdtype(x.dtype, np.floating) or x.dtype == jnp.bfloat16):
+        raise CheckpointError(f"tensor {name!r} has non-float dtype {x.dtype}")
+    # A float64 sum is finite when every value is (it cannot overflow from float32 or narrower
+    # values), at a tenth of np.isfinite's cost; a sum that is not is checked value by value.
+    if not np.isfinite(x.sum(dtype=np.float64)):
+        bad = int(x.size - np.count_nonzero(np.isfinite(x)))
+        if bad:
+            raise CheckpointError(f"tensor {name!r} holds {bad:,} non-finite value(s) (NaN or inf) among its "
+                                  f"{x.size:,}: the checkpoint is corrupt, or was exported from a diverged run")
+    return x
+
+
 @dataclasses.dataclass(frozen=True)
 class WeightRule:
     """One row of the conversion table."""
@@ -254,10 +272,7 @@ def load_target_params(model: Transformer, state: Mapping[str, np.ndarray], *, m
     for rule in rules:
         converted = []
         for name in rule.names(cfg.num_layers):
-            x = np.asarray(state[name])
-            if not np.issubdtype(x.dtype, np.floating) and x.dtype != jnp.bfloat16:
-                raise CheckpointError(f"tensor {name!r} has non-float dtype {x.dtype}")
-            converted.append(rule.to_param(name, x))
+            converted.append(rule.to_param(name, checked_tensor(name, state[name])))
         value = np.stack(converted) if rule.per_layer else converted[0]
         var = _param(model, rule.param)
         want = tuple(var.get_value().shape)
