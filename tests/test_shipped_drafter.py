@@ -73,6 +73,16 @@ def test_shipped_corpus_is_answers_to_training_prompts_and_its_table_is_cached(t
         load_ngrams(bad)
     with pytest.raises(ValueError, match="corpus file .*missing.npz"):
         load_ngrams(tmp_path / "missing.npz")
+    # Another target's corpus, even with its table cached: refused, naming an id it holds.
+    assert int(tokens.max()) < 49_152
+    load_ngrams(corpus, vocab_size=49_152)
+    with pytest.raises(ValueError, match=rf"holds token id {int(tokens.max())}, outside the target's vocabulary "
+                                         rf"\[0, {int(tokens.max())}\)"):
+        load_ngrams(corpus, vocab_size=int(tokens.max()))
+    broken = tmp_path / "broken.npz"  # records that overrun the tokens: the error names the file
+    np.savez(broken, tokens=tokens[:100], offsets=np.array([0, 50, 200]), starts=np.array([10, 10]))
+    with pytest.raises(ValueError, match=r"corpus file .*broken\.npz.*: offsets must rise from 0 to len\(tokens\)"):
+        load_ngrams(broken)
 
 
 def test_the_records_that_share_a_heldout_conversation_are_the_listed_ones(tmp_path):

@@ -181,7 +181,7 @@ def load_models(target: str = EMBEDDED, drafter: str | os.PathLike | None = None
     ngrams = None
     corpus_dir = Path(drafter) if drafter is not None else TRAINED_DRAFTERS.get(target) if trained else None
     if corpus_dir is not None and (corpus_dir / CORPUS_FILE).exists():
-        ngrams = load_ngrams(corpus_dir / CORPUS_FILE)
+        ngrams = load_ngrams(corpus_dir / CORPUS_FILE, vocab_size=target_cfg.vocab_size)
         notes.append(f"corpus lookup: {ngrams.num_entries:,} n-grams from {corpus_dir / CORPUS_FILE}")
     return LoadedModels(target_cfg=target_cfg, target=loaded.target, tokenizer=loaded.tokenizer,
                         drafter=draft_model, drafter_trained=trained, eos_ids=loaded.eos_ids, notes=notes,
@@ -191,9 +191,11 @@ def load_models(target: str = EMBEDDED, drafter: str | os.PathLike | None = None
 NGRAM_CACHE_VERSION = 1  # raise when ngram_table's output changes for the same corpus and settings
 
 
-def load_ngrams(path: str | os.PathLike, *, cache: bool = True) -> NgramTable:
+def load_ngrams(path: str | os.PathLike, *, cache: bool = True, vocab_size: int | None = None) -> NgramTable:
     """The n-gram table of a corpus file: an npz of `tokens` [T], `offsets` [records + 1] and
-    `starts` [records] (`tevjax.builder.ngram_table`'s arguments).
+    `starts` [records] (`tevjax.builder.ngram_table`'s arguments). With `vocab_size`, a token id
+    outside the target's vocabulary is refused: a corpus for another target proposes nothing
+    the target would accept.
 
     Counting takes seconds for the shipped corpus, so the table is kept under the cache directory
     (`$TEVJAX_CACHE`), named by the SHA-256 of the corpus file and the table's settings; a damaged
@@ -206,6 +208,16 @@ def load_ngrams(path: str | os.PathLike, *, cache: bool = True) -> NgramTable:
     settings = f"{NGRAM_ORDERS}|{NGRAM_CALIBRATION}|{NGRAM_CACHE_VERSION}".encode()
     digest = hashlib.sha256(data + settings).hexdigest()[:32]
     entry = default_cache_dir() / "ngrams" / f"{digest}.npz"
+    try:
+        with np.load(io.BytesIO(data)) as z:
+            tokens, offsets, starts = z["tokens"], z["offsets"], z["starts"]
+    except (OSError, KeyError, ValueError) as e:
+        raise ValueError(f"{str(path)!r} is not a corpus file (an npz of tokens, offsets and starts): {e}") from e
+    # Checked before the cache is read: a cached table does not say which target its ids are for.
+    if vocab_size is not None and tokens.size and not 0 <= int(tokens.min()) <= int(tokens.max()) < vocab_size:
+        bad = int(tokens.max()) if int(tokens.max()) >= vocab_size else int(tokens.min())
+        raise ValueError(f"corpus file {str(path)!r} holds token id {bad}, outside the target's vocabulary "
+                         f"[0, {vocab_size}): is it another target's corpus?")
     if cache and entry.exists():
         try:
             with np.load(entry) as z:
@@ -214,11 +226,9 @@ def load_ngrams(path: str | os.PathLike, *, cache: bool = True) -> NgramTable:
         except (OSError, KeyError, ValueError):
             pass  # built again below
     try:
-        with np.load(io.BytesIO(data)) as z:
-            tokens, offsets, starts = z["tokens"], z["offsets"], z["starts"]
-    except (OSError, KeyError, ValueError) as e:
-        raise ValueError(f"{str(path)!r} is not a corpus file (an npz of tokens, offsets and starts): {e}") from e
-    table = ngram_table(tokens, offsets, starts)
+        table = ngram_table(tokens, offsets, starts)
+    except ValueError as e:
+        raise ValueError(f"corpus file {str(path)!r}: {e}") from None
     if cache:
         with contextlib.suppress(OSError):  # a read-only cache only costs the next load its seconds
             entry.parent.mkdir(parents=True, exist_ok=True)
