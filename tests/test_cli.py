@@ -301,13 +301,21 @@ def test_target_without_tokenizer_prints_ids(capsys, tiny_dir):
 
 
 def test_nonfinite_weights_fail_loudly(tmp_path, capsys, tiny_dir):
+    """NaN weights are refused as they load, naming the tensor; finite weights whose logits
+    overflow (a final-norm scale of 1e38 here) are refused when the first logits come out."""
     _, model = tiny_dir
     bad = random_model(model.cfg, seed=5)
     emb = bad.embed_tokens.embedding
     emb.set_value(emb.get_value() * jnp.nan)
-    save_hf_target(bad, tmp_path)
-    code, out, err = _run(capsys, "generate", "--target", str(tmp_path), "--prompt-ids", "1,2,3",
-                          "--max-new-tokens", "4", "--json")
+    save_hf_target(bad, tmp_path / "nan")
+    argv = ("--prompt-ids", "1,2,3", "--max-new-tokens", "4", "--json")
+    code, out, err = _run(capsys, "generate", "--target", str(tmp_path / "nan"), *argv)
+    assert code == 2 and "tensor 'model.embed_tokens.weight' holds" in err and "non-finite value(s)" in err
+    assert out == ""
+    huge = random_model(model.cfg, seed=5)
+    huge.norm.scale.set_value(jnp.full_like(huge.norm.scale.get_value(), 1e38))
+    save_hf_target(huge, tmp_path / "huge")
+    code, out, err = _run(capsys, "generate", "--target", str(tmp_path / "huge"), *argv)
     assert code == 2 and "produced non-finite logits for prompt 0 (--prompt-ids)" in err and out == ""
 
 
