@@ -77,11 +77,9 @@ def check_same(what: str, value: Any) -> None:
         return
     h = hashlib.sha256()
     _feed(h, value)
-    table = every_process(np.frombuffer(h.digest()[:16], np.int32))
-    differ = [p for p in range(len(table)) if (table[p] != table[0]).any()]
+    differ, _ = _differing({what: h.digest()})
     if differ:
-        raise ValueError(f"{what} differs between the job's processes: process{'es' * (len(differ) > 1)} "
-                         f"{', '.join(map(str, differ))} against process 0")
+        raise ValueError(f"{what} differs between the job's processes: {_against_0(differ)}")
 
 
 def check_same_files(what: str, directory: str | os.PathLike, patterns: Iterable[str]) -> None:
@@ -104,17 +102,26 @@ def check_same_files(what: str, directory: str | os.PathLike, patterns: Iterable
 
 
 def _check_each(what: str, digests: dict[str, bytes], shown: dict[str, str] | None = None) -> None:
-    """Raises ValueError, on every process alike, naming the keys whose 16-byte digests are not
-    process 0's on every process (with this process's `shown` value of each, where given); one
-    collective for all of them."""
-    rows = np.stack([np.frombuffer(d[:16], np.int32) for d in digests.values()])
-    table = every_process(rows.reshape(-1)).reshape(jax.process_count(), *rows.shape)
-    differ = [p for p in range(len(table)) if (table[p] != table[0]).any()]
+    """Raises ValueError, on every process alike, naming the keys whose digests are not process
+    0's on every process (with this process's `shown` value of each, where given)."""
+    differ, keys = _differing(digests)
     if differ:
-        keys = [k for i, k in enumerate(digests) if (table[:, i] != table[0, i]).any()]
         named = [f"{k} ({shown[k]} on process {jax.process_index()})" if shown else k for k in keys]
         raise ValueError(f"{what}: {', '.join(named)} differ{'s' * (len(keys) == 1)} between the job's processes: "
-                         f"process{'es' * (len(differ) > 1)} {', '.join(map(str, differ))} against process 0")
+                         f"{_against_0(differ)}")
+
+
+def _differing(digests: dict[str, bytes]) -> tuple[list[int], list[str]]:
+    """(the processes, the keys) whose digests (their first 16 bytes) are not process 0's; one
+    collective for all the keys."""
+    rows = np.stack([np.frombuffer(d[:16], np.int32) for d in digests.values()])
+    table = every_process(rows.reshape(-1)).reshape(jax.process_count(), *rows.shape)
+    return ([p for p in range(len(table)) if (table[p] != table[0]).any()],
+            [k for i, k in enumerate(digests) if (table[:, i] != table[0, i]).any()])
+
+
+def _against_0(processes: list[int]) -> str:
+    return f"process{'es' * (len(processes) > 1)} {', '.join(map(str, processes))} against process 0"
 
 
 def check_shared_dir(what: str, directory: str | os.PathLike, *, wait_s: float = 10.0) -> None:

@@ -92,6 +92,12 @@ class TrainData:
                 r += 1
         return out
 
+    def cropped(self, seq_len: int) -> np.ndarray:
+        """[records] bool: the records that training, cropping them to seq_len, draws no anchor
+        from (no supervised token at positions 1 .. seq_len - 1)."""
+        first = self.first_supervised()
+        return (first < 1) | (first >= seq_len)
+
     def token_counts(self, vocab_size: int) -> np.ndarray:
         """[V] int64 how often each token id is a supervised (response) token: the statistics a
         reduced draft vocabulary is chosen from."""

@@ -54,8 +54,8 @@ class RunError(ValueError):
 def _check_seq_len(data: TrainData, seq_len: int, log: Callable[[str], None]) -> None:
     """Refuses a sequence length that crops every record before its response (the run would
     train on nothing: zero blocks, a loss of 0), and notes how many records it crops so."""
-    first = data.first_supervised()
-    lost = int(((first < 1) | (first >= seq_len)).sum())
+    first, cropped = data.first_supervised(), data.cropped(seq_len)
+    lost = int(cropped.sum())
     if lost == len(first):
         prompts = first[first >= 1]
         shortest = f"; the shortest prompt is {int(prompts.min())} tokens" if prompts.size else ""
@@ -198,10 +198,10 @@ def train(target, drafter: DFlashDrafter, data_dir: str | os.PathLike, run_dir: 
         heldout = None
     else:
         heldout = HeldoutEval(held, columns, records=heldout_records, seq_len=cfg.seq_len)
-        first = held.first_supervised()[:heldout_records]
-        if ((first < 1) | (first >= cfg.seq_len)).all():  # it would report zeros
+        cropped = held.cropped(cfg.seq_len)[:heldout_records]  # HeldoutEval's records
+        if cropped.all():  # it would report zeros
             log(json.dumps({"event": "note", "note": f"no held-out evaluation: --seq-len {cfg.seq_len} crops all "
-                                                     f"{len(first)} held-out records before their responses"}))
+                                                     f"{len(cropped)} held-out records before their responses"}))
             heldout = None
 
     # SIGTERM and a first Ctrl-C stop after the current step (with a checkpoint; multi-host, at the
