@@ -81,16 +81,14 @@ class TrainData:
         start (its prompt's length), or -1 where it has none. Training crops records to seq_len
         and draws anchors where the next token is supervised, so a record whose first one is at
         seq_len or beyond adds nothing."""
-        out = np.full(len(self.index), -1, np.int64)
-        r = 0
-        for sh in self._shards:
-            mask = np.asarray(sh["loss_mask"]).astype(bool)
-            offsets = np.asarray(sh["offsets"])
-            for a, b in zip(offsets[:-1], offsets[1:]):
-                hits = np.flatnonzero(mask[a:b])
-                out[r] = hits[0] if hits.size else -1
-                r += 1
-        return out
+        parts = []
+        for sh in self._shards:  # per shard, without a loop over its records
+            offsets = np.asarray(sh["offsets"], np.int64)
+            starts, ends = offsets[:-1], offsets[1:]
+            hits = np.append(np.flatnonzero(np.asarray(sh["loss_mask"])), offsets[-1])  # + a sentinel
+            first = hits[np.searchsorted(hits, starts)]  # the first supervised token at or after each start
+            parts.append(np.where(first < ends, first - starts, -1))
+        return np.concatenate(parts).astype(np.int64)
 
     def cropped(self, seq_len: int) -> np.ndarray:
         """[records] bool: the records that training, cropping them to seq_len, draws no anchor

@@ -54,16 +54,17 @@ class RunError(ValueError):
 def _check_seq_len(data: TrainData, seq_len: int, log: Callable[[str], None]) -> None:
     """Refuses a sequence length that crops every record before its response (the run would
     train on nothing: zero blocks, a loss of 0), and notes how many records it crops so."""
-    first, cropped = data.first_supervised(), data.cropped(seq_len)
+    cropped = data.cropped(seq_len)
     lost = int(cropped.sum())
-    if lost == len(first):
+    if lost == len(cropped):
+        first = data.first_supervised()
         prompts = first[first >= 1]
         shortest = f"; the shortest prompt is {int(prompts.min())} tokens" if prompts.size else ""
-        raise RunError(f"--seq-len {seq_len} crops all {len(first)} training records before their responses, "
+        raise RunError(f"--seq-len {seq_len} crops all {len(cropped)} training records before their responses, "
                        f"so there is nothing to train on{shortest}")
     if lost:
-        log(json.dumps({"event": "note", "note": f"--seq-len {seq_len} crops {lost} of {len(first)} training records "
-                                                 f"before their responses; they add nothing"}))
+        log(json.dumps({"event": "note", "note": f"--seq-len {seq_len} crops {lost} of {len(cropped)} training "
+                                                 f"records before their responses; they add nothing"}))
 
 
 def _checkpoint_manager(run_dir: Path, keep: int = 3):
