@@ -5,6 +5,7 @@ import jax.extend.core as jex
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import zlib
 from hypothesis import given, settings, strategies as st
 
 from tevjax.law import exit_law, law_from_edges
@@ -35,7 +36,7 @@ def _law_np(tokens, parents, logits, temperature):
 @pytest.mark.parametrize("shape", ["chain", "star", "random", "deep"])
 @pytest.mark.parametrize("temperature", [1.0, 0.6, 0.0])
 def test_matches_brute_force_enumeration(shape, temperature):
-    rng = np.random.default_rng(hash((shape, temperature)) % 2**32)
+    rng = np.random.default_rng(zlib.crc32(repr((shape, temperature)).encode()))  # stable across processes
     vocab = 3
     n = {"chain": 4, "star": 4, "random": 6, "deep": 6}[shape]
     parents = {

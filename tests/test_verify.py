@@ -2,10 +2,12 @@
 
 False-alarm budget: every statistical assertion in this file uses a per-test significance level
 ALPHA = 1e-6 / NUM_STAT_TESTS (Bonferroni), so a correct implementation fails the whole file with
-probability below 1e-6. Seeds are fixed, so a given build passes or fails deterministically.
+probability below 1e-6. Seeds are fixed (`_seed`, stable across processes), so a given build
+passes or fails deterministically.
 """
 
 import functools
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -86,16 +88,34 @@ def _sample(keys, tokens, parents, logits, method, temperature):
     return jax.vmap(lambda k: verify(k, tree, logits, temperature, method))(keys)
 
 
+# Outcomes of exact probability 0 that float32 makes possible: at a node whose children hold every
+# token (full_cover's root, some of wide's nodes), rho = 1 - sum of the children's p is a few ulps of
+# 1 (e.g. 1.8e-7), not 0, so every verifier exits there at about that rate (the residual is then
+# empty and the bonus falls back to p_v, `verifiers._residual_draw`). Over SAMPLES = 40,000 draws
+# such events average at most ~0.03 per test (TEV's float32 w there: 1.8e-7 x 40,000 = 0.007;
+# sequential: 2 events in 160 runs of its four affected cells); more than ROUNDING_EVENTS of them
+# has probability ~2e-10 per test, while the broken verifiers below put thousands of draws there.
+ROUNDING_EVENTS = 4
+
+
+def _seed(*parts) -> int:
+    """A key seed from the test's parameters that is the same in every process (Python's hash() of
+    a string is salted per process, which made the draws, and a rare rounding event, vary by run)."""
+    return zlib.crc32(repr(parts).encode())
+
+
 def _chi2_pvalue(exit_nodes, bonus, joint):
-    """Pearson chi-square of observed (exit, bonus) pairs against `joint`; cells with expected
-    count < 5 are pooled. An outcome of exact probability 0 is a hard failure (p = 0)."""
+    """Pearson chi-square of observed (exit, bonus) pairs against `joint` over the cells of positive
+    probability; cells with expected count < 5 are pooled. More than ROUNDING_EVENTS draws on
+    outcomes of exact probability 0 are a hard failure (p = 0)."""
     n_samples = len(exit_nodes)
     counts = np.zeros(joint.shape)
     np.add.at(counts, (exit_nodes, bonus), 1)
-    if np.any(counts[joint <= 0] > 0):
+    if counts[joint <= 0].sum() > ROUNDING_EVENTS:
         return 0.0
-    expected = joint.ravel() * n_samples
-    obs = counts.ravel()
+    possible = joint.ravel() > 0
+    expected = joint.ravel()[possible] * n_samples
+    obs = counts.ravel()[possible]
     keep = expected >= 5
     o = np.append(obs[keep], obs[~keep].sum())
     e = np.append(expected[keep], expected[~keep].sum())
@@ -112,7 +132,7 @@ def _chi2_pvalue(exit_nodes, bonus, joint):
 @pytest.mark.parametrize("case", CASES)
 def test_joint_law_and_mean_block_length(case, method, temperature):
     tokens, parents, logits = _case(case)
-    keys = jax.random.split(jax.random.key(hash((case, method, temperature)) % 2**31), SAMPLES)
+    keys = jax.random.split(jax.random.key(_seed(case, method, temperature)), SAMPLES)
     out = _sample(keys, tokens, parents, logits, method, temperature)
     exit_nodes = np.asarray(out.exit_node)
     bonus = np.asarray(out.bonus_token)
