@@ -54,6 +54,11 @@ def _run(capsys, *argv):
         (["generate", "--prompt", "hi", "--seed", "-1"], "--seed must be in [0, 2**64) = [0, 18446744073709551615], got -1"),
         (["generate", "--prompt", "hi", "--seed", "18446744073709551616"], "got 18446744073709551616"),
         (["generate", "--prompt", "hi", "--seed", "1.5"], "--seed must be an integer, got '1.5'"),
+        (["generate", "--prompt", "hi", "--top-p", "0"], "--top-p must be in (0, 1], got '0'"),
+        (["generate", "--prompt", "hi", "--top-p", "x"], "--top-p must be a number in (0, 1], got 'x'"),
+        (["generate", "--prompt", "hi", "--min-p", "1"], "--min-p must be in [0, 1), got '1'"),
+        (["eval", "--min-p", "nan"], "--min-p must be in [0, 1), got 'nan'"),
+        (["eval", "--top-k", "-1"], "--top-k must be >= 0, got -1"),
     ],
 )
 def test_bad_input_is_one_clear_line(capsys, argv, message):
@@ -265,6 +270,24 @@ def test_seed_high_bits_change_sampling(capsys, tiny_dir):
         assert code == 0, err
         tokens[seed] = json.loads(out.strip().splitlines()[-1])["tokens"]
     assert len({tuple(t) for t in tokens.values()}) == 3
+
+
+def test_top_k_1_samples_the_greedy_text_and_greedy_notes_that_cuts_do_nothing(capsys, tiny_dir):
+    """Sampling at temperature 1 from the one most probable token is greedy decoding, on the
+    baseline and through the verifier: the same tokens, whatever the seed."""
+    path, model = tiny_dir
+    reference = Decoder(model, None, DecodeConfig(max_new_tokens=8, eos_ids=(2,))).generate([[1, 2, 3]])[0].tokens
+    base = ["generate", "--target", str(path), "--prompt-ids", "1,2,3", "--max-new-tokens", "8", "--json"]
+    for extra in (["--verifier", "ar"], ["--budget", "4"]):
+        for seed in ("0", "7"):
+            code, out, err = _run(capsys, *base, *extra, "--temperature", "1", "--top-k", "1", "--seed", seed)
+            record = json.loads(out.strip().splitlines()[-1])
+            assert code == 0 and record["tokens"] == reference, (extra, seed, err)
+            assert (record["top_k"], record["top_p"], record["min_p"]) == (1, 1.0, 0.0)
+            assert "change nothing when greedy" not in err
+    code, out, err = _run(capsys, *base, "--verifier", "ar", "--top-p", "0.5")
+    assert code == 0 and json.loads(out.strip().splitlines()[-1])["tokens"] == reference
+    assert "--top-k, --top-p and --min-p change nothing when greedy" in err
 
 
 def test_batch_file_lines(tmp_path, capsys, tiny_dir):

@@ -4,7 +4,7 @@ The drafter is a freshly initialised DFlash drafter: deliberately imperfect, but
 vocabulary its DDTree trees still contain the target's choice often enough that multi-token
 acceptances, commits and bonus tokens are all exercised (asserted below through tau > 1).
 
-False-alarm budget: the five chi-square tests of the sampling law run at ALPHA = 1e-6 / 5 each.
+False-alarm budget: the seven chi-square tests of the sampling law run at ALPHA = 1e-6 / 7 each.
 """
 
 import dataclasses
@@ -178,7 +178,7 @@ def test_corpus_chain_from_the_targets_own_answers_shortens_decoding(models, ar_
 
 V_SMALL, NUM_ROWS, TEMPERATURE = 8, 6000, 1.0
 SAMPLING_PROMPT = [1, 5, 3]
-ALPHA = 1e-6 / 5
+ALPHA = 1e-6 / 7
 # A prompt whose last two tokens occurred before: the lookup proposes a chain from round 0 on.
 LOOP_PROMPT = [1, 5, 3, 1, 5]
 
@@ -196,13 +196,37 @@ def exact_first3(small_models):
     return _first3_law(small_models[0], SAMPLING_PROMPT)
 
 
-def _first3_law(target, prompt):
+# Truncated sampling: top-k 4, then top-p 0.8 of those, then min-p 0.2.
+TRUNCATION = {"top_k": 4, "top_p": 0.8, "min_p": 0.2}
+
+
+def _truncated(p, top_k=0, top_p=1.0, min_p=0.0):
+    """Reference truncation of probability rows [..., V] by sorting (transformers' rules; the rows
+    here have no ties), renormalised."""
+    p = p.copy()
+    order = np.argsort(-p, axis=-1)
+    rank = np.argsort(order, axis=-1)
+    if top_k:
+        p = np.where(rank < top_k, p, 0.0)
+    p /= p.sum(-1, keepdims=True)
+    if top_p < 1:
+        s = np.take_along_axis(p, order, -1)
+        before = np.cumsum(s, -1) - s
+        p = np.where(np.take_along_axis(before, rank, -1) < top_p, p, 0.0)
+    if min_p:
+        p = np.where(p >= min_p * p.max(-1, keepdims=True), p, 0.0)
+    return p / p.sum(-1, keepdims=True)
+
+
+def _first3_law(target, prompt, truncation=None):
     """P(t1, t2, t3 | prompt) by enumerating every (t1, t2) continuation through the target."""
     seqs = np.array([prompt + [a, b] for a, b in itertools.product(range(V_SMALL), repeat=2)], np.int32)
     n, t = seqs.shape
     out = target(jnp.asarray(seqs), jnp.broadcast_to(jnp.arange(t), (n, t)), KVCache.init(target.cfg, n, t),
                  jnp.zeros(n, jnp.int32), jnp.broadcast_to(causal_mask(t), (n, t, t)))
     p = softmax(np.asarray(out.logits, np.float64)[:, -3:] / TEMPERATURE)  # [V*V, 3, V]
+    if truncation:
+        p = _truncated(p, **truncation)
     p1 = p[0, 0]
     law = np.zeros((V_SMALL,) * 3)
     for k, (a, b) in enumerate(itertools.product(range(V_SMALL), repeat=2)):
@@ -210,22 +234,36 @@ def _first3_law(target, prompt):
     return law
 
 
-def _first3_pvalue(models, verifier, law, prompt=SAMPLING_PROMPT, lookup=0):
+def _first3_counts(models, verifier, prompt=SAMPLING_PROMPT, lookup=0, truncation=None):
+    """Counts of the first three tokens over NUM_ROWS sampled rows, and tau."""
     target, drafter = models
     dec = Decoder(target, drafter if verifier is not AR else None,
                   DecodeConfig(**({} if verifier is AR else {"verifier": verifier}), temperature=TEMPERATURE,
-                               budget=6, lookup=lookup, max_new_tokens=3, prompt_bucket=8))
+                               budget=6, lookup=lookup, max_new_tokens=3, prompt_bucket=8, **(truncation or {})))
     out = dec.run(dec.prefill([prompt] * NUM_ROWS, seed=11))
     toks = np.asarray(out.out)
     assert np.all(np.asarray(out.num_out) == 3)
-    counts = np.zeros(law.shape)
+    counts = np.zeros((V_SMALL,) * 3)
     np.add.at(counts, (toks[:, 0], toks[:, 1], toks[:, 2]), 1)
-    expected = law.ravel() * NUM_ROWS
+    return counts, float(np.asarray(out.block_total).sum() / np.asarray(out.rounds).sum())
+
+
+def _chi2_pvalue(counts, law):
+    """Pearson's test of the counts against `law`; cells expecting < 5 are pooled. A count in a cell
+    of probability 0 (a token the law never emits) rejects outright."""
+    if counts[law == 0].sum():
+        return 0.0
+    counts, expected = counts[law > 0], law[law > 0] * counts.sum()
     keep = expected >= 5
-    o = np.append(counts.ravel()[keep], counts.ravel()[~keep].sum())
-    e = np.append(expected[keep], expected[~keep].sum())
-    tau = float(np.asarray(out.block_total).sum() / np.asarray(out.rounds).sum())
-    return sps.chi2.sf(np.sum((o - e) ** 2 / e), len(e) - 1), tau
+    o, e = counts[keep], expected[keep]
+    if not keep.all():
+        o, e = np.append(o, counts[~keep].sum()), np.append(e, expected[~keep].sum())
+    return sps.chi2.sf(np.sum((o - e) ** 2 / e), len(e) - 1)
+
+
+def _first3_pvalue(models, verifier, law, prompt=SAMPLING_PROMPT, lookup=0):
+    counts, tau = _first3_counts(models, verifier, prompt, lookup)
+    return _chi2_pvalue(counts, law), tau
 
 
 # predraw and sequential are `slow` here: each verifier's law is tested on its own in
@@ -244,6 +282,19 @@ def test_first_three_tokens_follow_the_target_law_with_lookup(small_models):
     p, tau = _first3_pvalue(small_models, "tev", _first3_law(small_models[0], LOOP_PROMPT), LOOP_PROMPT, lookup=6)
     assert p > ALPHA, f"TEV with lookup: the joint law of the first 3 tokens was rejected (p={p:.3g})"
     assert tau > 1.2, f"tau {tau:.2f}: too few multi-token rounds for the test to mean anything"
+
+
+@pytest.mark.parametrize("verifier", [pytest.param(AR, id="ar"), pytest.param("tev", id="tev")])
+def test_truncated_sampling_follows_the_truncated_target_law(small_models, exact_first3, verifier):
+    """top-k, top-p and min-p change the target law, for the baseline and the verifier alike."""
+    counts, tau = _first3_counts(small_models, verifier, truncation=TRUNCATION)
+    law = _first3_law(small_models[0], SAMPLING_PROMPT, TRUNCATION)
+    assert (law > 0).sum() < 0.5 * (exact_first3 > 0).sum()  # the truncation removes most sequences
+    p = _chi2_pvalue(counts, law)
+    assert p > ALPHA, f"{verifier or 'no drafter'}: the truncated law of the first 3 tokens was rejected (p={p:.3g})"
+    assert _chi2_pvalue(counts, exact_first3) < 1e-9, "the test has no power against an untruncated decoder"
+    if verifier is not AR:
+        assert tau > 1.3, f"tau {tau:.2f}: too few multi-token rounds for the test to mean anything"
 
 
 def _broken_tev(key, tree, logits, temperature):
@@ -282,6 +333,9 @@ def test_a_broken_verifier_is_detected(small_models, exact_first3, monkeypatch):
         ({"lookup_survival": ((0.4, 0.5),) * 5}, "must not grow with depth"),
         ({"lookup_survival": "high"}, "survival must be a table of numbers, got 'high'"),
         ({"max_new_tokens": 0}, "max_new_tokens must be >= 1"),
+        ({"top_k": -2}, r"top_k must be >= 0 \(0: off\), got -2"),
+        ({"top_p": 0.0}, r"top_p must be in \(0, 1\] \(1: off\), got 0.0"),
+        ({"min_p": 1.0}, r"min_p must be in \[0, 1\) \(0: off\), got 1.0"),
         ({"prefill_chunk": 0}, r"DecodeConfig.prefill_chunk must be >= 1, got 0"),
         ({"prompt_bucket": -8}, r"DecodeConfig.prompt_bucket must be >= 1, got -8"),
     ],

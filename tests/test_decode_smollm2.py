@@ -4,6 +4,7 @@
   The drafter is whatever `load_models("smollm2")` gives (a fresh, untrained one unless the
   project ships a trained drafter): exactness does not depend on drafter quality.
 * Batching: the prompts decoded together (batch 3) give the same tokens as each decoded alone.
+* Truncated sampling: at temperature 1, top-k 1 through TEV gives the greedy tokens.
 * The CLI (`python -m tevjax generate --json`) on the embedded default and on a tiny random
   Llama saved as a Hugging Face directory.
 
@@ -182,6 +183,18 @@ def test_greedy_speculative_equals_autoregressive(smollm2, prompt_ids, reference
     assert any(len(r) == NEW_TOKENS for r in refs), "every answer stopped early: the prompts exercise too little"
     # One prompt ends with EOS before 64 tokens, so a finished row sits next to active ones.
     assert any(len(r) < NEW_TOKENS for r in refs), "no answer stops at EOS: the finished-row path is untested"
+
+
+def test_sampling_from_the_top_1_token_is_greedy(smollm2, prompt_ids, reference):
+    """At temperature 1 with top-k 1 the target law is the argmax's point mass: TEV sampling with the
+    shipped drafter and both lookup chains must reproduce the greedy tokens (without the cut, sampling
+    leaves them within a few tokens)."""
+    refs, logits = reference
+    cfg = DecodeConfig(temperature=1.0, top_k=1, budget=8, lookup=8, corpus=8 if smollm2.ngrams else 0,
+                       max_new_tokens=NEW_TOKENS, eos_ids=smollm2.eos_ids)
+    gens = Decoder(smollm2.target, smollm2.drafter, cfg, ngrams=smollm2.ngrams).generate(prompt_ids, seed=5)
+    for prompt, g, ref, lg in zip(PROMPTS, gens, refs, logits):
+        _check_exact(f"tev, temperature 1, top-k 1, prompt {prompt!r}", g.tokens, ref, lg)
 
 
 def test_batched_equals_alone(smollm2, prompt_ids, reference):

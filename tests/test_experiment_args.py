@@ -18,6 +18,7 @@ import fixed_tree_equivalence  # noqa: E402
 import heldout_screen  # noqa: E402
 import round_blocks  # noqa: E402
 import round_stages  # noqa: E402
+import truncation  # noqa: E402
 import verifier_latency  # noqa: E402
 
 
@@ -317,3 +318,11 @@ def test_corpus_calibration_checks_its_arguments_and_counts_held_tokens(capsys, 
     chains = np.array([[1, 2, 3], [1, 9, 3], [4, 4, 4]])
     future = np.array([[1, 2, 3], [1, 2, 3], [4, 4, 4]])
     assert corpus_calibration.held(chains, future, np.array([True, True, False])).tolist() == [3, 1, 0]
+
+
+def test_truncation_experiment_arguments(capsys):
+    assert str(truncation.parse_args(["--quick"]).out).startswith("/tmp/")
+    assert "--temperature must be a finite number >= 1e-5 (truncation changes nothing when greedy), got 0.0" in \
+        error_of(truncation.parse_args, ["--temperature", "0"], capsys)
+    assert "invalid choice: 'top-p'" in error_of(truncation.parse_args, ["--settings", "top-p"], capsys)
+    assert "--budgets must all be >= 1, got [8, 0]" in error_of(truncation.parse_args, ["--budgets", "8", "0"], capsys)

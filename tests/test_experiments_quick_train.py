@@ -1,4 +1,5 @@
-"""Slow smoke runs of the training experiments' --quick modes (a tiny random target, data made on the fly).
+"""Slow smoke runs of the experiments' --quick modes: the training experiments (a tiny random target, data
+made on the fly), verifier_latency and truncation (the embedded SmolLM2).
 
 exittrain_ablation, budget_transfer and crossed each fine-tune arms from one saved drafter, export
 them and evaluate them end to end; verifier_latency times the verifier stage (decision + commit).
@@ -94,3 +95,19 @@ def test_verifier_latency_quick(tmp_path):
         for m in ("tev", "predraw", "sequential", "commit"):
             med, lo, hi = r["stage_" + m]
             assert 0 < lo <= med <= hi
+
+
+def test_truncation_quick(tmp_path):
+    """The cut's benchmark (each bisection checked against its reference inside the script) and one
+    short decoding run per setting on the embedded SmolLM2 with the shipped drafter."""
+    raw = run_quick("truncation.py", tmp_path / "truncation.md")
+    assert {r["rows"] for r in raw["cuts"]} == {1, 9, 17}
+    for r in raw["cuts"]:
+        assert 0 < r["p10_ms"] <= r["median_ms"] <= r["p90_ms"]
+        if "top-k 20" in r["method"]:
+            assert r["kept_per_row"] == 20
+    assert [run["setting"] for run in raw["runs"]] == ["none", "top-p 0.9", "top-k 20", "min-p 0.1"]
+    for run in raw["runs"]:
+        assert run["temperature"] == 1.0 and run["num_prompts"] == 2 and run["mismatches"] == 0
+        for row in run["budgets"]:
+            assert row["budget"] == 4 and 1.0 <= row["tau"] <= 5 and row["sr"] > 0

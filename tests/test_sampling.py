@@ -1,6 +1,7 @@
-"""The two-stage categorical sampler and the fused, blocked scaled log-sum-exp.
+"""The two-stage categorical sampler, the fused, blocked scaled log-sum-exp and truncation.
 
-False-alarm budget: the two chi-square tests run at ALPHA = 1e-7 each.
+False-alarm budget: the two chi-square tests run at ALPHA = 1e-7 each; the truncation tests are
+deterministic.
 """
 
 import jax
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 from scipy import stats as sps
 
-from tevjax.sampling import categorical, scaled_logsumexp, vocab_block
+from tevjax.sampling import categorical, check_truncation, scaled_logsumexp, truncate_logits, vocab_block
 from treegen import softmax
 
 ALPHA = 1e-7
@@ -71,3 +72,115 @@ def test_scaled_logsumexp_matches_reference(vocab):
     x[4, 7] = np.nan  # a garbage (padding) row poisons only itself
     got = np.asarray(scaled_logsumexp(jnp.asarray(x), 1.0))
     assert np.isnan(got[4]) and np.isfinite(got[:4]).all()
+
+
+# --- truncation (top-k, top-p, min-p) ------------------------------------------------------------
+
+
+def _kept(logits, temperature, **cut):
+    return np.isfinite(np.asarray(truncate_logits(jnp.asarray(logits), temperature, **cut)))
+
+
+def _hf_kept(logits, temperature, top_k=0, top_p=1.0, min_p=0.0):
+    """The tokens transformers' warpers keep, applied in `generate`'s order."""
+    import torch
+    from transformers.generation.logits_process import (MinPLogitsWarper, TemperatureLogitsWarper,
+                                                        TopKLogitsWarper, TopPLogitsWarper)
+
+    ids = torch.zeros((logits.shape[0], 1), dtype=torch.long)
+    scores = TemperatureLogitsWarper(temperature)(ids, torch.tensor(logits))
+    for on, warper in ((top_k > 0, lambda: TopKLogitsWarper(top_k)), (top_p < 1, lambda: TopPLogitsWarper(top_p)),
+                       (min_p > 0, lambda: MinPLogitsWarper(min_p))):
+        if on:
+            scores = warper()(ids, scores)
+    return np.isfinite(scores.numpy())
+
+
+def test_truncation_keeps_what_transformers_keeps():
+    """Random logits (no ties) over vocabularies with and without two-stage blocks, at settings
+    from 'keep one token' to 'keep nearly all', alone and combined."""
+    rng = np.random.default_rng(0)
+    cases = 0
+    for vocab in (7, 100, 6144):
+        for temperature in (0.3, 1.0, 1.7):
+            for top_k, top_p, min_p in ((1, 1.0, 0.0), (5, 1.0, 0.0), (0, 0.1, 0.0), (0, 0.9, 0.0), (0, 0.999, 0.0),
+                                        (0, 1.0, 0.05), (0, 1.0, 0.5), (40, 0.9, 0.0), (40, 0.95, 0.02),
+                                        (0, 0.8, 0.1)):
+                x = (rng.normal(size=(4, vocab)) * rng.uniform(0.5, 6)).astype(np.float32)
+                ours = _kept(x, temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+                hf = _hf_kept(x, temperature, top_k, top_p, min_p)
+                np.testing.assert_array_equal(ours, hf, err_msg=f"{vocab=} {temperature=} {top_k=} {top_p=} {min_p=}")
+                cases += 1
+    assert cases == 90
+
+
+def test_truncation_laws_on_a_hand_made_row():
+    x = np.log(np.array([[0.4, 0.25, 0.2, 0.1, 0.05]], np.float32))
+    assert _kept(x, 1.0, top_k=2).tolist() == [[True, True, False, False, False]]
+    # top-p: 0.4 + 0.25 = 0.65 < 0.7, so the third token is needed; 0.65 >= 0.6 is not.
+    assert _kept(x, 1.0, top_p=0.7).tolist() == [[True, True, True, False, False]]
+    assert _kept(x, 1.0, top_p=0.6).tolist() == [[True, True, False, False, False]]
+    assert _kept(x, 1.0, min_p=0.3).tolist() == [[True, True, True, False, False]]  # 0.1 < 0.3 * 0.4
+    # Temperature 2 flattens the row to p ~ sqrt(p): min-p compares sqrt(0.1 / 0.4) = 0.5 >= 0.3.
+    assert _kept(x, 2.0, min_p=0.3).tolist() == [[True, True, True, True, True]]
+    # top-p is taken over what top-k kept, renormalised: 0.4 / 0.65 = 0.615 >= 0.6.
+    assert _kept(x, 1.0, top_k=2, top_p=0.6).tolist() == [[True, False, False, False, False]]
+    np.testing.assert_array_equal(np.asarray(truncate_logits(jnp.asarray(x), 1.0)), x)  # all off: unchanged
+    kept = np.asarray(truncate_logits(jnp.asarray(x), 1.0, top_k=3))
+    np.testing.assert_array_equal(kept[0, :3], x[0, :3])  # kept logits are untouched, the rest -inf
+    assert np.all(kept[0, 3:] == -np.inf)
+
+
+def test_ties_at_a_cut_are_kept_or_cut_together():
+    x = np.array([[3.0, 1.0, 1.0, 1.0, 0.0, -2.0]], np.float32)
+    assert _kept(x, 1.0, top_k=2).tolist() == [[True, True, True, True, False, False]]  # the 2nd value is tied
+    p = softmax(x[0])
+    # The three tied tokens hold p[1:4]; a cut inside them keeps all three, in any order of the row.
+    cut = p[0] + p[1] / 2
+    assert _kept(x, 1.0, top_p=float(cut)).tolist() == [[True, True, True, True, False, False]]
+    assert _kept(x[:, ::-1], 1.0, top_p=float(cut)).tolist() == [[False, False, True, True, True, True]]
+    # All-equal rows keep everything; the most probable token survives any setting.
+    assert _kept(np.zeros((1, 9), np.float32), 1.0, top_k=1, top_p=0.01).all()
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(64, 300)).astype(np.float32) * 5
+    kept = _kept(x, 0.5, top_k=1, top_p=0.01, min_p=0.99)
+    assert kept.sum() == 64 and kept[np.arange(64), x.argmax(-1)].all()
+
+
+def test_truncation_composes_with_jit_vmap_traced_temperature_and_bf16():
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.normal(size=(6, 3, 6144)).astype(np.float32) * 3)
+    x = x.at[1, 2, :100].set(-jnp.inf)
+    temps = jnp.asarray([0.5, 1.0, 1.5, 0.7, 2.0, 1.0])
+    eager = jnp.stack([truncate_logits(x[i], float(temps[i]), top_k=50, top_p=0.9, min_p=0.01) for i in range(6)])
+    fn = jax.jit(jax.vmap(lambda l, t: truncate_logits(l, t, top_k=50, top_p=0.9, min_p=0.01)))
+    np.testing.assert_array_equal(np.asarray(fn(x, temps)), np.asarray(eager))
+    counts = np.isfinite(np.asarray(eager)).sum(-1)
+    assert counts.min() >= 1 and counts.max() <= 50
+    xb = x.astype(jnp.bfloat16)
+    out = truncate_logits(xb, 1.0, top_k=50)
+    assert out.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.isfinite(np.asarray(out, np.float32)),
+                                  _kept(np.asarray(xb, np.float32), 1.0, top_k=50))
+    # A padding row (no finite entry) stays all -inf rather than turning NaN.
+    pad = truncate_logits(jnp.full((1, 6144), -jnp.inf), 1.0, top_k=5, top_p=0.5, min_p=0.1)
+    assert np.all(np.asarray(pad) == -np.inf)
+
+
+@pytest.mark.parametrize("cut, error, message", [
+    ({"top_k": -1}, ValueError, r"top_k must be >= 0 \(0: off\), got -1"),
+    ({"top_k": 2.5}, TypeError, "top_k must be an int"),
+    ({"top_k": True}, TypeError, "top_k must be an int"),
+    ({"top_p": 0.0}, ValueError, r"top_p must be in \(0, 1\] \(1: off\), got 0.0"),
+    ({"top_p": 1.5}, ValueError, "top_p must be in"),
+    ({"top_p": float("nan")}, ValueError, "top_p must be in"),
+    ({"min_p": 1.0}, ValueError, r"min_p must be in \[0, 1\) \(0: off\), got 1.0"),
+    ({"min_p": -0.1}, ValueError, "min_p must be in"),
+    ({"min_p": "0.1"}, TypeError, "min_p must be a number, got '0.1'"),
+])
+def test_bad_truncation_settings_are_named(cut, error, message):
+    settings = {"top_k": 0, "top_p": 1.0, "min_p": 0.0} | cut
+    with pytest.raises(error, match=message):
+        check_truncation(**settings)
+    with pytest.raises(error, match=message):
+        truncate_logits(jnp.zeros((2, 8)), 1.0, **cut)

@@ -41,6 +41,7 @@ import importlib
 
 from tevjax.builder import NgramTable, build_ddtree, context_chain, corpus_chain, merge_chain, ngram_table
 from tevjax.law import ExitLaw, exit_law
+from tevjax.sampling import truncate_logits
 from tevjax.tree import DraftTree, TreeValidationError, validate_tree
 from tevjax.verifiers import VerifyOutput, verify
 
@@ -101,6 +102,7 @@ __all__ = [
     "exit_law",
     "merge_chain",
     "ngram_table",
+    "truncate_logits",
     "validate_tree",
     "verify",
     *_LAZY,

@@ -86,6 +86,14 @@ def _check_lookup(args) -> None:
                            "tree nodes than the budget holds")
 
 
+def _note_truncation(args) -> None:
+    from tevjax.law import GREEDY_BELOW
+
+    if args.temperature < GREEDY_BELOW and (args.top_k or args.top_p < 1 or args.min_p > 0):
+        print("tevjax: note: --top-k, --top-p and --min-p change nothing when greedy (--temperature 0): "
+              "the most probable token is always kept", file=sys.stderr)
+
+
 def _float(name, minimum, inclusive):
     def parse(text):
         try:
@@ -158,6 +166,32 @@ def _temperature(text):
     return value
 
 
+def _fraction(name, *, zero: bool, one: bool):
+    """A float in [0, 1], with 0 and 1 allowed as `zero` and `one` say."""
+    span = f"{'[' if zero else '('}0, 1{']' if one else ')'}"
+
+    def parse(text):
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a number in {span}, got {text!r}") from None
+        if not ((0 < value or (zero and value == 0)) and (value < 1 or (one and value == 1))):
+            raise argparse.ArgumentTypeError(f"{name} must be in {span}, got {text!r}")
+        return value
+
+    return parse
+
+
+def _add_truncation_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--top-k", type=_nonnegative_int("--top-k"), default=0,
+                   help="sample from the k most probable tokens only (default 0: off); exact, as AR with it")
+    p.add_argument("--top-p", type=_fraction("--top-p", zero=False, one=True), default=1.0,
+                   help="sample from the smallest most-probable set holding this much mass (default 1: off)")
+    p.add_argument("--min-p", type=_fraction("--min-p", zero=True, one=False), default=0.0,
+                   help="sample from the tokens at least this fraction as probable as the most probable "
+                        "(default 0: off); top-k, top-p and min-p apply in that order, after --temperature")
+
+
 def _seed(text):
     from tevjax.seeding import check_seed  # jax-free, so a bad --seed fails before any import
 
@@ -217,6 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="wrap text prompts in the model's chat template (default: on)")
     gen.add_argument("--max-new-tokens", type=_positive_int("--max-new-tokens"), default=128)
     gen.add_argument("--temperature", type=_temperature, default=0.0, help="0 = greedy (default); any value below 1e-5 is greedy too")
+    _add_truncation_args(gen)
     gen.add_argument("--budget", type=_positive_int("--budget"), default=None,
                      help="draft tree budget, non-root nodes (default: 8 on a CPU, 16 on an accelerator)")
     gen.add_argument("--lookup", type=_nonnegative_int("--lookup"), default=None, help=LOOKUP_HELP)
@@ -327,6 +362,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--corpus", type=_nonnegative_int("--corpus"), default=None,
                     help=CORPUS_HELP + "; capped at each budget")
     ev.add_argument("--temperature", type=_temperature, default=0.0)
+    _add_truncation_args(ev)
     ev.add_argument("--verifier", default="tev",
                     help=f"{', '.join(verifier_choices(autoregressive=False))} (default tev)")
     ev.add_argument("--max-new-tokens", type=_positive_int("--max-new-tokens"), default=128)
@@ -440,9 +476,10 @@ def cmd_generate(args) -> int:
         args.budget = _default_budget()
     _check_positions(args, speculative)
     _check_lookup(args)
+    _note_truncation(args)
 
     from tevjax.decode.engine import DecodeConfig, Interrupted
-    from tevjax.evaluate import corpus_for, lookup_for
+    from tevjax.evaluate import corpus_for, lookup_for, truncation_text
     from tevjax.loading import load_models
     from tevjax.multihost import check_same
 
@@ -471,7 +508,8 @@ def cmd_generate(args) -> int:
     cfg = DecodeConfig(verifier=args.verifier if speculative else "tev", budget=args.budget,
                        lookup=lookup_for(args.budget, args.lookup),  # checked <= budget above
                        corpus=corpus_for(args.budget, args.corpus, models.ngrams),
-                       temperature=args.temperature, max_new_tokens=args.max_new_tokens, eos_ids=models.eos_ids)
+                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                       max_new_tokens=args.max_new_tokens, eos_ids=models.eos_ids)
     decoder = _decoder(models.target, models.drafter if speculative else None, cfg, mesh, models.ngrams)
     # Streaming prints row 0 as it grows; a multi-host job prints once, at the end.
     stream = not args.json and len(ids) == 1 and (mesh is None or jax_process_count() == 1)
@@ -500,6 +538,9 @@ def cmd_generate(args) -> int:
                 "lookup": cfg.lookup if speculative else 0,
                 "corpus": cfg.corpus if speculative else 0,
                 "temperature": args.temperature,
+                "top_k": args.top_k,
+                "top_p": args.top_p,
+                "min_p": args.min_p,
                 "drafter_trained": models.drafter_trained if speculative else None,
                 "compile_seconds": round(compile_seconds, 3),
                 "load_seconds": round(load_seconds, 3),
@@ -513,7 +554,7 @@ def cmd_generate(args) -> int:
                       f"({record['tokens_per_second']} tok/s), {g.rounds} rounds, tau {g.tau:.2f}, "
                       f"verifier {args.verifier}, budget {record['budget']}, lookup {record['lookup']}, "
                       f"corpus {record['corpus']}, "
-                      f"temperature {args.temperature} "
+                      f"temperature {args.temperature}{truncation_text(args.top_k, args.top_p, args.min_p)} "
                       f"(compile {compile_seconds:.1f} s, load {load_seconds:.1f} s)", flush=True)
 
     for start in range(0, len(ids), args.batch_size):
@@ -716,6 +757,7 @@ def cmd_eval(args) -> int:
     from tevjax.evaluate import evaluate, format_table, load_eval_prompts
 
     _check_verifier(args.verifier, autoregressive=False)  # eval measures the baseline itself
+    _note_truncation(args)
     mesh = _mesh(args, default_all=False)
     texts = load_eval_prompts(args.prompts, args.num_prompts, seed=args.seed)
     from tevjax.loading import load_models
@@ -726,7 +768,8 @@ def cmd_eval(args) -> int:
     models = load_models(args.target, args.drafter, mesh=mesh)
     for note in models.notes:
         print(f"tevjax: note: {note}", file=sys.stderr)
-    result = evaluate(models, texts, budgets=args.budgets, temperature=args.temperature, verifier=args.verifier,
+    result = evaluate(models, texts, budgets=args.budgets, temperature=args.temperature, top_k=args.top_k,
+                      top_p=args.top_p, min_p=args.min_p, verifier=args.verifier,
                       max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, seed=args.seed,
                       lookup=args.lookup, corpus=args.corpus,
                       log=lambda line: print(line, file=sys.stderr, flush=True), mesh=mesh)

@@ -55,7 +55,8 @@ def load_eval_prompts(spec: str, n: int, *, seed: int = 0) -> list[str]:
 
 
 def evaluate(models, texts: list[str], *, budgets=(4, 8, 16, 32), temperature: float = 0.0,
-             verifier: str = "tev", max_new_tokens: int = 128, batch_size: int = 1, seed: int = 0,
+             top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, verifier: str = "tev",
+             max_new_tokens: int = 128, batch_size: int = 1, seed: int = 0,
              lookup: int | None = None, corpus: int | None = None, log: Callable[[str], None] = print,
              mesh=None) -> dict:
     """Measures AR and speculative decoding on the same prompts (on `mesh`'s devices if given);
@@ -73,7 +74,8 @@ def evaluate(models, texts: list[str], *, budgets=(4, 8, 16, 32), temperature: f
         raise ValueError("this target has no tokenizer: evaluation prompts are text")
     prompts = [chat_prompt_ids(models.tokenizer, t) for t in texts]
     batches = [prompts[s: s + batch_size] for s in range(0, len(prompts), batch_size)]
-    base = dict(temperature=temperature, max_new_tokens=max_new_tokens, eos_ids=models.eos_ids)
+    base = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, max_new_tokens=max_new_tokens,
+                eos_ids=models.eos_ids)
     methods = {"ar": Decoder(models.target, None, DecodeConfig(**base), mesh=mesh)}  # no drafter: autoregressive
     for budget in budgets:
         methods[int(budget)] = Decoder(models.target, models.drafter,
@@ -121,7 +123,8 @@ def evaluate(models, texts: list[str], *, budgets=(4, 8, 16, 32), temperature: f
         log(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}))
         rows.append(row | {"prompt_emitted": emitted, "prompt_rounds": per_rounds})
     return {
-        "verifier": verifier, "temperature": temperature, "max_new_tokens": max_new_tokens,
+        "verifier": verifier, "temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p,
+        "max_new_tokens": max_new_tokens,
         "batch_size": batch_size, "num_prompts": len(texts), "seed": seed, "lookup": lookup, "corpus": corpus,
         "drafter_trained": models.drafter_trained,
         "ar": {"tokens": ar_tokens, "seconds": ar_s, "tokens_per_s": ar_tokens / ar_s if ar_s else None},
@@ -141,11 +144,18 @@ def corpus_for(budget: int, corpus: int | None, ngrams) -> int:
     return 0 if ngrams is None else lookup_for(budget, corpus)
 
 
+def truncation_text(top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> str:
+    """", top-k 50, top-p 0.9" for the truncation settings that are on; "" when none is."""
+    on = (("top-k", top_k, 0), ("top-p", top_p, 1.0), ("min-p", min_p, 0.0))
+    return "".join(f", {name} {value}" for name, value, off in on if value != off)
+
+
 def format_table(result: dict) -> str:
     """A markdown table of one `evaluate` result."""
     ar = result["ar"]
+    cut = truncation_text(result.get("top_k", 0), result.get("top_p", 1.0), result.get("min_p", 0.0))
     lines = [f"{result['num_prompts']} prompts, {result['max_new_tokens']} new tokens, "
-             f"temperature {result['temperature']}, verifier {result['verifier']}, batch {result['batch_size']}; "
+             f"temperature {result['temperature']}{cut}, verifier {result['verifier']}, batch {result['batch_size']}; "
              f"AR {ar['tokens_per_s']:.2f} tok/s",
              "", "| budget | lookup | corpus | tau [95% over prompts] | tok/s | SR vs AR [10-90% over batches] "
              "| greedy == AR |",

@@ -71,6 +71,8 @@ from tevjax.models.cache import KVCache, scatter_rows
 from tevjax.models.dflash import DFlashDrafter, DrafterCache, features_from_hidden, tapped_hidden
 from tevjax.models.transformer import Transformer
 from tevjax.multihost import every_process
+from tevjax.law import is_greedy
+from tevjax.sampling import check_truncation, truncate_logits
 from tevjax.seeding import seed_key
 from tevjax.sharding import (CACHE_AXES, LOGICAL_RULES, check_batch, host_array, logical_sharding,
                              param_shardings, put)
@@ -78,7 +80,8 @@ from tevjax.tree import DraftTree
 from tevjax.verifiers import VERIFIERS, verify
 
 __all__ = ["CALL_SECONDS", "DecodeConfig", "DecodeState", "Decoder", "Generation", "Interrupted", "STATE_AXES",
-           "commit", "draft", "draft_trees", "emit", "merge_lookups", "root_trees", "state_shardings", "tree_pass"]
+           "commit", "draft", "draft_trees", "emit", "merge_lookups", "root_trees", "state_shardings", "target_logits",
+           "tree_pass"]
 
 # Wall time one call of the jitted round loop aims at (`Decoder.run`): Ctrl-C is seen between calls,
 # so this bounds how late it is answered; each call costs one host sync (~0.1 ms), so a quarter
@@ -108,6 +111,13 @@ class DecodeConfig:
     corpus: int = 0
     verifier: str = "tev"  # a name in tevjax.verifiers.VERIFIERS: "tev" | "predraw" | "sequential"
     temperature: float = 0.0  # below 1e-5 (tevjax.law.GREEDY_BELOW) = greedy
+    # Truncated sampling (`tevjax.sampling.truncate_logits`): the target law becomes top-k, then
+    # top-p, then min-p of softmax(logits / temperature), for the autoregressive baseline and every
+    # verifier alike, so speculative decoding stays exact for it. 0 / 1.0 / 0.0: off. No effect
+    # when greedy (the most probable token is always kept).
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
     max_new_tokens: int = 128
     eos_ids: tuple[int, ...] = ()
     prompt_bucket: int = 64  # prompt lengths are rounded up to a multiple of this (cache capacity, prefill chunk)
@@ -143,6 +153,10 @@ class DecodeConfig:
         t = float(self.temperature)
         if not math.isfinite(t) or t < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        top_k, top_p, min_p = check_truncation(self.top_k, self.top_p, self.min_p)
+        object.__setattr__(self, "top_k", top_k)
+        object.__setattr__(self, "top_p", top_p)
+        object.__setattr__(self, "min_p", min_p)
         if self.budget < 1:
             raise ValueError(f"budget must be >= 1, got {self.budget}")
         if self.max_new_tokens < 1:
@@ -322,6 +336,14 @@ def _prefill_chunk(tstate, dstate, state: DecodeState, tokens: jax.Array, start:
         slots = jnp.where(positions < hidden.shape[1], positions, hidden.shape[1])  # S: dropped
         hidden = hidden.at[jnp.arange(b)[:, None], slots].set(kept.astype(hidden.dtype), mode="drop")
     return dataclasses.replace(state, target_cache=out.cache, drafter_cache=dcache, hidden=hidden, history=history)
+
+
+def target_logits(logits: jax.Array, cfg: DecodeConfig) -> jax.Array:
+    """The logits the verifiers sample from: `logits` truncated by the config's top-k / top-p /
+    min-p, or as they are when none is set or decoding is greedy (which no truncation changes)."""
+    if is_greedy(cfg.temperature) or (cfg.top_k == 0 and cfg.top_p == 1.0 and cfg.min_p == 0.0):
+        return logits
+    return truncate_logits(logits, cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, min_p=cfg.min_p)
 
 
 def _taps(drafter: DFlashDrafter | None, cfg: DecodeConfig) -> tuple[int, ...]:
@@ -522,7 +544,8 @@ def _round(tstate, dstate, state: DecodeState, ngrams: NgramTable | None = None,
     # On a root-only tree every verifier is plain sampling; fixing "tev" there keeps the
     # autoregressive random stream independent of cfg.verifier.
     method = cfg.verifier if drafter is not None else "tev"
-    ver = jax.vmap(lambda k, t, l: verify(k, t, l, cfg.temperature, method))(sub, trees, out.logits)
+    ver = jax.vmap(lambda k, t, l: verify(k, t, l, cfg.temperature, method))(sub, trees,
+                                                                               target_logits(out.logits, cfg))
     # A NaN/inf logit (damaged weights, overflow) would be verified into garbage tokens: that row
     # stops here, emits nothing from this round and reports it (one read of the logits).
     finite = jnp.all(jnp.isfinite(out.logits) | ~trees.valid[..., None], axis=(1, 2))
