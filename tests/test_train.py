@@ -352,6 +352,27 @@ def test_exit_loss_reads_only_its_exit_sequences(data_dir, target):
         dataclasses.replace(CFG, exit_sequences=3)
 
 
+def test_exit_law_truncation_follows_the_decoders_target(data_dir, target):
+    """Exit weights under top-k 1 at temperature 1 are the greedy law's (the target is the argmax's
+    point mass either way), and differ from the untruncated temperature-1 law's."""
+    from tevjax.train.step import loss_terms
+
+    drafter, batch = _drafter(target), _batch(data_dir, 0)
+    key = jax.random.key(5)
+    metrics = {name: loss_terms(drafter, target, batch, key, dataclasses.replace(CFG, **kw))[1] for name, kw in (
+        ("top1", {"exit_temperature": 1.0, "exit_top_k": 1}), ("greedy", {"exit_temperature": 1e-6}),
+        ("sampled", {"exit_temperature": 1.0}), ("top_p", {"exit_temperature": 1.0, "exit_top_p": 0.5}))}
+    for field in ("loss_exit", "coverage"):
+        assert float(metrics["top1"][field]) == pytest.approx(float(metrics["greedy"][field]), rel=1e-6), field
+        assert float(metrics["sampled"][field]) != pytest.approx(float(metrics["greedy"][field]), rel=1e-3), field
+        assert float(metrics["top_p"][field]) != pytest.approx(float(metrics["sampled"][field]), rel=1e-3), field
+    # Here the cut raises coverage (kept tokens gain mass; not a law: cut tokens lose theirs).
+    assert float(metrics["top_p"]["coverage"]) > float(metrics["sampled"]["coverage"])
+    assert float(metrics["top1"]["loss_tok"]) == float(metrics["sampled"]["loss_tok"])  # the token loss is untouched
+    with pytest.raises(ValueError, match=r"TrainConfig.exit_top_p must be in \(0, 1\]"):
+        dataclasses.replace(CFG, exit_top_p=0.0)
+
+
 def _params(run_dir, target):
     out = run_dir.parent / (run_dir.name + "-export")
     export_run(run_dir, out, target.cfg, dtype="float32")
@@ -476,6 +497,9 @@ def test_two_device_step_equals_one_device_step(tmp_path, data_dir):
     (["train", "--data", ".", "--out", "/tmp/x", "--steps", "2", "--anchors", "4", "--exit-anchors", "5"],
      "--exit-anchors 5 exceeds --anchors 4"),
     (["train", "--data", ".", "--out", "/tmp/x", "--steps", "2", "--lr", "-1"], "--lr must be a finite number > 0"),
+    (["train", "--data", ".", "--out", "/tmp/x", "--steps", "2", "--exit-top-p", "0"], "--exit-top-p must be in (0, 1]"),
+    (["train", "--data", ".", "--out", "/tmp/x", "--steps", "2", "--exit-temperature", "0"],
+     "--exit-temperature must be a finite number > 0"),
     (["train", "--data", ".", "--out", "/tmp/x", "--steps", "2", "--distill", "1.5"],
      "--distill must be a weight in [0, 1]"),
     (["train", "export", "/nonexistent", "/tmp/y"], "no run.json"),

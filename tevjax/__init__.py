@@ -24,8 +24,8 @@ The tree budget and the temperature are never letters: write "budget" and "tempe
 ("budget 64", "temperature 0"). Scalars and counts that are not axis sizes are words too.
 
 Layers of the package (each knows nothing of the ones after it):
-  core      `DraftTree`, `exit_law`, `verify`, `build_ddtree`, `context_chain` / `corpus_chain` / `merge_chain`:
-            model-free tree math
+  core      `DraftTree`, `exit_law`, `verify`, `build_ddtree`, `context_chain` / `corpus_chain` / `merge_chain`,
+            `truncate_logits` (top-k / top-p / min-p target laws): model-free tree math
   models    `Transformer` (Llama/Qwen3 target), `DFlashDrafter`: thin Flax NNX modules
   convert   HF safetensors, GGUF, tokenizers, DFlash checkpoints, the embedded SmolLM2 default
   decode    `Decoder`: draft -> build -> one target tree pass -> verify -> commit, jitted

@@ -317,6 +317,14 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--exit-lambda", type=_nonnegative_float("--exit-lambda"), default=0.1, help="0 = token loss only")
     tr.add_argument("--exit-weight", default="w", help="w (default), w_depth, P_floored or P_rescaled")
     tr.add_argument("--exit-budget", type=_positive_int("--exit-budget"), default=8, help="tree budget of the exit loss")
+    tr.add_argument("--exit-temperature", type=_positive_float("--exit-temperature"), default=1.0,
+                    help="target temperature of the exit loss's law (default 1)")
+    tr.add_argument("--exit-top-k", type=_nonnegative_int("--exit-top-k"), default=0,
+                    help="top-k of the exit loss's target law: the sampling you will decode with (default 0: off)")
+    tr.add_argument("--exit-top-p", type=_fraction("--exit-top-p", zero=False, one=True), default=1.0,
+                    help="top-p of the exit loss's target law (default 1: off)")
+    tr.add_argument("--exit-min-p", type=_fraction("--exit-min-p", zero=True, one=False), default=0.0,
+                    help="min-p of the exit loss's target law (default 0: off)")
     tr.add_argument("--exit-anchors", type=_positive_int("--exit-anchors"), default=None,
                     help="anchors per sequence with a tree, at most --anchors (default: 8, or --anchors if fewer)")
     tr.add_argument("--exit-sequences", type=_positive_int("--exit-sequences"), default=None,
@@ -735,7 +743,9 @@ def cmd_train(args) -> int:
                       gamma=args.gamma or None, distill=args.distill, exit_lambda=args.exit_lambda,
                       exit_weight=args.exit_weight,
                       exit_budget=args.exit_budget, exit_anchors=args.exit_anchors or min(8, args.anchors),
-                      exit_sequences=args.exit_sequences, seed=args.seed)
+                      exit_sequences=args.exit_sequences, exit_temperature=args.exit_temperature,
+                      exit_top_k=args.exit_top_k, exit_top_p=args.exit_top_p, exit_min_p=args.exit_min_p,
+                      seed=args.seed)
     state = train(loaded.target, drafter, args.data, args.out, cfg, target_name=args.target, resume=args.resume,
                   until=args.until, mesh=mesh, checkpoint_every_s=args.checkpoint_every,
                   eval_every_s=args.eval_every, progress=not args.no_progress,

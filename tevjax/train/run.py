@@ -143,8 +143,9 @@ def train(target, drafter: DFlashDrafter, data_dir: str | os.PathLike, run_dir: 
         if not resume:
             raise RunError(f"{run} already holds a training run: pass --resume to continue it, or choose a new --out")
         saved = load_run(run)
-        # Runs started before the distillation option trained without it.
-        saved.get("train", {}).setdefault("distill", 0.0)
+        # Runs started before the distillation and exit-truncation options trained without them.
+        for name, off in (("distill", 0.0), ("exit_top_k", 0), ("exit_top_p", 1.0), ("exit_min_p", 0.0)):
+            saved.get("train", {}).setdefault(name, off)
     # A resume reads the shards the run started with, even if `tevjax data` has added more since.
     data = TrainData(data_dir, "train", shards=saved.get("train_shards") if saved else None)
     columns = data.tap_columns(drafter.cfg.target_layer_ids)

@@ -47,6 +47,7 @@ from tevjax.law import edge_stats, law_from_edges
 from tevjax.models.cache import KVCache
 from tevjax.models.dflash import DFlashDrafter
 from tevjax.models.transformer import Transformer
+from tevjax.sampling import check_truncation, truncate_logits
 from tevjax.sharding import batch_sharding, check_batch, host_array, param_shardings, replicated
 from tevjax.train.dataset import Batch
 from tevjax.train.objectives import (EXIT_WEIGHTS, distill_loss_terms, exit_loss_terms, exit_weights, ratio,
@@ -84,6 +85,12 @@ class TrainConfig:
     # 64 trees each, from 8 * 776 or 2 * 1568 target tokens (T = 512, N = 33).
     exit_sequences: int | None = None
     exit_temperature: float = 1.0  # target temperature of the exit law
+    # Truncation of the exit law's target (`tevjax.sampling.truncate_logits`): set them to the
+    # top-k / top-p / min-p that decoding will sample with, so that the exit weights follow the law
+    # the verifier accepts under. 0 / 1.0 / 0.0: off.
+    exit_top_k: int = 0
+    exit_top_p: float = 1.0
+    exit_min_p: float = 0.0
     seed: int = 0
 
     def __post_init__(self):
@@ -105,6 +112,10 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.warmup must be a fraction in [0, 1), got {self.warmup!r}")
         if self.gamma is not None and not self.gamma > 0:
             raise ValueError(f"TrainConfig.gamma must be > 0 or None, got {self.gamma!r}")
+        try:
+            check_truncation(self.exit_top_k, self.exit_top_p, self.exit_min_p)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"TrainConfig.exit_{e}") from None
         if self.exit_weight not in EXIT_WEIGHTS:
             raise ValueError(f"TrainConfig.exit_weight {self.exit_weight!r} is not one of {', '.join(EXIT_WEIGHTS)}")
         if self.exit_anchors > self.anchors:
@@ -118,6 +129,10 @@ class TrainConfig:
     @property
     def exit_on(self) -> bool:
         return self.exit_lambda > 0
+
+    @property
+    def exit_truncated(self) -> bool:
+        return (self.exit_top_k, self.exit_top_p, self.exit_min_p) != (0, 1.0, 0.0)
 
 
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
@@ -253,6 +268,9 @@ def loss_terms(drafter: DFlashDrafter, target: Transformer, batch: Batch, key: j
         tlogits = jax.lax.stop_gradient(score_trees(target, seq, ae, trees))
 
         def weights(tree, logits):
+            if cfg.exit_truncated:
+                logits = truncate_logits(logits, cfg.exit_temperature, top_k=cfg.exit_top_k, top_p=cfg.exit_top_p,
+                                         min_p=cfg.exit_min_p)
             edge = edge_stats(tree, logits, cfg.exit_temperature).edge_prob
             law = law_from_edges(tree, edge)
             return exit_weights(law, tree, edge, cfg.exit_weight), law.coverage
