@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from scipy import stats as sps
 
-from tevjax.sampling import categorical, check_truncation, scaled_logsumexp, truncate_logits, vocab_block
+from tevjax.sampling import (categorical, check_truncation, scaled_logsumexp, truncate_logits, truncates,
+                             vocab_block)
 from treegen import softmax
 
 ALPHA = 1e-7
@@ -125,7 +126,9 @@ def test_truncation_laws_on_a_hand_made_row():
     assert _kept(x, 2.0, min_p=0.3).tolist() == [[True, True, True, True, True]]
     # top-p is taken over what top-k kept, renormalised: 0.4 / 0.65 = 0.615 >= 0.6.
     assert _kept(x, 1.0, top_k=2, top_p=0.6).tolist() == [[True, False, False, False, False]]
-    np.testing.assert_array_equal(np.asarray(truncate_logits(jnp.asarray(x), 1.0)), x)  # all off: unchanged
+    row = jnp.asarray(x)
+    assert truncate_logits(row, 1.0, top_k=0, top_p=1.0, min_p=0.0) is row  # all off: the logits themselves
+    assert not truncates() and truncates(top_k=1) and truncates(top_p=0.99) and truncates(min_p=0.01)
     kept = np.asarray(truncate_logits(jnp.asarray(x), 1.0, top_k=3))
     np.testing.assert_array_equal(kept[0, :3], x[0, :3])  # kept logits are untouched, the rest -inf
     assert np.all(kept[0, 3:] == -np.inf)

@@ -88,8 +88,9 @@ def _check_lookup(args) -> None:
 
 def _note_truncation(args) -> None:
     from tevjax.law import GREEDY_BELOW
+    from tevjax.sampling import truncates
 
-    if args.temperature < GREEDY_BELOW and (args.top_k or args.top_p < 1 or args.min_p > 0):
+    if args.temperature < GREEDY_BELOW and truncates(args.top_k, args.top_p, args.min_p):
         print("tevjax: note: --top-k, --top-p and --min-p change nothing when greedy (--temperature 0): "
               "the most probable token is always kept", file=sys.stderr)
 

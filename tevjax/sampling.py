@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["categorical", "check_truncation", "scaled_logsumexp", "truncate_logits", "vocab_block"]
+__all__ = ["categorical", "check_truncation", "scaled_logsumexp", "truncate_logits", "truncates", "vocab_block"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -110,6 +110,11 @@ def check_truncation(top_k, top_p, min_p) -> tuple[int, float, float]:
     return int(top_k), float(top_p), float(min_p)
 
 
+def truncates(top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> bool:
+    """Whether any of the settings cuts anything: top_k > 0, top_p < 1 or min_p > 0."""
+    return top_k > 0 or top_p < 1 or min_p > 0
+
+
 def _order_keys(x: jax.Array) -> jax.Array:
     """int32 keys in the order of the float32 values (-0.0 just below +0.0; NaN at the ends)."""
     i = jax.lax.bitcast_convert_type(x, jnp.int32)
@@ -153,9 +158,11 @@ def truncate_logits(logits: jax.Array, temperature=1.0, *, top_k: int = 0, top_p
 
     top_k, top_p and min_p are static Python numbers (`check_truncation`); `temperature` may be
     traced. A row without a finite entry (padding) comes back all -inf. Jittable, vmap-composable;
-    the dtype of `logits` is kept.
+    the dtype of `logits` is kept; with every setting off, `logits` itself is returned.
     """
     top_k, top_p, min_p = check_truncation(top_k, top_p, min_p)
+    if not truncates(top_k, top_p, min_p):
+        return logits
     vocab = logits.shape[-1]
     x = logits.astype(jnp.float32)
     keys = _order_keys(x)

@@ -67,11 +67,11 @@ from flax import nnx
 
 from tevjax.builder import (LOOKUP_SURVIVAL, NgramTable, build_ddtree_from_top, chain_log_reach, check_survival,
                              context_chain, corpus_chain, merge_chain)
+from tevjax.law import is_greedy
 from tevjax.models.cache import KVCache, scatter_rows
 from tevjax.models.dflash import DFlashDrafter, DrafterCache, features_from_hidden, tapped_hidden
 from tevjax.models.transformer import Transformer
 from tevjax.multihost import every_process
-from tevjax.law import is_greedy
 from tevjax.sampling import check_truncation, truncate_logits
 from tevjax.seeding import seed_key
 from tevjax.sharding import (CACHE_AXES, LOGICAL_RULES, check_batch, host_array, logical_sharding,
@@ -341,7 +341,7 @@ def _prefill_chunk(tstate, dstate, state: DecodeState, tokens: jax.Array, start:
 def target_logits(logits: jax.Array, cfg: DecodeConfig) -> jax.Array:
     """The logits the verifiers sample from: `logits` truncated by the config's top-k / top-p /
     min-p, or as they are when none is set or decoding is greedy (which no truncation changes)."""
-    if is_greedy(cfg.temperature) or (cfg.top_k == 0 and cfg.top_p == 1.0 and cfg.min_p == 0.0):
+    if is_greedy(cfg.temperature):
         return logits
     return truncate_logits(logits, cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, min_p=cfg.min_p)
 

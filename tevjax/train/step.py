@@ -130,10 +130,6 @@ class TrainConfig:
     def exit_on(self) -> bool:
         return self.exit_lambda > 0
 
-    @property
-    def exit_truncated(self) -> bool:
-        return (self.exit_top_k, self.exit_top_p, self.exit_min_p) != (0, 1.0, 0.0)
-
 
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
     """Global-norm clipping, then AdamW on a warmup + cosine-to-zero schedule."""
@@ -268,9 +264,8 @@ def loss_terms(drafter: DFlashDrafter, target: Transformer, batch: Batch, key: j
         tlogits = jax.lax.stop_gradient(score_trees(target, seq, ae, trees))
 
         def weights(tree, logits):
-            if cfg.exit_truncated:
-                logits = truncate_logits(logits, cfg.exit_temperature, top_k=cfg.exit_top_k, top_p=cfg.exit_top_p,
-                                         min_p=cfg.exit_min_p)
+            logits = truncate_logits(logits, cfg.exit_temperature, top_k=cfg.exit_top_k, top_p=cfg.exit_top_p,
+                                     min_p=cfg.exit_min_p)  # as it is when every cut is off
             edge = edge_stats(tree, logits, cfg.exit_temperature).edge_prob
             law = law_from_edges(tree, edge)
             return exit_weights(law, tree, edge, cfg.exit_weight), law.coverage
