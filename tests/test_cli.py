@@ -1,6 +1,7 @@
 """`tevjax generate`: argument checking (one line, exit 2, nothing loaded) and a tiny end-to-end run."""
 
 import json
+import sys
 import re
 
 import jax.numpy as jnp
@@ -97,6 +98,13 @@ def test_model_level_errors(capsys, tiny_dir):
     assert code == 2 and "no tokenizer: give --prompt-ids" in err
     code, _, err = _run(capsys, "generate", "--target", str(path), "--prompt-ids", "1,2,99", "--max-new-tokens", "8")
     assert code == 2 and "token id 99 outside the vocabulary [0, 48)" in err
+
+
+def test_a_prompt_set_whose_package_is_missing_is_one_error(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "reasoning_gym", None)  # `import reasoning_gym` fails, as if not installed
+    code, _, err = _run(capsys, "eval", "--prompts", "gsm", "--num-prompts", "1")
+    assert code == 2 and "package 'reasoning_gym' is not installed" in err and "tevjax[experiments]" in err, err
+    assert "internal error" not in err and len(err.strip().splitlines()) == 1
 
 
 def test_generate_json_matches_autoregressive_greedy(capsys, tiny_dir):

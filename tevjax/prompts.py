@@ -90,8 +90,10 @@ def gsm_symbolic(n: int, seed: int = 0) -> list[Prompt]:
     """`n` problems from reasoning-gym's `gsm_symbolic` (deterministic for a given seed)."""
     try:
         import reasoning_gym
-    except ImportError as e:
-        raise ImportError("the 'gsm' prompt set needs reasoning-gym: pip install 'tevjax[experiments]'") from e
+    except ImportError:
+        # The same error, and so the same one-line CLI error, as a missing MT-Bench or HumanEval package.
+        raise FileNotFoundError("package 'reasoning_gym' is not installed (the 'gsm' prompt set needs it: "
+                                "pip install 'tevjax[experiments]')") from None
     data = reasoning_gym.create_dataset("gsm_symbolic", size=n, seed=seed)
     return [Prompt("gsm", f"gsm/{i} (seed {seed})", item["question"]) for i, item in enumerate(data)]
 
