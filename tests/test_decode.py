@@ -15,7 +15,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from scipy import stats as sps
 
 from tevjax import verifiers
 from tevjax.builder import ngram_table
@@ -24,7 +23,7 @@ from tevjax.models.cache import KVCache
 from tevjax.models.dflash import DFlashConfig, DFlashDrafter
 from tevjax.models.layers import causal_mask
 from tevjax.testing import random_model, tiny_config
-from treegen import softmax
+from treegen import chi2_pvalue, softmax
 
 SPECULATIVE = ("tev", "predraw", "sequential")
 AR = None  # `verifier=AR` below: a Decoder without a drafter (autoregressive decoding)
@@ -248,22 +247,9 @@ def _first3_counts(models, verifier, prompt=SAMPLING_PROMPT, lookup=0, truncatio
     return counts, float(np.asarray(out.block_total).sum() / np.asarray(out.rounds).sum())
 
 
-def _chi2_pvalue(counts, law):
-    """Pearson's test of the counts against `law`; cells expecting < 5 are pooled. A count in a cell
-    of probability 0 (a token the law never emits) rejects outright."""
-    if counts[law == 0].sum():
-        return 0.0
-    counts, expected = counts[law > 0], law[law > 0] * counts.sum()
-    keep = expected >= 5
-    o, e = counts[keep], expected[keep]
-    if not keep.all():
-        o, e = np.append(o, counts[~keep].sum()), np.append(e, expected[~keep].sum())
-    return sps.chi2.sf(np.sum((o - e) ** 2 / e), len(e) - 1)
-
-
 def _first3_pvalue(models, verifier, law, prompt=SAMPLING_PROMPT, lookup=0):
     counts, tau = _first3_counts(models, verifier, prompt, lookup)
-    return _chi2_pvalue(counts, law), tau
+    return chi2_pvalue(counts, law), tau
 
 
 # predraw and sequential are `slow` here: each verifier's law is tested on its own in
@@ -290,9 +276,9 @@ def test_truncated_sampling_follows_the_truncated_target_law(small_models, exact
     counts, tau = _first3_counts(small_models, verifier, truncation=TRUNCATION)
     law = _first3_law(small_models[0], SAMPLING_PROMPT, TRUNCATION)
     assert (law > 0).sum() < 0.5 * (exact_first3 > 0).sum()  # the truncation removes most sequences
-    p = _chi2_pvalue(counts, law)
+    p = chi2_pvalue(counts, law)
     assert p > ALPHA, f"{verifier or 'no drafter'}: the truncated law of the first 3 tokens was rejected (p={p:.3g})"
-    assert _chi2_pvalue(counts, exact_first3) < 1e-9, "the test has no power against an untruncated decoder"
+    assert chi2_pvalue(counts, exact_first3) < 1e-9, "the test has no power against an untruncated decoder"
     if verifier is not AR:
         assert tau > 1.3, f"tau {tau:.2f}: too few multi-token rounds for the test to mean anything"
 

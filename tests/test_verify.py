@@ -20,7 +20,7 @@ from tevjax import verifiers as verify_mod
 from tevjax.law import exit_law
 from tevjax.tree import DraftTree
 from tevjax.verifiers import verify
-from treegen import assign_tokens, chain, exact_joint, insert_padding, random_parents, star
+from treegen import assign_tokens, chain, chi2_pvalue, exact_joint, insert_padding, random_parents, star
 
 N_SLOTS, VOCAB, SAMPLES = 16, 6, 40_000
 METHODS = ("tev", "predraw", "sequential")
@@ -105,26 +105,11 @@ def _seed(*parts) -> int:
 
 
 def _chi2_pvalue(exit_nodes, bonus, joint):
-    """Pearson chi-square of observed (exit, bonus) pairs against `joint` over the cells of positive
-    probability; cells with expected count < 5 are pooled. More than ROUNDING_EVENTS draws on
-    outcomes of exact probability 0 are a hard failure (p = 0)."""
-    n_samples = len(exit_nodes)
+    """Pearson chi-square of observed (exit, bonus) pairs against `joint` (`treegen.chi2_pvalue`);
+    more than ROUNDING_EVENTS draws on outcomes of exact probability 0 are a hard failure (p = 0)."""
     counts = np.zeros(joint.shape)
     np.add.at(counts, (exit_nodes, bonus), 1)
-    if counts[joint <= 0].sum() > ROUNDING_EVENTS:
-        return 0.0
-    possible = joint.ravel() > 0
-    expected = joint.ravel()[possible] * n_samples
-    obs = counts.ravel()[possible]
-    keep = expected >= 5
-    o = np.append(obs[keep], obs[~keep].sum())
-    e = np.append(expected[keep], expected[~keep].sum())
-    if e[-1] == 0:
-        o, e = o[:-1], e[:-1]
-    if len(e) < 2:
-        return 1.0
-    stat = np.sum((o - e) ** 2 / e)
-    return float(sps.chi2.sf(stat, len(e) - 1))
+    return chi2_pvalue(counts, joint, zero_draws=ROUNDING_EVENTS)
 
 
 @pytest.mark.parametrize("temperature", TEMPS)

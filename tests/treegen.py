@@ -1,10 +1,11 @@
-"""Random draft trees and brute-force references for the core tests (numpy only)."""
+"""Random draft trees, brute-force references and the chi-square test of the core tests."""
 
 from __future__ import annotations
 
 import itertools
 
 import numpy as np
+from scipy import stats as sps
 
 
 def assign_tokens(parents: np.ndarray, vocab: int, rng: np.random.Generator, root_token: int = 0) -> np.ndarray:
@@ -174,3 +175,21 @@ def exact_joint(tokens, parents, logits, temperature: float) -> np.ndarray:
                 row[tokens[u]] = 0.0
         joint[v] = prefix[v] * row
     return joint
+
+
+def chi2_pvalue(counts: np.ndarray, probs: np.ndarray, *, zero_draws: int = 0) -> float:
+    """Pearson's chi-square p-value of observed `counts` against the law `probs` (same shape) over its
+    outcomes of positive probability, cells expecting fewer than 5 pooled. More than `zero_draws`
+    draws on outcomes of probability 0 reject outright (p = 0)."""
+    counts, probs = np.asarray(counts, float).ravel(), np.asarray(probs, float).ravel()
+    if counts[probs <= 0].sum() > zero_draws:
+        return 0.0
+    possible = probs > 0
+    obs, expected = counts[possible], probs[possible] * counts.sum()
+    keep = expected >= 5
+    o, e = obs[keep], expected[keep]
+    if not keep.all():
+        o, e = np.append(o, obs[~keep].sum()), np.append(e, expected[~keep].sum())
+    if len(e) < 2:
+        return 1.0
+    return float(sps.chi2.sf(np.sum((o - e) ** 2 / e), len(e) - 1))
