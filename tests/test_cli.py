@@ -60,6 +60,9 @@ def _run(capsys, *argv):
         (["generate", "--prompt", "hi", "--min-p", "1"], "--min-p must be in [0, 1), got '1'"),
         (["eval", "--min-p", "nan"], "--min-p must be in [0, 1), got 'nan'"),
         (["eval", "--top-k", "-1"], "--top-k must be >= 0, got -1"),
+        (["generate", "--prompt", "hi", "--heartbeat-timeout", "0"], "--heartbeat-timeout must be >= 1"),
+        (["train", "--data", "d", "--out", "o", "--steps", "1", "--heartbeat-timeout", "2.5"],
+         "--heartbeat-timeout must be an integer"),
     ],
 )
 def test_bad_input_is_one_clear_line(capsys, argv, message):
@@ -67,6 +70,29 @@ def test_bad_input_is_one_clear_line(capsys, argv, message):
     assert code == 2
     assert message in err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("command", [["generate", "--prompt", "hi"], ["eval"], ["data", "--out", "d", "--num-prompts", "4"],
+                                     ["train", "--data", "d", "--out", "o", "--steps", "1"]])
+def test_the_multi_host_timeouts_reach_the_join(monkeypatch, capsys, command):
+    """--join-timeout and --heartbeat-timeout are handed to `initialize_distributed`, with
+    jax.distributed's defaults (300 s, 100 s) where they are not given; the join comes before the
+    commands' own checks, so the stand-in's refusal is the command's error."""
+    from tevjax import multihost
+
+    seen = []
+
+    def join(*args, **kwargs):
+        seen.append(kwargs)
+        raise ValueError("refused by the test's stand-in")
+
+    monkeypatch.setattr(multihost, "initialize_distributed", join)
+    job = ["--coordinator", "localhost:1", "--num-processes", "2", "--process-id", "0"]
+    code, _, err = _run(capsys, *command, *job, "--heartbeat-timeout", "7", "--join-timeout", "9.5")
+    assert code == 2 and "refused by the test's stand-in" in err, err
+    code, _, err = _run(capsys, *command, *job)
+    assert code == 2, err
+    assert [(k["timeout_s"], k["heartbeat_timeout_s"]) for k in seen] == [(9.5, 7), (300.0, 100)]
 
 
 def test_verifier_choices_follow_the_library(monkeypatch, capsys):

@@ -319,6 +319,51 @@ def test_a_host_that_fails_after_another_finished_ends_it_too(failing):
     assert "Check failure" not in logs[other], logs[other]
 
 
+KILLED = textwrap.dedent("""
+    import os, signal, sys, time
+    from tevjax.multihost import every_process, initialize_distributed
+
+    assert initialize_distributed(heartbeat_timeout_s={heartbeat})
+    every_process([1])
+    if {killed} == int(os.environ["JAX_PROCESS_ID"]):
+        sys.stdout.flush()
+        os.kill(os.getpid(), signal.SIGKILL)  # no exit handler, no word to the store: only heartbeats stop
+    print("waiting", flush=True)
+    time.sleep({wait})  # host-side work (a long compile, a file read): no collective to fail in
+    print("woke", flush=True)
+""")
+
+
+@pytest.mark.parametrize("killed", [0, 1])
+def test_a_killed_host_is_found_by_heartbeats_within_the_heartbeat_timeout(killed):
+    """One process is SIGKILLed while the other is busy on the host, outside any collective (where
+    gloo on CPUs, unlike NCCL, would fail at once). Process 1's death is told only by its missing
+    heartbeats: with a heartbeat timeout of 3 s the survivor is aborted by jax, naming the dead
+    task, long before its 60 s of work ends (at jax's default 100 s it would finish that work and
+    then wait at exit, past this test's limit). Process 0 hosts the coordination service: its
+    death closes process 1's connection, which jax notices at once."""
+    code = KILLED.format(heartbeat=3, killed=killed, wait=60)
+    start = time.monotonic()
+    logs = _launch([[sys.executable, "-c", code]] * 2, _joined_envs(forced_devices_env(1)), "the killed job",
+                   timeout=FAIL_LIMIT_S, codes=[-signal.SIGKILL if pid == killed else -signal.SIGABRT for pid in (0, 1)])
+    elapsed = time.monotonic() - start
+    other = 1 - killed
+    assert "waiting" in logs[other] and "woke" not in logs[other], logs[other]
+    assert elapsed < 45, elapsed  # joining ~2-5 s, then at most a few heartbeat periods
+    if killed == 1:  # the service (in process 0) names the task that stopped sending heartbeats
+        assert "The following tasks are unhealthy (stopped sending heartbeats):\n1\n" in logs[other], logs[other][-3000:]
+    else:  # the service's own host: its socket closes, and process 1 hears at once
+        assert "Failed to send RPC to coordination service" in logs[other], logs[other][-3000:]
+
+
+def test_a_heartbeat_timeout_must_be_whole_seconds_of_at_least_one():
+    from tevjax.multihost import initialize_distributed
+
+    for bad in (0, -5, 2.5, True, "10"):
+        with pytest.raises(ValueError, match="heartbeat timeout of .* whole number of seconds, at least 1"):
+            initialize_distributed("localhost:1", 2, 0, heartbeat_timeout_s=bad)
+
+
 @pytest.mark.parametrize("lacking", ["model", "prompts.txt"])
 def test_cli_error_on_one_host_ends_the_job(tiny_llama_dir, tmp_path, lacking):
     """`tevjax generate` with a file that one host lacks: that host prints the error and exits with

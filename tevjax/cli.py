@@ -227,6 +227,10 @@ def _add_mesh_args(parser, default: str) -> None:
     parser.add_argument("--join-timeout", type=_positive_float("--join-timeout"), default=None, metavar="S",
                         help="multi-host: seconds to wait for every process to join, then stop (default: 300, "
                              "as jax.distributed)")
+    parser.add_argument("--heartbeat-timeout", type=_positive_int("--heartbeat-timeout"), default=None, metavar="S",
+                        help="multi-host: whole seconds without heartbeats after which a process counts as dead "
+                             "(killed, out of memory) and the others are stopped (default: 100, as "
+                             "jax.distributed)")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -670,12 +674,13 @@ def _mesh(args, *, default_all: bool):
 def _join(args) -> bool:
     """Joins the multi-host job that the flags or the environment ask for (once); whether one
     was joined."""
-    from tevjax.multihost import JOIN_TIMEOUT_S, initialize_distributed
+    from tevjax.multihost import HEARTBEAT_TIMEOUT_S, JOIN_TIMEOUT_S, initialize_distributed
 
     try:
         return initialize_distributed(args.coordinator, args.num_processes, args.process_id,
                                       log=lambda m: print(f"tevjax: {m}", file=sys.stderr, flush=True),
-                                      timeout_s=args.join_timeout or JOIN_TIMEOUT_S)
+                                      timeout_s=args.join_timeout or JOIN_TIMEOUT_S,
+                                      heartbeat_timeout_s=args.heartbeat_timeout or HEARTBEAT_TIMEOUT_S)
     except ValueError as e:
         raise CliError(str(e)) from None
 

@@ -32,10 +32,14 @@ from typing import Any
 import jax
 import numpy as np
 
-__all__ = ["JOIN_TIMEOUT_S", "abort_job", "any_process", "barrier", "check_same", "check_same_files",
+__all__ = ["HEARTBEAT_TIMEOUT_S", "JOIN_TIMEOUT_S", "abort_job", "any_process", "barrier", "check_same", "check_same_files",
            "check_shared_dir", "every_process", "holds_files", "initialize_distributed"]
 
 JOIN_TIMEOUT_S = 300.0  # jax.distributed's default: hosts of one job may start minutes apart
+# jax.distributed's default. A process that dies without a word (SIGKILL, the kernel's OOM
+# killer, a lost host) is noticed only by its missing heartbeats: on GPUs the others wait in their
+# next NCCL collective until then, and jax then aborts them with a message naming the dead task.
+HEARTBEAT_TIMEOUT_S = 100
 
 
 def every_process(values: Sequence[int]) -> np.ndarray:
@@ -208,7 +212,8 @@ def _feed(h, value: Any) -> None:
 
 def initialize_distributed(coordinator: str | None = None, num_processes: int | None = None,
                            process_id: int | None = None, log: Callable[[str], None] | None = None,
-                           timeout_s: float = JOIN_TIMEOUT_S) -> bool:
+                           timeout_s: float = JOIN_TIMEOUT_S,
+                           heartbeat_timeout_s: int = HEARTBEAT_TIMEOUT_S) -> bool:
     """Runs `jax.distributed.initialize` for a multi-host job; returns whether it did.
 
     Flags win over the environment: JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID
@@ -221,9 +226,17 @@ def initialize_distributed(coordinator: str | None = None, num_processes: int | 
     `timeout_s` for the others to join, and then exits with status 1 and a message that says
     so. (jax.distributed alone aborts it with a stack trace that blames "another task" that
     "died", though the one missing may never have started.)
+
+    A joined process that stops sending heartbeats for `heartbeat_timeout_s` (a whole number of
+    seconds, as jax takes it) is taken for dead, and jax aborts the others. Shorter finds a killed
+    host sooner; too short aborts a healthy job whose host stalls (swapping, a paused VM).
     """
     if not timeout_s > 0:
         raise ValueError(f"a join timeout of {timeout_s} s: it must be positive")
+    if isinstance(heartbeat_timeout_s, bool) or not isinstance(heartbeat_timeout_s, (int, np.integer)) \
+            or heartbeat_timeout_s < 1:
+        raise ValueError(f"a heartbeat timeout of {heartbeat_timeout_s!r} s: it must be a whole number of "
+                         f"seconds, at least 1")
     if jax.distributed.is_initialized():  # already joined (the CLI joins before its checks, then again)
         return True
     env = os.environ
@@ -251,12 +264,14 @@ def initialize_distributed(coordinator: str | None = None, num_processes: int | 
                              f"0..{num_processes - 1}, the ids of a job of {num_processes} processes")
         log(f"joining the job at {coordinator} as process {process_id} of {num_processes}, {waits}")
         _join_within(timeout_s, f"process {process_id} of {num_processes}: the job at {coordinator}",
-                     coordinator_address=coordinator, num_processes=num_processes, process_id=process_id)
+                     coordinator_address=coordinator, num_processes=num_processes, process_id=process_id,
+                     heartbeat_timeout_seconds=int(heartbeat_timeout_s))
     elif from_flags:
         raise ValueError("--coordinator needs --num-processes and --process-id")
     elif coordinator is not None or any(v in env for v in ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE")):
         log(f"joining the job that JAX's cluster detection finds, {waits}")
-        _join_within(timeout_s, "this process: the job that JAX's cluster detection finds")
+        _join_within(timeout_s, "this process: the job that JAX's cluster detection finds",
+                     heartbeat_timeout_seconds=int(heartbeat_timeout_s))
     else:
         return False
     log(f"joined: process {jax.process_index()} of {jax.process_count()}, {jax.device_count()} devices in all")
