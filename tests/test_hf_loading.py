@@ -62,7 +62,7 @@ def _copy(saved, tmp_path):
 # --------------------------------------------------------------------------------- round trips
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
 def test_save_load_roundtrip_and_transformers_reads_it(arch, tmp_path):
     model = random_model(tiny_config(arch, attention_bias=arch == "llama"), seed=1)
     save_hf_target(model, tmp_path)
@@ -277,7 +277,7 @@ def test_unknown_architecture(saved, tmp_path):
     config = json.loads((path / "config.json").read_text())
     config["model_type"] = "gpt2"
     (path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=r"config\.json.*'gpt2'.*llama, qwen3"):
+    with pytest.raises(ValueError, match=r"config\.json.*'gpt2'.*llama, mistral, qwen2, qwen3"):
         load_hf_target(path)
 
 
@@ -363,6 +363,8 @@ def test_config_roundtrip_and_v5_rope_parameters():
     assert ModelConfig.from_hf_config(hf_cfg.to_dict()) == llama
     qwen = PRESETS["qwen3-8b"]
     assert ModelConfig.from_hf_config(transformers.Qwen3Config(**qwen.to_hf_config()).to_dict()) == qwen
+    for name, hf_class in (("qwen2.5-7b", transformers.Qwen2Config), ("mistral-7b-v0.3", transformers.MistralConfig)):
+        assert ModelConfig.from_hf_config(hf_class(**PRESETS[name].to_hf_config()).to_dict()) == PRESETS[name], name
     assert ModelConfig.from_hf_config(qwen.to_hf_config(), dtype="float32").dtype == "float32"
 
 
@@ -371,7 +373,8 @@ def test_config_rejects_unsupported():
     for patch, match in [({"use_sliding_window": True}, "use_sliding_window"),
                          ({"hidden_act": "gelu"}, "hidden_act"),
                          ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
-                         ({"model_type": "mistral"}, "mistral.*supported: llama, qwen3"),
+                         ({"model_type": "gemma"}, "gemma.*supported: llama, mistral, qwen2, qwen3"),
+                         ({"model_type": "mistral", "sliding_window": 4096}, "sliding_window=4096 is not supported"),
                          ({"layer_types": ["full_attention", "sliding_attention"]}, "sliding_attention"),
                          ({"num_key_value_heads": 3}, "num_heads=4 must be a multiple of num_kv_heads=3")]:
         with pytest.raises(ValueError, match=match):

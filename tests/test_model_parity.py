@@ -50,7 +50,15 @@ VARIANTS = {
     # Qwen3: q/k norm, tied embeddings, head_dim (32) != hidden / heads (16).
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM",
               dict(tie_word_embeddings=True, head_dim=32, rope_theta=1_000_000.0)),
+    # Qwen2 (Qwen2.5): biases on q/k/v but not o, tied embeddings.
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM",
+              dict(tie_word_embeddings=True, rope_theta=1_000_000.0)),
+    # Mistral (v0.2 onwards): Llama's layers with full attention; head_dim (8) given.
+    "mistral": ("MistralConfig", "MistralForCausalLM",
+                dict(tie_word_embeddings=False, head_dim=8, sliding_window=None, rope_theta=1_000_000.0)),
 }
+
+HEAD_DIM = {"qwen3": 32, "mistral": 8}
 
 
 def build_hf(variant: str, seed: int = 0):
@@ -78,12 +86,16 @@ def hf_pair(request, tmp_path_factory):
 
 def test_config_translation(hf_pair):
     variant, hf, cfg, _ = hf_pair
-    assert cfg.architecture == ("qwen3" if variant == "qwen3" else "llama")
+    assert cfg.architecture == ("llama" if variant.startswith("llama") else variant)
     assert cfg.num_layers == 3 and cfg.num_kv_heads == 2 and cfg.vocab_size == 300
-    assert cfg.head_dim == (32 if variant == "qwen3" else 16)
+    assert cfg.head_dim == HEAD_DIM.get(variant, 16)
     assert cfg.qk_norm == (variant == "qwen3")
-    assert cfg.tie_word_embeddings == (variant == "qwen3")
+    assert cfg.tie_word_embeddings == variant.startswith("qwen")
     assert cfg.attention_bias == (variant == "llama3-rope")
+    assert cfg.qkv_biased == (variant in ("llama3-rope", "qwen2"))
+    biases = {k.split(".", 3)[-1] for k in hf.state_dict() if k.endswith(".bias")}
+    assert biases == ({"self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"} if cfg.qkv_biased
+                      else set()) | ({"self_attn.o_proj.bias"} if cfg.attention_bias else set()), biases
     assert (cfg.rope_scaling is not None) == (variant == "llama3-rope")
     assert cfg.eos_token_ids == (2,) and cfg.bos_token_id == 1
 

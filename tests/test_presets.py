@@ -15,6 +15,8 @@ PUBLISHED = {
     "qwen3-4b": 4.0e9,  # Qwen/Qwen3-4B: "Number of Parameters: 4.0B"
     "qwen3-8b": 8.2e9,  # Qwen/Qwen3-8B: "Number of Parameters: 8.2B"
     "llama-3.1-8b": 8.03e9,  # meta-llama/Llama-3.1-8B: 8.03B
+    "qwen2.5-7b": 7.61e9,  # Qwen/Qwen2.5-7B-Instruct: "Number of Parameters: 7.61B"
+    "mistral-7b-v0.3": 7.25e9,  # mistralai/Mistral-7B-Instruct-v0.3: 7.25B (safetensors metadata)
     "smollm2-135m": 134.5e6,  # HuggingFaceTB/SmolLM2-135M: 134.5M (card rounds to 135M)
 }
 

@@ -37,7 +37,8 @@ def _specs(tree) -> dict[str, P]:
     return {".".join(str(getattr(k, "key", getattr(k, "idx", ""))) for k in path[:-1]): s.spec for path, s in flat}
 
 
-@pytest.mark.parametrize("arch, overrides", [("llama", {}), ("qwen3", {}), ("llama", {"attention_bias": True})])
+@pytest.mark.parametrize("arch, overrides", [("llama", {}), ("qwen3", {}), ("llama", {"attention_bias": True}),
+                                             ("qwen2", {})])
 def test_every_target_array_has_axes_and_heads_split_over_model(arch, overrides):
     target = nnx.eval_shape(lambda: random_model(tiny_config(arch, num_heads=8, num_kv_heads=4, head_dim=8,
                                                              **overrides)))
@@ -49,12 +50,18 @@ def test_every_target_array_has_axes_and_heads_split_over_model(arch, overrides)
     assert specs["layers.mlp.gate_proj.kernel"] == P(None, None, "model")
     assert specs["layers.mlp.down_proj.kernel"] == P(None, "model", None)
     assert specs["norm.scale"] == P(None)
-    if arch == "llama":
+    cfg = target.cfg
+    if cfg.tie_word_embeddings:
+        assert "lm_head.kernel" not in specs
+    else:
         assert specs["lm_head.kernel"] == P(None, "model")
-    else:  # tied embeddings, per-head q/k norms
-        assert "lm_head.kernel" not in specs and specs["layers.self_attn.q_norm.scale"] == P(None, None)
-    if overrides:
+    if cfg.qk_norm:  # per-head q/k norms
+        assert specs["layers.self_attn.q_norm.scale"] == P(None, None)
+    if cfg.qkv_biased:  # Llama's attention_bias, Qwen2's
         assert specs["layers.self_attn.q_proj.bias"] == P(None, "model")
+        assert specs["layers.self_attn.v_proj.bias"] == P(None, "model")
+    assert ("layers.self_attn.o_proj.bias" in specs) == cfg.attention_bias  # Qwen2 has none
+    assert ("layers.self_attn.q_proj.bias" in specs) == (arch == "qwen2" or bool(overrides))
 
 
 def test_drafter_arrays_and_optimizer_moments_share_the_table():

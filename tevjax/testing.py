@@ -23,7 +23,7 @@ def tiny_config(architecture: str = "llama", **overrides) -> ModelConfig:
         architecture=architecture, vocab_size=300, hidden_size=64, intermediate_size=128,
         num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6,
         rope_theta=10000.0, tie_word_embeddings=architecture == "qwen3",
-        qk_norm=architecture == "qwen3", max_position_embeddings=256, eos_token_ids=(2,),
+        qk_norm=architecture == "qwen3", qkv_bias=architecture == "qwen2", max_position_embeddings=256, eos_token_ids=(2,),
         bos_token_id=1,
     )
     fields.update(overrides)

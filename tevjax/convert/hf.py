@@ -107,7 +107,7 @@ _TRANSFORMS = {
 
 
 def target_weight_rules(cfg: ModelConfig) -> list[WeightRule]:
-    """The conversion table for a Llama / Qwen3 target with this config."""
+    """The conversion table for a Llama / Mistral / Qwen2 / Qwen3 target with this config."""
     d, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     qd, kd, dh = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.head_dim
     pre = "model.layers.{i}."
@@ -128,13 +128,14 @@ def target_weight_rules(cfg: ModelConfig) -> list[WeightRule]:
         layer("mlp.up_proj.weight", ("mlp", "up_proj", "kernel"), "transpose", (f, d)),
         layer("mlp.down_proj.weight", ("mlp", "down_proj", "kernel"), "transpose", (d, f)),
     ]
-    if cfg.attention_bias:
+    if cfg.qkv_biased:
         rules += [
             layer("self_attn.q_proj.bias", ("self_attn", "q_proj", "bias"), "identity", (qd,)),
             layer("self_attn.k_proj.bias", ("self_attn", "k_proj", "bias"), "identity", (kd,)),
             layer("self_attn.v_proj.bias", ("self_attn", "v_proj", "bias"), "identity", (kd,)),
-            layer("self_attn.o_proj.bias", ("self_attn", "o_proj", "bias"), "identity", (d,)),
         ]
+    if cfg.attention_bias:
+        rules.append(layer("self_attn.o_proj.bias", ("self_attn", "o_proj", "bias"), "identity", (d,)))
     if cfg.qk_norm:
         rules += [
             layer("self_attn.q_norm.weight", ("self_attn", "q_norm", "scale"), "identity", (dh,)),
@@ -294,7 +295,7 @@ def checkpoint_config_path(path: str | os.PathLike, what: str) -> tuple[str, str
 
 
 def load_hf_target(path: str | os.PathLike, *, dtype: str | None = None, mesh=None) -> tuple[ModelConfig, Transformer]:
-    """Loads an HF Llama / Qwen3 checkpoint directory into a `Transformer`.
+    """Loads an HF Llama / Mistral / Qwen2 / Qwen3 checkpoint directory into a `Transformer`.
 
     `dtype` sets both compute and storage dtypes (default: the checkpoint's `torch_dtype`).
     The model skeleton is built with `nnx.eval_shape`, so no random weights are materialised;

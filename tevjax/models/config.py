@@ -1,4 +1,4 @@
-"""Target-model configuration: one frozen dataclass for the Llama and Qwen3 families.
+"""Target-model configuration: one frozen dataclass for the Llama, Mistral, Qwen2 and Qwen3 families.
 
 Variants are made with `dataclasses.replace`; `from_hf_config` / `to_hf_config` translate to and
 from a Hugging Face `config.json` (both the legacy `rope_theta` + `rope_scaling` keys and the
@@ -16,9 +16,10 @@ from typing import Any
 
 __all__ = ["ModelConfig", "RopeScaling", "PRESETS", "SUPPORTED_ARCHITECTURES", "read_config_json"]
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 _DTYPES = ("float32", "bfloat16", "float16")
-_HF_CLASS = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_HF_CLASS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+             "qwen3": "Qwen3ForCausalLM"}
 
 
 def read_config_json(config: Mapping[str, Any] | str | os.PathLike, *, what: str) -> tuple[dict, str]:
@@ -116,7 +117,7 @@ class ModelConfig:
     uses true float32 matmuls on every backend (no TF32 on GPUs: `layers.matmul_precision`).
     """
 
-    architecture: str  # "llama" | "qwen3"
+    architecture: str  # "llama" | "mistral" | "qwen2" | "qwen3": one decoder; the fields below differ
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -129,7 +130,8 @@ class ModelConfig:
     rope_scaling: RopeScaling | None = None
     tie_word_embeddings: bool
     qk_norm: bool  # qwen3: per-head RMSNorm on q and k (over head_dim) before RoPE
-    attention_bias: bool = False
+    attention_bias: bool = False  # biases on the q, k, v and o projections (Llama's `attention_bias`)
+    qkv_bias: bool = False  # biases on q, k and v only (Qwen2); implied by attention_bias
     max_position_embeddings: int
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
@@ -163,13 +165,20 @@ class ModelConfig:
         object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
 
     @property
+    def qkv_biased(self) -> bool:
+        """Whether the q, k and v projections have biases."""
+        return self.attention_bias or self.qkv_bias
+
+    @property
     def num_params(self) -> int:
         """Parameter count implied by the shapes (embedding counted once when tied)."""
         d, h, k, dh, f = (self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim,
                           self.intermediate_size)
         attn = d * h * dh + 2 * d * k * dh + h * dh * d
-        if self.attention_bias:
+        if self.qkv_biased:
             attn += h * dh + 2 * k * dh
+        if self.attention_bias:
+            attn += d
         if self.qk_norm:
             attn += 2 * dh
         layer = attn + 3 * d * f + 2 * d
@@ -202,6 +211,11 @@ class ModelConfig:
             raise ValueError(f"{source}: mlp_bias=True is not supported")
         if c.get("use_sliding_window", False):
             raise ValueError(f"{source}: use_sliding_window=True is not supported")
+        # Mistral's window applies to every layer whenever it is set (Mistral-7B-v0.1: 4096);
+        # v0.2 onwards and Qwen2 (whose window is gated by use_sliding_window) attend fully.
+        if model_type == "mistral" and c.get("sliding_window") is not None:
+            raise ValueError(f"{source}: sliding_window={c['sliding_window']!r} is not supported (only "
+                             f"full attention, sliding_window null)")
         odd_layers = sorted({t for t in (c.get("layer_types") or []) if t != "full_attention"})
         if odd_layers:
             raise ValueError(f"{source}: layer_types {odd_layers} are not supported (only full_attention)")
@@ -262,7 +276,9 @@ class ModelConfig:
             # HF's default for both families is tie_word_embeddings=False when the key is absent.
             tie_word_embeddings=field("tie_word_embeddings", bool, False),
             qk_norm=model_type == "qwen3",
-            attention_bias=field("attention_bias", bool, False),
+            # Qwen2 has q/k/v biases and no o bias, always; its config has no key for them.
+            attention_bias=False if model_type == "qwen2" else field("attention_bias", bool, False),
+            qkv_bias=model_type == "qwen2",
             max_position_embeddings=field("max_position_embeddings", int, 2048, positive=True),
             eos_token_ids=_token_ids(c, "eos_token_id", source),
             bos_token_id=bos[0] if bos else None,
@@ -297,7 +313,6 @@ class ModelConfig:
             "rope_theta": self.rope_theta,
             "rope_scaling": None,
             "tie_word_embeddings": self.tie_word_embeddings,
-            "attention_bias": self.attention_bias,
             "attention_dropout": 0.0,
             "mlp_bias": False,
             "max_position_embeddings": self.max_position_embeddings,
@@ -307,8 +322,12 @@ class ModelConfig:
         }
         if self.rope_scaling is not None:
             out["rope_scaling"] = {"rope_type": "llama3", **dataclasses.asdict(self.rope_scaling)}
-        if self.architecture == "qwen3":
+        if self.architecture in ("llama", "qwen3", "mistral"):
+            out["attention_bias"] = self.attention_bias
+        if self.architecture in ("qwen2", "qwen3"):
             out["use_sliding_window"] = False
+        if self.architecture == "mistral":
+            out["sliding_window"] = None
         return out
 
 
@@ -339,6 +358,22 @@ PRESETS: dict[str, ModelConfig] = {
                                  original_max_position_embeddings=8192),
         tie_word_embeddings=False, qk_norm=False, max_position_embeddings=131072,
         eos_token_ids=(128001, 128008, 128009), bos_token_id=128000,
+        dtype="bfloat16", param_dtype="bfloat16",
+    ),
+    # Qwen/Qwen2.5-7B-Instruct: 7.61B parameters; q/k/v biases.
+    "qwen2.5-7b": ModelConfig(
+        architecture="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+        num_layers=28, num_heads=28, num_kv_heads=4, head_dim=128, rms_norm_eps=1e-6,
+        rope_theta=1_000_000.0, tie_word_embeddings=False, qk_norm=False, qkv_bias=True,
+        max_position_embeddings=32768, eos_token_ids=(151645,), bos_token_id=151643,
+        dtype="bfloat16", param_dtype="bfloat16",
+    ),
+    # mistralai/Mistral-7B-Instruct-v0.3: 7.25B parameters; no sliding window.
+    "mistral-7b-v0.3": ModelConfig(
+        architecture="mistral", vocab_size=32768, hidden_size=4096, intermediate_size=14336,
+        num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5,
+        rope_theta=1_000_000.0, tie_word_embeddings=False, qk_norm=False,
+        max_position_embeddings=32768, eos_token_ids=(2,), bos_token_id=1,
         dtype="bfloat16", param_dtype="bfloat16",
     ),
     # HuggingFaceTB/SmolLM2-135M: 134.5M parameters (tied embeddings); small enough for CPU.

@@ -110,7 +110,7 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq) -> jax.Array:
 
 
 class SwiGLU(nnx.Module):
-    """down(silu(gate(x)) * up(x)); no biases (Llama / Qwen3 MLP)."""
+    """down(silu(gate(x)) * up(x)); no biases (the MLP of every supported family)."""
 
     def __init__(self, dim: int, hidden: int, *, dtype, param_dtype, rngs: nnx.Rngs):
         kw = dict(use_bias=False, dtype=jnp.dtype(dtype), param_dtype=jnp.dtype(param_dtype),

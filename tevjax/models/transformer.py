@@ -1,4 +1,4 @@
-"""Decoder-only target model (Llama and Qwen3 families) with a per-row KV cache.
+"""Decoder-only target model (Llama, Mistral, Qwen2 and Qwen3 families) with a per-row KV cache.
 
 One call handles prefill, single-token decode and the one-pass tree verification:
 
@@ -58,17 +58,18 @@ class ForwardOutput:
 
 
 class Attention(nnx.Module):
-    """Grouped-query self-attention projections; Qwen3 adds per-head q/k RMSNorm before RoPE."""
+    """Grouped-query self-attention projections; Qwen3 adds per-head q/k RMSNorm before RoPE, and
+    Qwen2 (q/k/v) or Llama's `attention_bias` (q/k/v/o) add biases."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         d, h, k, dh = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         kw = dict(dtype=jnp.dtype(cfg.dtype), param_dtype=jnp.dtype(cfg.param_dtype), rngs=rngs)
-        lin = dict(kw, use_bias=cfg.attention_bias, precision=matmul_precision(cfg.dtype))
+        lin = dict(kw, precision=matmul_precision(cfg.dtype))
         self.num_heads, self.num_kv_heads, self.head_dim = h, k, dh
-        self.q_proj = nnx.Linear(d, h * dh, **lin)
-        self.k_proj = nnx.Linear(d, k * dh, **lin)
-        self.v_proj = nnx.Linear(d, k * dh, **lin)
-        self.o_proj = nnx.Linear(h * dh, d, **lin)
+        self.q_proj = nnx.Linear(d, h * dh, use_bias=cfg.qkv_biased, **lin)
+        self.k_proj = nnx.Linear(d, k * dh, use_bias=cfg.qkv_biased, **lin)
+        self.v_proj = nnx.Linear(d, k * dh, use_bias=cfg.qkv_biased, **lin)
+        self.o_proj = nnx.Linear(h * dh, d, use_bias=cfg.attention_bias, **lin)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(dh, eps=cfg.rms_norm_eps, **kw)
             self.k_norm = RMSNorm(dh, eps=cfg.rms_norm_eps, **kw)
@@ -132,7 +133,7 @@ def full_mask(block_mask: jax.Array, write_pos: jax.Array, capacity: int) -> jax
 
 
 class Transformer(nnx.Module):
-    """Llama / Qwen3 decoder with stacked layers; see the module docstring for the call protocol."""
+    """Llama / Mistral / Qwen2 / Qwen3 decoder with stacked layers; see the module docstring for the call protocol."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
