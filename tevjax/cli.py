@@ -233,6 +233,29 @@ def _add_mesh_args(parser, default: str) -> None:
                              "jax.distributed)")
 
 
+def _add_decoding_args(parser, *, max_new_tokens: int, seed_help: str, max_new_help: str | None = None) -> None:
+    """The model, sampling and tree flags (generate and chat share them)."""
+    parser.add_argument("--target", default="smollm2",
+                        help="'smollm2' (embedded default) or a Hugging Face model directory")
+    parser.add_argument("--drafter", default=None,
+                        help="DFlash checkpoint directory (default: the project's trained drafter, else a fresh one)")
+    parser.add_argument("--max-new-tokens", type=_positive_int("--max-new-tokens"), default=max_new_tokens,
+                        help=max_new_help)
+    parser.add_argument("--temperature", type=_temperature, default=0.0,
+                        help="0 = greedy (default); any value below 1e-5 is greedy too")
+    _add_truncation_args(parser)
+    parser.add_argument("--budget", type=_positive_int("--budget"), default=None,
+                        help="draft tree budget, non-root nodes (default: 8 on a CPU, 16 on an accelerator)")
+    parser.add_argument("--lookup", type=_nonnegative_int("--lookup"), default=None, help=LOOKUP_HELP)
+    parser.add_argument("--corpus", type=_nonnegative_int("--corpus"), default=None, help=CORPUS_HELP)
+    parser.add_argument("--verifier", default="tev",
+                        help=f"{', '.join(verifier_choices(autoregressive=False))} (default tev), or "
+                             f"{AUTOREGRESSIVE} (no drafter: the autoregressive baseline)")
+    parser.add_argument("--seed", type=_seed, default=0, help=seed_help)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                        help="compute dtype (default: the checkpoint's; use float32 on CPU)")
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse, but a usage error is one line (the usage text stays available through --help)."""
 
@@ -246,32 +269,25 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     gen = sub.add_parser("generate", help="generate text with DFlash + DDTree + an exact verifier")
-    gen.add_argument("--target", default="smollm2", help="'smollm2' (embedded default) or a Hugging Face model directory")
-    gen.add_argument("--drafter", default=None, help="DFlash checkpoint directory (default: the project's trained drafter, else a fresh one)")
     src = gen.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-ids", type=_prompt_ids, help="raw token ids, comma-separated (no chat template)")
     src.add_argument("--batch-file", type=Path, help="a file with one prompt per line")
     gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                      help="wrap text prompts in the model's chat template (default: on)")
-    gen.add_argument("--max-new-tokens", type=_positive_int("--max-new-tokens"), default=128)
-    gen.add_argument("--temperature", type=_temperature, default=0.0, help="0 = greedy (default); any value below 1e-5 is greedy too")
-    _add_truncation_args(gen)
-    gen.add_argument("--budget", type=_positive_int("--budget"), default=None,
-                     help="draft tree budget, non-root nodes (default: 8 on a CPU, 16 on an accelerator)")
-    gen.add_argument("--lookup", type=_nonnegative_int("--lookup"), default=None, help=LOOKUP_HELP)
-    gen.add_argument("--corpus", type=_nonnegative_int("--corpus"), default=None, help=CORPUS_HELP)
-    gen.add_argument("--verifier", default="tev",
-                     help=f"{', '.join(verifier_choices(autoregressive=False))} (default tev), or "
-                          f"{AUTOREGRESSIVE} (no drafter: the autoregressive baseline)")
-    gen.add_argument("--seed", type=_seed, default=0, help="sampling seed, an integer in [0, 2**64)")
+    _add_decoding_args(gen, max_new_tokens=128, seed_help="sampling seed, an integer in [0, 2**64)")
     gen.add_argument("--batch-size", type=_positive_int("--batch-size"), default=1,
                      help="prompts decoded together (with --batch-file)")
-    gen.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
-                     help="compute dtype (default: the checkpoint's; use float32 on CPU)")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
     _add_mesh_args(gen, "one device")
     gen.set_defaults(func=cmd_generate)
+
+    chat = sub.add_parser("chat", help="a conversation in the terminal, every reply decoded with DFlash + DDTree + "
+                                       "an exact verifier")
+    chat.add_argument("--system", default=None, help="a system message that opens the conversation")
+    _add_decoding_args(chat, max_new_tokens=256, max_new_help="per reply",
+                       seed_help="sampling seed of the first reply (the k-th uses seed + k)")
+    chat.set_defaults(func=cmd_chat)
 
     data = sub.add_parser("data", help="regenerate training data: ShareGPT prompts, target responses, tapped features")
     data.add_argument("--target", default="smollm2", help="'smollm2' (embedded default) or a Hugging Face model directory")
@@ -491,8 +507,8 @@ def cmd_generate(args) -> int:
     _check_lookup(args)
     _note_truncation(args)
 
-    from tevjax.decode.engine import DecodeConfig, Interrupted
-    from tevjax.evaluate import corpus_for, lookup_for, truncation_text
+    from tevjax.decode.engine import Interrupted
+    from tevjax.evaluate import truncation_text
     from tevjax.loading import load_models
     from tevjax.multihost import check_same
 
@@ -517,12 +533,7 @@ def cmd_generate(args) -> int:
             raise CliError(f"prompt {i} ({where[i]}) is {len(p)} tokens: with --max-new-tokens {args.max_new_tokens} "
                            f"and {slots} tree slots it exceeds the target's {limit} positions")
 
-    # Without a drafter the config's verifier is never used: any valid name will do.
-    cfg = DecodeConfig(verifier=args.verifier if speculative else "tev", budget=args.budget,
-                       lookup=lookup_for(args.budget, args.lookup),  # checked <= budget above
-                       corpus=corpus_for(args.budget, args.corpus, models.ngrams),
-                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                       max_new_tokens=args.max_new_tokens, eos_ids=models.eos_ids)
+    cfg = _decode_config(args, models, speculative)
     decoder = _decoder(models.target, models.drafter if speculative else None, cfg, mesh, models.ngrams)
     # Streaming prints row 0 as it grows; a multi-host job prints once, at the end.
     stream = not args.json and len(ids) == 1 and (mesh is None or jax_process_count() == 1)
@@ -603,6 +614,73 @@ def cmd_generate(args) -> int:
     if failed:
         raise CliError(f"the target {args.target!r} produced non-finite logits for {', '.join(failed)}: its weights "
                        f"are damaged or overflow in this dtype; no tokens were emitted from that point")
+    return 0
+
+
+def _decode_config(args, models, speculative: bool, **kw):
+    """The DecodeConfig of `generate` and `chat` (their flags are the same)."""
+    from tevjax.decode.engine import DecodeConfig
+    from tevjax.evaluate import corpus_for, lookup_for
+
+    # Without a drafter the config's verifier is never used: any valid name will do.
+    return DecodeConfig(verifier=args.verifier if speculative else "tev", budget=args.budget,
+                        lookup=lookup_for(args.budget, args.lookup),  # checked <= budget before
+                        corpus=corpus_for(args.budget, args.corpus, models.ngrams),
+                        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                        max_new_tokens=args.max_new_tokens, eos_ids=models.eos_ids, **kw)
+
+
+# ------------------------------------------------------------------------------------------ chat
+
+# Conversations grow turn by turn: coarse buckets keep recompiles (one per new prompt bucket or
+# cache capacity, seconds each) to every few turns.
+CHAT_PROMPT_BUCKET, CHAT_CAPACITY_BUCKET = 256, 512
+
+
+def cmd_chat(args) -> int:
+    _check_verifier(args.verifier, autoregressive=True)
+    speculative = args.verifier != AUTOREGRESSIVE
+    if args.system is not None and not args.system.strip():
+        raise CliError("--system is empty")
+    if args.budget is None:
+        args.budget = _default_budget()
+    _check_positions(args, speculative)
+    _check_lookup(args)
+    _note_truncation(args)
+
+    from tevjax.chat import Conversation, run_chat
+    from tevjax.evaluate import truncation_text
+    from tevjax.loading import load_models
+
+    models = load_models(args.target, args.drafter, dtype=args.dtype, with_drafter=speculative)
+    for note in models.notes:
+        print(f"tevjax: note: {note}", file=sys.stderr)
+    tok = models.tokenizer
+    if tok is None or not getattr(tok, "chat_template", None):
+        raise CliError(f"the target {args.target!r} has no tokenizer with a chat template, which a chat needs: "
+                       f"use `tevjax generate --no-chat` or `--prompt-ids`")
+    cfg = _decode_config(args, models, speculative, prompt_bucket=CHAT_PROMPT_BUCKET,
+                         capacity_bucket=CHAT_CAPACITY_BUCKET)
+    decoder = _decoder(models.target, models.drafter if speculative else None, cfg, None, models.ngrams)
+    conversation = Conversation(tok, models.target_cfg.max_position_embeddings,
+                                args.max_new_tokens + decoder.tree_slots, system=args.system)
+    interactive = sys.stdin.isatty()
+
+    def read():
+        try:
+            return input("user> ") if interactive else (sys.stdin.readline() or None)
+        except EOFError:
+            print(file=sys.stderr)
+            return None
+
+    def write(text):
+        print(text, end="", flush=True)
+
+    method = f"verifier {args.verifier}, budget {args.budget}" if speculative else "autoregressive"
+    print(f"tevjax: chatting with {args.target} ({method}, temperature {args.temperature}"
+          f"{truncation_text(args.top_k, args.top_p, args.min_p)}); /help lists the commands", file=sys.stderr)
+    run_chat(decoder, conversation, read=read, write=write, log=lambda m: print(m, file=sys.stderr, flush=True),
+             seed=args.seed, label="assistant> " if interactive else "")
     return 0
 
 

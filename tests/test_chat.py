@@ -1,0 +1,138 @@
+"""`tevjax chat`: each reply is the target's greedy continuation of the conversation so far (as
+independent autoregressive decoding of the rendered conversation gives it), the conversation is
+trimmed from its oldest exchange to fit the target, and a failed or interrupted turn leaves no
+trace. The target is the tiny random Llama with a byte-level tokenizer (`text_target_dir`)."""
+
+from __future__ import annotations
+
+import io
+import sys
+
+import pytest
+
+from tevjax.chat import Conversation
+from tevjax.cli import main
+from tevjax.convert.tokenizer import chat_prompt_ids, load_tokenizer
+
+
+def _user(text):
+    return {"role": "user", "content": text}
+
+
+def _assistant(text):
+    return {"role": "assistant", "content": text}
+
+
+def _chat(monkeypatch, capsys, target, lines, *flags):
+    monkeypatch.setattr(sys, "stdin", io.StringIO("".join(f"{line}\n" for line in lines)))
+    code = main(["chat", "--target", str(target), *flags])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    return out, err
+
+
+@pytest.fixture(scope="module")
+def replies(text_target_dir):
+    """The greedy reply to a conversation, by autoregressive decoding of its rendering."""
+    from tevjax.decode import DecodeConfig, Decoder
+    from tevjax.loading import load_models
+
+    models = load_models(str(text_target_dir), None, with_drafter=False)
+    decoder = Decoder(models.target, None, DecodeConfig(max_new_tokens=10, eos_ids=models.eos_ids))
+
+    def reply(messages):
+        gen = decoder.generate([chat_prompt_ids(models.tokenizer, messages)])[0]
+        return models.tokenizer.decode(gen.tokens, skip_special_tokens=True)
+
+    return reply
+
+
+@pytest.mark.parametrize("verifier", ["tev", "ar"])
+def test_each_reply_continues_the_whole_conversation(text_target_dir, replies, monkeypatch, capsys, verifier):
+    """Three turns with a /reset between the second and third: the second reply is the continuation
+    of turn 1, its reply and turn 2 (not of turn 2 alone); after /reset the conversation starts
+    over; commands, blank lines and unknown commands add nothing to it."""
+    lines = ["hello world", "", "/help", "12 hello", "/nonsense", "/reset", "12 hello", "/exit", "never read"]
+    out, err = _chat(monkeypatch, capsys, text_target_dir, lines, "--max-new-tokens", "10", "--budget", "4",
+                     "--verifier", verifier)
+    first = replies([_user("hello world")])
+    second = replies([_user("hello world"), _assistant(first), _user("12 hello")])
+    alone = replies([_user("12 hello")])
+    assert second != alone  # the test can tell a conversation from its last message
+    assert out == f"{first}\n{second}\n{alone}\n"
+    assert err.count("[tevjax] ") == 3 and "tevjax: conversation reset" in err
+    assert "unknown command '/nonsense'" in err and "/reset   forget the conversation" in err
+    assert "Traceback" not in err
+
+
+def test_a_conversation_too_long_for_the_target_drops_its_oldest_exchanges(text_target_dir):
+    tok = load_tokenizer(text_target_dir)
+    system = "hello"
+    conv = Conversation(tok, limit=60, reserve=20, system=system)
+    texts = ["hello world 12", "world hello", "12 12 12 hello", "hello hello world"]
+    dropped_total = 0
+    for k, text in enumerate(texts):
+        ids, dropped = conv.ask(text)
+        dropped_total += dropped
+        assert len(ids) + 20 <= 60
+        assert ids == chat_prompt_ids(tok, [{"role": "system", "content": system}, *conv.messages])
+        assert conv.messages[-1] == _user(text) and conv.messages[0]["role"] == "user"
+        conv.answer(f"reply {k}")
+    assert dropped_total > 0  # the limit was reached, and the conversation goes on
+    # The kept messages are the latest ones, in order, as exchanges.
+    everything = [m for k, t in enumerate(texts) for m in (_user(t), _assistant(f"reply {k}"))]
+    assert conv.messages == everything[-len(conv.messages):] and len(conv.messages) % 2 == 0
+
+    before = list(conv.messages)
+    with pytest.raises(ValueError, match=r"this message makes a \d+-token prompt: .* exceeds the target's 60"):
+        conv.ask("hello world " * 30)
+    assert conv.messages == before  # a refused message changes nothing
+    conv.ask("world")
+    conv.retract()
+    assert conv.messages == before
+
+
+def test_a_message_too_long_is_refused_and_the_chat_goes_on(text_target_dir, replies, monkeypatch, capsys):
+    out, err = _chat(monkeypatch, capsys, text_target_dir, ["hello world " * 80, "hello world"],
+                     "--max-new-tokens", "10", "--budget", "4")
+    assert "tevjax: error: this message makes a" in err and "exceeds the target's 128 positions" in err
+    assert out == replies([_user("hello world")]) + "\n"
+
+
+def test_an_interrupted_reply_is_forgotten(text_target_dir, replies, monkeypatch, capsys):
+    """Ctrl-C while the first reply streams: that turn is dropped (no partial reply enters the
+    conversation), and the next reply continues the conversation without it."""
+    from tevjax.decode import engine
+
+    stream, calls = engine.Decoder.stream, []
+
+    def interrupted_once(self, prompts, seed=0):
+        calls.append(seed)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        yield from stream(self, prompts, seed)
+
+    monkeypatch.setattr(engine.Decoder, "stream", interrupted_once)
+    out, err = _chat(monkeypatch, capsys, text_target_dir, ["hello world", "12 hello"],
+                     "--max-new-tokens", "10", "--budget", "4")
+    assert "reply interrupted; the turn is forgotten" in err
+    assert out == "\n" + replies([_user("12 hello")]) + "\n"
+    assert calls == [0, 0]  # the k-th given reply samples with seed + k
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["chat", "--system", "  "], "--system is empty"),
+    (["chat", "--budget", "2", "--lookup", "3"], "--lookup 3 exceeds --budget 2"),
+    (["chat", "--verifier", "eagle"], "--verifier 'eagle' is not one of"),
+])
+def test_bad_chat_flags_are_one_line(capsys, argv, message):
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_target_without_a_chat_template_is_refused(tiny_llama_dir, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello\n"))
+    code = main(["chat", "--target", str(tiny_llama_dir), "--max-new-tokens", "4", "--budget", "2"])
+    err = capsys.readouterr().err
+    assert code == 2 and "has no tokenizer with a chat template, which a chat needs" in err, err
