@@ -137,15 +137,20 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.
         raise ValueError(f"attention: {h} query heads is not a multiple of {kh} kv heads")
     if mask.shape != (b, t, k.shape[1]):
         raise ValueError(f"attention: mask shape {mask.shape} != (B, T, S) = {(b, t, k.shape[1])}")
-    qg = q.reshape(b, t, kh, h // kh, dh)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32,
+    g, s = h // kh, k.shape[1]
+    # The G query heads that share a kv head stack into one [G*T, Dh] row block, so each kv head
+    # costs one (G*T x Dh) @ (Dh x S) product, as in `causal_attention`. Per-head [T x S]
+    # products (a 5-axis einsum) took 11.1 ms against 7.7 for a budget-8 tree pass over 512
+    # slots, 30 SmolLM2 layers on 2 CPU cores (the whole pass: ~52 ms).
+    qg = q.reshape(b, t, kh, g, dh).transpose(0, 2, 3, 1, 4).reshape(b, kh, g * t, dh)
+    scores = jnp.einsum("bkmd,bskd->bkms", qg, k, preferred_element_type=jnp.float32,
                         precision=matmul_precision(q.dtype))
-    scores = scores * (1.0 / math.sqrt(dh))
+    scores = scores.reshape(b, kh, g, t, s) * (1.0 / math.sqrt(dh))
     scores = jnp.where(mask[:, None, None, :, :], scores, NEG_INF)
-    probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v,
+    probs = jax.nn.softmax(scores, axis=-1).reshape(b, kh, g * t, s)
+    out = jnp.einsum("bkms,bskd->bkmd", probs.astype(v.dtype), v,
                      preferred_element_type=jnp.float32, precision=matmul_precision(v.dtype))
-    return out.reshape(b, t, h, dh).astype(q.dtype)
+    return out.reshape(b, kh, g, t, dh).transpose(0, 3, 1, 2, 4).reshape(b, t, h, dh).astype(q.dtype)
 
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, first: jax.Array, *, key_block: int = 512,
