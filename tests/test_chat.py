@@ -136,3 +136,22 @@ def test_a_target_without_a_chat_template_is_refused(tiny_llama_dir, monkeypatch
     code = main(["chat", "--target", str(tiny_llama_dir), "--max-new-tokens", "4", "--budget", "2"])
     err = capsys.readouterr().err
     assert code == 2 and "has no tokenizer with a chat template, which a chat needs" in err, err
+
+
+def test_a_system_message_the_template_refuses_is_one_error_before_any_turn(text_target_dir, tmp_path,
+                                                                            monkeypatch, capsys):
+    import json
+    import shutil
+
+    target = tmp_path / "target"
+    shutil.copytree(text_target_dir, target)
+    config = json.loads((target / "tokenizer_config.json").read_text())
+    config["chat_template"] = ("{% for m in messages %}{% if m['role'] == 'system' %}"
+                               "{{ raise_exception('System role not supported') }}{% endif %}"
+                               "{{ m['content'] }}{% endfor %}")
+    (target / "tokenizer_config.json").write_text(json.dumps(config))
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello\n"))
+    code = main(["chat", "--target", str(target), "--system", "be brief", "--max-new-tokens", "4", "--budget", "2"])
+    err = capsys.readouterr().err
+    assert code == 2 and "chat_template fails" in err and "System role not supported" in err, err
+    assert "[tevjax]" not in err

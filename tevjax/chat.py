@@ -118,13 +118,13 @@ def run_chat(decoder, conversation: Conversation, *, read: Callable[[], str | No
             log(f"tevjax: note: dropped the {dropped} oldest exchange{'s' if dropped > 1 else ''} to fit the "
                 f"target's {conversation.limit} positions")
         compiled = ""
-        if decoder.shapes([len(ids)]) != shapes:  # a longer conversation can need a larger cache
-            shapes = decoder.shapes([len(ids)])
-            compiled = f", compiled in {decoder.compile([ids], streaming=True):.1f} s"
         detok = StreamDetokenizer(conversation.tokenizer)
-        write(label)
-        t0 = time.perf_counter()
         try:
+            if decoder.shapes([len(ids)]) != shapes:  # a longer conversation can need a larger cache
+                compiled = f", compiled in {decoder.compile([ids], streaming=True):.1f} s"
+                shapes = decoder.shapes([len(ids)])
+            write(label)
+            t0 = time.perf_counter()
             for new, state in decoder.stream([ids], seed=seed + replies):
                 write(detok.feed(new[0]))
         except KeyboardInterrupt:

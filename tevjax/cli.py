@@ -659,6 +659,10 @@ def cmd_chat(args) -> int:
     if tok is None or not getattr(tok, "chat_template", None):
         raise CliError(f"the target {args.target!r} has no tokenizer with a chat template, which a chat needs: "
                        f"use `tevjax generate --no-chat` or `--prompt-ids`")
+    if args.system is not None:  # a template that refuses system messages fails here, not every turn
+        from tevjax.convert.tokenizer import chat_prompt_ids
+
+        chat_prompt_ids(tok, [{"role": "system", "content": args.system}, {"role": "user", "content": "Hello"}])
     cfg = _decode_config(args, models, speculative, prompt_bucket=CHAT_PROMPT_BUCKET,
                          capacity_bucket=CHAT_CAPACITY_BUCKET)
     decoder = _decoder(models.target, models.drafter if speculative else None, cfg, None, models.ngrams)
