@@ -128,7 +128,7 @@ def test_cache_after_each_round_equals_fresh_prefill(models):
             assert int(state.root[i]) == committed[-1]
             for got, want in ((state.target_cache.k, ref.target_cache.k), (state.target_cache.v, ref.target_cache.v),
                               (state.drafter_cache.k, ref.drafter_cache.k), (state.drafter_cache.v, ref.drafter_cache.v)):
-                np.testing.assert_allclose(np.asarray(got[:, i, :n]), np.asarray(want[:, 0, :n]), atol=2e-5)
+                np.testing.assert_allclose(np.asarray(got[:, i, :, :n]), np.asarray(want[:, 0, :, :n]), atol=2e-5)
     assert rounds >= 3
 
 

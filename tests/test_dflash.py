@@ -507,7 +507,7 @@ def test_context_at_or_after_anchor_has_no_influence(drafter, target, seq):
 
     # Inference path: stale cache slots at or beyond ctx_len are ignored.
     cache = _context_cache(drafter, feats, jnp.zeros(2, jnp.int32))
-    stale = (jnp.arange(16)[None, :] >= a[:, None])[None, :, :, None, None]  # [1, 2, S, 1, 1]
+    stale = (jnp.arange(16)[None, :] >= a[:, None])[None, :, None, :, None]  # [1, 2, 1, S, 1]
     noisy = DrafterCache(k=jnp.where(stale, 7.0, cache.k), v=jnp.where(stale, -7.0, cache.v))
     block = drafter.block_tokens(tokens[jnp.arange(2), a])
     bpos = a[:, None] + jnp.arange(BS, dtype=jnp.int32)
@@ -522,10 +522,11 @@ def test_append_context_writes_its_slots_and_drops_overflow(drafter, seq):
     # (never wrapped around); row 1 starts at slot 3 and fills slots 3..14.
     moved = _context_cache(drafter, feats, jnp.array([14, 3], jnp.int32))
     for got, want in ((moved.k, base.k), (moved.v, base.v)):
-        np.testing.assert_array_equal(np.asarray(got[:, 0, 14:]), np.asarray(want[:, 0, :2]))
-        np.testing.assert_array_equal(np.asarray(got[:, 1, 3:15]), np.asarray(want[:, 1, :12]))
-        assert not np.asarray(got[:, 0, :14]).any() and not np.asarray(got[:, 1, :3]).any()
-        assert not np.asarray(got[:, 1, 15:]).any()
+        got, want = np.asarray(got), np.asarray(want)  # [L, B, K, S, Dh]
+        np.testing.assert_array_equal(got[:, 0, :, 14:], want[:, 0, :, :2])
+        np.testing.assert_array_equal(got[:, 1, :, 3:15], want[:, 1, :, :12])
+        assert not got[:, 0, :, :14].any() and not got[:, 1, :, :3].any()
+        assert not got[:, 1, :, 15:].any()
 
 
 def test_block_attention_is_not_causal(drafter, target, seq):

@@ -59,7 +59,7 @@ def test_prefill_then_steps_equals_full_forward():
         lens = lens + 1
     # The cache now holds exactly the K/V the full forward wrote for the covered prefixes.
     for r in range(b):
-        np.testing.assert_allclose(np.asarray(cache.k)[:, r, : lens[r]], np.asarray(full.cache.k)[:, r, : lens[r]],
+        np.testing.assert_allclose(np.asarray(cache.k)[:, r, :, : lens[r]], np.asarray(full.cache.k)[:, r, :, : lens[r]],
                                    atol=ATOL, rtol=0)
 
 
@@ -110,8 +110,8 @@ def test_writes_past_capacity_are_dropped():
     out = _causal(graphdef, state, toks, cache, jnp.asarray([4], jnp.int32))
     k = np.asarray(out.cache.k)
     assert np.isfinite(np.asarray(out.logits)).all()
-    np.testing.assert_array_equal(k[:, :, :4], 0)  # nothing wrapped around to the start
-    assert np.abs(k[:, :, 4:6]).min() > 0
+    np.testing.assert_array_equal(k[:, :, :, :4], 0)  # nothing wrapped around to the start
+    assert np.abs(k[:, :, :, 4:6]).min() > 0
 
 
 def test_forward_is_differentiable():

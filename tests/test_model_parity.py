@@ -212,7 +212,8 @@ def test_attention_matches_torch_sdpa():
             torch.from_numpy(v).transpose(1, 2).repeat_interleave(rep, dim=1),
             attn_mask=torch.from_numpy(mask)[:, None],
         ).transpose(1, 2).numpy()
-    ours = attention(jnp.asarray(q), jnp.asarray(kk), jnp.asarray(v), jnp.asarray(mask))
+    # tevjax's caches are heads-major: [B, K, S, Dh]
+    ours = attention(jnp.asarray(q), jnp.asarray(kk).swapaxes(1, 2), jnp.asarray(v).swapaxes(1, 2), jnp.asarray(mask))
     np.testing.assert_allclose(np.asarray(ours), ref, atol=1e-5, rtol=0)
 
 
@@ -220,11 +221,11 @@ def test_attention_fully_masked_row_is_finite():
     """A padding row with no visible key gives a finite (uniform) average, never NaN."""
     rng = np.random.default_rng(5)
     q = jnp.asarray(rng.normal(size=(1, 2, 2, 4)), jnp.bfloat16)
-    kv = jnp.asarray(rng.normal(size=(1, 3, 1, 4)), jnp.bfloat16)
+    kv = jnp.asarray(rng.normal(size=(1, 1, 3, 4)), jnp.bfloat16)  # [B, K, S, Dh]
     mask = jnp.asarray([[[True, False, True], [False, False, False]]])
     out = attention(q, kv, kv, mask)
     assert out.dtype == jnp.bfloat16
     assert np.isfinite(np.asarray(out, np.float32)).all()
     np.testing.assert_allclose(np.asarray(out[0, 1], np.float32),
-                               np.broadcast_to(np.asarray(kv, np.float32)[0].mean(0), (2, 4)), atol=2e-2)
+                               np.broadcast_to(np.asarray(kv, np.float32)[0, 0].mean(0), (2, 4)), atol=2e-2)
     assert NEG_INF > float(jnp.finfo(jnp.float32).min) / 2 and NEG_INF < -1e20

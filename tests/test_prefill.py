@@ -78,7 +78,7 @@ def test_causal_attention_equals_masked_attention():
     rng = np.random.default_rng(0)
     b, t, h, kh, dh, s = 3, 8, 4, 2, 16, 30
     q, k, v = (jnp.asarray(rng.standard_normal(shape), jnp.float32)
-               for shape in ((b, t, h, dh), (b, s, kh, dh), (b, s, kh, dh)))
+               for shape in ((b, t, h, dh), (b, kh, s, dh), (b, kh, s, dh)))  # caches are heads-major
     for first in ([0, 5, s - t], [9, 13, s - t], [s - 2, s - 3, s - 1]):  # the last: queries past the cache
         first = jnp.asarray(first, jnp.int32)
         want = attention(q, k, v, full_mask(jnp.broadcast_to(causal_mask(t), (b, t, t)), first, s))
@@ -127,9 +127,10 @@ def test_chunked_prefill_equals_one_pass(models, prompts, chunk, with_drafter):
             pairs += [(got.drafter_cache.k, want.drafter_cache.k), (got.drafter_cache.v, want.drafter_cache.v)]
         for i, n in enumerate(lengths):
             for a, w in pairs:  # slots [0, length - 1) hold the committed prompt; the rest is padding
-                axis = 1 if a.ndim == 4 else 2  # hidden [B, S, R, D]; caches [L, B, S, K, Dh]
-                a_i = np.take(np.take(np.asarray(a), i, axis=axis - 1), np.arange(n - 1), axis=axis - 1)
-                w_i = np.take(np.take(np.asarray(w), i, axis=axis - 1), np.arange(n - 1), axis=axis - 1)
+                # hidden [B, S, R, D]; caches [L, B, K, S, Dh] (their slots are axis 2 once the row is taken)
+                row, slot = (0, 0) if a.ndim == 4 else (1, 2)
+                a_i = np.take(np.take(np.asarray(a), i, axis=row), np.arange(n - 1), axis=slot)
+                w_i = np.take(np.take(np.asarray(w), i, axis=row), np.arange(n - 1), axis=slot)
                 np.testing.assert_allclose(a_i, w_i, atol=2e-5, rtol=1e-5)
         np.testing.assert_array_equal(np.asarray(got.cache_len), np.asarray(lengths) - 1)
         np.testing.assert_array_equal(np.asarray(got.root), [p[-1] for p in prompts])

@@ -56,5 +56,5 @@ def test_preset_forward_traces(name, layers):
     assert out.logits.shape == (b, t, cfg.vocab_size) and out.logits.dtype == jnp.float32
     assert out.hidden.shape == (b, t, len(layers), cfg.hidden_size) and out.hidden.dtype == jnp.bfloat16
     assert out.final_hidden.shape == (b, t, cfg.hidden_size)
-    assert out.cache.k.shape == (cfg.num_layers, b, s, cfg.num_kv_heads, cfg.head_dim)
+    assert out.cache.k.shape == (cfg.num_layers, b, cfg.num_kv_heads, s, cfg.head_dim)
     assert out.cache.k.dtype == jnp.bfloat16

@@ -127,7 +127,7 @@ def test_batch_and_shape_checks():
     with pytest.raises(ValueError, match="does not divide the 3 batch rows of a batch of 3"):
         check_batch(_mesh(2, 1), 3, "a batch of 3")
     check_batch(_mesh(2, 1), 4)
-    assert logical_sharding(_mesh(2, 2), CACHE_AXES, (2, 4, 16, 2, 8)).spec == P(None, "data", None, "model", None)
+    assert logical_sharding(_mesh(2, 2), CACHE_AXES, (2, 4, 2, 16, 8)).spec == P(None, "data", "model", None, None)
     # A mesh without a `model` axis splits nothing over it.
     assert logical_sharding(AbstractMesh((2,), ("data",)), ("batch", "heads"), (4, 6)).spec == P("data", None)
     target = nnx.eval_shape(lambda: random_model(tiny_config()))

@@ -115,9 +115,9 @@ def test_tree_pass_writes_only_its_own_slots():
     out = FWD(graphdef, state, tree.tokens[None], 3 + tree.depth[None], cache, jnp.asarray([3], jnp.int32),
               tree.ancestors[None])
     new_k, old_k = np.asarray(out.cache.k), np.asarray(cache.k)
-    np.testing.assert_array_equal(new_k[:, :, :3], old_k[:, :, :3])
-    np.testing.assert_array_equal(new_k[:, :, 7:], old_k[:, :, 7:])
-    assert np.abs(new_k[:, :, 3:7] - old_k[:, :, 3:7]).min() > 0
+    np.testing.assert_array_equal(new_k[:, :, :, :3], old_k[:, :, :, :3])
+    np.testing.assert_array_equal(new_k[:, :, :, 7:], old_k[:, :, :, 7:])
+    assert np.abs(new_k[:, :, :, 3:7] - old_k[:, :, :, 3:7]).min() > 0
 
 
 def test_full_mask_worked_example():

@@ -99,8 +99,8 @@ DRAFTER_AXES: Mapping[str, tuple[str, ...]] = {
     "norm.scale": ("embed",),
     "draft_vocab": ("draft_vocab",),
 }
-# `KVCache.k` / `.v` [L, B, S, K, Dh] (the target's cache and the drafter's context cache).
-CACHE_AXES: tuple[str, ...] = ("layers", "batch", "cache_slots", "kv_heads", "head_dim")
+# `KVCache.k` / `.v` [L, B, K, S, Dh] (the target's cache and the drafter's context cache).
+CACHE_AXES: tuple[str, ...] = ("layers", "batch", "kv_heads", "cache_slots", "head_dim")
 
 # What a sharded logical axis counts, for error messages: splitting must not cut one of these.
 _UNITS = {"heads": "query heads (num_heads)", "kv_heads": "key/value heads (num_kv_heads)",
@@ -249,7 +249,7 @@ def shard_model(model, mesh: Mesh):
 
 
 def cache_shardings(mesh: Mesh, cache, what: str = "the KV cache"):
-    """A `KVCache` of NamedShardings for `cache` (arrays or shapes, [L, B, S, K, Dh]): rows over
+    """A `KVCache` of NamedShardings for `cache` (arrays or shapes, [L, B, K, S, Dh]): rows over
     `data`, key/value heads over `model` (see `CACHE_AXES`)."""
     from tevjax.models.cache import KVCache
 

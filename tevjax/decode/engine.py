@@ -181,8 +181,8 @@ class DecodeConfig:
 class DecodeState:
     """Everything a round reads and writes (B rows, S cache slots; the output buffer holds max_new_tokens)."""
 
-    target_cache: KVCache  # [L, B, S, K, Dh]
-    drafter_cache: DrafterCache | None  # [L, B, S, K, Dh] context K/V (L drafter layers); None without a drafter
+    target_cache: KVCache  # [L, B, K, S, Dh]
+    drafter_cache: DrafterCache | None  # [L, B, K, S, Dh] context K/V (L drafter layers); None without a drafter
     cache_len: jax.Array  # [B] int32 committed tokens in the caches (all but the root)
     root: jax.Array  # [B] int32 last committed token (next tree root)
     out: jax.Array  # [B, max_new_tokens] int32 generated tokens, -1 beyond num_out

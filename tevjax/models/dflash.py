@@ -48,7 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from tevjax.models.cache import KVCache, scatter_rows
+from tevjax.models.cache import KVCache, write_slots
 from tevjax.models.config import ModelConfig, RopeScaling, read_config_json, with_overrides
 from tevjax.models.layers import NEG_INF, RMSNorm, SwiGLU, apply_rope, matmul_precision, rope_inv_freq
 
@@ -443,7 +443,7 @@ def _optional_int(value, name: str, source) -> int | None:
     return value
 
 
-# The drafter's context cache has the target cache's layout ([L, B, S, K, Dh] keys and values,
+# The drafter's context cache has the target cache's layout ([L, B, K, S, Dh] keys and values,
 # built from the config's num_layers / num_kv_heads / head_dim / dtype), so it is the same type.
 # It holds context K/V only (the block's K/V are recomputed every round); slots at or beyond a
 # row's `ctx_len` are ignored by the drafter, so stale entries need no clearing.
@@ -453,7 +453,7 @@ DrafterCache = KVCache
 def _context_block_attention(q, k_ctx, v_ctx, ctx_visible, k_blk, v_blk):
     """Attention of block queries over [visible context | whole block], one joint softmax.
 
-    q: [B, G + 1, H, Dh]; k_ctx, v_ctx: [B, S, K, Dh]; ctx_visible: [B, S] bool (the same for every
+    q: [B, G + 1, H, Dh]; k_ctx, v_ctx: [B, K, S, Dh]; ctx_visible: [B, S] bool (the same for every
     query of a block); k_blk, v_blk: [B, G + 1, K, Dh], all visible (no causal mask in the block).
     Same numerics as `tevjax.models.layers.attention` (float32 scores and softmax, finite NEG_INF),
     but the context and block keys stay separate instead of being concatenated: under the
@@ -461,19 +461,21 @@ def _context_block_attention(q, k_ctx, v_ctx, ctx_visible, k_blk, v_blk):
     copy it once per anchor. A block row always sees its own block, so no row is ever empty.
     """
     b, t, h, dh = q.shape
-    kh = k_ctx.shape[2]
-    qg = q.reshape(b, t, kh, h // kh, dh)
+    kh, s = k_ctx.shape[1], k_ctx.shape[2]
+    g = h // kh
+    # The G query heads of each kv head as one [G*T, Dh] row block, as in `layers.attention`.
+    qm = q.reshape(b, t, kh, g, dh).transpose(0, 2, 3, 1, 4).reshape(b, kh, g * t, dh)
     scale = 1.0 / math.sqrt(dh)
     f32 = dict(preferred_element_type=jnp.float32, precision=matmul_precision(q.dtype))
-    s_ctx = jnp.einsum("btkgd,bskd->bkgts", qg, k_ctx, **f32) * scale
-    s_ctx = jnp.where(ctx_visible[:, None, None, None, :], s_ctx, NEG_INF)
-    s_blk = jnp.einsum("btkgd,bukd->bkgtu", qg, k_blk, **f32) * scale
+    s_ctx = jnp.einsum("bkmd,bksd->bkms", qm, k_ctx, **f32) * scale
+    s_ctx = jnp.where(ctx_visible[:, None, None, :], s_ctx, NEG_INF)
+    s_blk = jnp.einsum("bkmd,bukd->bkmu", qm, k_blk, **f32) * scale
     probs = jax.nn.softmax(jnp.concatenate([s_ctx, s_blk], axis=-1), axis=-1)
-    p_ctx, p_blk = probs[..., : k_ctx.shape[1]], probs[..., k_ctx.shape[1]:]
+    p_ctx, p_blk = probs[..., :s], probs[..., s:]
     f32 = dict(preferred_element_type=jnp.float32, precision=matmul_precision(v_ctx.dtype))
-    out = jnp.einsum("bkgts,bskd->btkgd", p_ctx.astype(v_ctx.dtype), v_ctx, **f32)
-    out = out + jnp.einsum("bkgtu,bukd->btkgd", p_blk.astype(v_blk.dtype), v_blk, **f32)
-    return out.reshape(b, t, h, dh).astype(q.dtype)
+    out = jnp.einsum("bkms,bksd->bkmd", p_ctx.astype(v_ctx.dtype), v_ctx, **f32)
+    out = out + jnp.einsum("bkmu,bukd->bkmd", p_blk.astype(v_blk.dtype), v_blk, **f32)
+    return out.reshape(b, kh, g, t, dh).transpose(0, 3, 1, 2, 4).reshape(b, t, h, dh).astype(q.dtype)
 
 
 class DFlashAttention(nnx.Module):
@@ -493,12 +495,13 @@ class DFlashAttention(nnx.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = h, k, dh
 
     def context_kv(self, ctx, positions, inv_freq):
-        """ctx [B, T, D] projected features, positions [B, T] -> keys, values [B, T, K, Dh]."""
+        """ctx [B, T, D] projected features, positions [B, T] -> keys, values [B, K, T, Dh] (the
+        cache's heads-major layout)."""
         b, c, _ = ctx.shape
         k = self.k_norm(self.k_proj(ctx).reshape(b, c, self.num_kv_heads, self.head_dim))
         k = apply_rope(k, positions, inv_freq)
         v = self.v_proj(ctx).reshape(b, c, self.num_kv_heads, self.head_dim)
-        return k, v
+        return k.swapaxes(1, 2), v.swapaxes(1, 2)
 
     def __call__(self, x, positions, inv_freq, k_ctx, v_ctx, ctx_visible):
         """x [B, G + 1, D] normed block stream -> attention output [B, G + 1, D]."""
@@ -639,7 +642,7 @@ class DFlashDrafter(nnx.Module):
         return logits
 
     def _context_kv(self, ctx, positions):
-        """ctx [B, T, D] -> stacked keys, values [L, B, T, K, Dh] of every layer."""
+        """ctx [B, T, D] -> stacked keys, values [L, B, K, T, Dh] of every layer."""
         inv_freq = self._inv_freq()
         kv = [layer.self_attn.context_kv(ctx, positions, inv_freq) for layer in self.layers]
         return jnp.stack([k for k, _ in kv]), jnp.stack([v for _, v in kv])
@@ -678,7 +681,7 @@ class DFlashDrafter(nnx.Module):
         slots = jnp.asarray(write_pos, jnp.int32)[:, None] + jnp.arange(t, dtype=jnp.int32)  # [B, T]
         # Out-of-range slots become S, which mode="drop" ignores (a negative index would wrap).
         slots = jnp.where((slots >= 0) & (slots < cache.capacity), slots, cache.capacity)
-        return DrafterCache(k=scatter_rows(cache.k, slots, k, axis=1), v=scatter_rows(cache.v, slots, v, axis=1))
+        return DrafterCache(k=write_slots(cache.k, slots, k), v=write_slots(cache.v, slots, v))
 
     def hidden(self, target, block_tokens: jax.Array, positions: jax.Array, cache: DrafterCache,
                ctx_len: jax.Array) -> jax.Array:
@@ -725,7 +728,7 @@ class DFlashDrafter(nnx.Module):
             positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         positions = jnp.asarray(positions, jnp.int32)
         anchors = jnp.clip(jnp.asarray(anchors, jnp.int32), 0, t - 1)
-        k_ctx, v_ctx = self._context_kv(self.project_context(features), positions)  # [L, B, T, K, Dh]
+        k_ctx, v_ctx = self._context_kv(self.project_context(features), positions)  # [L, B, K, T, Dh]
         anchor_tok = jnp.take_along_axis(jnp.asarray(tokens, jnp.int32), anchors, axis=1)  # [B, M]
         anchor_pos = jnp.take_along_axis(positions, anchors, axis=1)  # [B, M]
         blk_tok = self.block_tokens(anchor_tok)  # [B, M, G + 1]

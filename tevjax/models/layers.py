@@ -126,29 +126,29 @@ class SwiGLU(nnx.Module):
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
     """Masked grouped-query dot-product attention.
 
-    q: [B, T, H, Dh]; k, v: [B, S, K, Dh] with H % K == 0 (query head h reads kv head h // (H/K),
-    the HF `repeat_kv` order); mask: [B, T, S] bool, True = visible. Returns [B, T, H, Dh] in
+    q: [B, T, H, Dh]; k, v: [B, K, S, Dh] (the cache's heads-major layout) with H % K == 0 (query
+    head h reads kv head h // (H/K), the HF `repeat_kv` order); mask: [B, T, S] bool, True = visible. Returns [B, T, H, Dh] in
     q's dtype. Scores (scale 1/sqrt(Dh)) and softmax are float32; masked scores are NEG_INF, so
     a row with nothing visible averages v uniformly instead of producing NaN.
     """
     b, t, h, dh = q.shape
-    kh = k.shape[2]
+    kh, s = k.shape[1], k.shape[2]
     if h % kh:
         raise ValueError(f"attention: {h} query heads is not a multiple of {kh} kv heads")
-    if mask.shape != (b, t, k.shape[1]):
-        raise ValueError(f"attention: mask shape {mask.shape} != (B, T, S) = {(b, t, k.shape[1])}")
-    g, s = h // kh, k.shape[1]
+    if mask.shape != (b, t, s):
+        raise ValueError(f"attention: mask shape {mask.shape} != (B, T, S) = {(b, t, s)}")
+    g = h // kh
     # The G query heads that share a kv head stack into one [G*T, Dh] row block, so each kv head
     # costs one (G*T x Dh) @ (Dh x S) product, as in `causal_attention`. Per-head [T x S]
     # products (a 5-axis einsum) took 11.1 ms against 7.7 for a budget-8 tree pass over 512
     # slots, 30 SmolLM2 layers on 2 CPU cores (the whole pass: ~52 ms).
     qg = q.reshape(b, t, kh, g, dh).transpose(0, 2, 3, 1, 4).reshape(b, kh, g * t, dh)
-    scores = jnp.einsum("bkmd,bskd->bkms", qg, k, preferred_element_type=jnp.float32,
+    scores = jnp.einsum("bkmd,bksd->bkms", qg, k, preferred_element_type=jnp.float32,
                         precision=matmul_precision(q.dtype))
     scores = scores.reshape(b, kh, g, t, s) * (1.0 / math.sqrt(dh))
     scores = jnp.where(mask[:, None, None, :, :], scores, NEG_INF)
     probs = jax.nn.softmax(scores, axis=-1).reshape(b, kh, g * t, s)
-    out = jnp.einsum("bkms,bskd->bkmd", probs.astype(v.dtype), v,
+    out = jnp.einsum("bkms,bksd->bkmd", probs.astype(v.dtype), v,
                      preferred_element_type=jnp.float32, precision=matmul_precision(v.dtype))
     return out.reshape(b, kh, g, t, dh).transpose(0, 3, 1, 2, 4).reshape(b, t, h, dh).astype(q.dtype)
 
@@ -157,7 +157,7 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, first: jax.Array,
                      query_block: int = 512) -> jax.Array:
     """`attention` for a causal run of T new tokens, without a [T, S] mask or score matrix.
 
-    q: [B, T, H, Dh]; k, v: [B, S, K, Dh], the whole cache with the run's own K/V already written
+    q: [B, T, H, Dh]; k, v: [B, K, S, Dh], the whole cache with the run's own K/V already written
     at slots first[b] + t; first: [B] int. Query t of row b sees exactly the slots <= first[b] + t
     (the committed prefix and the causal part of its run): what `attention` computes with the
     `full_mask` of a lower-triangular block mask, up to float rounding.
@@ -187,7 +187,7 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, first: jax.Array,
     0.99-1.12 s for one tile with blocks of 256, all masked (torch's SDPA: ~0.7 s).
     """
     b, t, h, dh = q.shape
-    s, kh = k.shape[1], k.shape[2]
+    kh, s = k.shape[1], k.shape[2]
     if h % kh:
         raise ValueError(f"causal_attention: {h} query heads is not a multiple of {kh} kv heads")
     g = h // kh
@@ -216,8 +216,8 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, first: jax.Array,
         def step(j, carry, masked: bool):
             m, l, acc = carry  # [B, K, G*tq] running max and sum, [B, K, G*tq, Dh] weighted values
             start = jnp.minimum(j * kb, s - kb)
-            kj = jax.lax.dynamic_slice_in_dim(k, start, kb, axis=1).transpose(0, 2, 1, 3)  # [B, K, kb, Dh]
-            vj = jax.lax.dynamic_slice_in_dim(v, start, kb, axis=1).transpose(0, 2, 1, 3)
+            kj = jax.lax.dynamic_slice_in_dim(k, start, kb, axis=2)  # [B, K, kb, Dh]
+            vj = jax.lax.dynamic_slice_in_dim(v, start, kb, axis=2)
             scores = jnp.einsum("bkqd,bksd->bkqs", qi, kj, preferred_element_type=jnp.float32,
                                 precision=matmul_precision(q.dtype)) * scale
             if masked:

@@ -106,13 +106,13 @@ class DecoderLayer(nnx.Module):
         """One layer over the new tokens.
 
         x [B, T, D]; mask [B, T, S], or None for a causal run starting at slots write_pos [B];
-        cache_k/v: the full [L, B, S, K, Dh] stacks (scan carry, so the write is an in-place
+        cache_k/v: the full [L, B, K, S, Dh] stacks (scan carry, so the write is an in-place
         scatter of T entries, not a copy of the layer's slab); layer: traced layer index;
         write_idx [B, T] slot of each new token (S = dropped).
         """
         q, k, v = self.self_attn.qkv(self.input_layernorm(x), positions, inv_freq)
         cache_k, cache_v = write_layer(cache_k, layer, write_idx, k), write_layer(cache_v, layer, write_idx, v)
-        k_all = jax.lax.dynamic_index_in_dim(cache_k, layer, 0, keepdims=False)  # [B, S, K, Dh]
+        k_all = jax.lax.dynamic_index_in_dim(cache_k, layer, 0, keepdims=False)  # [B, K, S, Dh]
         v_all = jax.lax.dynamic_index_in_dim(cache_v, layer, 0, keepdims=False)
         k_all, v_all = k_all.astype(q.dtype), v_all.astype(q.dtype)
         a = attention(q, k_all, v_all, mask) if mask is not None else causal_attention(q, k_all, v_all, write_pos)
@@ -214,7 +214,7 @@ class Transformer(nnx.Module):
             "positions": (positions.shape, (b, t)),
             "write_pos": (write_pos.shape, (b,)),
             "block_mask": (block_mask.shape if block_mask is not None else (b, t, t), (b, t, t)),
-            "cache.k": (cache.k.shape, (cfg.num_layers, b, cache.capacity, cfg.num_kv_heads, cfg.head_dim)),
+            "cache.k": (cache.k.shape, (cfg.num_layers, b, cfg.num_kv_heads, cache.capacity, cfg.head_dim)),
             "cache.v": (cache.v.shape, cache.k.shape),
         }
         for name, (got, want) in checks.items():
