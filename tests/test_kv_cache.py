@@ -59,7 +59,8 @@ def test_prefill_then_steps_equals_full_forward():
         lens = lens + 1
     # The cache now holds exactly the K/V the full forward wrote for the covered prefixes.
     for r in range(b):
-        np.testing.assert_allclose(np.asarray(cache.k)[:, r, :, : lens[r]], np.asarray(full.cache.k)[:, r, :, : lens[r]],
+        np.testing.assert_allclose(np.asarray(cache.k)[:, r, :, : lens[r]],  # [L, B, K, S, Dh]
+                                   np.asarray(full.cache.k)[:, r, :, : lens[r]],
                                    atol=ATOL, rtol=0)
 
 

@@ -127,9 +127,10 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.
     """Masked grouped-query dot-product attention.
 
     q: [B, T, H, Dh]; k, v: [B, K, S, Dh] (the cache's heads-major layout) with H % K == 0 (query
-    head h reads kv head h // (H/K), the HF `repeat_kv` order); mask: [B, T, S] bool, True = visible. Returns [B, T, H, Dh] in
-    q's dtype. Scores (scale 1/sqrt(Dh)) and softmax are float32; masked scores are NEG_INF, so
-    a row with nothing visible averages v uniformly instead of producing NaN.
+    head h reads kv head h // (H/K), the HF `repeat_kv` order); mask: [B, T, S] bool, True =
+    visible. Returns [B, T, H, Dh] in q's dtype. Scores (scale 1/sqrt(Dh)) and softmax are
+    float32; masked scores are NEG_INF, so a row with nothing visible averages v uniformly
+    instead of producing NaN.
     """
     b, t, h, dh = q.shape
     kh, s = k.shape[1], k.shape[2]
