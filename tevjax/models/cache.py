@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from tevjax.models.config import ModelConfig
 
-__all__ = ["KVCache", "gather_rows", "scatter_rows", "write_layer", "write_slots"]
+__all__ = ["KVCache", "read_slots", "scatter_rows", "write_layer", "write_slots"]
 
 
 def scatter_rows(buf: jax.Array, idx: jax.Array, values: jax.Array, *, axis: int = 0) -> jax.Array:
@@ -27,22 +27,14 @@ def scatter_rows(buf: jax.Array, idx: jax.Array, values: jax.Array, *, axis: int
     gathers nothing (an explicit row index makes it all-gather the indices and the values). The
     axes before `axis` are vmapped too, so every batching dimension of the scatter leads: XLA:CPU
     moves batching dimensions to the front before it scatters, and a row axis behind another one
-    made it transpose (copy) the whole buffer on every call. For the KV cache (then laid out [L, B, S, K, Dh]) that
-    was the whole cache per commit: 63 ms against 3 ms at S = 1024 on 2 CPU cores.
+    made it transpose (copy) the whole buffer on every call. For the KV cache (then laid out
+    [L, B, S, K, Dh]) that was the whole cache per commit: 63 ms against 3 ms at S = 1024 on 2
+    CPU cores.
     """
     f = jax.vmap(lambda row, i, v: row.at[i].set(v.astype(row.dtype), mode="drop"))
     for _ in range(axis):
         f = jax.vmap(f, in_axes=(0, None, 0))
     return f(buf, idx, values)
-
-
-def gather_rows(buf: jax.Array, idx: jax.Array, *, axis: int = 0) -> jax.Array:
-    """`buf`'s slots `idx[b, t]` of row b: [.., B, T, ..] (rows at `axis`, slots right after; idx
-    in range). A vmap with leading batching dimensions, as `scatter_rows`."""
-    f = jax.vmap(lambda row, i: row[i])
-    for _ in range(axis):
-        f = jax.vmap(f, in_axes=(0, None))
-    return f(buf, idx)
 
 
 def write_layer(buf: jax.Array, layer: jax.Array, idx: jax.Array, values: jax.Array) -> jax.Array:
@@ -58,6 +50,12 @@ def write_layer(buf: jax.Array, layer: jax.Array, idx: jax.Array, values: jax.Ar
     """
     rows = jnp.arange(buf.shape[1], dtype=jnp.int32)[:, None]
     return buf.at[layer, rows, :, idx].set(values.astype(buf.dtype), mode="drop")
+
+
+def read_slots(buf: jax.Array, idx: jax.Array) -> jax.Array:
+    """[L, B, K, T, Dh]: the slots `idx` [B, T] (in range) of each row of `buf` [L, B, K, S, Dh], in
+    every layer; layers and rows vmapped, as in `write_slots`."""
+    return jax.vmap(jax.vmap(lambda x, i: x[:, i]), in_axes=(0, None))(buf, idx)
 
 
 def write_slots(buf: jax.Array, idx: jax.Array, values: jax.Array) -> jax.Array:
@@ -121,10 +119,7 @@ class KVCache:
         # Skipped or out-of-range destinations get index S, which `mode="drop"` ignores.
         dst = jnp.where((src >= 0) & (dst >= 0) & (dst < self.capacity), dst, self.capacity)
 
-        def move_row(x, take, dst):  # x: [K, S, Dh] of one layer and row; the read happens before the write
-            return x.at[:, dst].set(x[:, take], mode="drop")
+        def move(x):  # the read happens before the write
+            return write_slots(x, dst, read_slots(x, take))
 
-        # Layers and rows lead as vmapped (batching) dimensions, as in `scatter_rows`.
-        move = jax.vmap(jax.vmap(move_row), in_axes=(0, None, None))
-
-        return KVCache(k=move(self.k, take, dst), v=move(self.v, take, dst))
+        return KVCache(k=move(self.k), v=move(self.v))
