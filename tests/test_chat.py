@@ -155,3 +155,13 @@ def test_a_system_message_the_template_refuses_is_one_error_before_any_turn(text
     err = capsys.readouterr().err
     assert code == 2 and "chat_template fails" in err and "System role not supported" in err, err
     assert "[tevjax]" not in err
+
+
+def test_sampled_replies_replay_and_the_last_seed_wraps(text_target_dir, monkeypatch, capsys):
+    """At temperature 1 the same conversation and seed give the same replies; from the largest
+    seed the second reply's seed wraps to 0 instead of failing mid-chat."""
+    lines = ["hello world", "12 hello"]
+    flags = ("--max-new-tokens", "10", "--budget", "4", "--temperature", "1", "--seed", str(2**64 - 1))
+    first, err = _chat(monkeypatch, capsys, text_target_dir, lines, *flags)
+    again, _ = _chat(monkeypatch, capsys, text_target_dir, lines, *flags)
+    assert first == again and err.count("[tevjax] ") == 2, err

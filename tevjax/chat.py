@@ -79,12 +79,12 @@ class Conversation:
 
 def run_chat(decoder, conversation: Conversation, *, read: Callable[[], str | None],
              write: Callable[[str], None], log: Callable[[str], None], seed: int = 0,
-             label: str = "", describe: Callable[[object], str] = lambda g: "") -> int:
+             label: str = "") -> int:
     """The conversation loop; returns the number of replies given.
 
     `read` returns the next user line, or None at the end of input; `write` prints reply text
-    (flushed); `log` prints a status line (stderr). Turn k samples with seed `seed + k`, so a
-    sampled conversation replays exactly. Ctrl-C during a reply drops that turn and goes on;
+    (flushed); `log` prints a status line (stderr). Reply k samples with seed `seed + k` (mod
+    2**64), so a sampled conversation replays exactly. Ctrl-C during a reply drops that turn and goes on;
     at the prompt it propagates (the caller exits).
     """
     from tevjax.convert.tokenizer import StreamDetokenizer
@@ -125,7 +125,7 @@ def run_chat(decoder, conversation: Conversation, *, read: Callable[[], str | No
                 shapes = decoder.shapes([len(ids)])
             write(label)
             t0 = time.perf_counter()
-            for new, state in decoder.stream([ids], seed=seed + replies):
+            for new, state in decoder.stream([ids], seed=(seed + replies) % 2**64):  # seeds are uint64
                 write(detok.feed(new[0]))
         except KeyboardInterrupt:
             write("\n")
@@ -144,4 +144,4 @@ def run_chat(decoder, conversation: Conversation, *, read: Callable[[], str | No
         replies += 1
         ended = " (cut at --max-new-tokens)" if gen.stop == "length" else ""
         log(f"[tevjax] {len(gen.tokens)} tokens in {seconds:.2f} s ({len(gen.tokens) / max(seconds, 1e-9):.1f} "
-            f"tok/s), {gen.rounds} rounds, tau {gen.tau:.2f}{describe(gen)}{compiled}{ended}")
+            f"tok/s), {gen.rounds} rounds, tau {gen.tau:.2f}{compiled}{ended}")
