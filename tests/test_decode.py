@@ -18,7 +18,7 @@ from flax import nnx
 
 from tevjax import verifiers
 from tevjax.builder import ngram_table
-from tevjax.decode import DecodeConfig, Decoder
+from tevjax.decode import DecodeConfig, Decoder, engine
 from tevjax.models.cache import KVCache
 from tevjax.models.dflash import DFlashConfig, DFlashDrafter
 from tevjax.models.layers import causal_mask
@@ -249,12 +249,12 @@ def _first3_law(target, prompt, truncation=None):
     return law
 
 
-def _first3_counts(models, verifier, prompt=SAMPLING_PROMPT, lookup=0, truncation=None):
-    """Counts of the first three tokens over NUM_ROWS sampled rows, and tau."""
+def _first3_counts(models, verifier, prompt=SAMPLING_PROMPT, lookup=0, truncation=None, **kw):
+    """Counts of the first three tokens over NUM_ROWS sampled rows, and tau (`kw`: more config)."""
     target, drafter = models
     dec = Decoder(target, drafter if verifier is not AR else None,
                   DecodeConfig(**({} if verifier is AR else {"verifier": verifier}), temperature=TEMPERATURE,
-                               budget=6, lookup=lookup, max_new_tokens=3, prompt_bucket=8, **(truncation or {})))
+                               budget=6, lookup=lookup, max_new_tokens=3, prompt_bucket=8, **(truncation or {}), **kw))
     out = dec.run(dec.prefill([prompt] * NUM_ROWS, seed=11))
     toks = np.asarray(out.out)
     assert np.all(np.asarray(out.num_out) == 3)
@@ -299,6 +299,106 @@ def test_truncated_sampling_follows_the_truncated_target_law(small_models, exact
         assert tau > 1.3, f"tau {tau:.2f}: too few multi-token rounds for the test to mean anything"
 
 
+# --- fallback to plain target steps ----------------------------------------------------------
+
+
+def _host(state):
+    # A copy (the next step consumes, donates, the state); numpy holds keys as their key data.
+    return jax.tree.map(np.asarray, dataclasses.replace(state, keys=jax.random.key_data(state.keys)))
+
+
+def test_fallback_keeps_greedy_outputs_and_follows_its_schedule(models, ar_greedy):
+    """A threshold no tree reaches makes every row draft at rounds 0, 1 + 2, 4 + 4, 9 + 8, ...
+    (waits of fallback_rounds doubling); one that every tree reaches (a block is at least the
+    bonus) never falls back. Greedy outputs are AR's either way."""
+    k = 2
+    dec = _decoder(models, "tev", fallback_below=100.0, fallback_rounds=k)
+    state = dec.run(dec.prefill(PROMPTS))
+    assert [g.tokens for g in dec.results(state)] == ar_greedy
+    rounds, plain = np.asarray(state.rounds), np.asarray(state.plain_rounds)
+    drafted_at, wait = [0], k
+    while drafted_at[-1] < rounds.max():
+        drafted_at.append(drafted_at[-1] + 1 + wait)
+        wait = min(2 * wait, engine.FALLBACK_MAX_WAIT)
+    np.testing.assert_array_equal(rounds - plain, [sum(d < r for d in drafted_at) for r in rounds])
+    assert plain.min() > 0 and (rounds - plain).max() >= 3
+    assert [g.plain_rounds for g in dec.results(state)] == plain.tolist()
+
+    never = _decoder(models, "tev", fallback_below=1.0)
+    always = _decoder(models, "tev").generate(PROMPTS)
+    gens = never.generate(PROMPTS)
+    assert [g.tokens for g in gens] == ar_greedy
+    assert [g.rounds for g in gens] == [g.rounds for g in always]
+    assert all(g.plain_rounds == 0 for g in gens) and all(g.plain_rounds == 0 for g in always)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_fallback_bookkeeping_round_by_round(models, ar_greedy, temperature):
+    """Each round: a drafted one when some active row is due (skip 0), which moves every active
+    row's expected block halfway to its tree's (greedy: the block it got) and, where the estimate
+    is below the threshold, sets skip to a wait of fallback_rounds, or twice the row's last one
+    (0 where the estimate is not below); otherwise a plain one, in which
+    every active row emits one token, counts it and waits one round less."""
+    k, threshold = 2, 2.5
+    dec = _decoder(models, "tev", fallback_below=threshold, fallback_rounds=k, temperature=temperature)
+    state = dec.prefill(PROMPTS, seed=3)
+    kinds = set()
+    for _ in range(40):
+        before = _host(state)
+        if before.done.all():
+            break
+        state = dec.step(state)
+        after = _host(state)
+        active = ~before.done & ~after.nonfinite
+        block = after.block_total - before.block_total
+        drafted = bool(np.any(~before.done & (before.skip == 0)))
+        kinds.add(drafted)
+        if drafted:
+            np.testing.assert_array_equal(after.plain_rounds, before.plain_rounds)
+            if temperature == 0:
+                want = np.where(active, 0.5 * before.expected_block + 0.5 * block, before.expected_block)
+                np.testing.assert_allclose(after.expected_block, want, rtol=1e-6)
+            low = active & (after.expected_block < threshold)
+            wait = np.where(low, np.clip(2 * before.wait, k, engine.FALLBACK_MAX_WAIT),
+                            np.where(active, 0, before.wait))
+            np.testing.assert_array_equal(after.wait, wait)
+            np.testing.assert_array_equal(after.skip, np.where(low, wait, 0))
+        else:
+            np.testing.assert_array_equal(block[active], 1)
+            np.testing.assert_array_equal(after.plain_rounds, before.plain_rounds + active)
+            np.testing.assert_array_equal(after.skip, np.where(active, np.maximum(before.skip - 1, 0), before.skip))
+            np.testing.assert_array_equal(after.expected_block, before.expected_block)
+    assert kinds == {True, False}, "the test saw only one kind of round"
+    if temperature == 0:
+        assert [g.tokens for g in dec.results(state)] == ar_greedy
+
+
+def test_fallback_estimate_is_the_exit_laws_mean_block(small_models):
+    """At temperature 1 a drafted round's estimate uses 1 + C_p of the verified tree, the mean of
+    the block the row then gets: over NUM_ROWS rows after the first round, the mean estimate and
+    the mean realised block agree within 5 standard errors (false alarm ~6e-7); estimates taken
+    from another law (e.g. untempered logits) would not."""
+    target, drafter = small_models
+    dec = Decoder(target, drafter, DecodeConfig(verifier="tev", temperature=TEMPERATURE, budget=6, max_new_tokens=8,
+                                                prompt_bucket=8, fallback_below=1.5))
+    first = _host(dec.step(dec.prefill([SAMPLING_PROMPT] * NUM_ROWS, seed=5)))
+    this = (first.expected_block - 0.5 * drafter.cfg.block_size) / 0.5  # 1 + C_p per row
+    block = first.block_total.astype(np.float64)
+    assert np.all(this >= 1 - 1e-5) and np.all(this <= drafter.cfg.block_size + 1e-5)
+    assert np.ptp(this) < 1e-4, "the rows share one prompt and one drafter: one tree, one law"
+    se = block.std() / np.sqrt(NUM_ROWS)
+    assert abs(this.mean() - block.mean()) < 5 * se, (this.mean(), block.mean(), se)
+    assert block.mean() > 1.3, "too few multi-token rounds for the test to mean anything"
+
+
+def test_fallback_keeps_the_target_law(small_models, exact_first3):
+    """Drafted rounds alternating with plain ones (fallback_rounds 1, a threshold no tree reaches):
+    the first three tokens still follow the target's joint law."""
+    counts, _ = _first3_counts(small_models, "tev", fallback_below=100.0, fallback_rounds=1)
+    p = chi2_pvalue(counts, exact_first3)
+    assert p > ALPHA, f"TEV with fallback: the joint law of the first 3 tokens was rejected (p={p:.3g})"
+
+
 def _broken_tev(key, tree, logits, temperature):
     """TEV drawing the bonus from p_v instead of the residual: outputs are no longer target-distributed."""
     stats = verifiers._sample_stats(tree, logits, temperature)
@@ -340,6 +440,11 @@ def test_a_broken_verifier_is_detected(small_models, exact_first3, monkeypatch):
         ({"min_p": 1.0}, r"min_p must be in \[0, 1\) \(0: off\), got 1.0"),
         ({"prefill_chunk": 0}, r"DecodeConfig.prefill_chunk must be >= 1, got 0"),
         ({"prompt_bucket": -8}, r"DecodeConfig.prompt_bucket must be >= 1, got -8"),
+        ({"fallback_below": -1.0}, r"fallback_below must be a finite number >= 0 .*got -1.0"),
+        ({"fallback_below": float("inf")}, r"fallback_below must be a finite number >= 0 .*got inf"),
+        ({"fallback_below": float("nan")}, r"fallback_below must be a finite number >= 0 .*got nan"),
+        ({"fallback_below": True}, r"fallback_below must be a finite number >= 0 .*got True"),
+        ({"fallback_rounds": 0}, r"fallback_rounds must be >= 1, got 0"),
     ],
 )
 def test_bad_config_is_rejected(kwargs, message):

@@ -303,6 +303,12 @@ CHECKS = {
         dec = Decoder(target, drafter, config(lookup=4), mesh=mesh)
         assert tokens(dec) == tokens(decoder(target, drafter, "tev"))
         assert dec.prefill(PROMPTS).history.sharding.spec[0] == "data"
+        # Fallback rounds (one cond for the whole batch; the per-row counters split by rows),
+        # alternating with drafted ones: the same tokens.
+        fb = Decoder(target, drafter, config(lookup=4, fallback_below=100.0, fallback_rounds=1), mesh=mesh)
+        assert tokens(fb) == tokens(decoder(target, drafter, "tev"))
+        state = fb.run(fb.prefill(PROMPTS))
+        assert state.skip.sharding.spec[0] == "data" and int(np.asarray(state.plain_rounds).sum()) > 0
         # And a corpus chain after it, from a table of the answers themselves (so that it matches):
         # the table is copied to every device, and the chain takes rounds off.
         from tevjax.builder import ngram_table
@@ -494,8 +500,8 @@ CHECKS = {
 
 def test_sharded_decoding_on_forced_devices():
     """The fast subset: loading into (2, 2) shardings and greedy decoding there, (1, 4) greedy
-    decoding and its compiled HLO, context and corpus lookup chains on (2, 2), and the errors of undivided
-    meshes."""
+    decoding and its compiled HLO, context and corpus lookup chains and fallback rounds on (2, 2),
+    and the errors of undivided meshes."""
     _run("errors", "load_2x2", "hlo_1x4", "lookup_2x2")
 
 

@@ -38,6 +38,10 @@ chunk is bounded by the chunk, not the prompt, and one compiled chunk serves eve
 Autoregressive decoding is a `Decoder` without a drafter (`Decoder(target, None, cfg)`): the
 same rounds with a root-only tree (N = 1), so its speed is measured with the same model code,
 cache and sampler. Whether a round drafts is static: the drafter's graphdef is None or not.
+With `DecodeConfig.fallback_below` it is also decided per round, by a `lax.cond` over the whole
+batch: rows whose recent expected block (1 + C_p, the exit law's coverage, of their verified trees)
+is below the threshold wait some rounds, and when every active row waits, the round is a plain
+one (no drafter, a root-only tree pass), so a drafter that does not pay costs little.
 
 On a device mesh (`Decoder(..., mesh=mesh)`) the weights carry the shardings of
 `tevjax.sharding`'s tables (heads, key/value heads, MLP width and vocabulary over `model`), the
@@ -67,7 +71,7 @@ from flax import nnx
 
 from tevjax.builder import (LOOKUP_SURVIVAL, NgramTable, build_ddtree_from_top, chain_log_reach, check_survival,
                              context_chain, corpus_chain, merge_chain)
-from tevjax.law import is_greedy
+from tevjax.law import exit_law, is_greedy
 from tevjax.models.cache import KVCache, scatter_rows
 from tevjax.models.dflash import DFlashDrafter, DrafterCache, features_from_hidden, tapped_hidden
 from tevjax.models.transformer import Transformer
@@ -133,6 +137,17 @@ class DecodeConfig:
     # committed token, prompt included: `Generation.hidden`. Regeneration then yields a drafter's
     # training features with no second pass over the text.
     hidden_layers: tuple[int, ...] = ()
+    # Fallback to plain target steps where speculation does not pay: a row whose recent expected
+    # block (a running mean of 1 + the exit law's coverage C_p of its verified trees) is below this
+    # skips the drafter for `fallback_rounds` rounds, twice as many each time it stays below (at
+    # most FALLBACK_MAX_WAIT), in which the target steps on the root alone (one-node trees, exact
+    # as any tree); then it drafts again to see whether speculation pays now. Set it to a round's
+    # cost in target steps. 0: always speculate. On SmolLM2 (2 CPU cores, budget 8, 1.8;
+    # experiments/results/fallback.md) it took an untrained drafter from 0.68x of AR to 0.93x
+    # (greedy) and 0.54x to 0.92x (temperature 1), and the shipped one at temperature 1 from 0.82x
+    # to 0.98x, but greedy decoding with the shipped drafter from 1.38x to 1.30x.
+    fallback_below: float = 0.0
+    fallback_rounds: int = 4
 
     def __post_init__(self):
         if self.verifier == "ar":
@@ -141,7 +156,7 @@ class DecodeConfig:
         if self.verifier not in VERIFIERS:
             raise ValueError(f"unknown verifier {self.verifier!r}; choose one of {sorted(VERIFIERS)}")
         for name in ("budget", "lookup", "corpus", "max_new_tokens", "prompt_bucket", "capacity_bucket",
-                     "prefill_chunk"):
+                     "prefill_chunk", "fallback_rounds"):
             value = getattr(self, name)
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
                 raise TypeError(f"DecodeConfig.{name} must be an int, got {value!r} ({type(value).__name__})")
@@ -170,6 +185,13 @@ class DecodeConfig:
         for name in ("prompt_bucket", "capacity_bucket", "prefill_chunk"):
             if getattr(self, name) < 1:
                 raise ValueError(f"DecodeConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if not isinstance(self.fallback_below, (int, float, np.integer, np.floating)) or isinstance(
+                self.fallback_below, bool) or not 0 <= float(self.fallback_below) < math.inf:
+            raise ValueError(f"fallback_below must be a finite number >= 0 (a round's cost in target steps; 0: off), "
+                             f"got {self.fallback_below!r}")
+        object.__setattr__(self, "fallback_below", float(self.fallback_below))
+        if self.fallback_rounds < 1:
+            raise ValueError(f"fallback_rounds must be >= 1, got {self.fallback_rounds}")
         layers = tuple(int(i) for i in self.hidden_layers)
         if any(i < 0 for i in layers) or len(set(layers)) != len(layers):
             raise ValueError(f"hidden_layers must be distinct layer indices >= 0, got {self.hidden_layers!r}")
@@ -200,6 +222,14 @@ class DecodeState:
     # [B, S] int32 the committed tokens by cache slot, the root at slot cache_len (slots above it are
     # stale): the context `cfg.lookup` searches. None without lookup.
     history: jax.Array | None = None
+    # With `cfg.fallback_below` > 0 and a drafter (else None), per row: the running expected block
+    # [B] float32, the plain rounds left before it drafts again [B] int32, the length of its last
+    # wait [B] int32 (0 after a drafted round that paid) and the plain rounds it ran [B] int32
+    # (counted in `rounds` too).
+    expected_block: jax.Array | None = None
+    skip: jax.Array | None = None
+    wait: jax.Array | None = None
+    plain_rounds: jax.Array | None = None
 
 
 # Logical axes of every `DecodeState` field (`tevjax.sharding.LOGICAL_RULES` maps them to mesh axes).
@@ -220,10 +250,24 @@ STATE_AXES: dict[str, tuple[str | None, ...]] = {
     # not split the vocabulary (a split one selects the columns after the head instead: `draft`).
     "draft_head": (None, None),
     "history": ("batch", "cache_slots"),
+    "expected_block": ("batch",),
+    "skip": ("batch",),
+    "wait": ("batch",),
+    "plain_rounds": ("batch",),
 }
 
 
-def state_shardings(mesh, *, drafter: bool, hidden: bool, head: bool = False, history: bool = False) -> DecodeState:
+FALLBACK_FIELDS = ("expected_block", "skip", "wait", "plain_rounds")
+# Weight of a row's earlier estimate in its running expected block (`_after_speculative`).
+FALLBACK_DECAY = 0.5
+# The longest wait between drafted rounds (`_after_speculative` doubles it from
+# cfg.fallback_rounds while a row stays below): an untrained drafter then costs a drafted round
+# in about 65 rather than one in 5.
+FALLBACK_MAX_WAIT = 64
+
+
+def state_shardings(mesh, *, drafter: bool, hidden: bool, head: bool = False, history: bool = False,
+                    fallback: bool = False) -> DecodeState:
     """A `DecodeState` of NamedShardings (from `STATE_AXES`) for a decoder with or without a
     drafter, kept hidden states, a pre-gathered draft head and a token history. The specs do not
     depend on the sizes; the sizes are checked where they are known (`Decoder.prefill`: rows;
@@ -233,7 +277,8 @@ def state_shardings(mesh, *, drafter: bool, hidden: bool, head: bool = False, hi
     return DecodeState(**{**named, "target_cache": cache, "drafter_cache": cache if drafter else None,
                           "hidden": named["hidden"] if hidden else None,
                           "draft_head": named["draft_head"] if head else None,
-                          "history": named["history"] if history else None})
+                          "history": named["history"] if history else None,
+                          **{name: named[name] if fallback else None for name in FALLBACK_FIELDS}})
 
 
 @dataclasses.dataclass
@@ -242,11 +287,12 @@ class Generation:
 
     tokens: list[int]
     rounds: int
-    tau: float  # mean output-block length per round, bonus token included
+    tau: float  # mean output-block length per round (plain ones included), bonus token included
     stop: str  # "eos" | "length" | "nonfinite" (the target's logits were NaN/inf: damaged weights or overflow)
     # [T - 1, R, D] hidden states of prompt + tokens at cfg.hidden_layers (T = their total length;
     # the last token's are never computed: no pass has read it yet); None unless requested.
     hidden: np.ndarray | None = None
+    plain_rounds: int = 0  # rounds that stepped on the root alone (`DecodeConfig.fallback_below`); in `rounds`
 
 
 def _bucket(n: int, size: int) -> int:
@@ -292,7 +338,15 @@ def _empty_state(tstate, dstate, roots, lengths, key_data, *, tgd, dgd, cfg: Dec
         nonfinite=jnp.zeros((b,), bool),
         draft_head=drafter.head_rows(target) if drafter is not None and not _vocab_split(mesh) else None,
         history=_history_init(roots, lengths, capacity) if _uses_lookup(drafter, cfg) else None,
+        # Every row starts drafting, from an optimistic estimate: a first tree that pays keeps it.
+        **(dict(expected_block=jnp.full((b,), float(drafter.cfg.block_size), jnp.float32), skip=zeros,
+                wait=zeros, plain_rounds=zeros) if _falls_back(drafter, cfg) else {}),
     )
+
+
+def _falls_back(drafter, cfg: DecodeConfig) -> bool:
+    """Whether rounds may step on the root alone where speculation does not pay (static)."""
+    return drafter is not None and cfg.fallback_below > 0
 
 
 def _uses_lookup(drafter, cfg: DecodeConfig) -> bool:
@@ -526,26 +580,71 @@ def merge_lookups(trees: DraftTree, scores: jax.Array, history: jax.Array | None
 
 def _round(tstate, dstate, state: DecodeState, ngrams: NgramTable | None = None, *, tgd, dgd, cfg: DecodeConfig,
            mesh=None) -> DecodeState:
-    """One draft -> build -> tree pass -> verify -> commit -> emit round for every row."""
+    """One draft -> build -> tree pass -> verify -> commit -> emit round for every row; with
+    `cfg.fallback_below`, a plain round (the root alone) when no active row's speculation pays."""
     target: Transformer = nnx.merge(tgd, tstate)
-    active = ~state.done
+    drafter = nnx.merge(dgd, dstate) if dgd is not None else None
     split = jax.vmap(jax.random.split)(state.keys)  # [B, 2]
     keys, sub = split[:, 0], split[:, 1]
 
-    drafter = nnx.merge(dgd, dstate) if dgd is not None else None
-    if drafter is not None:
+    def speculative(state):
         logits = draft(drafter, target, state.root, state.cache_len, state.drafter_cache, state.draft_head, mesh)
         # The scores are only read by the lookup merge; without it XLA drops them.
         trees, scores = draft_trees(logits, state.root, cfg.budget, drafter.vocab_ids(), mesh, with_scores=True)
         trees = merge_lookups(trees, scores, state.history, state.cache_len, ngrams, cfg)
+        new, target_law = _settle(target, drafter, state, trees, cfg.verifier, keys, sub, cfg)
+        if not _falls_back(drafter, cfg):
+            return new
+        return _after_speculative(state, new, trees, target_law, cfg)
+
+    if drafter is None:
+        # On a root-only tree every verifier is plain sampling; fixing "tev" there keeps the
+        # autoregressive random stream independent of cfg.verifier.
+        return _settle(target, None, state, root_trees(state.root), "tev", keys, sub, cfg)[0]
+    if not _falls_back(drafter, cfg):
+        return speculative(state)
+
+    def plain(state):
+        new, _ = _settle(target, drafter, state, root_trees(state.root), "tev", keys, sub, cfg)
+        active = ~state.done
+        return dataclasses.replace(new, skip=jnp.where(active, jnp.maximum(state.skip - 1, 0), state.skip),
+                                   plain_rounds=state.plain_rounds + active.astype(jnp.int32))
+
+    # One kind of round for the whole batch (a cond, not a select, so a plain round runs no
+    # drafter): it drafts when any active row is due to. Rows still waiting get the tree too,
+    # which measures their speculation again at no cost to them.
+    return jax.lax.cond(jnp.any(~state.done & (state.skip == 0)), speculative, plain, state)
+
+
+def _after_speculative(state: DecodeState, new: DecodeState, trees: DraftTree, target_law: jax.Array,
+                       cfg: DecodeConfig) -> DecodeState:
+    """The fallback's bookkeeping after a drafted round: each active row's expected block moves
+    towards this tree's, 1 + C_p under the target law it was verified against (its mean block:
+    the realised block, which varies far more, is a draw of it), and a row whose estimate is below
+    `cfg.fallback_below` waits `cfg.fallback_rounds` plain rounds."""
+    active = ~state.done
+    if is_greedy(cfg.temperature):
+        this = (new.block_total - state.block_total).astype(jnp.float32)  # the greedy law is a point mass
     else:
-        trees = root_trees(state.root)
+        law = jax.vmap(lambda t, l: exit_law(t, l, cfg.temperature))(trees, target_law)
+        this = 1.0 + law.coverage
+    expected = jnp.where(active, FALLBACK_DECAY * state.expected_block + (1 - FALLBACK_DECAY) * this,
+                         state.expected_block)
+    low = active & (expected < cfg.fallback_below)
+    # A row that stays below waits twice as long each time (up to FALLBACK_MAX_WAIT rounds).
+    wait = jnp.where(low, jnp.clip(2 * state.wait, cfg.fallback_rounds, max(FALLBACK_MAX_WAIT, cfg.fallback_rounds)),
+                     jnp.where(active, 0, state.wait)).astype(jnp.int32)
+    return dataclasses.replace(new, expected_block=expected, skip=jnp.where(low, wait, 0), wait=wait)
+
+
+def _settle(target: Transformer, drafter: DFlashDrafter | None, state: DecodeState, trees: DraftTree, method: str,
+            keys: jax.Array, sub: jax.Array, cfg: DecodeConfig) -> tuple[DecodeState, jax.Array]:
+    """The rest of a round on given trees: tree pass -> verify -> commit -> emit -> (the new
+    state, the target logits [B, N, V] verified against)."""
+    active = ~state.done
     out = tree_pass(target, trees, state.cache_len, state.target_cache, _taps(drafter, cfg))
-    # On a root-only tree every verifier is plain sampling; fixing "tev" there keeps the
-    # autoregressive random stream independent of cfg.verifier.
-    method = cfg.verifier if drafter is not None else "tev"
-    ver = jax.vmap(lambda k, t, l: verify(k, t, l, cfg.temperature, method))(sub, trees,
-                                                                               target_logits(out.logits, cfg))
+    law = target_logits(out.logits, cfg)
+    ver = jax.vmap(lambda k, t, l: verify(k, t, l, cfg.temperature, method))(sub, trees, law)
     # A NaN/inf logit (damaged weights, overflow) would be verified into garbage tokens: that row
     # stops here, emits nothing from this round and reports it (one read of the logits).
     finite = jnp.all(jnp.isfinite(out.logits) | ~trees.valid[..., None], axis=(1, 2))
@@ -554,7 +653,8 @@ def _round(tstate, dstate, state: DecodeState, ngrams: NgramTable | None = None,
     target_cache, drafter_cache, hidden = commit(out, ver, state, drafter, cfg, target.cfg)
     out_buf, num_out, finished = emit(ver, state, cfg, active)
 
-    return DecodeState(
+    return dataclasses.replace(
+        state,
         target_cache=target_cache,
         drafter_cache=drafter_cache,
         cache_len=jnp.where(active, state.cache_len + ver.num_tokens, state.cache_len),
@@ -567,9 +667,8 @@ def _round(tstate, dstate, state: DecodeState, ngrams: NgramTable | None = None,
         block_total=state.block_total + jnp.where(active, ver.num_tokens, 0),
         hidden=hidden,
         nonfinite=state.nonfinite | bad,
-        draft_head=state.draft_head,
         history=_history_after(state, ver) if state.history is not None else None,
-    )
+    ), law
 
 
 def _history_after(state: DecodeState, ver) -> jax.Array:
@@ -701,7 +800,7 @@ class Decoder:
             self.dstate = jax.device_put(self.dstate, dshard) if drafter is not None else None
             head = drafter is not None and drafter.vocab_ids() is not None and not _vocab_split(mesh)
             sshard = state_shardings(mesh, drafter=drafter is not None, hidden=bool(cfg.hidden_layers), head=head,
-                                     history=_uses_lookup(drafter, cfg))
+                                     history=_uses_lookup(drafter, cfg), fallback=_falls_back(drafter, cfg))
             scalar = logical_sharding(mesh, ())
             rows = logical_sharding(mesh, ("batch",))
             # The n-gram table is small and read by every row: a copy on each device.
@@ -894,6 +993,7 @@ class Decoder:
         out, num_out = host_array(state.out), host_array(state.num_out)
         rounds, total = host_array(state.rounds), host_array(state.block_total)
         nonfinite = host_array(state.nonfinite)
+        plain = host_array(state.plain_rounds) if state.plain_rounds is not None else np.zeros_like(rounds)
         hidden = host_array(state.hidden) if state.hidden is not None and prompt_lengths is not None else None
         gens = []
         rows = out.shape[0] if prompt_lengths is None else len(prompt_lengths)  # padding rows dropped
@@ -904,7 +1004,8 @@ class Decoder:
             # or an accepted node of some pass, and later rounds only write at higher slots.
             kept = hidden[i, : prompt_lengths[i] + len(toks) - 1] if hidden is not None else None
             gens.append(Generation(tokens=toks, rounds=int(rounds[i]),
-                                   tau=float(total[i] / max(rounds[i], 1)), stop=stop, hidden=kept))
+                                   tau=float(total[i] / max(rounds[i], 1)), stop=stop, hidden=kept,
+                                   plain_rounds=int(plain[i])))
         return gens
 
     def generate(self, prompts: Sequence[Sequence[int]], seed: int = 0, *,
