@@ -61,6 +61,9 @@ def _run(capsys, *argv):
         (["eval", "--min-p", "nan"], "--min-p must be in [0, 1), got 'nan'"),
         (["eval", "--top-k", "-1"], "--top-k must be >= 0, got -1"),
         (["generate", "--prompt", "hi", "--heartbeat-timeout", "0"], "--heartbeat-timeout must be >= 1"),
+        (["generate", "--prompt", "hi", "--fallback-below", "-1"], "--fallback-below must be a finite number >= 0"),
+        (["chat", "--fallback-below", "inf"], "--fallback-below must be a finite number >= 0.0, got 'inf'"),
+        (["eval", "--fallback-rounds", "0"], "--fallback-rounds must be >= 1"),
         (["train", "--data", "d", "--out", "o", "--steps", "1", "--heartbeat-timeout", "2.5"],
          "--heartbeat-timeout must be an integer"),
     ],
@@ -159,6 +162,16 @@ def test_generate_json_matches_autoregressive_greedy(capsys, tiny_dir):
                           "--json")
     record = json.loads(out.strip().splitlines()[-1])
     assert code == 0 and (record["budget"], record["lookup"]) == (8, 8) and record["tokens"] == reference.tokens, err
+    # An untrained drafter on a CPU falls back to plain steps by default; --fallback-below 0 never
+    # does, and a threshold no tree reaches makes most rounds plain. The tokens stay AR's.
+    assert record["fallback_below"] == 1.8
+    for flags, plain in ((["--fallback-below", "0"], False),
+                         (["--fallback-below", "50", "--fallback-rounds", "1"], True)):
+        code, out, err = _run(capsys, "generate", "--target", str(path), "--prompt-ids", "1,2,3", "--max-new-tokens",
+                              "8", "--budget", "4", "--json", *flags)
+        record = json.loads(out.strip().splitlines()[-1])
+        assert code == 0 and record["tokens"] == reference.tokens, err
+        assert (record["plain_rounds"] > 0) == plain and record["plain_rounds"] < record["rounds"], record
 
 
 # A model that answers with a fixed byte string: every layer's output projections are zero, so
@@ -222,9 +235,20 @@ def test_eval_measures_ar_and_each_budget_on_a_prompt_file(capsys, text_target_d
         assert len(row["prompt_emitted"]) == len(row["prompt_rounds"]) == 4
         assert row["tau"] == pytest.approx(sum(row["prompt_emitted"]) / sum(row["prompt_rounds"]))
         assert row["tau"] >= 1.0 and row["sr"] > 0
+        assert "plain_rounds" not in row  # eval falls back only when asked: its tau measures the trees
     code, out, err = _run(capsys, *argv)
     assert code == 0, err
     assert "| budget | lookup | corpus | tau" in out and "4 prompts, 8 new tokens" in out
+    # With --fallback-below, tau counts the plain rounds (one token each) and the drafted rounds'
+    # own tau is given beside it.
+    code, out, err = _run(capsys, *argv, "--json", "--fallback-below", "50", "--fallback-rounds", "1")
+    assert code == 0, err
+    for row in json.loads(out.strip().splitlines()[-1])["budgets"]:
+        rounds, block = sum(row["prompt_rounds"]), sum(row["prompt_emitted"])
+        assert row["mismatches"] == 0 and 0 < row["plain_rounds"] < rounds
+        assert row["tau_drafted"] == pytest.approx((block - row["plain_rounds"]) / (rounds - row["plain_rounds"]))
+    code, out, err = _run(capsys, *argv, "--fallback-below", "50")
+    assert code == 0 and "fallback below 50" in out and "| plain rounds | tau of drafted rounds |" in out, err
 
 
 def test_generate_uses_the_drafters_corpus_by_default(capsys, tiny_dir, tmp_path):

@@ -14,6 +14,7 @@ import crossed  # noqa: E402
 import data_curve  # noqa: E402
 import exit_mass  # noqa: E402
 import exittrain_ablation  # noqa: E402
+import fallback  # noqa: E402
 import fixed_tree_equivalence  # noqa: E402
 import heldout_screen  # noqa: E402
 import round_blocks  # noqa: E402
@@ -326,3 +327,15 @@ def test_truncation_experiment_arguments(capsys):
         error_of(truncation.parse_args, ["--temperature", "0"], capsys)
     assert "invalid choice: 'top-p'" in error_of(truncation.parse_args, ["--settings", "top-p"], capsys)
     assert "--budgets must all be >= 1, got [8, 0]" in error_of(truncation.parse_args, ["--budgets", "8", "0"], capsys)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--cases", "shipped:2"], "--cases: 'shipped:2' is not one of shipped:0, shipped:1, untrained:0, untrained:1"),
+    (["--cases", "trained:0"], "--cases: 'trained:0' is not one of"),
+    (["--rounds", "0"], "--num-prompts, --rounds, --budget and --max-new-tokens must be >= 1"),
+    (["--threshold", "0"], "--threshold must be a finite number > 0"),
+    (["--threshold", "nan"], "--threshold must be a finite number > 0"),
+])
+def test_fallback_bad_arguments(argv, message, capsys):
+    assert message in error_of(fallback.parse_args, argv, capsys)
+    assert fallback.parse_args(["--cases", "untrained:1"]).cases == ["untrained:1"]

@@ -143,5 +143,6 @@ def run_chat(decoder, conversation: Conversation, *, read: Callable[[], str | No
         conversation.answer(detok.text)
         replies += 1
         ended = " (cut at --max-new-tokens)" if gen.stop == "length" else ""
+        plain = f", {gen.plain_rounds} of them plain" if gen.plain_rounds else ""
         log(f"[tevjax] {len(gen.tokens)} tokens in {seconds:.2f} s ({len(gen.tokens) / max(seconds, 1e-9):.1f} "
-            f"tok/s), {gen.rounds} rounds, tau {gen.tau:.2f}{compiled}{ended}")
+            f"tok/s), {gen.rounds} rounds{plain}, tau {gen.tau:.2f}{compiled}{ended}")

@@ -66,6 +66,42 @@ CORPUS_HELP = ("length of the corpus-lookup chain offered to each draft tree: th
                "directory's corpus.npz (default: the budget where there is one; 0: off)")
 
 
+FALLBACK_HELP = ("speculate only while a row's recent expected block (1 + C_p of its verified trees, tokens per "
+                 "target pass) is at least this; below it the target steps on the last token alone for "
+                 "--fallback-rounds rounds, twice as many each time it stays below, then drafts again. Set it "
+                 "to a round's cost in target steps (0: always speculate; default: %s)")
+
+
+# A budget-8 round of the shipped drafter with both chains costs 1.87 target steps on the 2-core
+# CPU (55.8 against 29.9 ms); the default threshold sits just below it.
+CPU_FALLBACK_BELOW = 1.8
+DEFAULT_FALLBACK_TEXT = (f"{CPU_FALLBACK_BELOW} on a CPU when sampling or with an untrained drafter, where it paid; "
+                         "0 for greedy decoding with a trained drafter, where it cost, and on accelerators, "
+                         "where it has not been measured")
+
+
+def _fallback_below(args, trained: bool) -> float:
+    """--fallback-below, or its default (DEFAULT_FALLBACK_TEXT). Measured on SmolLM2 at budget 8
+    (`experiments/results/fallback.md`, speed over AR without -> with it): an untrained drafter
+    0.68x -> 0.93x greedy and 0.54x -> 0.92x at temperature 1, the shipped one at temperature 1
+    0.82x -> 0.98x, and greedy with the shipped one 1.38x -> 1.30x."""
+    if args.fallback_below is not None:
+        return args.fallback_below
+    import jax
+
+    from tevjax.law import is_greedy
+
+    sampling = not is_greedy(args.temperature)
+    return CPU_FALLBACK_BELOW if jax.default_backend() == "cpu" and (sampling or not trained) else 0.0
+
+
+def _add_fallback_args(parser, default: str) -> None:
+    parser.add_argument("--fallback-below", type=_nonnegative_float("--fallback-below"), default=None,
+                        help=FALLBACK_HELP % default)
+    parser.add_argument("--fallback-rounds", type=_positive_int("--fallback-rounds"), default=4,
+                        help="plain rounds after an estimate below --fallback-below (default 4)")
+
+
 def _default_budget() -> int:
     """`tevjax generate`'s tree budget without --budget. On this repository's 2-core CPU the shipped
     drafter with both chains decodes at 1.49x of AR at budget 8 and 1.19x at 16 (all 256 held-out
@@ -251,6 +287,7 @@ def _add_decoding_args(parser, *, max_new_tokens: int, seed_help: str, max_new_h
     parser.add_argument("--verifier", default="tev",
                         help=f"{', '.join(verifier_choices(autoregressive=False))} (default tev), or "
                              f"{AUTOREGRESSIVE} (no drafter: the autoregressive baseline)")
+    _add_fallback_args(parser, DEFAULT_FALLBACK_TEXT)
     parser.add_argument("--seed", type=_seed, default=0, help=seed_help)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                         help="compute dtype (default: the checkpoint's; use float32 on CPU)")
@@ -394,6 +431,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_truncation_args(ev)
     ev.add_argument("--verifier", default="tev",
                     help=f"{', '.join(verifier_choices(autoregressive=False))} (default tev)")
+    _add_fallback_args(ev, "0, so that tau measures the trees")
     ev.add_argument("--max-new-tokens", type=_positive_int("--max-new-tokens"), default=128)
     ev.add_argument("--batch-size", type=_positive_int("--batch-size"), default=1)
     ev.add_argument("--seed", type=int, default=0)
@@ -553,6 +591,7 @@ def cmd_generate(args) -> int:
                 "tokens": g.tokens,
                 "text": _decode(models, g.tokens),
                 "rounds": g.rounds,
+                "plain_rounds": g.plain_rounds,
                 "tau": round(g.tau, 4),
                 "stop": g.stop,
                 "seconds": round(seconds, 4),
@@ -561,6 +600,7 @@ def cmd_generate(args) -> int:
                 "budget": args.budget if speculative else 0,
                 "lookup": cfg.lookup if speculative else 0,
                 "corpus": cfg.corpus if speculative else 0,
+                "fallback_below": cfg.fallback_below if speculative else 0.0,
                 "temperature": args.temperature,
                 "top_k": args.top_k,
                 "top_p": args.top_p,
@@ -575,7 +615,7 @@ def cmd_generate(args) -> int:
                 if not stream:
                     print(record["text"])
                 print(f"[tevjax] {len(g.tokens)} tokens in {seconds:.2f} s "
-                      f"({record['tokens_per_second']} tok/s), {g.rounds} rounds, tau {g.tau:.2f}, "
+                      f"({record['tokens_per_second']} tok/s), {g.rounds} rounds{_plain_text(g)}, tau {g.tau:.2f}, "
                       f"verifier {args.verifier}, budget {record['budget']}, lookup {record['lookup']}, "
                       f"corpus {record['corpus']}, "
                       f"temperature {args.temperature}{truncation_text(args.top_k, args.top_p, args.min_p)} "
@@ -617,6 +657,11 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def _plain_text(g) -> str:
+    """", 12 of them plain" where --fallback-below made rounds step on the root alone."""
+    return f", {g.plain_rounds} of them plain" if g.plain_rounds else ""
+
+
 def _decode_config(args, models, speculative: bool, **kw):
     """The DecodeConfig of `generate` and `chat` (their flags are the same)."""
     from tevjax.decode.engine import DecodeConfig
@@ -627,7 +672,9 @@ def _decode_config(args, models, speculative: bool, **kw):
                         lookup=lookup_for(args.budget, args.lookup),  # checked <= budget before
                         corpus=corpus_for(args.budget, args.corpus, models.ngrams),
                         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                        max_new_tokens=args.max_new_tokens, eos_ids=models.eos_ids, **kw)
+                        max_new_tokens=args.max_new_tokens, eos_ids=models.eos_ids,
+                        fallback_below=_fallback_below(args, models.drafter_trained) if speculative else 0.0,
+                        fallback_rounds=args.fallback_rounds, **kw)
 
 
 # ------------------------------------------------------------------------------------------ chat
@@ -869,7 +916,8 @@ def cmd_eval(args) -> int:
     result = evaluate(models, texts, budgets=args.budgets, temperature=args.temperature, top_k=args.top_k,
                       top_p=args.top_p, min_p=args.min_p, verifier=args.verifier,
                       max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, seed=args.seed,
-                      lookup=args.lookup, corpus=args.corpus,
+                      lookup=args.lookup, corpus=args.corpus, fallback_below=args.fallback_below or 0.0,
+                      fallback_rounds=args.fallback_rounds,
                       log=lambda line: print(line, file=sys.stderr, flush=True), mesh=mesh)
     result["prompts"] = args.prompts
     if args.json:

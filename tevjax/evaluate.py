@@ -57,13 +57,15 @@ def load_eval_prompts(spec: str, n: int, *, seed: int = 0) -> list[str]:
 def evaluate(models, texts: list[str], *, budgets=(4, 8, 16, 32), temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, verifier: str = "tev",
              max_new_tokens: int = 128, batch_size: int = 1, seed: int = 0,
-             lookup: int | None = None, corpus: int | None = None, log: Callable[[str], None] = print,
-             mesh=None) -> dict:
+             lookup: int | None = None, corpus: int | None = None, fallback_below: float = 0.0,
+             fallback_rounds: int = 4, log: Callable[[str], None] = print, mesh=None) -> dict:
     """Measures AR and speculative decoding on the same prompts (on `mesh`'s devices if given);
     returns a JSON-ready dict. `lookup`: the context-lookup chain length (`DecodeConfig.lookup`),
     capped at each budget; None: the budget itself; 0: the drafter's trees alone. `corpus`: the
     corpus-lookup chain length (`DecodeConfig.corpus`), likewise, where `models.ngrams` is a table
-    (None without one: off)."""
+    (None without one: off). `fallback_below` / `fallback_rounds`: `DecodeConfig`'s (0: off); with
+    them tau counts the plain rounds too, and each row also gives the plain rounds and the tau of
+    the drafted rounds alone."""
     for name, value in (("lookup", lookup), ("corpus", corpus)):
         if value is not None and value < 0:
             raise ValueError(f"{name} must be >= 0 or None, got {value}")
@@ -81,7 +83,9 @@ def evaluate(models, texts: list[str], *, budgets=(4, 8, 16, 32), temperature: f
         methods[int(budget)] = Decoder(models.target, models.drafter,
                                        DecodeConfig(verifier=verifier, budget=int(budget),
                                                     lookup=lookup_for(int(budget), lookup),
-                                                    corpus=corpus_for(int(budget), corpus, models.ngrams), **base),
+                                                    corpus=corpus_for(int(budget), corpus, models.ngrams),
+                                                    fallback_below=fallback_below, fallback_rounds=fallback_rounds,
+                                                    **base),
                                        mesh=mesh, ngrams=models.ngrams)
     gens = {m: [] for m in methods}
     secs = {m: np.zeros(len(batches)) for m in methods}
@@ -120,12 +124,16 @@ def evaluate(models, texts: list[str], *, budgets=(4, 8, 16, 32), temperature: f
                "sr": (ar_s / max(ar_tokens, 1)) / (seconds / max(tokens, 1)) if seconds else None,
                "sr_range": [float(np.percentile(per_batch_sr, 10)), float(np.percentile(per_batch_sr, 90))],
                "mismatches": mismatches}
+        if fallback_below > 0:
+            plain = sum(x.plain_rounds for x in g)  # each plain round emitted exactly one token
+            row |= {"plain_rounds": plain, "tau_drafted": (block - plain) / max(rounds - plain, 1)}
         log(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}))
         rows.append(row | {"prompt_emitted": emitted, "prompt_rounds": per_rounds})
     return {
         "verifier": verifier, "temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p,
         "max_new_tokens": max_new_tokens,
         "batch_size": batch_size, "num_prompts": len(texts), "seed": seed, "lookup": lookup, "corpus": corpus,
+        "fallback_below": fallback_below, "fallback_rounds": fallback_rounds,
         "drafter_trained": models.drafter_trained,
         "ar": {"tokens": ar_tokens, "seconds": ar_s, "tokens_per_s": ar_tokens / ar_s if ar_s else None},
         "budgets": rows, "mismatches": sum(r["mismatches"] or 0 for r in rows),
@@ -154,12 +162,14 @@ def format_table(result: dict) -> str:
     """A markdown table of one `evaluate` result."""
     ar = result["ar"]
     cut = truncation_text(result.get("top_k", 0), result.get("top_p", 1.0), result.get("min_p", 0.0))
+    fallback = result.get("fallback_below", 0.0) > 0
     lines = [f"{result['num_prompts']} prompts, {result['max_new_tokens']} new tokens, "
-             f"temperature {result['temperature']}{cut}, verifier {result['verifier']}, batch {result['batch_size']}; "
-             f"AR {ar['tokens_per_s']:.2f} tok/s",
+             f"temperature {result['temperature']}{cut}, verifier {result['verifier']}, batch {result['batch_size']}"
+             + (f", fallback below {result['fallback_below']:g} (tau counts the plain rounds)" if fallback else "")
+             + f"; AR {ar['tokens_per_s']:.2f} tok/s",
              "", "| budget | lookup | corpus | tau [95% over prompts] | tok/s | SR vs AR [10-90% over batches] "
-             "| greedy == AR |",
-             "|---:|---:|---:|---:|---:|---:|:---:|"]
+             "| greedy == AR |" + (" plain rounds | tau of drafted rounds |" if fallback else ""),
+             "|---:|---:|---:|---:|---:|---:|:---:|" + ("---:|---:|" if fallback else "")]
     for r in result["budgets"]:
         same = "n/a" if r["mismatches"] is None else ("yes" if r["mismatches"] == 0 else f"NO ({r['mismatches']})")
         lo, hi = r["sr_range"]
@@ -168,5 +178,5 @@ def format_table(result: dict) -> str:
         lines.append(f"| {r['budget']} | {r.get('lookup', 0)} | {r.get('corpus', 0)} | {r['tau']:.3f}{band} "
                      f"| {r['tokens_per_s']:.2f} "
                      f"| {r['sr']:.3f} [{lo:.2f}-{hi:.2f}] "
-                     f"| {same} |")
+                     f"| {same} |" + (f" {r['plain_rounds']} | {r['tau_drafted']:.3f} |" if fallback else ""))
     return "\n".join(lines)
