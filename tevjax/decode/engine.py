@@ -621,7 +621,8 @@ def _after_speculative(state: DecodeState, new: DecodeState, trees: DraftTree, t
     """The fallback's bookkeeping after a drafted round: each active row's expected block moves
     towards this tree's, 1 + C_p under the target law it was verified against (its mean block:
     the realised block, which varies far more, is a draw of it), and a row whose estimate is below
-    `cfg.fallback_below` waits `cfg.fallback_rounds` plain rounds."""
+    `cfg.fallback_below` waits: `cfg.fallback_rounds` plain rounds, or twice its last wait if it
+    was waiting already."""
     active = ~state.done
     if is_greedy(cfg.temperature):
         this = (new.block_total - state.block_total).astype(jnp.float32)  # the greedy law is a point mass
@@ -632,7 +633,8 @@ def _after_speculative(state: DecodeState, new: DecodeState, trees: DraftTree, t
                          state.expected_block)
     low = active & (expected < cfg.fallback_below)
     # A row that stays below waits twice as long each time (up to FALLBACK_MAX_WAIT rounds).
-    wait = jnp.where(low, jnp.clip(2 * state.wait, cfg.fallback_rounds, max(FALLBACK_MAX_WAIT, cfg.fallback_rounds)),
+    longest = max(FALLBACK_MAX_WAIT, cfg.fallback_rounds)
+    wait = jnp.where(low, jnp.clip(2 * state.wait, cfg.fallback_rounds, longest),
                      jnp.where(active, 0, state.wait)).astype(jnp.int32)
     return dataclasses.replace(new, expected_block=expected, skip=jnp.where(low, wait, 0), wait=wait)
 
