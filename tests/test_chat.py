@@ -52,6 +52,15 @@ def test_each_reply_continues_the_whole_conversation(text_target_dir, replies, m
     """Three turns with a /reset between the second and third: the second reply is the continuation
     of turn 1, its reply and turn 2 (not of turn 2 alone); after /reset the conversation starts
     over; commands, blank lines and unknown commands add nothing to it."""
+    from tevjax.decode import engine
+
+    kept, reused_prefix = [], engine.Decoder._reused_prefix
+
+    def spy(self, prompts, reuse):
+        kept.append(reused_prefix(self, prompts, reuse))
+        return kept[-1]
+
+    monkeypatch.setattr(engine.Decoder, "_reused_prefix", spy)
     lines = ["hello world", "", "/help", "12 hello", "/nonsense", "/reset", "12 hello", "/exit", "never read"]
     out, err = _chat(monkeypatch, capsys, text_target_dir, lines, "--max-new-tokens", "10", "--budget", "4",
                      "--verifier", verifier)
@@ -60,6 +69,11 @@ def test_each_reply_continues_the_whole_conversation(text_target_dir, replies, m
     alone = replies([_user("12 hello")])
     assert second != alone  # the test can tell a conversation from its last message
     assert out == f"{first}\n{second}\n{alone}\n"
+    # Turns 2 and 3 start from the last turn's caches: turn 2 keeps at least all of turn 1's prompt
+    # (`Decoder.prefill(reuse=...)`), turn 3, after /reset, only what its rendering shares.
+    tok = load_tokenizer(text_target_dir)
+    opening = len(chat_prompt_ids(tok, [_user("hello world")]))
+    assert len(kept) == 2 and kept[0] >= opening - 1 and 0 <= kept[1] < opening, (kept, opening)
     assert err.count("[tevjax] ") == 3 and "tevjax: conversation reset" in err
     assert "unknown command '/nonsense'" in err and "/reset   forget the conversation" in err
     assert "Traceback" not in err
@@ -106,18 +120,18 @@ def test_an_interrupted_reply_is_forgotten(text_target_dir, replies, monkeypatch
 
     stream, calls = engine.Decoder.stream, []
 
-    def interrupted_once(self, prompts, seed=0):
-        calls.append(seed)
+    def interrupted_once(self, prompts, seed=0, reuse=None):
+        calls.append((seed, reuse))
         if len(calls) == 1:
             raise KeyboardInterrupt
-        yield from stream(self, prompts, seed)
+        yield from stream(self, prompts, seed, reuse=reuse)
 
     monkeypatch.setattr(engine.Decoder, "stream", interrupted_once)
     out, err = _chat(monkeypatch, capsys, text_target_dir, ["hello world", "12 hello"],
                      "--max-new-tokens", "10", "--budget", "4")
     assert "reply interrupted; the turn is forgotten" in err
     assert out == "\n" + replies([_user("12 hello")]) + "\n"
-    assert calls == [0, 0]  # the k-th given reply samples with seed + k
+    assert calls == [(0, None), (0, None)]  # the k-th given reply samples with seed + k, from a fresh prefill
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -10,6 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
 import budget_transfer  # noqa: E402
+import chat_reuse  # noqa: E402
 import crossed  # noqa: E402
 import data_curve  # noqa: E402
 import exit_mass  # noqa: E402
@@ -339,3 +340,14 @@ def test_truncation_experiment_arguments(capsys):
 def test_fallback_bad_arguments(argv, message, capsys):
     assert message in error_of(fallback.parse_args, argv, capsys)
     assert fallback.parse_args(["--cases", "untrained:1"]).cases == ["untrained:1"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--turns", "0"], "--turns must be >= 1, got 0"),
+    (["--max-chars", "-3"], "--max-chars must be >= 1, got -3"),
+    (["--conversations", "x"], "invalid int value: 'x'"),
+])
+def test_chat_reuse_bad_arguments(argv, message, capsys):
+    assert message in error_of(chat_reuse.parse_args, argv, capsys)
+    assert chat_reuse.parse_args(["--turns", "2"]).turns == 2
+

@@ -180,6 +180,23 @@ def test_compile_needs_only_shapes(models, monkeypatch, caplog):
     assert len(gens) == 2 and all(len(g.tokens) == 8 or g.stop == "eos" for g in gens)
 
 
+def test_compile_with_reuse_covers_a_reusing_prefill(models, caplog):
+    """`compile(..., reuse=True)` also builds the rebase and the smallest chunk, so the next turn's
+    prefill from the last state (a few new tokens, the same capacity) compiles nothing."""
+    target, drafter = models
+    dec = Decoder(target, drafter, DecodeConfig(budget=4, max_new_tokens=8, prompt_bucket=16, capacity=64))
+    batch = [[1, 2, 3] * 7, [4, 5]]
+    state = dec.run(dec.prefill(batch))
+    follow = [p + g.tokens + [6] for p, g in zip(batch, dec.results(state))]
+    with caplog.at_level("WARNING"), jax.log_compiles(True):
+        dec.compile(follow, reuse=True)
+    caplog.clear()
+    with caplog.at_level("WARNING"), jax.log_compiles(True):
+        dec.prefill(follow, reuse=(state, batch))
+    again = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Compiling")]
+    assert not [m for m in again if "jit(_rebase)" in m or "jit(_prefill_chunk)" in m], again
+
+
 def all_eqns(jaxpr):
     """Every equation of a jaxpr, those of its sub-jaxprs (loop bodies, scans, pjit) included."""
     for eqn in jaxpr.eqns:
@@ -224,3 +241,123 @@ def test_prefill_chunk_builds_no_chunk_by_cache_array():
 
     found = chunk_by_cache(jax.make_jaxpr(one_pass)(dec.tstate, tokens).jaxpr)
     assert (2, c, s) in found and (2, c, c) in found, found
+
+
+# ---------------------------------------------------------------------- prefill from an earlier state
+
+
+def _spy_chunks(dec: Decoder) -> list[tuple[int, int]]:
+    """Records (chunk length, start slot) of every prefill chunk `dec` runs from now on."""
+    calls, run = [], dec._prefill_chunk
+
+    def spy(tstate, dstate, state, chunk, start):
+        calls.append((chunk.shape[1], int(start)))
+        return run(tstate, dstate, state, chunk, start)
+
+    dec._prefill_chunk = spy
+    return calls
+
+
+def _assert_same_committed_state(got, want, lengths):
+    """The caches, the drafter context, the kept hidden states and the history of every row's
+    committed slots [0, length - 1) agree, and so do cache_len and the root."""
+    for i, n in enumerate(lengths):
+        for a, w in ((got.target_cache.k, want.target_cache.k), (got.target_cache.v, want.target_cache.v),
+                     (got.drafter_cache.k, want.drafter_cache.k), (got.drafter_cache.v, want.drafter_cache.v)):
+            np.testing.assert_allclose(np.asarray(a)[:, i, :, : n - 1], np.asarray(w)[:, i, :, : n - 1],
+                                       atol=2e-5, rtol=1e-5)
+        np.testing.assert_allclose(np.asarray(got.hidden)[i, : n - 1], np.asarray(want.hidden)[i, : n - 1],
+                                   atol=2e-5, rtol=1e-5)
+        np.testing.assert_array_equal(np.asarray(got.history)[i, :n], np.asarray(want.history)[i, :n])
+    for name in ("cache_len", "root", "num_out", "rounds", "block_total", "done", "skip", "wait",
+                 "expected_block", "plain_rounds"):
+        np.testing.assert_array_equal(np.asarray(getattr(got, name)), np.asarray(getattr(want, name)), err_msg=name)
+
+
+@pytest.mark.parametrize("bucket", [16, 64], ids=["capacity-grows", "same-capacity"])
+def test_reuse_prefills_only_past_each_rows_common_prefix(models, bucket):
+    """A second batch that continues the first one's rows (prompt + output + more tokens), departs
+    from it after 4 tokens, or shares nothing: the state prefilled with `reuse` has the committed
+    slots, history and counters of a fresh prefill, its chunks start at the smallest kept prefix (the
+    departing row's 4) and are sized to what is left, and decoding from it gives the fresh state's
+    tokens. With a 16-token prompt bucket the longer second batch needs a larger cache, so the kept
+    slots move to the new capacity; with 64 the capacity stays."""
+    target, drafter = models
+    cfg = DecodeConfig(budget=4, lookup=3, max_new_tokens=10, prompt_bucket=bucket, prefill_chunk=64,
+                       capacity_bucket=16, hidden_layers=LAYERS, fallback_below=1.5)
+    dec = Decoder(target, drafter, cfg)
+    rng = np.random.default_rng(3)
+    first = [rng.integers(0, 23, n).tolist() for n in (20, 9, 12)]
+    state = dec.run(dec.prefill(first, seed=1))
+    outs = [g.tokens for g in dec.results(state)]
+    second = [first[0] + outs[0] + [5, 6, 7, 8, 9, 10], first[1][:4] + [22, 1, 2, 3, 4, 5, 6], [7] + first[2]]
+    assert second[2][0] != first[2][0]
+    lengths = [len(p) for p in second]
+    assert (dec.shapes(lengths)[1] > state.target_cache.capacity) == (bucket == 16)
+    calls = _spy_chunks(dec)
+    got = dec.prefill(second, seed=2, reuse=(state, first))
+    assert len(calls) == 1 and calls[0][1] == 0, calls  # the third row keeps nothing
+    calls.clear()
+    fresh = dec.prefill(second, seed=2)
+    assert calls[0][1] == 0 and got.target_cache.capacity == fresh.target_cache.capacity
+    _assert_same_committed_state(got, fresh, lengths)
+    assert [g.tokens for g in dec.results(dec.run(got))] == [g.tokens for g in dec.results(dec.run(fresh))]
+
+    # Without the row that shares nothing, the chunks start at the departing row's 4 shared tokens.
+    state = dec.run(dec.prefill(first[:2], seed=1))
+    calls.clear()
+    got = dec.prefill(second[:2], seed=2, reuse=(state, first[:2]))
+    assert calls == [(32, 4)], calls  # 31 tokens left: one chunk of 32, not of the prompt's bucket
+    _assert_same_committed_state(got, dec.prefill(second[:2], seed=2), lengths[:2])
+
+
+def test_reuse_keeps_nothing_it_cannot_vouch_for(models):
+    """A row keeps at most the slots its caches hold (not the last token, a root never passed) and
+    none after a non-finite round; a shorter second prompt keeps all but its own root; streaming
+    with `reuse` equals streaming fresh."""
+    target, drafter = models
+    dec = Decoder(target, drafter, DecodeConfig(budget=4, max_new_tokens=6, prompt_bucket=16, hidden_layers=LAYERS,
+                                                lookup=2, fallback_below=1.5))
+    prompt = list(range(1, 19))
+    calls = _spy_chunks(dec)
+    state = dec.prefill([prompt])  # nothing decoded: slots [0, 17) hold prompt[:-1], the root is prompt[-1]
+    calls.clear()
+    dec.prefill([prompt + [3]], reuse=(state, [prompt]))
+    assert calls == [(32, 17)]  # the old root's slot is prefilled (one token, in the smallest chunk)
+    state = dec.prefill([prompt])
+    calls.clear()
+    dec.prefill([prompt[:10]], reuse=(state, [prompt]))
+    assert calls == []  # prompt[:9] is cached: nothing to prefill, the root is prompt[9]
+    state = dec.prefill([prompt])
+    calls.clear()
+    dec.prefill([prompt + [3]], reuse=(dataclasses.replace(state, nonfinite=jnp.ones((1,), bool)), [prompt]))
+    assert calls[0][1] == 0
+    *_, (_, last) = dec.stream([prompt], seed=5)
+    follow = prompt + dec.results(last)[0].tokens + [9, 9]
+    *_, (_, got) = dec.stream([follow], seed=6, reuse=(last, [prompt]))
+    *_, (_, want) = dec.stream([follow], seed=6)
+    assert dec.results(got)[0].tokens == dec.results(want)[0].tokens
+
+
+def test_reuse_of_a_foreign_state_is_a_clear_error(models):
+    """Another decoder's state (another budget, so other tree slots and capacity rules do not matter:
+    other fields), another row count, or a malformed `reuse` is refused before anything runs."""
+    target, drafter = models
+    dec = Decoder(target, drafter, DecodeConfig(budget=4, max_new_tokens=6, prompt_bucket=16))
+    prompts = [[1, 2, 3], [4, 5]]
+    state = dec.prefill(prompts)
+    other = Decoder(target, None, DecodeConfig(max_new_tokens=6, prompt_bucket=16)).prefill(prompts)
+    with pytest.raises(ValueError, match="not one of this decoder's"):
+        dec.prefill(prompts, reuse=(other, prompts))
+    with pytest.raises(ValueError, match="not one of this decoder's"):
+        dec.prefill(prompts + [[6, 7]], reuse=(state, prompts + [[6]]))
+    with pytest.raises(ValueError, match="2 earlier prompts for 3 prompts"):
+        dec.prefill(prompts + [[6, 7]], reuse=(state, prompts))
+    with pytest.raises(TypeError, match=r"\(state, earlier_prompts\) pair"):
+        dec.prefill(prompts, reuse=state)
+    with pytest.raises(TypeError, match="expected a DecodeState"):
+        dec.prefill(prompts, reuse=({"cache": 1}, prompts))
+    with pytest.raises(TypeError, match="token ids must be integers"):
+        dec.prefill(prompts, reuse=(state, [[1.0, 2.0], [3]]))
+    got = dec.prefill(prompts, reuse=(state, prompts))  # the state was not consumed by the refusals
+    assert np.asarray(got.cache_len).tolist() == [2, 1]

@@ -296,7 +296,8 @@ CHECKS = {
         check_loop_hlo(dec, mesh)
     """,
     # Lookup chains on a (2, 2) mesh (the builder's scores come out of its shard_map; the token
-    # history is split by rows): greedy TEV equals unsharded decoding without lookup.
+    # history is split by rows): greedy TEV equals unsharded decoding without lookup; so do
+    # fallback rounds and a prefill that reuses a state.
     "lookup_2x2": """
         target, drafter = models()
         mesh = make_mesh(2, 2)
@@ -309,6 +310,12 @@ CHECKS = {
         assert tokens(fb) == tokens(decoder(target, drafter, "tev"))
         state = fb.run(fb.prefill(PROMPTS))
         assert state.skip.sharding.spec[0] == "data" and int(np.asarray(state.plain_rounds).sum()) > 0
+        # A second turn from that state (`prefill(reuse=...)`, the sharded rebase): the rows keep
+        # their prompt and output and decode what a fresh prefill decodes.
+        second = [p + g.tokens + [2, 3] for p, g in zip(PROMPTS, fb.results(state))]
+        again = fb.prefill(second, seed=1, reuse=(state, PROMPTS))
+        assert again.history.sharding.spec[0] == "data"
+        assert [g.tokens for g in fb.results(fb.run(again))] == [g.tokens for g in fb.generate(second, seed=1)]
         # And a corpus chain after it, from a table of the answers themselves (so that it matches):
         # the table is copied to every device, and the chain takes rounds off.
         from tevjax.builder import ngram_table

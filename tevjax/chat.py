@@ -1,9 +1,13 @@
 """`tevjax chat`: a conversation in the terminal, every reply decoded speculatively and exactly.
 
 Each turn renders the whole conversation with the target's chat template and decodes the reply
-from a fresh prefill (no cache is kept between turns: a turn's prefill is a few hundred tokens a
-second on a CPU, and a fresh state keeps each reply exactly what `tevjax generate` would give for
-the same conversation). Replies stream as they are committed.
+from the last turn's caches: `Decoder.prefill(..., reuse=...)` keeps the slots of the conversation
+so far (up to where the new rendering departs from the last prompt and reply) and prefills only
+the new messages, in chunks sized to them. A prefill runs a few hundred tokens a second on a CPU,
+so a long conversation would otherwise wait seconds before each reply. The kept K/V come from the
+last reply's tree passes rather than a prefill, so a reply can differ from what `tevjax generate`
+gives for the same conversation where two tokens tie to the last bits; it is exact for the target
+either way. Replies stream as they are committed.
 
 When the conversation no longer fits the target's positions (the rendered prompt, the reply's
 `max_new_tokens` and a round's tree slots), the oldest exchanges are dropped, the system message
@@ -90,6 +94,7 @@ def run_chat(decoder, conversation: Conversation, *, read: Callable[[], str | No
     from tevjax.convert.tokenizer import StreamDetokenizer
 
     replies, shapes = 0, None
+    cached = None  # (the last reply's final state, its prompt ids): the caches the next turn keeps
     while True:
         line = read()
         if line is None:
@@ -119,13 +124,16 @@ def run_chat(decoder, conversation: Conversation, *, read: Callable[[], str | No
                 f"target's {conversation.limit} positions")
         compiled = ""
         detok = StreamDetokenizer(conversation.tokenizer)
+        # The stream consumes the kept state; an interrupted or failed turn leaves none to keep.
+        reuse, cached = cached, None
         try:
             if decoder.shapes([len(ids)]) != shapes:  # a longer conversation can need a larger cache
-                compiled = f", compiled in {decoder.compile([ids], streaming=True):.1f} s"
+                compiled = f", compiled in {decoder.compile([ids], streaming=True, reuse=True):.1f} s"
                 shapes = decoder.shapes([len(ids)])
             write(label)
             t0 = time.perf_counter()
-            for new, state in decoder.stream([ids], seed=(seed + replies) % 2**64):  # seeds are uint64
+            # Seeds are uint64.
+            for new, state in decoder.stream([ids], seed=(seed + replies) % 2**64, reuse=reuse):
                 write(detok.feed(new[0]))
         except KeyboardInterrupt:
             write("\n")
@@ -141,6 +149,7 @@ def run_chat(decoder, conversation: Conversation, *, read: Callable[[], str | No
                 "dtype); the turn is forgotten")
             continue
         conversation.answer(detok.text)
+        cached = (state, [ids])
         replies += 1
         ended = " (cut at --max-new-tokens)" if gen.stop == "length" else ""
         plain = f", {gen.plain_rounds} of them plain" if gen.plain_rounds else ""

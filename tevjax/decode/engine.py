@@ -35,6 +35,9 @@ Python-loop twin over the same jitted round (one host sync per round) for stream
 Prefill writes prompt[:-1] into the caches in chunks of `DecodeConfig.prefill_chunk` tokens, each a
 causal run that attends to the cache so far (`Transformer` with `block_mask=None`): memory per
 chunk is bounded by the chunk, not the prompt, and one compiled chunk serves every prompt length.
+`Decoder.prefill(..., reuse=(state, earlier_prompts))` starts from an earlier state instead: each
+row keeps the slots its new prompt shares with its earlier prompt and output (the invariant above
+says what they hold) and prefills the rest, so a chat's next turn prefills its new messages only.
 Autoregressive decoding is a `Decoder` without a drafter (`Decoder(target, None, cfg)`): the
 same rounds with a root-only tree (N = 1), so its speed is measured with the same model code,
 cache and sampler. Whether a round drafts is static: the drafter's graphdef is None or not.
@@ -295,6 +298,12 @@ class Generation:
     plain_rounds: int = 0  # rounds that stepped on the root alone (`DecodeConfig.fallback_below`); in `rounds`
 
 
+# The smallest prefill chunk a reused state's new tokens run in (`Decoder.prefill(..., reuse=...)`).
+# On 2 CPU cores a chunk call has a fixed cost of ~70 ms (it reads every weight once), so smaller
+# chunks would save little and compile one more size each.
+REUSE_CHUNK_MIN = 32
+
+
 def _bucket(n: int, size: int) -> int:
     return max(size, -(-n // size) * size)
 
@@ -342,6 +351,36 @@ def _empty_state(tstate, dstate, roots, lengths, key_data, *, tgd, dgd, cfg: Dec
         **(dict(expected_block=jnp.full((b,), float(drafter.cfg.block_size), jnp.float32), skip=zeros,
                 wait=zeros, plain_rounds=zeros) if _falls_back(drafter, cfg) else {}),
     )
+
+
+def _rebase(tstate, dstate, state: DecodeState, roots, lengths, key_data, *, tgd, dgd, cfg: DecodeConfig,
+            capacity: int, mesh=None) -> DecodeState:
+    """`state`'s caches (target K/V, drafter context, kept hidden states, history below each row's
+    new cache_len) under a fresh start for prompts of `lengths` with `roots`: what `_empty_state`
+    gives, but with the cache slots an earlier decoding filled kept, for `Decoder.prefill(...,
+    reuse=...)` to prefill only from where a row's new prompt leaves its earlier text. Slots the
+    new prompt does not share are rewritten by the chunks or lie at or above cache_len, where
+    nothing reads them. Another `capacity` than `state`'s appends empty slots or drops the top
+    ones (the kept prefix lies below the new cache_len, so below any capacity that fits it)."""
+    fresh = _empty_state(tstate, dstate, roots, lengths, key_data, tgd=tgd, dgd=dgd, cfg=cfg, capacity=capacity,
+                         mesh=mesh)
+
+    def fit(x, axis):  # the earlier slots in `capacity` slots: zeros appended, or the top ones cut
+        if x is None or x.shape[axis] == capacity:
+            return x
+        if x.shape[axis] > capacity:
+            return jax.lax.slice_in_dim(x, 0, capacity, axis=axis)
+        return jnp.pad(x, [(0, capacity - x.shape[axis]) if a == axis else (0, 0) for a in range(x.ndim)])
+
+    slots = CACHE_AXES.index("cache_slots")
+    caches = [None if c is None else KVCache(k=fit(c.k, slots), v=fit(c.v, slots))
+              for c in (state.target_cache, state.drafter_cache)]
+    history = fresh.history
+    if history is not None:  # the new root at slot lengths - 1, the earlier tokens below it
+        below = jnp.arange(capacity, dtype=jnp.int32)[None, :] < (lengths - 1)[:, None]
+        history = jnp.where(below, fit(state.history, 1), history)
+    return dataclasses.replace(fresh, target_cache=caches[0], drafter_cache=caches[1], hidden=fit(state.hidden, 1),
+                               history=history, draft_head=state.draft_head)
 
 
 def _falls_back(drafter, cfg: DecodeConfig) -> bool:
@@ -794,6 +833,7 @@ class Decoder:
         shard: dict[str, Any] = {}
         self._chunk_shardings: dict[str, Any] = {}
         self._empty_shardings: dict[str, Any] = {}
+        self._rebase_shardings: dict[str, Any] = {}
         self._loop_shardings: dict[str, Any] = {}
         if mesh is not None:
             tshard = param_shardings(target, mesh, self.tstate)
@@ -815,6 +855,8 @@ class Decoder:
                                                        scalar), out_shardings=sshard)
             self._empty_shardings = dict(in_shardings=(tshard, dshard, rows, rows, logical_sharding(mesh, (None,))),
                                          out_shardings=sshard)
+            self._rebase_shardings = dict(in_shardings=(tshard, dshard, sshard, rows, rows,
+                                                        logical_sharding(mesh, (None,))), out_shardings=sshard)
         # Donating the state is safe: each call's output state replaces its input and nothing
         # else holds a reference, so XLA can update the caches in place instead of copying them.
         self._round = jax.jit(functools.partial(_round, **statics), donate_argnums=(2,), **shard)
@@ -822,6 +864,7 @@ class Decoder:
         self._prefill_chunk = jax.jit(functools.partial(_prefill_chunk, tgd=self.tgd, dgd=self.dgd, cfg=cfg),
                                       donate_argnums=(2,), **self._chunk_shardings)
         self._empty_fns: dict[int, Any] = {}
+        self._rebase_fns: dict[tuple[int, bool], Any] = {}
 
     # -- shapes
     @property
@@ -868,6 +911,17 @@ class Decoder:
                 **self._empty_shardings)
         return self._empty_fns[capacity]
 
+    def _rebase_fn(self, capacity: int, earlier: int):
+        """`_rebase` to `capacity` slots from a state of `earlier` slots. The state is donated when
+        the capacity stays (its caches are updated in place); caches of another size cannot take
+        the result, so then it is not."""
+        key = (capacity, earlier == capacity)
+        if key not in self._rebase_fns:
+            self._rebase_fns[key] = jax.jit(functools.partial(
+                _rebase, tgd=self.tgd, dgd=self.dgd, cfg=self.cfg, capacity=capacity, mesh=self.mesh),
+                donate_argnums=(2,) if key[1] else (), **self._rebase_shardings)
+        return self._rebase_fns[key]
+
     def _rows(self, x: np.ndarray, sharding_index: int, shardings: dict) -> jax.Array:
         """A host array as a jit argument: on a mesh each device receives its own rows only
         (multi-host safe); without one, a plain device array."""
@@ -885,12 +939,23 @@ class Decoder:
         prompts = list(prompts)
         return prompts + [prompts[-1]] * (-len(prompts) % self.row_multiple) if prompts else prompts
 
-    def prefill(self, prompts: Sequence[Sequence[int]], seed: int = 0) -> DecodeState:
+    def prefill(self, prompts: Sequence[Sequence[int]], seed: int = 0, *,
+                reuse: tuple[DecodeState, Sequence[Sequence[int]]] | None = None) -> DecodeState:
         """Initial state for a batch of token-id prompts (each of length >= 1).
 
         prompt[:-1] goes into the caches chunk by chunk (the last prompt token is the root): one
         jitted call per chunk, as many as the longest prompt needs, each waited for, so Ctrl-C
         during a long prompt is answered after the chunk in flight.
+
+        `reuse=(state, earlier_prompts)`: a state of this decoder after `earlier_prompts` (one per
+        row, as prefilled, padding rows included), run or not; it is consumed. Each row keeps the
+        cache slots of the longest common prefix of its earlier prompt + output and its new prompt,
+        and only the rest is prefilled, in chunks sized to it: the next turn of a chat prefills the
+        new messages, not the whole conversation. When the new prompts need another cache capacity,
+        the kept slots move to caches of that capacity. The kept K/V were written by the earlier
+        rounds' tree passes, not by a prefill, so logits can differ from a fresh prefill's in the
+        last bits: every output is still exactly verified against the target, and greedy outputs
+        differ only at near-ties.
         """
         _check_prompt_types(prompts)
         if not prompts:
@@ -905,21 +970,68 @@ class Decoder:
         _, capacity = self.shapes(lengths)
         if self.mesh is not None:
             check_batch(self.mesh, len(prompts), f"a batch of {len(prompts)} prompts (Decoder.generate pads it)")
-        c = self.chunk_size(lengths)
-        chunks = -(-(max(lengths) - 1) // c)  # covers the longest prompt[:-1]; 0 for one-token prompts
-        tokens = np.zeros((len(prompts), chunks * c), np.int32)
-        for i, p in enumerate(prompts):
-            tokens[i, : len(p) - 1] = p[:-1]
         key_data = np.asarray(jax.random.key_data(seed_key(seed)))
         roots = np.asarray([p[-1] for p in prompts], np.int32)
-        es = self._empty_shardings
-        state = self._empty_fn(capacity)(self.tstate, self.dstate, self._rows(roots, 2, es),
-                                         self._rows(np.asarray(lengths, np.int32), 3, es), self._rows(key_data, 4, es))
+        if reuse is None:
+            start, es = 0, self._empty_shardings
+            state = self._empty_fn(capacity)(self.tstate, self.dstate, self._rows(roots, 2, es),
+                                             self._rows(np.asarray(lengths, np.int32), 3, es),
+                                             self._rows(key_data, 4, es))
+            c = self.chunk_size(lengths)
+        else:
+            start, rs = self._reused_prefix(prompts, reuse), self._rebase_shardings
+            earlier = reuse[0].target_cache.capacity
+            state = self._rebase_fn(capacity, earlier)(self.tstate, self.dstate, reuse[0], self._rows(roots, 3, rs),
+                                              self._rows(np.asarray(lengths, np.int32), 4, rs),
+                                              self._rows(key_data, 5, rs))
+            # Chunks sized to what is left (a few messages), not to the whole prompt's bucket: the
+            # power of two that holds it (at least REUSE_CHUNK_MIN), so few sizes ever compile.
+            left = max(lengths) - 1 - start
+            c = min(self.chunk_size(lengths), max(REUSE_CHUNK_MIN, 1 << max(left - 1, 0).bit_length()))
+        chunks = -(-(max(lengths) - 1 - start) // c)  # covers prompt[start:-1]; 0 when nothing is left
+        tokens = np.zeros((len(prompts), chunks * c), np.int32)
+        for i, p in enumerate(prompts):
+            tokens[i, : max(len(p) - 1 - start, 0)] = p[start:-1]
         for i in range(chunks):
             chunk = self._rows(tokens[:, i * c: (i + 1) * c], 3, self._chunk_shardings)
-            state = self._prefill_chunk(self.tstate, self.dstate, state, chunk, np.int32(i * c))
+            state = self._prefill_chunk(self.tstate, self.dstate, state, chunk, np.int32(start + i * c))
             jax.block_until_ready(state)
         return state
+
+    def _reused_prefix(self, prompts: Sequence[Sequence[int]], reuse) -> int:
+        """The first slot `prefill(prompts, reuse=reuse)` must prefill: the smallest over rows of the
+        slots a row keeps (its new prompt's common prefix with its earlier prompt + output, within
+        the slots its caches hold and below its new root)."""
+        try:
+            state, earlier = reuse
+        except (TypeError, ValueError):
+            raise TypeError("reuse must be a (state, earlier_prompts) pair") from None
+        _check_prompt_types(earlier)
+        if len(earlier) != len(prompts) and earlier:
+            earlier = self._padded(earlier)  # as `stream` and `generate` pad the prompts
+        if len(earlier) != len(prompts):
+            raise ValueError(f"reuse: {len(earlier)} earlier prompts for {len(prompts)} prompts (one per row, "
+                             "padding rows included)")
+        cache = getattr(state, "target_cache", None)
+        if not isinstance(state, DecodeState) or not isinstance(cache, KVCache):
+            raise TypeError(f"reuse: expected a DecodeState of this decoder, got {type(state).__name__}")
+        want = self._abstract_state(len(prompts), cache.capacity)
+        if jax.tree.structure(state) != jax.tree.structure(want) or any(
+                a.shape != b.shape for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(want))):
+            raise ValueError("reuse: the state is not one of this decoder's for this batch (another decoder's "
+                             "settings, or another number of rows)")
+        cache_len, out, num_out = host_array(state.cache_len), host_array(state.out), host_array(state.num_out)
+        nonfinite = host_array(state.nonfinite)
+        keep = []
+        for i, (new, old) in enumerate(zip(prompts, earlier)):
+            if nonfinite[i]:  # that row's last round was not committed: trust nothing it wrote
+                keep.append(0)
+                continue
+            text = np.concatenate([np.asarray(old, np.int64), out[i, : num_out[i]]])
+            n = min(len(text), len(new) - 1, int(cache_len[i]))
+            same = text[:n] == np.asarray(new[:n], np.int64)
+            keep.append(n if same.all() else int(np.argmin(same)))
+        return min(keep)
 
     def _key_data_shape(self) -> jax.ShapeDtypeStruct:
         return jax.eval_shape(lambda: jax.random.key_data(seed_key(0)))
@@ -929,10 +1041,11 @@ class Decoder:
         i32 = jax.ShapeDtypeStruct((batch,), jnp.int32)
         return jax.eval_shape(self._empty_fn(capacity), self.tstate, self.dstate, i32, i32, self._key_data_shape())
 
-    def compile(self, prompts: Sequence[Sequence[int]], *, streaming: bool = False) -> float:
+    def compile(self, prompts: Sequence[Sequence[int]], *, streaming: bool = False, reuse: bool = False) -> float:
         """Compiles prefill and the generation loop (or, for `stream`, the single round) for this
         batch shape ahead of time, from the shapes alone (nothing runs), so that timed runs
-        exclude compilation; returns seconds spent."""
+        exclude compilation; returns seconds spent. `reuse`: also a prefill that reuses a state
+        of these shapes (`prefill(reuse=...)`: its rebase and its smallest chunk)."""
         t0 = time.perf_counter()
         prompts = self._padded(prompts)
         lengths = [len(p) for p in prompts]
@@ -944,6 +1057,11 @@ class Decoder:
         self._empty_fn(capacity).lower(self.tstate, self.dstate, i32_b, i32_b, self._key_data_shape()).compile()
         tokens = jax.ShapeDtypeStruct((b, self.chunk_size(lengths)), jnp.int32)
         self._prefill_chunk.lower(self.tstate, self.dstate, state, tokens, i32).compile()
+        if reuse:
+            self._rebase_fn(capacity, capacity).lower(self.tstate, self.dstate, state, i32_b, i32_b,
+                                                      self._key_data_shape()).compile()
+            small = jax.ShapeDtypeStruct((b, min(self.chunk_size(lengths), REUSE_CHUNK_MIN)), jnp.int32)
+            self._prefill_chunk.lower(self.tstate, self.dstate, state, small, i32).compile()
         if streaming:
             self._round.lower(self.tstate, self.dstate, state, self.ngrams).compile()
         else:
@@ -1025,10 +1143,13 @@ class Decoder:
             raise
         return self.results(state, lengths)
 
-    def stream(self, prompts: Sequence[Sequence[int]], seed: int = 0) -> Iterator[tuple[list[list[int]], DecodeState]]:
+    def stream(self, prompts: Sequence[Sequence[int]], seed: int = 0, *,
+               reuse: tuple[DecodeState, Sequence[Sequence[int]]] | None = None
+               ) -> Iterator[tuple[list[list[int]], DecodeState]]:
         """Python-loop twin: yields (new tokens per row, state) after every round (the state may hold
-        padding rows after the prompts' rows on a mesh: see `row_multiple`)."""
-        state = self.prefill(self._padded(prompts), seed)
+        padding rows after the prompts' rows on a mesh: see `row_multiple`). `reuse`: the last
+        state of an earlier stream of this decoder and that stream's prompts (`prefill`)."""
+        state = self.prefill(self._padded(prompts), seed, reuse=reuse)
         seen = np.zeros(len(prompts), int)
         while True:
             state = self.step(state)
