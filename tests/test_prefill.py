@@ -145,7 +145,7 @@ def test_chunked_prefill_equals_one_pass(models, prompts, chunk, with_drafter):
 
 def test_one_chunk_program_serves_every_prompt_length(models):
     """Past the chunk size, prompt length changes only the number of chunk calls: one compiled
-    chunk for every long prompt (short prompts get one chunk of their bucket)."""
+    chunk for every long prompt (short prompts get one chunk sized to them)."""
     target, _ = models
     dec = Decoder(target, None, DecodeConfig(max_new_tokens=4, prompt_bucket=16, prefill_chunk=16, capacity=128))
     for n in (20, 40, 57, 100):
@@ -153,6 +153,11 @@ def test_one_chunk_program_serves_every_prompt_length(models):
         dec.generate([[3] * n])
     assert dec._prefill_chunk._cache_size() == 1 and dec._loop._cache_size() == 1
     assert dec.chunk_size([5]) == 16 and Decoder(target, None, DecodeConfig(prompt_bucket=8)).chunk_size([5]) == 8
+    # A large bucket (a chat's) does not make a short prompt pay for a long chunk: the power of two
+    # that holds the prompt, from 32; what `prefill(reuse=...)` keeps is not prefilled again.
+    wide = Decoder(target, None, DecodeConfig(prompt_bucket=256, max_new_tokens=4))
+    assert [wide.chunk_size([n]) for n in (2, 20, 34, 41, 65, 120)] == [32, 32, 64, 64, 64, 128]
+    assert wide.chunk_size([41], prefilled=30) == 32 and wide.chunk_size([41], prefilled=40) == 32
 
 
 def test_compile_needs_only_shapes(models, monkeypatch, caplog):

@@ -128,8 +128,8 @@ class DecodeConfig:
     max_new_tokens: int = 128
     eos_ids: tuple[int, ...] = ()
     prompt_bucket: int = 64  # prompt lengths are rounded up to a multiple of this (cache capacity, prefill chunk)
-    # Prefill runs in causal chunks of at most this many tokens (shorter prompts: one chunk of
-    # their bucket), so its memory is set by the chunk and not by the prompt length. 1024: on 2 CPU
+    # Prefill runs in causal chunks of at most this many tokens (shorter prompts: one chunk sized
+    # to them, `Decoder.chunk_size`), so its memory is set by the chunk and not by the prompt length. 1024: on 2 CPU
     # cores a 2,048-token prefill ran at 183 / 238 / 279 tok/s with chunks of 256 / 512 / 1024 and
     # 282 with one chunk of 2048 (the projections and MLP are matmuls of chunk rows); a larger chunk
     # would pad more of a prompt's last chunk.
@@ -298,10 +298,15 @@ class Generation:
     plain_rounds: int = 0  # rounds that stepped on the root alone (`DecodeConfig.fallback_below`); in `rounds`
 
 
-# The smallest prefill chunk a reused state's new tokens run in (`Decoder.prefill(..., reuse=...)`).
-# On 2 CPU cores a chunk call has a fixed cost of ~70 ms (it reads every weight once), so smaller
-# chunks would save little and compile one more size each.
-REUSE_CHUNK_MIN = 32
+# The smallest prefill chunk (`Decoder.chunk_size`): chunks are sized to the tokens they prefill,
+# as powers of two from this one, so that few sizes ever compile. On 2 CPU cores a chunk call has
+# a fixed cost of ~70 ms (it reads every weight once), so smaller chunks would save little.
+MIN_CHUNK = 32
+
+
+def _fitted(n: int) -> int:
+    """The power of two that holds n tokens, at least MIN_CHUNK."""
+    return max(MIN_CHUNK, 1 << max(n - 1, 0).bit_length())
 
 
 def _bucket(n: int, size: int) -> int:
@@ -899,10 +904,15 @@ class Decoder:
                 f"{longest + self.cfg.max_new_tokens + self.tree_slots} exceeds the model's {limit} positions")
         return tp, capacity
 
-    def chunk_size(self, prompt_lengths: Sequence[int]) -> int:
-        """Prefill chunk C: `cfg.prefill_chunk`, or the prompt bucket when that is smaller (a short
-        prompt is one chunk of its bucket, as long prompts are several of `prefill_chunk`)."""
-        return min(self.cfg.prefill_chunk, self.shapes(prompt_lengths)[0])
+    def chunk_size(self, prompt_lengths: Sequence[int], prefilled: int = 0) -> int:
+        """Prefill chunk C for prompts whose first `prefilled` tokens are cached already:
+        `cfg.prefill_chunk`, or the prompt bucket, or the power of two (at least MIN_CHUNK) that
+        holds what is left of the longest prompt[:-1], whichever is smallest. A short prompt is one
+        chunk, as long prompts are several of `prefill_chunk`; a large bucket (a chat's, which
+        keeps the cache capacities few) does not make a short prompt pay for a long chunk: on 2
+        CPU cores a 40-token prompt took 424 ms in a chunk of 256 and 152 ms in one of 64."""
+        left = max(prompt_lengths) - 1 - prefilled
+        return min(self.cfg.prefill_chunk, self.shapes(prompt_lengths)[0], _fitted(left))
 
     def _empty_fn(self, capacity: int):
         if capacity not in self._empty_fns:
@@ -984,10 +994,7 @@ class Decoder:
             state = self._rebase_fn(capacity, earlier)(self.tstate, self.dstate, reuse[0], self._rows(roots, 3, rs),
                                               self._rows(np.asarray(lengths, np.int32), 4, rs),
                                               self._rows(key_data, 5, rs))
-            # Chunks sized to what is left (a few messages), not to the whole prompt's bucket: the
-            # power of two that holds it (at least REUSE_CHUNK_MIN), so few sizes ever compile.
-            left = max(lengths) - 1 - start
-            c = min(self.chunk_size(lengths), max(REUSE_CHUNK_MIN, 1 << max(left - 1, 0).bit_length()))
+            c = self.chunk_size(lengths, start)  # sized to what is left: a few messages, not the conversation
         chunks = -(-(max(lengths) - 1 - start) // c)  # covers prompt[start:-1]; 0 when nothing is left
         tokens = np.zeros((len(prompts), chunks * c), np.int32)
         for i, p in enumerate(prompts):
@@ -1060,7 +1067,7 @@ class Decoder:
         if reuse:
             self._rebase_fn(capacity, capacity).lower(self.tstate, self.dstate, state, i32_b, i32_b,
                                                       self._key_data_shape()).compile()
-            small = jax.ShapeDtypeStruct((b, min(self.chunk_size(lengths), REUSE_CHUNK_MIN)), jnp.int32)
+            small = jax.ShapeDtypeStruct((b, min(self.chunk_size(lengths), MIN_CHUNK)), jnp.int32)
             self._prefill_chunk.lower(self.tstate, self.dstate, state, small, i32).compile()
         if streaming:
             self._round.lower(self.tstate, self.dstate, state, self.ngrams).compile()
