@@ -75,11 +75,13 @@ def llamacpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(w.shape))
 
 
-def tiny_state(seed: int = 0, tied: bool = False, sizes: dict | None = None) -> dict[str, np.ndarray]:
+def tiny_state(seed: int = 0, tied: bool = False, sizes: dict | None = None, arch: str = "llama"
+               ) -> dict[str, np.ndarray]:
+    """HF-named weights of a tiny model; `arch` "qwen2" adds q/k/v biases, "qwen3" q/k norms."""
     rng = np.random.default_rng(seed)
     c = TINY if sizes is None else sizes
     d, f, v = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
-    head_dim = d // c["num_attention_heads"]
+    head_dim = c.get("head_dim", d // c["num_attention_heads"])
     qd, kvd = c["num_attention_heads"] * head_dim, c["num_key_value_heads"] * head_dim
 
     def mat(*shape):
@@ -102,6 +104,12 @@ def tiny_state(seed: int = 0, tied: bool = False, sizes: dict | None = None) -> 
             p + "mlp.up_proj.weight": mat(f, d),
             p + "mlp.down_proj.weight": mat(d, f),
         })
+        if arch == "qwen2":
+            state.update({p + "self_attn.q_proj.bias": mat(qd), p + "self_attn.k_proj.bias": mat(kvd),
+                          p + "self_attn.v_proj.bias": mat(kvd)})
+        if arch == "qwen3":
+            state.update({p + "self_attn.q_norm.weight": 1.0 + mat(head_dim),
+                          p + "self_attn.k_norm.weight": 1.0 + mat(head_dim)})
     return state
 
 
@@ -119,6 +127,11 @@ HF_TO_GGUF = {
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
 }
 
 # Every supported storage type appears at least once; norms stay F32 as llama.cpp keeps them.
@@ -278,10 +291,12 @@ def write_gguf(path: Path, state: dict[str, np.ndarray], *, arch: str = "llama",
                types: dict[str, Q] | None = None, meta_overrides: dict | None = None,
                extra_tensors: dict[str, np.ndarray] | None = None, tokenizer: bool = True,
                pre: str = "smollm", omit: tuple[str, ...] = ()) -> Path:
-    """Writes `state` (HF layout and names) as llama.cpp would: renamed, q/k permuted, quantized."""
+    """Writes `state` (HF layout and names) as llama.cpp would: renamed, q/k permuted (for its
+    Llama rope; Qwen2/Qwen3 run its NEOX rope and keep HF's rows), quantized. A `head_dim` in
+    `meta_overrides` is written as the attention key/value length (Qwen3's)."""
     types = TYPES if types is None else types
     c = dict(TINY, **(meta_overrides or {}))
-    head_dim = c["hidden_size"] // c["num_attention_heads"]
+    head_dim = c.get("head_dim", c["hidden_size"] // c["num_attention_heads"])
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(c["num_hidden_layers"])
     w.add_context_length(c["max_position_embeddings"])
@@ -293,6 +308,9 @@ def write_gguf(path: Path, state: dict[str, np.ndarray], *, arch: str = "llama",
     w.add_rope_freq_base(c["rope_theta"])
     w.add_layer_norm_rms_eps(c["rms_norm_eps"])
     w.add_rope_dimension_count(head_dim)
+    if "head_dim" in c:
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
     w.add_vocab_size(c["vocab_size"])
     if "rope_scaling_type" in c:
         w.add_string(f"{arch}.rope.scaling.type", c["rope_scaling_type"])
@@ -309,7 +327,9 @@ def write_gguf(path: Path, state: dict[str, np.ndarray], *, arch: str = "llama",
         w.add_pad_token_id(2)
         w.add_chat_template(CHAT_TEMPLATE)
     for hf, value in state.items():
-        if hf.endswith("q_proj.weight"):
+        if arch != "llama":
+            pass
+        elif hf.endswith("q_proj.weight"):
             value = llamacpp_permute(value, c["num_attention_heads"])
         elif hf.endswith("k_proj.weight"):
             value = llamacpp_permute(value, c["num_key_value_heads"])
@@ -455,6 +475,110 @@ def test_matches_transformers_gguf_loader(tiny_file):
     assert_read_like_transformers(tiny_file[0])
 
 
+# ------------------------------------------------------------------------------ Qwen2 and Qwen3
+
+# Qwen3's head size is its own (128 for every Qwen3 model, transformers' default): here 8x the
+# hidden size over the heads, so a reader that derived it would get every attention shape wrong.
+QWEN_SIZES = {"qwen2": dict(TINY), "qwen3": dict(TINY, head_dim=128)}
+
+
+@pytest.fixture(scope="module", params=["qwen2", "qwen3"])
+def qwen_file(request, tmp_path_factory) -> tuple[str, Path, dict[str, np.ndarray]]:
+    arch = request.param
+    state = tiny_state(seed=11, sizes=QWEN_SIZES[arch], arch=arch)
+    path = write_gguf(tmp_path_factory.mktemp(arch) / f"{arch}.gguf", state, arch=arch,
+                      meta_overrides=QWEN_SIZES[arch], pre="qwen2")
+    return arch, path, state
+
+
+def test_qwen_files_read_in_hf_layout(qwen_file):
+    """Config and tensors of a Qwen2 file (q/k/v biases) and a Qwen3 file (q/k norms, head size
+    128): HF names, rows as HF has them (no rope permutation), each tensor exactly its storage
+    type's rounding, and transformers' own GGUF reader agrees bit for bit."""
+    arch, path, state = qwen_file
+    cfg, got = read_gguf(path)
+    assert cfg["model_type"] == arch
+    assert cfg["architectures"] == [{"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[arch]]
+    assert cfg["head_dim"] == QWEN_SIZES[arch].get("head_dim", HEAD_DIM)
+    assert set(got) == set(state)
+    want = expected_values(state)
+    for name, value in got.items():
+        np.testing.assert_array_equal(value, want[name], err_msg=name)
+    assert_read_like_transformers(path)
+
+
+def test_qwen_conversion_runs_in_tevjax_like_transformers(qwen_file, tmp_path):
+    """The converted directory is a checkpoint both tevjax and transformers load: the same logits
+    over a token sequence (tevjax's causal run against transformers' forward)."""
+    import jax.numpy as jnp
+    import torch
+    import transformers
+
+    from tevjax.convert.hf import load_hf_target
+    from tevjax.models import KVCache
+
+    arch, path, _ = qwen_file
+    out = gguf_to_hf_dir(path, tmp_path / "hf")
+    _, target = load_hf_target(out)
+    assert target.cfg.architecture == arch and target.cfg.head_dim == QWEN_SIZES[arch].get("head_dim", HEAD_DIM)
+    ids = np.array([[5, 17, 42, 99, 3, 250, 7, 64]], np.int32)
+    ours = target(jnp.asarray(ids), jnp.arange(ids.shape[1])[None], KVCache.init(target.cfg, 1, 16),
+                  jnp.zeros((1,), jnp.int32), None).logits
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    with torch.no_grad():
+        theirs = model(torch.as_tensor(ids, dtype=torch.long)).logits.numpy()
+    np.testing.assert_allclose(np.asarray(ours), theirs, atol=2e-4, rtol=2e-4)
+
+
+def test_qwen2_pre_tokenizer_splits_like_transformers(qwen_file, tmp_path):
+    """`tokenizer.ggml.pre` "qwen2": the rebuilt tokenizer encodes like transformers' GGUF
+    tokenizer of the same file, and unlike the GPT-2 split where they differ (digits one at a
+    time, so the "1 2" merge never applies)."""
+    import transformers
+
+    from tevjax.convert.gguf import read_gguf_metadata
+    from tevjax.convert.tokenizer import build_tokenizer, load_tokenizer
+
+    arch, path, _ = qwen_file
+    if arch != "qwen2":
+        pytest.skip("one file is enough: both are written with the same tokenizer")
+    ours = load_tokenizer(gguf_to_hf_dir(path, tmp_path / "hf"))
+    theirs = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    texts = ["hello world 12", "hello  12\n\n world", "HELLO'S world!!\n", " 1212 hello", "(hello)world 3",
+             "<|im_start|>hello<|im_end|>"]
+    for text in texts:
+        assert ours.encode(text) == theirs.encode(text, add_special_tokens=False), text
+    gpt2 = build_tokenizer(dict(read_gguf_metadata(path), **{"tokenizer.ggml.pre": "gpt-2"}))
+    assert ours.encode("12") == [ours.convert_tokens_to_ids("1"), ours.convert_tokens_to_ids("2")]
+    assert gpt2.encode("12").ids == [ours.convert_tokens_to_ids("12")]
+
+
+def test_a_gguf_file_is_a_cli_target(qwen_file, tmp_path, monkeypatch, capsys):
+    """`--target file.gguf`: converted once into the cache (named after the file), then decoded
+    like any target: TEV's greedy tokens equal autoregressive decoding of the converted directory.
+    A missing file is one line."""
+    import json
+
+    from tevjax.cli import main
+    from tevjax.decode import DecodeConfig, Decoder
+    from tevjax.loading import load_models
+
+    arch, path, _ = qwen_file
+    monkeypatch.setenv("TEVJAX_CACHE", str(tmp_path / "cache"))
+    code = main(["generate", "--target", str(path), "--prompt-ids", "5,17,42", "--max-new-tokens", "6", "--budget",
+                 "3", "--json"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    entries = list((tmp_path / "cache").glob(f"{arch}-v*"))
+    assert len(entries) == 1 and f"converted to {entries[0]}" in err
+    models = load_models(str(entries[0]), with_drafter=False)
+    want = Decoder(models.target, None, DecodeConfig(max_new_tokens=6, eos_ids=models.eos_ids)).generate([[5, 17, 42]])
+    assert json.loads(out.strip().splitlines()[-1])["tokens"] == want[0].tokens
+    code = main(["generate", "--target", str(tmp_path / "none.gguf"), "--prompt-ids", "1"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--target" in err and "no such GGUF file" in err and len(err.strip().splitlines()) == 1
+
+
 # ------------------------------------------------------------------------------ K-quants
 
 # One 256-value super-block per row: every matrix of this model has rows of 256.
@@ -586,8 +710,8 @@ def test_truncated_file(tiny_file, tmp_path, keep):
 
 
 def test_unsupported_architecture(tmp_path):
-    path = write_gguf(tmp_path / "q.gguf", tiny_state(), arch="qwen2")
-    with pytest.raises(GGUFError, match="architecture 'qwen2' is not supported"):
+    path = write_gguf(tmp_path / "g.gguf", tiny_state(), arch="gemma2")
+    with pytest.raises(GGUFError, match=r"architecture 'gemma2' is not supported \(supported: llama, qwen2, qwen3\)"):
         read_gguf(path)
 
 
@@ -601,7 +725,17 @@ def test_unsupported_tensor_type(tmp_path):
 def test_unmapped_tensor(tmp_path):
     extra = {"blk.0.attn_q.bias": np.zeros(64, np.float32)}
     path = write_gguf(tmp_path / "bias.gguf", tiny_state(), extra_tensors=extra)
-    with pytest.raises(GGUFError, match=r"no Llama mapping: blk\.0\.attn_q\.bias"):
+    with pytest.raises(GGUFError, match=r"no llama mapping: blk\.0\.attn_q\.bias"):
+        read_gguf(path)
+    # A Qwen3 file has no biases either (Qwen2's are its own), and needs its q/k norms.
+    qwen3 = tiny_state(sizes=dict(TINY, head_dim=128), arch="qwen3")
+    path = write_gguf(tmp_path / "q3bias.gguf", qwen3, arch="qwen3", meta_overrides={"head_dim": 128},
+                      extra_tensors={"blk.0.attn_q.bias": np.zeros(512, np.float32)})
+    with pytest.raises(GGUFError, match=r"no qwen3 mapping: blk\.0\.attn_q\.bias"):
+        read_gguf(path)
+    del qwen3["model.layers.1.self_attn.k_norm.weight"]
+    path = write_gguf(tmp_path / "q3hole.gguf", qwen3, arch="qwen3", meta_overrides={"head_dim": 128})
+    with pytest.raises(GGUFError, match=r"missing tensors for model\.layers\.1\.self_attn\.k_norm\.weight"):
         read_gguf(path)
 
 

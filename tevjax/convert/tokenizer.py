@@ -6,8 +6,8 @@ name (`tokenizer.ggml.pre`) and the chat template. `tokenizer_files_from_gguf` r
 the `tokenizer.json` / `tokenizer_config.json` pair of an HF directory, so `load_tokenizer` can open
 it with transformers' `PreTrainedTokenizerFast` (no torch needed).
 
-Only byte-level BPE (`tokenizer.ggml.model == "gpt2"`, the GPT-2/StarCoder/SmolLM family) is
-supported. Its token strings are already spelled in the GPT-2 byte alphabet ("Ġt" for " t").
+Only byte-level BPE (`tokenizer.ggml.model == "gpt2"`: the GPT-2, StarCoder, SmolLM and Qwen
+families) is supported. Its token strings are already spelled in the GPT-2 byte alphabet ("Ġt" for " t").
 
 The pre-tokenizer decides where BPE may not merge across. llama.cpp names it in
 `tokenizer.ggml.pre` and implements each name as a list of split regexes (`llama-vocab.cpp`):
@@ -17,6 +17,10 @@ The pre-tokenizer decides where BPE may not merge across. llama.cpp names it in
 * "smollm", "starcoder", "refact", "codeshell": first isolate every digit (`\\p{N}`), then the GPT-2
   split. This is also what SmolLM2's original `tokenizer.json` does (a `Digits(individual_digits)`
   pre-tokenizer before `ByteLevel`), so the two agree.
+* "qwen2" and "deepseek-r1-qwen" (Qwen2, Qwen2.5, Qwen3 and their distillations): Qwen2's own split
+  regex (`QWEN2_SPLIT`: case-insensitive contractions, a letter run with at most one leading
+  non-letter, one digit at a time, punctuation runs with their line breaks, whitespace), then
+  byte-level BPE with no regex of its own, as Qwen2's `tokenizer.json` has it.
 
 Note: transformers' own GGUF tokenizer conversion (5.x) does not know "smollm" and falls back to
 the plain GPT-2 split, which lets whitespace before a number character join its piece. With
@@ -42,6 +46,7 @@ from typing import Any
 __all__ = [
     "TokenizerConversionError",
     "SUPPORTED_PRE_TOKENIZERS",
+    "QWEN2_SPLIT",
     "build_tokenizer",
     "tokenizer_files_from_gguf",
     "load_tokenizer",
@@ -52,13 +57,19 @@ __all__ = [
 # GGUF token types (llama.cpp `llama_token_type`).
 _NORMAL, _CONTROL, _USER_DEFINED = 1, 3, 4
 
-# tokenizer.ggml.pre -> whether digits are isolated before the GPT-2 split (see module docstring).
-SUPPORTED_PRE_TOKENIZERS: dict[str, bool] = {
-    "gpt-2": False,
-    "smollm": True,
-    "starcoder": True,
-    "refact": True,
-    "codeshell": True,
+# Qwen2's pre-tokenizer split (its tokenizer.json, and llama.cpp's LLAMA_VOCAB_PRE_TYPE_QWEN2).
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+               r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+# tokenizer.ggml.pre -> the split before byte-level BPE (see module docstring): "gpt2" (ByteLevel's
+# GPT-2 regex), "digits" (every digit isolated, then the GPT-2 regex), or a regex of its own.
+SUPPORTED_PRE_TOKENIZERS: dict[str, str] = {
+    "gpt-2": "gpt2",
+    "smollm": "digits",
+    "starcoder": "digits",
+    "refact": "digits",
+    "codeshell": "digits",
+    "qwen2": QWEN2_SPLIT,
+    "deepseek-r1-qwen": QWEN2_SPLIT,
 }
 
 
@@ -86,7 +97,7 @@ def build_tokenizer(meta: Mapping[str, Any], *, source: str = "GGUF metadata"):
 
     `source` only names the origin in error messages (e.g. the GGUF path).
     """
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
     def need(key):
         if key not in meta:
@@ -130,13 +141,17 @@ def build_tokenizer(meta: Mapping[str, Any], *, source: str = "GGUF metadata"):
         merges.append((parts[0], parts[1]))
 
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if SUPPORTED_PRE_TOKENIZERS[pre]:
+    split = SUPPORTED_PRE_TOKENIZERS[pre]
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=split in ("gpt2", "digits"))
+    if split == "digits":
         # `Digits` isolates each Unicode number character, like llama.cpp's `\p{N}` split.
         tok.pre_tokenizer = pre_tokenizers.Sequence(
             [pre_tokenizers.Digits(individual_digits=True), byte_level])
-    else:
+    elif split == "gpt2":
         tok.pre_tokenizer = byte_level
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(split), behavior="isolated"), byte_level])
     tok.decoder = decoders.ByteLevel()
     # Only offsets are affected; no BOS/EOS template (see module docstring).
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
