@@ -17,6 +17,7 @@ is written with them and must read back exactly as `k_dequantize` says.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -551,6 +552,87 @@ def test_qwen2_pre_tokenizer_splits_like_transformers(qwen_file, tmp_path):
     gpt2 = build_tokenizer(dict(read_gguf_metadata(path), **{"tokenizer.ggml.pre": "gpt-2"}))
     assert ours.encode("12") == [ours.convert_tokens_to_ids("1"), ours.convert_tokens_to_ids("2")]
     assert gpt2.encode("12").ids == [ours.convert_tokens_to_ids("12")]
+
+
+def llamacpp_rope_freqs(head_dim: int, theta: float, factor: float, low: float, high: float,
+                        context: float) -> np.ndarray:
+    """llama.cpp convert_hf_to_gguf's `rope_freqs` for a Llama 3.1+ `rope_scaling` (written here from
+    that converter's published loop, independently of `tevjax.convert.gguf`)."""
+    out = []
+    for freq in 1.0 / theta ** (np.arange(0, head_dim, 2) / head_dim):
+        wavelen = 2 * np.pi / freq
+        if wavelen < context / high:
+            out.append(1.0)
+        elif wavelen > context / low:
+            out.append(factor)
+        else:
+            smooth = (context / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.asarray(out, np.float32)
+
+
+# With head size 16 and theta 1e4 the 8 wavelengths run 6.3 .. 19,869: for a context of 64,
+# frequency 0 is kept, 1 and 2 are blended and the rest divided by the factor.
+LLAMA3_ROPE = dict(factor=4.0, low=1.0, high=4.0, context=64.0)
+
+
+def test_llama3_rope_freqs_become_rope_scaling(tmp_path):
+    """A Llama file with `rope_freqs.weight` (Llama 3.1 onwards) and the "llama-bpe" pre-tokenizer:
+    the converted config's "llama3" rope scaling gives tevjax and transformers the file's rope
+    (base frequencies over the stored divisors), both run the converted checkpoint to the same
+    logits, and its tokenizer encodes like transformers' GGUF tokenizer (digits in runs of three).
+    Divisors that Llama-3 scaling cannot produce are refused by name, and so is the tensor in a
+    Qwen file."""
+    import jax.numpy as jnp
+    import torch
+    import transformers
+
+    from tevjax.convert.hf import load_hf_target
+    from tevjax.convert.tokenizer import load_tokenizer
+    from tevjax.models import KVCache
+    from tevjax.models.layers import rope_inv_freq
+
+    divisors = llamacpp_rope_freqs(HEAD_DIM, TINY["rope_theta"], **LLAMA3_ROPE)
+    assert 1.0 < divisors[1] < divisors[2] < LLAMA3_ROPE["factor"] == divisors[3]  # the layout above
+    path = write_gguf(tmp_path / "l3.gguf", tiny_state(seed=5), pre="llama-bpe",
+                      extra_tensors={"rope_freqs.weight": divisors})
+    cfg, _ = read_gguf(path)
+    # The context taken is the model's 128 (below Llama 3's 8192), so the factors are twice the
+    # written ones: the same rope (their ratios to the context are what it depends on).
+    assert cfg["rope_scaling"] == {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 2.0,
+                                   "high_freq_factor": 8.0, "original_max_position_embeddings": 128}
+    want = (1.0 / TINY["rope_theta"] ** (np.arange(0, HEAD_DIM, 2) / HEAD_DIM)) / divisors
+    out = gguf_to_hf_dir(path, tmp_path / "hf")
+    _, target = load_hf_target(out)
+    np.testing.assert_allclose(rope_inv_freq(HEAD_DIM, target.cfg.rope_theta, target.cfg.rope_scaling), want,
+                               rtol=1e-5)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    np.testing.assert_allclose(model.model.rotary_emb.inv_freq.numpy(), want, rtol=1e-5)
+    ids = np.arange(3, 3 + 40, dtype=np.int32)[None] * 5 % 270  # 40 positions: the slow frequencies turn
+    ours = target(jnp.asarray(ids), jnp.arange(ids.shape[1])[None], KVCache.init(target.cfg, 1, 64),
+                  jnp.zeros((1,), jnp.int32), None).logits
+    with torch.no_grad():
+        theirs = model(torch.as_tensor(ids, dtype=torch.long)).logits.numpy()
+    np.testing.assert_allclose(np.asarray(ours), theirs, atol=2e-4, rtol=2e-4)
+
+    ours_tok = load_tokenizer(out)
+    theirs_tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    for text in ["hello world 12345", "hello  1212\n\n world", "HELLO'S world!!\n", " 121 2 hello"]:
+        assert ours_tok.encode(text) == theirs_tok.encode(text, add_special_tokens=False), text
+    assert ours_tok.convert_ids_to_tokens(ours_tok.encode("12345")) == ["12", "3", "4", "5"]
+
+    for bad, message in ((np.full(8, 0.5, np.float32), "holds divisors from 0.5 to 0.5"),
+                         (np.array([1, 1, 1, 1, 4, 4, 4, 4], np.float32), "blends 0 frequencies"),
+                         (divisors[:4], "has 4 values for 8 rope frequencies"),
+                         # blended divisors that fall as the wavelength grows: no low < high
+                         (np.array([1, 3, 1.5, 4, 4, 4, 4, 4], np.float32), "no factors reproduce it")):
+        path = write_gguf(tmp_path / "bad.gguf", tiny_state(seed=5), extra_tensors={"rope_freqs.weight": bad})
+        with pytest.raises(GGUFError, match=rf"bad\.gguf: tensor rope_freqs\.weight .*{re.escape(message)}"):
+            read_gguf(path)
+    path = write_gguf(tmp_path / "q.gguf", tiny_state(seed=5, arch="qwen2"), arch="qwen2",
+                      extra_tensors={"rope_freqs.weight": divisors})
+    with pytest.raises(GGUFError, match=r"rope scaling \(qwen2\.rope\.scaling\.type='none', tensor rope_freqs"):
+        read_gguf(path)
 
 
 def test_a_gguf_file_is_a_cli_target(qwen_file, tmp_path, monkeypatch, capsys):

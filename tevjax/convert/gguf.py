@@ -6,7 +6,8 @@ weights as tensors under llama.cpp names, often block-quantized. tevjax does not
 model.safetensors with standard `LlamaForCausalLM` / `Qwen2ForCausalLM` / `Qwen3ForCausalLM` names,
 tokenizer.json, tokenizer_config.json with the file's chat template, generation_config.json), so
 the HF loader -- and transformers itself, in the tests -- treat it like any other checkpoint.
-Architectures: `llama` (SmolLM2 among them), `qwen2` (Qwen2 and Qwen2.5: q/k/v biases) and `qwen3`
+Architectures: `llama` (SmolLM2 among them; Llama 3.1 onwards with the rope scaling it stores as
+`rope_freqs.weight`, `_llama3_scaling`), `qwen2` (Qwen2 and Qwen2.5: q/k/v biases) and `qwen3`
 (per-head q/k norms, a head size of its own).
 
 Two layout facts matter (both from llama.cpp's `convert_hf_to_gguf.py`):
@@ -234,10 +235,11 @@ def _config_from_metadata(path: Path, meta: Mapping[str, Any], tensor_names: set
         raise GGUFError(f"{path}: rope.dimension_count {rope_dims} != head size {head_dim}; "
                         f"partial rotary embeddings are not supported for {arch}")
     scaling = meta.get(f"{arch}.rope.scaling.type", "none")
-    if scaling != "none" or "rope_freqs.weight" in tensor_names:
+    # Llama 3.1 onwards carries its scaling as the tensor rope_freqs.weight (`_llama3_scaling`).
+    freqs = "rope_freqs.weight" in tensor_names and not _ARCHS[arch].permuted_rope
+    if scaling != "none" or freqs:
         raise GGUFError(f"{path}: rope scaling ({arch}.rope.scaling.type={scaling!r}"
-                        f"{', tensor rope_freqs.weight' if 'rope_freqs.weight' in tensor_names else ''})"
-                        " is not supported")
+                        f"{', tensor rope_freqs.weight' if freqs else ''}) is not supported")
 
     vocab = meta.get(f"{arch}.vocab_size")
     tokens = meta.get("tokenizer.ggml.tokens")
@@ -256,6 +258,58 @@ def _config_from_metadata(path: Path, meta: Mapping[str, Any], tensor_names: set
         if key in meta:
             cfg[field] = int(meta[key])
     return cfg
+
+
+# Llama 3.1 onwards: llama.cpp stores the rope's per-frequency divisors, computed from HF's
+# `rope_scaling` "llama3" (factor, low_freq_factor, high_freq_factor, original context O), as the
+# tensor `rope_freqs.weight`: 1 for wavelengths below O / high, `factor` above O / low, and
+# 1 / ((1 - s) / factor + s) in between, s = (O / wavelength - low) / (high - low). The metadata
+# keeps none of the four. The divisors depend on O, low and high only through their ratios
+# (scaling all three by k leaves O / low, O / high and s unchanged), so O is taken as Llama 3's
+# own context (or the model's, when shorter: transformers wants O below it) and the two factors
+# are solved from the blended frequencies, s being a line in 1 / wavelength; the result must
+# reproduce every stored divisor.
+LLAMA3_ORIGINAL_CONTEXT = 8192
+
+
+def _llama3_divisors(inv_freq: np.ndarray, factor: float, low: float, high: float, context: float) -> np.ndarray:
+    """llama.cpp's `rope_freqs` for Llama-3 scaling (the formula above)."""
+    wavelen = 2 * np.pi / inv_freq
+    s = (context / wavelen - low) / (high - low)
+    blended = 1.0 / ((1 - s) / factor + s)
+    return np.where(wavelen < context / high, 1.0, np.where(wavelen > context / low, factor, blended))
+
+
+def _llama3_scaling(path: Path, divisors: np.ndarray, cfg: dict) -> dict[str, Any]:
+    """The HF `rope_scaling` dict that reproduces `rope_freqs.weight` (see above)."""
+    d = np.asarray(divisors, np.float64).reshape(-1)
+    head_dim = cfg["head_dim"]
+    inv = 1.0 / float(cfg["rope_theta"]) ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    problem = None
+    if d.shape != inv.shape:
+        problem = f"has {d.size} values for {inv.size} rope frequencies"
+    elif not np.all(np.isfinite(d)) or d.min() < 1 - 1e-6 or d.max() <= 1 + 1e-6:
+        problem = f"holds divisors from {d.min():g} to {d.max():g}, not Llama-3 scaling (1 .. factor > 1)"
+    else:
+        factor = float(d.max())
+        blended = (d > 1 + 1e-6) & (d < factor * (1 - 1e-6))
+        if blended.sum() < 2:
+            problem = f"blends {int(blended.sum())} frequencies; 2 are needed to recover the scaling"
+        else:
+            s = (1 / d[blended] - 1 / factor) / (1 - 1 / factor)
+            # s = context / (high - low) * (1 / wavelength) - low / (high - low)
+            slope, offset = np.polyfit(inv[blended] / (2 * np.pi), s, 1)
+            context = min(LLAMA3_ORIGINAL_CONTEXT, int(cfg["max_position_embeddings"]))
+            span = context / slope  # high - low
+            low = round(float(-offset * span), 6)
+            high = round(low + float(span), 6)
+            scaling = {"rope_type": "llama3", "factor": round(factor, 6), "low_freq_factor": low,
+                       "high_freq_factor": high, "original_max_position_embeddings": context}
+            again = _llama3_divisors(inv, scaling["factor"], low, high, context)
+            if 0 < low < high and np.allclose(again, d, rtol=1e-4, atol=0):
+                return scaling
+            problem = "does not follow Llama-3 scaling (no factors reproduce it)"
+    raise GGUFError(f"{path}: tensor rope_freqs.weight {problem}")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -402,6 +456,9 @@ def _read(path: Path) -> tuple[dict[str, Any], dict[str, np.ndarray], dict[str, 
     embed_rows = int(embed.shape[-1]) if embed is not None and len(embed.shape) == 2 else None
     cfg = _config_from_metadata(path, meta, set(by_name), embed_rows)
     arch = _ARCHS[cfg["model_type"]]
+
+    if "rope_freqs.weight" in by_name:  # only a Llama file gets here with one
+        cfg["rope_scaling"] = _llama3_scaling(path, _dequantize(path, by_name.pop("rope_freqs.weight")), cfg)
 
     state: dict[str, np.ndarray] = {}
     unmapped: list[str] = []

@@ -6,8 +6,8 @@ name (`tokenizer.ggml.pre`) and the chat template. `tokenizer_files_from_gguf` r
 the `tokenizer.json` / `tokenizer_config.json` pair of an HF directory, so `load_tokenizer` can open
 it with transformers' `PreTrainedTokenizerFast` (no torch needed).
 
-Only byte-level BPE (`tokenizer.ggml.model == "gpt2"`: the GPT-2, StarCoder, SmolLM and Qwen
-families) is supported. Its token strings are already spelled in the GPT-2 byte alphabet ("Ġt" for " t").
+Only byte-level BPE (`tokenizer.ggml.model == "gpt2"`: the GPT-2, StarCoder, SmolLM, Qwen and
+Llama 3 families) is supported. Its token strings are already spelled in the GPT-2 byte alphabet ("Ġt" for " t").
 
 The pre-tokenizer decides where BPE may not merge across. llama.cpp names it in
 `tokenizer.ggml.pre` and implements each name as a list of split regexes (`llama-vocab.cpp`):
@@ -21,6 +21,7 @@ The pre-tokenizer decides where BPE may not merge across. llama.cpp names it in
   regex (`QWEN2_SPLIT`: case-insensitive contractions, a letter run with at most one leading
   non-letter, one digit at a time, punctuation runs with their line breaks, whitespace), then
   byte-level BPE with no regex of its own, as Qwen2's `tokenizer.json` has it.
+* "llama-bpe" and "llama3" (Llama 3): the same, but digits in runs of up to three (`LLAMA3_SPLIT`).
 
 Note: transformers' own GGUF tokenizer conversion (5.x) does not know "smollm" and falls back to
 the plain GPT-2 split, which lets whitespace before a number character join its piece. With
@@ -47,6 +48,7 @@ __all__ = [
     "TokenizerConversionError",
     "SUPPORTED_PRE_TOKENIZERS",
     "QWEN2_SPLIT",
+    "LLAMA3_SPLIT",
     "build_tokenizer",
     "tokenizer_files_from_gguf",
     "load_tokenizer",
@@ -60,6 +62,8 @@ _NORMAL, _CONTROL, _USER_DEFINED = 1, 3, 4
 # Qwen2's pre-tokenizer split (its tokenizer.json, and llama.cpp's LLAMA_VOCAB_PRE_TYPE_QWEN2).
 QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+# Llama 3's: Qwen2's, but digits in runs of up to three (llama.cpp's LLAMA_VOCAB_PRE_TYPE_LLAMA3).
+LLAMA3_SPLIT = QWEN2_SPLIT.replace(r"|\p{N}|", r"|\p{N}{1,3}|", 1)
 # tokenizer.ggml.pre -> the split before byte-level BPE (see module docstring): "gpt2" (ByteLevel's
 # GPT-2 regex), "digits" (every digit isolated, then the GPT-2 regex), or a regex of its own.
 SUPPORTED_PRE_TOKENIZERS: dict[str, str] = {
@@ -70,6 +74,8 @@ SUPPORTED_PRE_TOKENIZERS: dict[str, str] = {
     "codeshell": "digits",
     "qwen2": QWEN2_SPLIT,
     "deepseek-r1-qwen": QWEN2_SPLIT,
+    "llama-bpe": LLAMA3_SPLIT,
+    "llama3": LLAMA3_SPLIT,
 }
 
 
