@@ -129,10 +129,10 @@ class DecodeConfig:
     eos_ids: tuple[int, ...] = ()
     prompt_bucket: int = 64  # prompt lengths are rounded up to a multiple of this (cache capacity, prefill chunk)
     # Prefill runs in causal chunks of at most this many tokens (shorter prompts: one chunk sized
-    # to them, `Decoder.chunk_size`), so its memory is set by the chunk and not by the prompt length. 1024: on 2 CPU
-    # cores a 2,048-token prefill ran at 183 / 238 / 279 tok/s with chunks of 256 / 512 / 1024 and
-    # 282 with one chunk of 2048 (the projections and MLP are matmuls of chunk rows); a larger chunk
-    # would pad more of a prompt's last chunk.
+    # to them, `Decoder.chunk_size`), so its memory is set by the chunk and not by the prompt
+    # length. 1024: on 2 CPU cores a 2,048-token prefill ran at 183 / 238 / 279 tok/s with chunks
+    # of 256 / 512 / 1024 and 282 with one chunk of 2048 (the projections and MLP are matmuls of
+    # chunk rows); a larger chunk would pad more of a prompt's last chunk.
     prefill_chunk: int = 1024
     capacity_bucket: int = 128  # cache capacities are rounded up to a multiple of this
     capacity: int | None = None  # force a cache capacity (must fit prompt + max_new + N)
@@ -990,10 +990,9 @@ class Decoder:
             c = self.chunk_size(lengths)
         else:
             start, rs = self._reused_prefix(prompts, reuse), self._rebase_shardings
-            earlier = reuse[0].target_cache.capacity
-            state = self._rebase_fn(capacity, earlier)(self.tstate, self.dstate, reuse[0], self._rows(roots, 3, rs),
-                                              self._rows(np.asarray(lengths, np.int32), 4, rs),
-                                              self._rows(key_data, 5, rs))
+            rebase = self._rebase_fn(capacity, reuse[0].target_cache.capacity)
+            state = rebase(self.tstate, self.dstate, reuse[0], self._rows(roots, 3, rs),
+                           self._rows(np.asarray(lengths, np.int32), 4, rs), self._rows(key_data, 5, rs))
             c = self.chunk_size(lengths, start)  # sized to what is left: a few messages, not the conversation
         chunks = -(-(max(lengths) - 1 - start) // c)  # covers prompt[start:-1]; 0 when nothing is left
         tokens = np.zeros((len(prompts), chunks * c), np.int32)
