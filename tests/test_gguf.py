@@ -291,7 +291,7 @@ def k_error_bound(w: np.ndarray, t: Q) -> np.ndarray:
 def write_gguf(path: Path, state: dict[str, np.ndarray], *, arch: str = "llama",
                types: dict[str, Q] | None = None, meta_overrides: dict | None = None,
                extra_tensors: dict[str, np.ndarray] | None = None, tokenizer: bool = True,
-               pre: str = "smollm", omit: tuple[str, ...] = ()) -> Path:
+               pre: str = "smollm", omit: tuple[str, ...] = (), add_bos: bool | None = None) -> Path:
     """Writes `state` (HF layout and names) as llama.cpp would: renamed, q/k permuted (for its
     Llama rope; Qwen2/Qwen3 run its NEOX rope and keep HF's rows), quantized. A `head_dim` in
     `meta_overrides` is written as the attention key/value length (Qwen3's)."""
@@ -327,6 +327,8 @@ def write_gguf(path: Path, state: dict[str, np.ndarray], *, arch: str = "llama",
         w.add_unk_token_id(0)
         w.add_pad_token_id(2)
         w.add_chat_template(CHAT_TEMPLATE)
+        if add_bos is not None:
+            w.add_add_bos_token(add_bos)
     for hf, value in state.items():
         if arch != "llama":
             pass
@@ -578,7 +580,8 @@ def test_llama3_rope_freqs_become_rope_scaling(tmp_path):
     """A Llama file with `rope_freqs.weight` (Llama 3.1 onwards) and the "llama-bpe" pre-tokenizer:
     the converted config's "llama3" rope scaling gives tevjax and transformers the file's rope
     (base frequencies over the stored divisors), both run the converted checkpoint to the same
-    logits, and its tokenizer encodes like transformers' GGUF tokenizer (digits in runs of three).
+    logits, and its tokenizer encodes like transformers' GGUF tokenizer (digits in runs of three,
+    and BOS first, which the file asks for).
     Divisors that Llama-3 scaling cannot produce are refused by name, and so is the tensor in a
     Qwen file."""
     import jax.numpy as jnp
@@ -592,7 +595,7 @@ def test_llama3_rope_freqs_become_rope_scaling(tmp_path):
 
     divisors = llamacpp_rope_freqs(HEAD_DIM, TINY["rope_theta"], **LLAMA3_ROPE)
     assert 1.0 < divisors[1] < divisors[2] < LLAMA3_ROPE["factor"] == divisors[3]  # the layout above
-    path = write_gguf(tmp_path / "l3.gguf", tiny_state(seed=5), pre="llama-bpe",
+    path = write_gguf(tmp_path / "l3.gguf", tiny_state(seed=5), pre="llama-bpe", add_bos=True,
                       extra_tensors={"rope_freqs.weight": divisors})
     cfg, _ = read_gguf(path)
     # The context taken is the model's 128 (below Llama 3's 8192), so the factors are twice the
@@ -616,8 +619,10 @@ def test_llama3_rope_freqs_become_rope_scaling(tmp_path):
     ours_tok = load_tokenizer(out)
     theirs_tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     for text in ["hello world 12345", "hello  1212\n\n world", "HELLO'S world!!\n", " 121 2 hello"]:
-        assert ours_tok.encode(text) == theirs_tok.encode(text, add_special_tokens=False), text
-    assert ours_tok.convert_ids_to_tokens(ours_tok.encode("12345")) == ["12", "3", "4", "5"]
+        assert ours_tok.encode(text) == theirs_tok.encode(text), text  # BOS: the file asks for it
+        assert ours_tok.encode(text)[0] == 1 and ours_tok.encode(text, add_special_tokens=False) == \
+            theirs_tok.encode(text, add_special_tokens=False), text
+    assert ours_tok.convert_ids_to_tokens(ours_tok.encode("12345", add_special_tokens=False)) == ["12", "3", "4", "5"]
 
     for bad, message in ((np.full(8, 0.5, np.float32), "holds divisors from 0.5 to 0.5"),
                          (np.array([1, 1, 1, 1, 4, 4, 4, 4], np.float32), "blends 0 frequencies"),

@@ -412,3 +412,34 @@ def test_smollm2_chat_prompt(smollm_tokenizers):
     assert ours.decode(chat_prompt_ids(ours, "What is 2+2?")) == (
         "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
         "<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_bos_and_eos_are_added_where_the_file_says_llama_cpp_adds_them():
+    """`tokenizer.ggml.add_bos_token` / `add_eos_token`: plain `encode` adds them (as llama.cpp and
+    transformers' GGUF tokenizer do: Llama 3's files ask for BOS), `add_special_tokens=False` and
+    chat prompts do not, and a file that asks for neither (SmolLM2's) gets neither. The CLI's
+    plain (--no-chat) prompts take what the tokenizer adds."""
+    import types
+
+    from tevjax.cli import _encode
+
+    plain = build_tokenizer(tiny_meta())
+    bos = build_tokenizer(dict(tiny_meta(), **{"tokenizer.ggml.add_bos_token": True}))
+    both = build_tokenizer(dict(tiny_meta(), **{"tokenizer.ggml.add_bos_token": True,
+                                                "tokenizer.ggml.add_eos_token": True}))
+    off = build_tokenizer(dict(tiny_meta(), **{"tokenizer.ggml.add_bos_token": False}))
+    text = plain.encode("hello world").ids
+    assert bos.encode("hello world").ids == [1, *text] and both.encode("hello world").ids == [1, *text, 2]
+    assert off.encode("hello world").ids == text
+    assert bos.encode("hello world", add_special_tokens=False).ids == text
+    assert bos.decode(bos.encode("hello world").ids, skip_special_tokens=True) == "hello world"
+
+    class Wrapped:  # the CLI's view of a tokenizer: transformers' encode(text, add_special_tokens=True)
+        def __init__(self, tok):
+            self.tok = tok
+
+        def encode(self, text, add_special_tokens=True):
+            return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    for tok, want in ((bos, [1, *text]), (plain, text)):
+        assert _encode(types.SimpleNamespace(tokenizer=Wrapped(tok)), ["hello world"], chat=False) == [want]

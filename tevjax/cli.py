@@ -527,7 +527,8 @@ def _encode(models, prompts, chat: bool) -> list[list[int]]:
             raise CliError(f"this target's tokenizer has no chat template ({source} has no 'chat_template'): "
                            "use --no-chat")
         return [chat_prompt_ids(tok, p) for p in prompts]
-    return [tok.encode(p, add_special_tokens=False) for p in prompts]
+    # A plain prompt gets what the tokenizer adds to any text (Llama 3's BOS; none for SmolLM2).
+    return [tok.encode(p) for p in prompts]
 
 
 def _decode(models, ids: list[int]) -> str:

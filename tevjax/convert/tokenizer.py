@@ -31,9 +31,11 @@ path -> [a, Ġ, Ġ, 1]) and for any whitespace before a non-ASCII numeral (" ½"
 [ĠÂ, ½]). tevjax follows llama.cpp and the original tokenizer; `tests/test_tokenizer.py` pins
 both behaviours.
 
-Plain `encode` adds no BOS even though SmolLM2's GGUF sets `tokenizer.ggml.add_bos_token`: the
-original HF tokenizer and transformers' GGUF path add none either, and the ChatML template already
-starts every prompt with `<|im_start|>` (SmolLM2's BOS).
+`encode` (with its default `add_special_tokens=True`) adds BOS and EOS where the file's
+`tokenizer.ggml.add_bos_token` / `add_eos_token` say llama.cpp adds them, as transformers' GGUF
+path does: Llama 3's files ask for BOS; SmolLM2's and Qwen's do not (the ChatML template already
+starts every prompt with `<|im_start|>`, SmolLM2's BOS). Chat prompts are encoded without them
+(`chat_prompt_ids`): a template writes its own.
 """
 
 from __future__ import annotations
@@ -159,8 +161,22 @@ def build_tokenizer(meta: Mapping[str, Any], *, source: str = "GGUF metadata"):
         tok.pre_tokenizer = pre_tokenizers.Sequence(
             [pre_tokenizers.Split(Regex(split), behavior="isolated"), byte_level])
     tok.decoder = decoders.ByteLevel()
-    # Only offsets are affected; no BOS/EOS template (see module docstring).
+    # ByteLevel only fixes offsets; BOS / EOS are added where the file says llama.cpp adds them
+    # (see module docstring).
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    ends = [(flag, meta.get(f"tokenizer.ggml.{kind}_token_id")) for flag, kind in (("add_bos_token", "bos"),
+                                                                                   ("add_eos_token", "eos"))]
+    bos, eos = [int(i) if meta.get(f"tokenizer.ggml.{flag}") and i is not None and 0 <= int(i) < len(tokens)
+                else None for flag, i in ends]
+    if bos is not None or eos is not None:
+        head = [tokens[bos]] if bos is not None else []
+        tail = [tokens[eos]] if eos is not None else []
+        single = [*head, "$A", *tail]
+        pair = [*single, *(f"{t}:1" for t in head), "$B:1", *(f"{t}:1" for t in tail)]
+        tok.post_processor = processors.Sequence([
+            processors.ByteLevel(trim_offsets=False),
+            processors.TemplateProcessing(single=" ".join(single), pair=" ".join(pair),
+                                          special_tokens=[(tokens[i], i) for i in (bos, eos) if i is not None])])
     # Control tokens (<|im_start|>, ...) are matched whole in raw text and skipped when decoding
     # with skip_special_tokens; user-defined ones are matched whole but kept. Both reuse their ids.
     special = [AddedToken(t, special=True, normalized=False)
