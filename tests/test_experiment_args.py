@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
+import adaptive_budget  # noqa: E402
 import budget_transfer  # noqa: E402
 import chat_reuse  # noqa: E402
 import crossed  # noqa: E402
@@ -351,3 +352,34 @@ def test_chat_reuse_bad_arguments(argv, message, capsys):
     assert message in error_of(chat_reuse.parse_args, argv, capsys)
     assert chat_reuse.parse_args(["--turns", "2"]).turns == 2
 
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--budgets", "2", "4"], "--budgets must be >= 1 and include 8 (the reference), got [2, 4]"),
+    (["--budgets", "0", "8"], "--budgets must be >= 1 and include 8"),
+    (["--num-prompts", "0"], "--num-prompts and --max-new-tokens must be >= 1, --first >= 0"),
+])
+def test_adaptive_budget_bad_arguments(argv, message, capsys):
+    assert message in error_of(adaptive_budget.parse_args, argv, capsys)
+    assert adaptive_budget.parse_args(["--budgets", "16", "8", "8"]).budgets == [8, 16]
+
+
+def test_adaptive_budget_simulates_greedy_rounds_exactly():
+    """A hand-made tree at every position of a 5-token output: the accepted path within the first
+    b nodes is the emitted block less its bonus token, rounds end at the output's end, and a policy
+    that takes every node emits the blocks a decoder would."""
+    output = np.array([7, 8, 9, 7, 8])
+    # Root, then 7 (node 1), 8 under it (node 2), and a wrong first token 5 (node 3).
+    tokens = np.array([0, 7, 8, 5])
+    parents = np.array([-1, 0, 1, 0])
+    assert adaptive_budget.accepted_depths(output, 0, tokens, parents).tolist() == [0, 1, 2, -1]
+    assert adaptive_budget.accepted_depths(output, 3, tokens, parents).tolist() == [0, 1, 2, -1]
+    assert adaptive_budget.accepted_depths(output, 1, tokens, parents).tolist() == [0, -1, -1, -1]
+    scores = np.log(np.array([1.0, 0.5, 0.25, 0.1]))
+    trees = [(output, np.stack([tokens] * 5), np.stack([parents] * 5), np.stack([scores] * 5))]
+    # All 4 nodes: position 0 takes 7, 8 + bonus (3 tokens), position 3 takes 7, 8 (the output ends).
+    assert adaptive_budget.simulate(trees, lambda reach: (4, 2.0)) == (5, 2, 4.0)
+    # The root alone: one token per round.
+    assert adaptive_budget.simulate(trees, lambda reach: (1, 1.0)) == (5, 5, 5.0)
+    # The root and 7: 2 tokens at position 0, 1 at position 2 (7 is not the 9 there), 2 at position 3.
+    assert adaptive_budget.simulate(trees, lambda reach: (2, 1.5)) == (5, 3, 4.5)
