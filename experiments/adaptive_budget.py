@@ -12,7 +12,7 @@ for the shipped drafter with both lookup chains (the CLI's default path), greedy
    seconds per token (AR steps per round), pooled over prompts. Greedy outputs must equal AR's.
 2. **Trees.** The same prompts are decoded once more, one token per step (plain target steps), and
    before every step the default path's tree at the largest budget is built from that state with
-   the engine's own stage functions (`draft`, `draft_trees`, the two chain merges), with its
+   the engine's own stage functions (`draft`, `draft_trees`, `merge_lookups`), with its
    scores. Greedy decoding's output does not depend on the trees, so every position's tree is the
    one a decoder would verify if a round started there, and which of its nodes the target accepts
    follows from the output alone.
@@ -29,7 +29,6 @@ for the shipped drafter with both lookup chains (the CLI's default path), greedy
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import platform
 import sys
@@ -75,7 +74,6 @@ def capture_trees(models, prompts, budget, max_new_tokens):
     import jax
     from flax import nnx
 
-    from tevjax.builder import LOOKUP_SURVIVAL, chain_log_reach, context_chain, corpus_chain, merge_chain
     from tevjax.decode import engine
     from tevjax.decode.engine import DecodeConfig, Decoder
 
@@ -87,13 +85,8 @@ def capture_trees(models, prompts, budget, max_new_tokens):
         target, drafter = nnx.merge(dec.tgd, tstate), nnx.merge(dec.dgd, dstate)
         logits = engine.draft(drafter, target, state.root, state.cache_len, state.drafter_cache, state.draft_head)
         trees, scores = engine.draft_trees(logits, state.root, budget, drafter.vocab_ids(), with_scores=True)
-        merge = jax.vmap(functools.partial(merge_chain, with_scores=True))
-        chain, order = jax.vmap(context_chain, in_axes=(0, 0, None))(state.history, state.cache_len + 1, budget)
-        reach = jax.vmap(chain_log_reach, in_axes=(0, None, None))(order, budget, LOOKUP_SURVIVAL)
-        trees, scores = merge(trees, scores, chain, reach)
-        chain, reach = jax.vmap(corpus_chain, in_axes=(0, 0, None, None))(state.history, state.cache_len + 1, budget,
-                                                                          ngrams)
-        trees, scores = merge(trees, scores, chain, reach)
+        trees, scores = engine.merge_lookups(trees, scores, state.history, state.cache_len, ngrams, cfg,
+                                             with_scores=True)
         split = jax.vmap(jax.random.split)(state.keys)
         plain, _ = engine._settle(target, drafter, state, engine.root_trees(state.root), "tev", split[:, 0],
                                   split[:, 1], cfg)

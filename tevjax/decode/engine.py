@@ -606,20 +606,23 @@ def emit(ver, state: DecodeState, cfg: DecodeConfig, active: jax.Array | None = 
 
 
 def merge_lookups(trees: DraftTree, scores: jax.Array, history: jax.Array | None, cache_len: jax.Array,
-                  ngrams: NgramTable | None, cfg: DecodeConfig) -> DraftTree:
+                  ngrams: NgramTable | None, cfg: DecodeConfig, *, with_scores: bool = False
+                  ) -> DraftTree | tuple[DraftTree, jax.Array]:
     """The drafter's trees [B, N] (with their builder scores [B, N]) with the context-lookup chain
     (`cfg.lookup` > 0) and then the corpus-lookup chain (`cfg.corpus` > 0) merged in; `history`
-    [B, S] holds each row's committed tokens, `cache_len + 1` of them."""
+    [B, S] holds each row's committed tokens, `cache_len + 1` of them. `with_scores`: also the
+    merged trees' log reach estimates [B, N] (`merge_chain`'s)."""
+    merge = jax.vmap(functools.partial(merge_chain, with_scores=True))
     if cfg.lookup > 0:
         chain, order = jax.vmap(context_chain, in_axes=(0, 0, None))(history, cache_len + 1, cfg.lookup)
         survival = cfg.lookup_survival or LOOKUP_SURVIVAL
         chain_scores = jax.vmap(chain_log_reach, in_axes=(0, None, None))(order, cfg.lookup, survival)
-        trees, scores = jax.vmap(functools.partial(merge_chain, with_scores=True))(trees, scores, chain, chain_scores)
+        trees, scores = merge(trees, scores, chain, chain_scores)
     if cfg.corpus > 0:
         chain, chain_scores = jax.vmap(corpus_chain, in_axes=(0, 0, None, None))(history, cache_len + 1, cfg.corpus,
                                                                                 ngrams)
-        trees = jax.vmap(merge_chain)(trees, scores, chain, chain_scores)
-    return trees
+        trees, scores = merge(trees, scores, chain, chain_scores)
+    return (trees, scores) if with_scores else trees
 
 
 def _round(tstate, dstate, state: DecodeState, ngrams: NgramTable | None = None, *, tgd, dgd, cfg: DecodeConfig,
