@@ -236,7 +236,7 @@ def _config_from_metadata(path: Path, meta: Mapping[str, Any], tensor_names: set
                         f"partial rotary embeddings are not supported for {arch}")
     scaling = meta.get(f"{arch}.rope.scaling.type", "none")
     # Llama 3.1 onwards carries its scaling as the tensor rope_freqs.weight (`_llama3_scaling`).
-    freqs = "rope_freqs.weight" in tensor_names and not _ARCHS[arch].permuted_rope
+    freqs = "rope_freqs.weight" in tensor_names and arch != "llama"
     if scaling != "none" or freqs:
         raise GGUFError(f"{path}: rope scaling ({arch}.rope.scaling.type={scaling!r}"
                         f"{', tensor rope_freqs.weight' if freqs else ''}) is not supported")

@@ -7,7 +7,8 @@ the `tokenizer.json` / `tokenizer_config.json` pair of an HF directory, so `load
 it with transformers' `PreTrainedTokenizerFast` (no torch needed).
 
 Only byte-level BPE (`tokenizer.ggml.model == "gpt2"`: the GPT-2, StarCoder, SmolLM, Qwen and
-Llama 3 families) is supported. Its token strings are already spelled in the GPT-2 byte alphabet ("Ġt" for " t").
+Llama 3 families) is supported. Its token strings are already spelled in the GPT-2 byte alphabet
+("Ġt" for " t").
 
 The pre-tokenizer decides where BPE may not merge across. llama.cpp names it in
 `tokenizer.ggml.pre` and implements each name as a list of split regexes (`llama-vocab.cpp`):
@@ -164,10 +165,13 @@ def build_tokenizer(meta: Mapping[str, Any], *, source: str = "GGUF metadata"):
     # ByteLevel only fixes offsets; BOS / EOS are added where the file says llama.cpp adds them
     # (see module docstring).
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    ends = [(flag, meta.get(f"tokenizer.ggml.{kind}_token_id")) for flag, kind in (("add_bos_token", "bos"),
-                                                                                   ("add_eos_token", "eos"))]
-    bos, eos = [int(i) if meta.get(f"tokenizer.ggml.{flag}") and i is not None and 0 <= int(i) < len(tokens)
-                else None for flag, i in ends]
+
+    def added(kind):  # the id llama.cpp adds to any text when the file says so (`add_bos_token`), else None
+        i = meta.get(f"tokenizer.ggml.{kind}_token_id")
+        wanted = meta.get(f"tokenizer.ggml.add_{kind}_token") and i is not None and 0 <= int(i) < len(tokens)
+        return int(i) if wanted else None
+
+    bos, eos = added("bos"), added("eos")
     if bos is not None or eos is not None:
         head = [tokens[bos]] if bos is not None else []
         tail = [tokens[eos]] if eos is not None else []
