@@ -65,6 +65,7 @@ def _run(capsys, *argv):
         (["generate", "--prompt", "hi", "--fallback-below", "-1"], "--fallback-below must be a finite number >= 0"),
         (["chat", "--fallback-below", "inf"], "--fallback-below must be a finite number >= 0.0, got 'inf'"),
         (["eval", "--fallback-rounds", "0"], "--fallback-rounds must be >= 1"),
+        (["generate", "--prompt", "hi", "--stop", ""], "--stop is empty"),
         (["train", "--data", "d", "--out", "o", "--steps", "1", "--heartbeat-timeout", "2.5"],
          "--heartbeat-timeout must be an integer"),
     ],
@@ -302,6 +303,39 @@ def test_streamed_text_completes_characters(capsys, scripted_dir):
     streamed, summary = out.rsplit("\n[tevjax] ", 1)
     assert streamed == record["text"] and "\ufffd" not in out
     assert summary.startswith(f"{len(record['tokens'])} tokens")
+
+
+# The scripted answer is one token per byte, then the EOS: the kept tokens run to the one that
+# completes the stop string.
+@pytest.mark.parametrize("stops, text, stop, kept", [
+    ([" "], "🙂", "stop", 5),
+    (["é", "x"], "🙂 ", "stop", 7),  # é's two bytes are two tokens: the second completes it
+    (["\\n", "é!"], "🙂 é", "eos", 8),  # "é" could begin "é!" until the EOS: held back, then shown
+])
+def test_stop_strings_cut_the_streamed_and_json_text(capsys, scripted_dir, stops, text, stop, kept):
+    path, start = scripted_dir
+    argv = ["generate", "--target", str(path), "--prompt-ids", f"1,{start}", "--max-new-tokens", "12",
+            *(a for s in stops for a in ("--stop", s))]
+    code, out, err = _run(capsys, *argv, "--json")
+    assert code == 0, err
+    record = json.loads(out.strip().splitlines()[-1])
+    assert (record["text"], record["stop"]) == (text, stop)
+    full = json.loads(_run(capsys, *argv[:-2 * len(stops)], "--json")[1].strip().splitlines()[-1])["tokens"]
+    assert record["tokens"] == full[:kept] and len(full) == 8
+    code, out, err = _run(capsys, *argv)
+    assert code == 0, err
+    assert out.rsplit("\n[tevjax] ", 1)[0] == text
+
+
+def test_stop_needs_a_tokenizer_and_reads_escapes(capsys, tiny_dir):
+    from tevjax.cli import _stop_string
+
+    assert [_stop_string(s) for s in ("a\\nb", "\\t\\r", "\\\\n", "\\q")] == ["a\nb", "\t\r", "\\n", "\\q"]
+    code, _, err = _run(capsys, "generate", "--target", str(tiny_dir[0]), "--prompt-ids", "1,2", "--stop", "x",
+                     "--max-new-tokens", "8")
+    assert code == 2 and err.strip().splitlines()[-1] == ("tevjax: error: --stop needs the target's tokenizer, and "
+                                                          "this target has none (no tokenizer.json)")
+    assert "Traceback" not in err
 
 
 @pytest.mark.slow

@@ -252,6 +252,25 @@ def _prompt_ids(text):
     return ids
 
 
+_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
+
+
+def _stop_string(text):
+    """A --stop value with the escapes \\n, \\t, \\r and \\\\ read (a shell passes them as two
+    characters); any other backslash is kept as it is."""
+    out, i = [], 0
+    while i < len(text):
+        if text[i] == "\\" and i + 1 < len(text) and text[i + 1] in _ESCAPES:
+            out.append(_ESCAPES[text[i + 1]])
+            i += 2
+        else:
+            out.append(text[i])
+            i += 1
+    if not out:
+        raise argparse.ArgumentTypeError("--stop is empty: it would match before the first token")
+    return "".join(out)
+
+
 def _add_mesh_args(parser, default: str) -> None:
     """--mesh and the multi-host flags (generate, eval, data and train share them)."""
     parser.add_argument("--mesh", default=None,
@@ -319,6 +338,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--batch-size", type=_positive_int("--batch-size"), default=1,
                      help="prompts decoded together (with --batch-file)")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
+    gen.add_argument("--stop", type=_stop_string, action="append", default=None, metavar="TEXT",
+                     help="stop a prompt's output once its text holds TEXT, which is left out of the printed text "
+                          "(repeatable; \\n, \\t, \\r and \\\\ are read as escapes)")
     _add_mesh_args(gen, "one device")
     gen.set_defaults(func=cmd_generate)
 
@@ -550,6 +572,7 @@ def cmd_generate(args) -> int:
     _note_truncation(args)
 
     from tevjax.decode.engine import Interrupted
+    from tevjax.decode.stops import StopText, cut_text
     from tevjax.evaluate import truncation_text
     from tevjax.loading import load_models
     from tevjax.multihost import check_same
@@ -575,8 +598,10 @@ def cmd_generate(args) -> int:
             raise CliError(f"prompt {i} ({where[i]}) is {len(p)} tokens: with --max-new-tokens {args.max_new_tokens} "
                            f"and {slots} tree slots it exceeds the target's {limit} positions")
 
-    cfg = _decode_config(args, models, speculative)
-    decoder = _decoder(models.target, models.drafter if speculative else None, cfg, mesh, models.ngrams)
+    stops = tuple(args.stop or ())
+    cfg = _decode_config(args, models, speculative, stop=stops)
+    decoder = _decoder(models.target, models.drafter if speculative else None, cfg, mesh, models.ngrams,
+                       spellings=_spellings(models, stops))
     # Streaming prints row 0 as it grows; a multi-host job prints once, at the end.
     stream = not args.json and len(ids) == 1 and (mesh is None or jax_process_count() == 1)
     failed: list[str] = []
@@ -593,7 +618,7 @@ def cmd_generate(args) -> int:
                 "prompt": prompts[start + j] if isinstance(prompts[start + j], str) else None,
                 "prompt_ids": batch[j],
                 "tokens": g.tokens,
-                "text": _decode(models, g.tokens),
+                "text": cut_text(_decode(models, g.tokens), stops)[0] if stops else _decode(models, g.tokens),
                 "rounds": g.rounds,
                 "plain_rounds": g.plain_rounds,
                 "tau": round(g.tau, 4),
@@ -636,16 +661,20 @@ def cmd_generate(args) -> int:
             # Holds back the bytes of an unfinished character (an emoji spans several tokens),
             # so what streams is exactly the final text (_decode), never a stray U+FFFD.
             detok = StreamDetokenizer(models.tokenizer) if models.tokenizer is not None else None
+            # With --stop, a tail that may begin a stop string waits until the next tokens decide.
+            shown = StopText(stops) if stops else None
             try:
                 for new, state in decoder.stream(batch, seed=args.seed):
                     if detok is not None:
-                        print(detok.feed(new[0]), end="", flush=True)
+                        piece = detok.feed(new[0])
+                        print(shown.feed(piece) if shown else piece, end="", flush=True)
             except KeyboardInterrupt:
                 print(flush=True)  # end the partial line; main() reports the interrupt
                 raise
             gens = decoder.results(state)
             # Without a tokenizer the ids are the output (printed once, at the end).
-            print(detok.flush() if detok is not None else _decode(models, gens[0].tokens))
+            rest = detok.flush() if detok is not None else _decode(models, gens[0].tokens)
+            print(shown.feed(rest) + shown.flush() if shown else rest)
         else:
             try:
                 gens = decoder.generate(batch, seed=args.seed)
@@ -745,12 +774,26 @@ def jax_process_count() -> int:
     return jax.process_count()
 
 
-def _decoder(target, drafter, cfg, mesh, ngrams=None):
+def _spellings(models, stops) -> list[bytes] | None:
+    """The bytes of every token, which --stop matches against; None without --stop."""
+    if not stops:
+        return None
+    from tevjax.convert.tokenizer import token_bytes
+
+    if models.tokenizer is None:
+        raise CliError("--stop needs the target's tokenizer, and this target has none (no tokenizer.json)")
+    try:
+        return token_bytes(models.tokenizer)
+    except ValueError as e:
+        raise CliError(f"--stop: {e}") from None
+
+
+def _decoder(target, drafter, cfg, mesh, ngrams=None, spellings=None):
     """A Decoder; a mesh that does not fit the models (heads, vocabulary) is a one-line error."""
     from tevjax.decode.engine import Decoder
 
     try:
-        return Decoder(target, drafter, cfg, mesh=mesh, ngrams=ngrams)
+        return Decoder(target, drafter, cfg, mesh=mesh, ngrams=ngrams, spellings=spellings)
     except ValueError as e:
         if mesh is None:
             raise

@@ -57,6 +57,7 @@ __all__ = [
     "load_tokenizer",
     "chat_prompt_ids",
     "StreamDetokenizer",
+    "token_bytes",
 ]
 
 # GGUF token types (llama.cpp `llama_token_type`).
@@ -325,6 +326,58 @@ def _template_origin(tokenizer) -> str:
         return "tokenizer"
     jinja = where / "chat_template.jinja"  # transformers' separate-file form wins when present
     return str(jinja if jinja.is_file() else where / "tokenizer_config.json")
+
+
+def _decoder_kinds(spec) -> set[str]:
+    """The decoder types of a tokenizer.json "decoder" entry, a Sequence's members included."""
+    if not spec:
+        return set()
+    if spec.get("type") == "Sequence":
+        return set().union(*(_decoder_kinds(d) for d in spec.get("decoders", [])))
+    return {spec.get("type")}
+
+
+def token_bytes(tokenizer) -> list[bytes]:
+    """The bytes each token id spells in decoded text (`decode(..., skip_special_tokens=True)`):
+    empty for special tokens. What stop strings are matched against (`tevjax.decode.stops`).
+
+    Two decoder families are supported:
+    - byte-level BPE (a "ByteLevel" decoder: GPT-2, SmolLM, Qwen, Llama 3 and every tokenizer built
+      from a GGUF file): a token written in GPT-2's byte alphabet spells those bytes; one with any
+      other character spells its own UTF-8, as the tokenizers library decodes it;
+    - SentencePiece-style ("Metaspace", or "Replace" with "ByteFallback": Llama 2, Mistral):
+      "<0x0A>" spells the byte 0x0A and "\u2581" a space. The space such a decoder strips from the
+      start of the whole text is kept: a token spells what it adds in the middle of a text.
+    Other decoders (WordPiece, CTC, ...) raise ValueError naming the decoder.
+    """
+    import json
+
+    backend = getattr(tokenizer, "backend_tokenizer", tokenizer)  # transformers' fast tokenizer, or tokenizers'
+    spec = json.loads(backend.to_str())
+    kinds = _decoder_kinds(spec.get("decoder"))
+    size = backend.get_vocab_size(with_added_tokens=True)
+    special = {t["id"] for t in spec.get("added_tokens", []) if t.get("special")}
+    names = [backend.id_to_token(i) for i in range(size)]
+    if "ByteLevel" in kinds:
+        inverse = {c: b for b, c in _byte_alphabet().items()}
+
+        def spell(name: str) -> bytes:
+            if all(c in inverse for c in name):
+                return bytes(inverse[c] for c in name)
+            return name.encode("utf-8")
+    elif "Metaspace" in kinds or "ByteFallback" in kinds:
+        def spell(name: str) -> bytes:
+            if len(name) == 6 and name.startswith("<0x") and name.endswith(">"):
+                try:
+                    return bytes([int(name[3:5], 16)])
+                except ValueError:
+                    pass
+            return name.replace("\u2581", " ").encode("utf-8")
+    else:
+        raise ValueError(f"cannot spell this tokenizer's tokens as bytes: its decoder is "
+                         f"{sorted(kinds) or 'missing'} (supported: byte-level BPE, 'ByteLevel'; SentencePiece-style, "
+                         f"'Metaspace' or 'ByteFallback')")
+    return [b"" if i in special or names[i] is None else spell(names[i]) for i in range(size)]
 
 
 _REPLACEMENT = "\ufffd"

@@ -80,6 +80,7 @@ from tevjax.models.dflash import DFlashDrafter, DrafterCache, features_from_hidd
 from tevjax.models.transformer import Transformer
 from tevjax.multihost import every_process
 from tevjax.sampling import check_truncation, truncate_logits
+from tevjax.decode.stops import StopTable, advance, check_stops, stop_table
 from tevjax.seeding import seed_key
 from tevjax.sharding import (CACHE_AXES, LOGICAL_RULES, check_batch, host_array, logical_sharding,
                              param_shardings, put)
@@ -127,6 +128,11 @@ class DecodeConfig:
     min_p: float = 0.0
     max_new_tokens: int = 128
     eos_ids: tuple[int, ...] = ()
+    # A row also stops once its generated text contains one of these strings (`tevjax.decode.stops`:
+    # matched on the device, on the bytes the tokens spell, so the Decoder needs the tokenizer's
+    # `spellings`). The block is cut after the token that completes one; `cut_text` removes it
+    # from the text. (): none.
+    stop: tuple[str, ...] = ()
     prompt_bucket: int = 64  # prompt lengths are rounded up to a multiple of this (cache capacity, prefill chunk)
     # Prefill runs in causal chunks of at most this many tokens (shorter prompts: one chunk sized
     # to them, `Decoder.chunk_size`), so its memory is set by the chunk and not by the prompt
@@ -199,6 +205,7 @@ class DecodeConfig:
         if any(i < 0 for i in layers) or len(set(layers)) != len(layers):
             raise ValueError(f"hidden_layers must be distinct layer indices >= 0, got {self.hidden_layers!r}")
         object.__setattr__(self, "hidden_layers", layers)
+        object.__setattr__(self, "stop", check_stops(self.stop))
 
 
 @jax.tree_util.register_dataclass
@@ -233,6 +240,9 @@ class DecodeState:
     skip: jax.Array | None = None
     wait: jax.Array | None = None
     plain_rounds: jax.Array | None = None
+    # [B] int32 each row's state in the stop strings' automaton (`tevjax.decode.stops`) over its
+    # generated text; `StopTable.matched` once a stop string completed. None without `cfg.stop`.
+    stop_at: jax.Array | None = None
 
 
 # Logical axes of every `DecodeState` field (`tevjax.sharding.LOGICAL_RULES` maps them to mesh axes).
@@ -257,6 +267,7 @@ STATE_AXES: dict[str, tuple[str | None, ...]] = {
     "skip": ("batch",),
     "wait": ("batch",),
     "plain_rounds": ("batch",),
+    "stop_at": ("batch",),
 }
 
 
@@ -270,9 +281,10 @@ FALLBACK_MAX_WAIT = 64
 
 
 def state_shardings(mesh, *, drafter: bool, hidden: bool, head: bool = False, history: bool = False,
-                    fallback: bool = False) -> DecodeState:
+                    fallback: bool = False, stop: bool = False) -> DecodeState:
     """A `DecodeState` of NamedShardings (from `STATE_AXES`) for a decoder with or without a
-    drafter, kept hidden states, a pre-gathered draft head and a token history. The specs do not
+    drafter, kept hidden states, a pre-gathered draft head, a token history, the fallback's
+    bookkeeping and stop strings. The specs do not
     depend on the sizes; the sizes are checked where they are known (`Decoder.prefill`: rows;
     `param_shardings`: heads)."""
     named = {f.name: logical_sharding(mesh, STATE_AXES[f.name]) for f in dataclasses.fields(DecodeState)}
@@ -281,6 +293,7 @@ def state_shardings(mesh, *, drafter: bool, hidden: bool, head: bool = False, hi
                           "hidden": named["hidden"] if hidden else None,
                           "draft_head": named["draft_head"] if head else None,
                           "history": named["history"] if history else None,
+                          "stop_at": named["stop_at"] if stop else None,
                           **{name: named[name] if fallback else None for name in FALLBACK_FIELDS}})
 
 
@@ -291,7 +304,9 @@ class Generation:
     tokens: list[int]
     rounds: int
     tau: float  # mean output-block length per round (plain ones included), bonus token included
-    stop: str  # "eos" | "length" | "nonfinite" (the target's logits were NaN/inf: damaged weights or overflow)
+    # "eos" | "stop" (the text holds one of cfg.stop: `stops.cut_text` gives the text before it) |
+    # "length" | "nonfinite" (the target's logits were NaN/inf: damaged weights or overflow)
+    stop: str
     # [T - 1, R, D] hidden states of prompt + tokens at cfg.hidden_layers (T = their total length;
     # the last token's are never computed: no pass has read it yet); None unless requested.
     hidden: np.ndarray | None = None
@@ -352,6 +367,7 @@ def _empty_state(tstate, dstate, roots, lengths, key_data, *, tgd, dgd, cfg: Dec
         nonfinite=jnp.zeros((b,), bool),
         draft_head=drafter.head_rows(target) if drafter is not None and not _vocab_split(mesh) else None,
         history=_history_init(roots, lengths, capacity) if _uses_lookup(drafter, cfg) else None,
+        stop_at=zeros if cfg.stop else None,
         # Every row starts drafting, from an optimistic estimate: a first tree that pays keeps it.
         **(dict(expected_block=jnp.full((b,), float(drafter.cfg.block_size), jnp.float32), skip=zeros,
                 wait=zeros, plain_rounds=zeros) if _falls_back(drafter, cfg) else {}),
@@ -585,24 +601,34 @@ def commit(out, ver, state: DecodeState, drafter: DFlashDrafter | None, cfg: Dec
     return target_cache, drafter_cache, hidden
 
 
-def emit(ver, state: DecodeState, cfg: DecodeConfig, active: jax.Array | None = None
-         ) -> tuple[jax.Array, jax.Array, jax.Array]:
+def emit(ver, state: DecodeState, cfg: DecodeConfig, active: jax.Array | None = None,
+         stops: StopTable | None = None) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
     """Writes the block (accepted tokens + bonus) of the `active` rows (default: not done), cut at
-    the first EOS and at max_new_tokens, into the output buffer -> (out [B, max_new_tokens],
-    num_out [B], finished [B])."""
+    the first EOS, after the token that completes a stop string (`stops`, with `cfg.stop`) and at
+    max_new_tokens, into the output buffer -> (out [B, max_new_tokens], num_out [B], finished
+    [B], stop_at [B] each row's stop automaton state after its kept tokens, or None)."""
     active = ~state.done if active is None else active
     block_tokens, count = ver.tokens, ver.num_tokens
     j = jnp.arange(block_tokens.shape[1], dtype=jnp.int32)
-    eos = jnp.isin(block_tokens, jnp.asarray(cfg.eos_ids or (-2,), jnp.int32)) & (j < count[:, None])
-    has_eos = jnp.any(eos, axis=1)
-    count = jnp.where(has_eos, jnp.argmax(eos, axis=1).astype(jnp.int32) + 1, count)
+    valid = j < count[:, None]
+    ends = jnp.isin(block_tokens, jnp.asarray(cfg.eos_ids or (-2,), jnp.int32)) & valid
+    after = None
+    if cfg.stop:
+        after = jax.vmap(advance, in_axes=(None, 0, 0, 0))(stops, state.stop_at, block_tokens, valid)  # [B, n]
+        ends = ends | (after == stops.matched)
+    has_end = jnp.any(ends, axis=1)
+    count = jnp.where(has_end, jnp.argmax(ends, axis=1).astype(jnp.int32) + 1, count)
     count = jnp.minimum(count, cfg.max_new_tokens - state.num_out)
     count = jnp.where(active, count, 0)
     cols = jnp.where(j[None, :] < count[:, None], state.num_out[:, None] + j[None, :], cfg.max_new_tokens)
     out_buf = scatter_rows(state.out, cols, block_tokens)
     num_out = state.num_out + count
-    finished = active & (has_eos | (num_out >= cfg.max_new_tokens))
-    return out_buf, num_out, finished
+    finished = active & (has_end | (num_out >= cfg.max_new_tokens))
+    stop_at = None
+    if after is not None:  # the state after the last kept token (a row that kept none keeps its own)
+        last = jnp.take_along_axis(after, jnp.maximum(count - 1, 0)[:, None], axis=1)[:, 0]
+        stop_at = jnp.where(count > 0, last, state.stop_at)
+    return out_buf, num_out, finished, stop_at
 
 
 def merge_lookups(trees: DraftTree, scores: jax.Array, history: jax.Array | None, cache_len: jax.Array,
@@ -625,8 +651,8 @@ def merge_lookups(trees: DraftTree, scores: jax.Array, history: jax.Array | None
     return (trees, scores) if with_scores else trees
 
 
-def _round(tstate, dstate, state: DecodeState, ngrams: NgramTable | None = None, *, tgd, dgd, cfg: DecodeConfig,
-           mesh=None) -> DecodeState:
+def _round(tstate, dstate, state: DecodeState, ngrams: NgramTable | None = None, stops: StopTable | None = None, *,
+           tgd, dgd, cfg: DecodeConfig, mesh=None) -> DecodeState:
     """One draft -> build -> tree pass -> verify -> commit -> emit round for every row; with
     `cfg.fallback_below`, a plain round (the root alone) when no active row's speculation pays."""
     target: Transformer = nnx.merge(tgd, tstate)
@@ -639,7 +665,7 @@ def _round(tstate, dstate, state: DecodeState, ngrams: NgramTable | None = None,
         # The scores are only read by the lookup merge; without it XLA drops them.
         trees, scores = draft_trees(logits, state.root, cfg.budget, drafter.vocab_ids(), mesh, with_scores=True)
         trees = merge_lookups(trees, scores, state.history, state.cache_len, ngrams, cfg)
-        new, target_law = _settle(target, drafter, state, trees, cfg.verifier, keys, sub, cfg)
+        new, target_law = _settle(target, drafter, state, trees, cfg.verifier, keys, sub, cfg, stops)
         if not _falls_back(drafter, cfg):
             return new
         return _after_speculative(state, new, trees, target_law, cfg)
@@ -647,12 +673,12 @@ def _round(tstate, dstate, state: DecodeState, ngrams: NgramTable | None = None,
     if drafter is None:
         # On a root-only tree every verifier is plain sampling; fixing "tev" there keeps the
         # autoregressive random stream independent of cfg.verifier.
-        return _settle(target, None, state, root_trees(state.root), "tev", keys, sub, cfg)[0]
+        return _settle(target, None, state, root_trees(state.root), "tev", keys, sub, cfg, stops)[0]
     if not _falls_back(drafter, cfg):
         return speculative(state)
 
     def plain(state):
-        new, _ = _settle(target, drafter, state, root_trees(state.root), "tev", keys, sub, cfg)
+        new, _ = _settle(target, drafter, state, root_trees(state.root), "tev", keys, sub, cfg, stops)
         active = ~state.done
         return dataclasses.replace(new, skip=jnp.where(active, jnp.maximum(state.skip - 1, 0), state.skip),
                                    plain_rounds=state.plain_rounds + active.astype(jnp.int32))
@@ -687,7 +713,8 @@ def _after_speculative(state: DecodeState, new: DecodeState, trees: DraftTree, t
 
 
 def _settle(target: Transformer, drafter: DFlashDrafter | None, state: DecodeState, trees: DraftTree, method: str,
-            keys: jax.Array, sub: jax.Array, cfg: DecodeConfig) -> tuple[DecodeState, jax.Array]:
+            keys: jax.Array, sub: jax.Array, cfg: DecodeConfig, stops: StopTable | None = None
+            ) -> tuple[DecodeState, jax.Array]:
     """The rest of a round on given trees: tree pass -> verify -> commit -> emit -> (the new
     state, the target logits [B, N, V] verified against)."""
     active = ~state.done
@@ -700,7 +727,7 @@ def _settle(target: Transformer, drafter: DFlashDrafter | None, state: DecodeSta
     bad = active & ~finite
     active = active & finite
     target_cache, drafter_cache, hidden = commit(out, ver, state, drafter, cfg, target.cfg)
-    out_buf, num_out, finished = emit(ver, state, cfg, active)
+    out_buf, num_out, finished, stop_at = emit(ver, state, cfg, active, stops)
 
     return dataclasses.replace(
         state,
@@ -717,6 +744,7 @@ def _settle(target: Transformer, drafter: DFlashDrafter | None, state: DecodeSta
         hidden=hidden,
         nonfinite=state.nonfinite | bad,
         history=_history_after(state, ver) if state.history is not None else None,
+        stop_at=stop_at,
     ), law
 
 
@@ -728,13 +756,14 @@ def _history_after(state: DecodeState, ver) -> jax.Array:
     return scatter_rows(state.history, jnp.where(ver.tokens >= 0, slots, state.history.shape[1]), ver.tokens)
 
 
-def _rounds(tstate, dstate, state: DecodeState, max_rounds: jax.Array, ngrams: NgramTable | None = None, *, tgd,
-            dgd, cfg: DecodeConfig, mesh=None) -> DecodeState:
+def _rounds(tstate, dstate, state: DecodeState, max_rounds: jax.Array, ngrams: NgramTable | None = None,
+            stops: StopTable | None = None, *, tgd, dgd, cfg: DecodeConfig, mesh=None) -> DecodeState:
     """Rounds in one `lax.while_loop` (no host round-trip per round) until every row is done or
     `max_rounds` (a traced int32 scalar, so every count shares one compiled program) have run.
     Running it again on its result continues exactly where it stopped: the loop carries nothing
     but the state."""
-    body = functools.partial(_round, tstate, dstate, ngrams=ngrams, tgd=tgd, dgd=dgd, cfg=cfg, mesh=mesh)
+    body = functools.partial(_round, tstate, dstate, ngrams=ngrams, stops=stops, tgd=tgd, dgd=dgd, cfg=cfg,
+                             mesh=mesh)
 
     def cond(carry):
         s, i = carry
@@ -820,12 +849,20 @@ class Decoder:
     copy if they already are), and prefill, round and loop run over the mesh with the state's
     rows over `data` and its heads over `model`. `prefill` needs a row count the `data` axis
     divides; `generate` and `stream` pad the batch with copies of the last prompt and drop them.
+
+    `spellings`: the bytes each token id spells (`tevjax.convert.tokenizer.token_bytes`), which
+    `cfg.stop` needs: the stop strings' automaton is built from them once, here.
     """
 
     def __init__(self, target: Transformer, drafter: DFlashDrafter | None, cfg: DecodeConfig, mesh=None, *,
-                 ngrams: NgramTable | None = None):
+                 ngrams: NgramTable | None = None, spellings: Sequence[bytes] | None = None):
         if drafter is not None:
             drafter.cfg.check_target(target.cfg)
+        if cfg.stop and spellings is None:
+            raise ValueError(f"DecodeConfig.stop = {cfg.stop!r} needs the tokens' bytes: Decoder(..., spellings="
+                             "tevjax.convert.tokenizer.token_bytes(tokenizer))")
+        # A small table every row reads each round: a jit argument, like the n-gram table.
+        self.stops = stop_table(cfg.stop, spellings, target.cfg.vocab_size) if cfg.stop else None
         if drafter is not None and cfg.corpus > 0 and ngrams is None:
             raise ValueError(f"DecodeConfig.corpus = {cfg.corpus} needs an n-gram table: Decoder(..., ngrams=table) "
                              "(tevjax.builder.ngram_table, or load_models(...).ngrams)")
@@ -850,15 +887,18 @@ class Decoder:
             self.dstate = jax.device_put(self.dstate, dshard) if drafter is not None else None
             head = drafter is not None and drafter.vocab_ids() is not None and not _vocab_split(mesh)
             sshard = state_shardings(mesh, drafter=drafter is not None, hidden=bool(cfg.hidden_layers), head=head,
-                                     history=_uses_lookup(drafter, cfg), fallback=_falls_back(drafter, cfg))
+                                     history=_uses_lookup(drafter, cfg), fallback=_falls_back(drafter, cfg),
+                                     stop=bool(cfg.stop))
             scalar = logical_sharding(mesh, ())
             rows = logical_sharding(mesh, ("batch",))
             # The n-gram table is small and read by every row: a copy on each device.
             nshard = None if self.ngrams is None else jax.tree.map(lambda _: logical_sharding(mesh, ()), self.ngrams)
             if self.ngrams is not None:
                 self.ngrams = jax.device_put(self.ngrams, nshard)
-            shard = dict(in_shardings=(tshard, dshard, sshard, nshard), out_shardings=sshard)
-            self._loop_shardings = dict(in_shardings=(tshard, dshard, sshard, scalar, nshard), out_shardings=sshard)
+            stshard = None if self.stops is None else jax.tree.map(lambda _: logical_sharding(mesh, ()), self.stops)
+            shard = dict(in_shardings=(tshard, dshard, sshard, nshard, stshard), out_shardings=sshard)
+            self._loop_shardings = dict(in_shardings=(tshard, dshard, sshard, scalar, nshard, stshard),
+                                        out_shardings=sshard)
             self._chunk_shardings = dict(in_shardings=(tshard, dshard, sshard, logical_sharding(mesh, ("batch", None)),
                                                        scalar), out_shardings=sshard)
             self._empty_shardings = dict(in_shardings=(tshard, dshard, rows, rows, logical_sharding(mesh, (None,))),
@@ -871,6 +911,8 @@ class Decoder:
         self._loop = jax.jit(functools.partial(_rounds, **statics), donate_argnums=(2,), **self._loop_shardings)
         self._prefill_chunk = jax.jit(functools.partial(_prefill_chunk, tgd=self.tgd, dgd=self.dgd, cfg=cfg),
                                       donate_argnums=(2,), **self._chunk_shardings)
+        if self.stops is not None:
+            self.stops = jax.device_put(self.stops, stshard) if mesh is not None else jax.device_put(self.stops)
         self._empty_fns: dict[int, Any] = {}
         self._rebase_fns: dict[tuple[int, bool], Any] = {}
 
@@ -1072,16 +1114,16 @@ class Decoder:
             small = jax.ShapeDtypeStruct((b, min(self.chunk_size(lengths), MIN_CHUNK)), jnp.int32)
             self._prefill_chunk.lower(self.tstate, self.dstate, state, small, i32).compile()
         if streaming:
-            self._round.lower(self.tstate, self.dstate, state, self.ngrams).compile()
+            self._round.lower(self.tstate, self.dstate, state, self.ngrams, self.stops).compile()
         else:
-            self._loop.lower(self.tstate, self.dstate, state, i32, self.ngrams).compile()
+            self._loop.lower(self.tstate, self.dstate, state, i32, self.ngrams, self.stops).compile()
         return time.perf_counter() - t0
 
     def compiled_loop(self, state: DecodeState):
         """The ahead-of-time compiled round loop for `state`'s shapes (e.g. for `.memory_analysis()`);
         compiling again for known shapes hits jax's cache."""
         return self._loop.lower(self.tstate, self.dstate, state, jax.ShapeDtypeStruct((), jnp.int32),
-                                self.ngrams).compile()
+                                self.ngrams, self.stops).compile()
 
     def run(self, state: DecodeState, *, rounds_per_call: int | None = None) -> DecodeState:
         """Runs rounds until every row is done (consumes `state`).
@@ -1099,7 +1141,7 @@ class Decoder:
         with _deferred_sigint() as sigint:
             while True:
                 t0 = time.perf_counter()
-                state = self._loop(self.tstate, self.dstate, state, np.int32(rounds), self.ngrams)
+                state = self._loop(self.tstate, self.dstate, state, np.int32(rounds), self.ngrams, self.stops)
                 done = host_array(state.done)  # waits for the call: the bound on how late Ctrl-C is seen
                 want = rounds if rounds_per_call is not None else \
                     _next_rounds(rounds, time.perf_counter() - t0, self.cfg.max_new_tokens)
@@ -1115,7 +1157,7 @@ class Decoder:
 
     def step(self, state: DecodeState) -> DecodeState:
         """One jitted round (consumes `state`); the building block of `stream`."""
-        return self._round(self.tstate, self.dstate, state, self.ngrams)
+        return self._round(self.tstate, self.dstate, state, self.ngrams, self.stops)
 
     def results(self, state: DecodeState, prompt_lengths: Sequence[int] | None = None) -> list[Generation]:
         """Per-row results; `Generation.hidden` needs `cfg.hidden_layers` and the prompt lengths."""
@@ -1123,12 +1165,15 @@ class Decoder:
         rounds, total = host_array(state.rounds), host_array(state.block_total)
         nonfinite = host_array(state.nonfinite)
         plain = host_array(state.plain_rounds) if state.plain_rounds is not None else np.zeros_like(rounds)
+        stopped = host_array(state.stop_at) == self.stops.matched if self.stops is not None \
+            else np.zeros(len(nonfinite), bool)
         hidden = host_array(state.hidden) if state.hidden is not None and prompt_lengths is not None else None
         gens = []
         rows = out.shape[0] if prompt_lengths is None else len(prompt_lengths)  # padding rows dropped
         for i in range(rows):
             toks = out[i, : num_out[i]].tolist()
-            stop = "nonfinite" if nonfinite[i] else "eos" if toks and toks[-1] in self.cfg.eos_ids else "length"
+            stop = ("nonfinite" if nonfinite[i] else "eos" if toks and toks[-1] in self.cfg.eos_ids
+                    else "stop" if stopped[i] else "length")
             # Slots [0, prompt + tokens - 1) were all written: every token but the last was a root
             # or an accepted node of some pass, and later rounds only write at higher slots.
             kept = hidden[i, : prompt_lengths[i] + len(toks) - 1] if hidden is not None else None

@@ -1,0 +1,242 @@
+"""Stop strings: the token automaton against a brute-force search of the text, the streamed text,
+token spellings against the tokenizers' own decoding, and decoding that stops exactly where
+autoregressive decoding's text first holds a stop string."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tevjax.convert.tokenizer import build_tokenizer, token_bytes
+from tevjax.decode import DecodeConfig, Decoder
+from tevjax.decode.stops import StopText, advance, cut_text, stop_table
+from test_decode import models  # noqa: F401  the tiny target (vocabulary 24) and its fresh drafter
+
+# ------------------------------------------------------------------------------------- automaton
+
+ALPHABET = "ab\né"  # é is two bytes in UTF-8: tokens may split it
+_byte_strings = st.lists(st.sampled_from(list("ab\né".encode())), max_size=3).map(bytes)
+
+
+def first_stop(spellings, tokens, stops) -> int | None:
+    """Brute force: the first index i whose text (tokens[: i + 1]'s bytes) holds a stop string."""
+    text = b""
+    for i, t in enumerate(tokens):
+        text += spellings[t]
+        if any(s.encode() in text for s in stops):
+            return i
+    return None
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(spellings=st.lists(_byte_strings, min_size=1, max_size=10),
+       stops=st.lists(st.text(ALPHABET, min_size=1, max_size=4), min_size=1, max_size=3),
+       picks=st.lists(st.integers(0, 10**6), max_size=24))
+def test_the_automaton_stops_at_the_first_token_whose_text_holds_a_stop_string(spellings, stops, picks):
+    vocab = len(spellings) + 1  # one spare id past the spellings: it spells nothing
+    table = stop_table(stops, spellings, vocab)
+    tokens = [p % vocab for p in picks]
+    padded = spellings + [b""]
+    q, hit = 0, None
+    for i, t in enumerate(tokens):
+        q = int(table.next[q, t])
+        if q == table.matched:
+            hit = i
+            break
+    assert hit == first_stop(padded, tokens, stops)
+    assert (table.next[table.matched] == table.matched).all()  # absorbing
+
+
+def test_advance_walks_the_table_and_skips_invalid_tokens():
+    spellings = [b"xa", b"b", b"cab", b"a"]
+    table = stop_table(["ab"], spellings, 5)
+    # The module docstring's worked example.
+    assert table.matched == 3
+    assert (int(table.next[0, 0]), int(table.next[1, 1]), int(table.next[0, 2]), int(table.next[0, 1])) == (1, 3, 3, 0)
+    tokens = jnp.asarray([0, 4, 3, 1, 0], jnp.int32)
+    valid = jnp.asarray([True, True, True, False, True])
+    got = jax.jit(advance)(jax.device_put(table), jnp.int32(0), tokens, valid)
+    # "xa" -> 1; token 4 spells nothing; "a" -> 1; the invalid "b" is skipped; "xa" -> 1.
+    assert got.tolist() == [1, 1, 1, 1, 1]
+    assert jax.jit(advance)(table, jnp.int32(1), tokens[3:4], valid[:1]).tolist() == [3]
+
+
+def test_stop_string_errors_name_the_problem():
+    with pytest.raises(TypeError, match=r"the single string 'ab': write \('ab',\)"):
+        DecodeConfig(stop="ab")
+    with pytest.raises(ValueError, match="stop string 1 is empty"):
+        DecodeConfig(stop=("a", ""))
+    with pytest.raises(TypeError, match="stop string 0 must be a str"):
+        DecodeConfig(stop=(b"a",))
+    assert DecodeConfig(stop=["a", "b"]).stop == ("a", "b")  # any sequence becomes a hashable tuple
+    with pytest.raises(ValueError, match="3 token spellings for a vocabulary of 2"):
+        stop_table(["a"], [b"a", b"b", b"c"], 2)
+
+
+# ------------------------------------------------------------------------------------------- text
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(text=st.text("ab\n", max_size=30), stops=st.lists(st.text("ab\n", min_size=1, max_size=4), min_size=1,
+                                                          max_size=3),
+       cuts=st.lists(st.integers(0, 30), max_size=8))
+def test_streamed_text_joins_to_the_cut_text(text, stops, cuts):
+    """However the text arrives, the pieces shown join to the text before the first stop string,
+    and nothing of a stop string is ever shown."""
+    bounds = sorted({0, len(text), *(min(c, len(text)) for c in cuts)})
+    shown = StopText(stops)
+    pieces = [shown.feed(text[a:b]) for a, b in zip(bounds, bounds[1:])]
+    want, hit = cut_text(text, stops)
+    joined = "".join(pieces) + shown.flush()
+    assert joined == want and shown.stopped == hit
+    for k in range(1, len(pieces) + 1):
+        assert not any(s in "".join(pieces[:k]) for s in stops)
+
+
+def test_cut_text_cuts_the_stop_string_that_ends_first():
+    assert cut_text("one two three", ("three", "two")) == ("one ", True)
+    assert cut_text("one", ("x",)) == ("one", False)
+    assert cut_text("aa\na", ("\n", "a\na")) == ("aa", True)  # "a\na" starts first but ends later
+    assert cut_text("xab", ("b", "ab")) == ("x", True)  # both end at once: the longer one goes
+
+
+# --------------------------------------------------------------------------------------- spellings
+
+def _joined(spellings, ids) -> str:
+    return b"".join(spellings[i] for i in ids).decode("utf-8", "replace")
+
+
+def test_byte_level_spellings_decode_as_the_tokenizer_does():
+    from test_tokenizer import tiny_meta
+
+    tok = build_tokenizer(tiny_meta())
+    spellings = token_bytes(tok)
+    assert len(spellings) == tok.get_vocab_size(with_added_tokens=True)
+    assert spellings[1] == b"" and spellings[tok.token_to_id("Ġworld")] == b" world"
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        ids = rng.integers(0, len(spellings), 12).tolist()
+        assert _joined(spellings, ids) == tok.decode(ids, skip_special_tokens=True)
+    text = "hello  world 12 é🙂\n"
+    ids = tok.encode(text).ids
+    assert b"".join(spellings[i] for i in ids) == text.encode()
+
+
+def test_sentencepiece_spellings_and_unsupported_decoders():
+    from tokenizers import Tokenizer, decoders, models
+
+    vocab = {"<unk>": 0, "<s>": 1, "\u2581a": 2, "b": 3, "<0x0A>": 4, "<0xC3>": 5, "<0xA9>": 6}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    from tokenizers import AddedToken
+
+    tok.add_special_tokens([AddedToken("<s>", special=True)])
+    spellings = token_bytes(tok)
+    assert spellings == [b"<unk>", b"", b" a", b"b", b"\n", b"\xc3", b"\xa9"]
+    ids = [3, 2, 4, 5, 6, 2]
+    assert _joined(spellings, ids) == tok.decode(ids)  # no leading space here for the decoder to strip
+    assert _joined(spellings, [2, 3]) == " " + tok.decode([2, 3])  # the one the decoder strips is kept
+    tok.decoder = decoders.WordPiece()
+    with pytest.raises(ValueError, match=r"its decoder is \['WordPiece'\]"):
+        token_bytes(tok)
+
+
+def test_smollm2_spellings_decode_as_its_tokenizer():
+    from tevjax.loading import load_target
+
+    tok = load_target().tokenizer
+    spellings = token_bytes(tok)
+    rng = np.random.default_rng(1)
+    for _ in range(100):  # random ids, special ones and partial characters included
+        ids = rng.integers(0, len(spellings), 16).tolist()
+        assert _joined(spellings, ids) == tok.decode(ids, skip_special_tokens=True)
+    text = "Lists:\n\n1. Apples — 🍎 and `code()`\n\tend"
+    assert b"".join(spellings[i] for i in tok.encode(text)) == text.encode()
+
+
+# --------------------------------------------------------------------------------------- decoding
+
+PROMPTS = [[1, 5, 7, 9, 11], [1, 3], [1, 4, 4, 4, 4, 4, 8, 9, 10, 12, 14], [6]]
+# Tokens 0..21 spell one to three letters of a-f; 22 and 23 (the drafter's mask) spell nothing.
+SPELLINGS = [bytes([97 + i % 6]) * (1 + i % 3) for i in range(22)] + [b"", b""]
+KW = dict(max_new_tokens=24, budget=8, prompt_bucket=16, capacity=64)
+
+
+@pytest.fixture(scope="module")
+def reference(models):
+    """Autoregressive greedy outputs without stop strings, and stop strings chosen from them: one
+    row's text holds each early on, and one row's text holds none."""
+    outs = [g.tokens for g in Decoder(models[0], None, DecodeConfig(**KW)).generate(PROMPTS)]
+    texts = [b"".join(SPELLINGS[t] for t in out).decode() for out in outs]
+    return outs, texts
+
+
+STOPS = ("ca", "fe", "ddd")
+
+
+def _expected(outs):
+    cuts = [first_stop(SPELLINGS, out, STOPS) for out in outs]
+    return [out if c is None else out[: c + 1] for out, c in zip(outs, cuts)], cuts
+
+
+@pytest.mark.parametrize("verifier", [None, "tev", "sequential"])
+def test_decoding_stops_where_the_autoregressive_text_first_holds_a_stop_string(models, reference, verifier):
+    outs, texts = reference
+    want, cuts = _expected(outs)
+    # The test can fail both ways: some rows stop early, and some run to their length.
+    assert any(c is not None and c + 1 < len(o) for c, o in zip(cuts, outs)) and None in cuts, texts
+    drafter = models[1] if verifier else None
+    cfg = DecodeConfig(stop=STOPS, lookup=5 if verifier else 0, **({"verifier": verifier} if verifier else {}), **KW)
+    dec = Decoder(models[0], drafter, cfg, spellings=SPELLINGS)
+    gens = dec.generate(PROMPTS)
+    assert [g.tokens for g in gens] == want
+    assert [g.stop for g in gens] == ["length" if c is None else "stop" for c in cuts]
+    # Rows alone, and one round per loop call: the automaton's state carries across calls.
+    assert [g.tokens for g in dec.generate(PROMPTS, rounds_per_call=1)] == want
+    streamed = [[] for _ in PROMPTS]
+    for new, state in dec.stream(PROMPTS):
+        for row, toks in zip(streamed, new):
+            row.extend(toks)
+    assert streamed == want and [g.tokens for g in dec.results(state)] == want
+    if verifier:
+        # Some stopped row's last round accepted tokens past its stop, which the cut dropped.
+        assert any(round(g.tau * g.rounds) > len(g.tokens) for g in gens if g.stop == "stop")
+
+
+def test_a_reused_state_matches_its_new_output_from_the_start(models, reference):
+    """A second turn from a stopped state: the automaton starts over on the new output, so the
+    turn decodes what a fresh prefill of the same prompts decodes."""
+    dec = Decoder(models[0], models[1], DecodeConfig(stop=STOPS, lookup=5, **{**KW, "capacity": 128}),
+                  spellings=SPELLINGS)
+    state = dec.run(dec.prefill(PROMPTS))
+    second = [p + g.tokens + [2, 3] for p, g in zip(PROMPTS, dec.results(state))]
+    again = dec.run(dec.prefill(second, seed=1, reuse=(state, PROMPTS)))
+    assert [g.tokens for g in dec.results(again)] == [g.tokens for g in dec.generate(second, seed=1)]
+
+
+def test_a_decoder_with_stop_strings_needs_the_spellings(models):
+    with pytest.raises(ValueError, match="needs the tokens' bytes"):
+        Decoder(models[0], None, DecodeConfig(stop=("a",), **KW))
+
+
+def test_emit_cuts_blocks_at_the_first_stop_eos_or_length():
+    """Rows of one block "x c a" (stop "ca") with room for all, room for two (the length cut comes
+    before the stop: not a stop), an EOS first, and a row already done."""
+    from types import SimpleNamespace
+
+    from tevjax.decode.engine import emit
+
+    spellings = [b"c", b"a", b"x", b""]  # 3 is the EOS: it spells nothing
+    table = stop_table(["ca"], spellings, 4)
+    cfg = DecodeConfig(stop=("ca",), eos_ids=(3,), max_new_tokens=4)
+    blocks = jnp.asarray([[2, 0, 1], [2, 0, 1], [3, 0, 1], [2, 0, 1]], jnp.int32)
+    ver = SimpleNamespace(tokens=blocks, num_tokens=jnp.asarray([3, 3, 3, 3], jnp.int32))
+    state = SimpleNamespace(out=jnp.full((4, 4), -1, jnp.int32), num_out=jnp.asarray([0, 2, 0, 0], jnp.int32),
+                            done=jnp.asarray([False, False, False, True]), stop_at=jnp.zeros(4, jnp.int32))
+    out, num_out, finished, stop_at = emit(ver, state, cfg, stops=table)
+    assert num_out.tolist() == [3, 4, 1, 0] and finished.tolist() == [True, True, True, False]
+    assert out[0].tolist() == [2, 0, 1, -1] and out[1].tolist()[2:] == [2, 0]
+    c_state = int(table.next[0, 0])  # the text ends in "c": a stop string's first byte
+    assert stop_at.tolist() == [table.matched, c_state, 0, 0]
