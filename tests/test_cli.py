@@ -66,6 +66,7 @@ def _run(capsys, *argv):
         (["chat", "--fallback-below", "inf"], "--fallback-below must be a finite number >= 0.0, got 'inf'"),
         (["eval", "--fallback-rounds", "0"], "--fallback-rounds must be >= 1"),
         (["generate", "--prompt", "hi", "--stop", ""], "--stop is empty"),
+        (["generate", "--prompt", "hi", "--logprobs"], "--logprobs needs --json"),
         (["train", "--data", "d", "--out", "o", "--steps", "1", "--heartbeat-timeout", "2.5"],
          "--heartbeat-timeout must be an integer"),
     ],
@@ -149,15 +150,18 @@ def test_generate_json_matches_autoregressive_greedy(capsys, tiny_dir):
         assert field in record
     reference = Decoder(model, None, DecodeConfig(max_new_tokens=8, eos_ids=(2,))).generate([[1, 2, 3]])[0]
     assert record["tokens"] == reference.tokens
-    assert record["tau"] >= 1.0 and record["rounds"] >= 1
+    assert record["tau"] >= 1.0 and record["rounds"] >= 1 and "logprobs" not in record
     assert record["budget"] == 4 and record["lookup"] == 4  # the chain defaults to the budget
     code, out, _ = _run(capsys, "generate", "--target", str(path), "--prompt-ids", "1,2,3", "--max-new-tokens", "8",
                         "--budget", "4", "--lookup", "0", "--json")
     assert code == 0 and json.loads(out.strip().splitlines()[-1])["lookup"] == 0
     assert json.loads(out.strip().splitlines()[-1])["tokens"] == reference.tokens
     code, out, err = _run(capsys, "generate", "--target", str(path), "--prompt-ids", "1,2,3", "--max-new-tokens", "8",
-                          "--verifier", "ar", "--json")
-    assert code == 0 and json.loads(out.strip().splitlines()[-1])["tokens"] == reference.tokens
+                          "--verifier", "ar", "--json", "--logprobs")
+    record = json.loads(out.strip().splitlines()[-1])
+    assert code == 0 and record["tokens"] == reference.tokens
+    logprobs = Decoder(model, None, DecodeConfig(max_new_tokens=8, eos_ids=(2,), logprobs=True)).generate([[1, 2, 3]])
+    np.testing.assert_allclose(record["logprobs"], logprobs[0].logprobs, atol=1e-5)
     assert "drafter" not in err, err  # the baseline loads no drafter, so no note about one
     # Without --budget, the CPU's default: 8, the faster of 8 and 16 on this CPU.
     code, out, err = _run(capsys, "generate", "--target", str(path), "--prompt-ids", "1,2,3", "--max-new-tokens", "8",

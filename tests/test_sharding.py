@@ -328,14 +328,20 @@ CHECKS = {
         assert both.ngrams.keys.sharding.is_fully_replicated
         rounds = lambda d: sum(g.rounds for g in d.generate(PROMPTS))
         assert rounds(both) < rounds(plain)
-        # Stop strings: each row's automaton state split by rows, the table copied to every
-        # device; the rows stop where unsharded decoding's stop, some before their length.
+        # Stop strings and log-probabilities: each row's automaton state and log-probabilities
+        # split by rows, the table copied to every device; the rows stop where unsharded
+        # decoding's stop, some before their length, with the same log-probabilities (their
+        # log-sum-exp runs over the vocabulary split over `model`).
         spell = [bytes([97 + i % 6]) * (1 + i % 3) for i in range(V)]
-        stop_cfg = config(lookup=4, stop=("ca", "fe", "ddd"))
+        stop_cfg = config(lookup=4, stop=("ca", "fe", "ddd"), logprobs=True)
         stopping = Decoder(target, drafter, stop_cfg, mesh=mesh, spellings=spell)
-        want = [g.tokens for g in Decoder(target, drafter, stop_cfg, spellings=spell).generate(PROMPTS)]
-        assert tokens(stopping) == want and any(len(t) < 8 for t in want), want
-        assert stopping.prefill(PROMPTS).stop_at.sharding.spec[0] == "data"
+        want = Decoder(target, drafter, stop_cfg, spellings=spell).generate(PROMPTS)
+        got = stopping.generate(PROMPTS)
+        assert [g.tokens for g in got] == [g.tokens for g in want] and any(len(g.tokens) < 8 for g in want)
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g.logprobs, w.logprobs, atol=1e-5)
+        state = stopping.prefill(PROMPTS)
+        assert state.stop_at.sharding.spec[0] == "data" and state.logprobs.sharding.spec[0] == "data"
         assert stopping.stops.next.sharding.is_fully_replicated
     """,
     # Truncated sampling with the vocabulary split over `model` (1, 4): the cuts' bisection sums over
@@ -516,8 +522,8 @@ CHECKS = {
 
 def test_sharded_decoding_on_forced_devices():
     """The fast subset: loading into (2, 2) shardings and greedy decoding there, (1, 4) greedy
-    decoding and its compiled HLO, context and corpus lookup chains, fallback rounds and stop
-    strings on (2, 2), and the errors of undivided meshes."""
+    decoding and its compiled HLO, context and corpus lookup chains, fallback rounds, stop
+    strings and log-probabilities on (2, 2), and the errors of undivided meshes."""
     _run("errors", "load_2x2", "hlo_1x4", "lookup_2x2")
 
 

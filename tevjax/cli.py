@@ -338,6 +338,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--batch-size", type=_positive_int("--batch-size"), default=1,
                      help="prompts decoded together (with --batch-file)")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
+    gen.add_argument("--logprobs", action="store_true",
+                     help="with --json: each token's log-probability under the target (before temperature and "
+                          "truncation)")
     gen.add_argument("--stop", type=_stop_string, action="append", default=None, metavar="TEXT",
                      help="stop a prompt's output once its text holds TEXT, which is left out of the printed text "
                           "(repeatable; \\n, \\t, \\r and \\\\ are read as escapes)")
@@ -563,6 +566,8 @@ def _decode(models, ids: list[int]) -> str:
 def cmd_generate(args) -> int:
     _check_verifier(args.verifier, autoregressive=True)
     speculative = args.verifier != AUTOREGRESSIVE
+    if args.logprobs and not args.json:
+        raise CliError("--logprobs needs --json: the log-probabilities are a field of each JSON record")
     prompts, where = _read_prompts(args)  # cheap checks before the (slow) model load
     mesh = _mesh(args, default_all=False)
     if args.budget is None:
@@ -599,7 +604,7 @@ def cmd_generate(args) -> int:
                            f"and {slots} tree slots it exceeds the target's {limit} positions")
 
     stops = tuple(args.stop or ())
-    cfg = _decode_config(args, models, speculative, stop=stops)
+    cfg = _decode_config(args, models, speculative, stop=stops, logprobs=args.logprobs)
     decoder = _decoder(models.target, models.drafter if speculative else None, cfg, mesh, models.ngrams,
                        spellings=_spellings(models, stops))
     # Streaming prints row 0 as it grows; a multi-host job prints once, at the end.
@@ -623,6 +628,7 @@ def cmd_generate(args) -> int:
                 "plain_rounds": g.plain_rounds,
                 "tau": round(g.tau, 4),
                 "stop": g.stop,
+                **({"logprobs": [round(x, 5) for x in g.logprobs]} if args.logprobs else {}),
                 "seconds": round(seconds, 4),
                 "tokens_per_second": round(len(g.tokens) / seconds, 3) if seconds > 0 else None,
                 "verifier": args.verifier,

@@ -88,8 +88,8 @@ from tevjax.tree import DraftTree
 from tevjax.verifiers import VERIFIERS, verify
 
 __all__ = ["CALL_SECONDS", "DecodeConfig", "DecodeState", "Decoder", "Generation", "Interrupted", "STATE_AXES",
-           "commit", "draft", "draft_trees", "emit", "merge_lookups", "root_trees", "state_shardings", "target_logits",
-           "tree_pass"]
+           "block_logprobs", "commit", "draft", "draft_trees", "emit", "merge_lookups", "root_trees", "scatter_block",
+           "state_shardings", "target_logits", "tree_pass"]
 
 # Wall time one call of the jitted round loop aims at (`Decoder.run`): Ctrl-C is seen between calls,
 # so this bounds how late it is answered; each call costs one host sync (~0.1 ms), so a quarter
@@ -146,6 +146,10 @@ class DecodeConfig:
     # committed token, prompt included: `Generation.hidden`. Regeneration then yields a drafter's
     # training features with no second pass over the text.
     hidden_layers: tuple[int, ...] = ()
+    # Keep the target's log-probability of every generated token: log softmax of its logits at the
+    # token's prefix, before temperature and truncation (the model's own distribution, as servers
+    # report it), read from the tree pass that verified the token (`Generation.logprobs`).
+    logprobs: bool = False
     # Fallback to plain target steps where speculation does not pay: a row whose recent expected
     # block (a running mean of 1 + the exit law's coverage C_p of its verified trees) is below this
     # skips the drafter for `fallback_rounds` rounds, twice as many each time it stays below (at
@@ -206,6 +210,9 @@ class DecodeConfig:
             raise ValueError(f"hidden_layers must be distinct layer indices >= 0, got {self.hidden_layers!r}")
         object.__setattr__(self, "hidden_layers", layers)
         object.__setattr__(self, "stop", check_stops(self.stop))
+        if not isinstance(self.logprobs, (bool, np.bool_)):
+            raise TypeError(f"DecodeConfig.logprobs must be a bool, got {self.logprobs!r}")
+        object.__setattr__(self, "logprobs", bool(self.logprobs))
 
 
 @jax.tree_util.register_dataclass
@@ -243,6 +250,9 @@ class DecodeState:
     # [B] int32 each row's state in the stop strings' automaton (`tevjax.decode.stops`) over its
     # generated text; `StopTable.matched` once a stop string completed. None without `cfg.stop`.
     stop_at: jax.Array | None = None
+    # [B, max_new_tokens] float32 the target's log-probability of each generated token (0 beyond
+    # num_out). None without `cfg.logprobs`.
+    logprobs: jax.Array | None = None
 
 
 # Logical axes of every `DecodeState` field (`tevjax.sharding.LOGICAL_RULES` maps them to mesh axes).
@@ -268,6 +278,7 @@ STATE_AXES: dict[str, tuple[str | None, ...]] = {
     "wait": ("batch",),
     "plain_rounds": ("batch",),
     "stop_at": ("batch",),
+    "logprobs": ("batch", None),
 }
 
 
@@ -281,10 +292,10 @@ FALLBACK_MAX_WAIT = 64
 
 
 def state_shardings(mesh, *, drafter: bool, hidden: bool, head: bool = False, history: bool = False,
-                    fallback: bool = False, stop: bool = False) -> DecodeState:
+                    fallback: bool = False, stop: bool = False, logprobs: bool = False) -> DecodeState:
     """A `DecodeState` of NamedShardings (from `STATE_AXES`) for a decoder with or without a
     drafter, kept hidden states, a pre-gathered draft head, a token history, the fallback's
-    bookkeeping and stop strings. The specs do not
+    bookkeeping, stop strings and log-probabilities. The specs do not
     depend on the sizes; the sizes are checked where they are known (`Decoder.prefill`: rows;
     `param_shardings`: heads)."""
     named = {f.name: logical_sharding(mesh, STATE_AXES[f.name]) for f in dataclasses.fields(DecodeState)}
@@ -294,6 +305,7 @@ def state_shardings(mesh, *, drafter: bool, hidden: bool, head: bool = False, hi
                           "draft_head": named["draft_head"] if head else None,
                           "history": named["history"] if history else None,
                           "stop_at": named["stop_at"] if stop else None,
+                          "logprobs": named["logprobs"] if logprobs else None,
                           **{name: named[name] if fallback else None for name in FALLBACK_FIELDS}})
 
 
@@ -311,6 +323,8 @@ class Generation:
     # the last token's are never computed: no pass has read it yet); None unless requested.
     hidden: np.ndarray | None = None
     plain_rounds: int = 0  # rounds that stepped on the root alone (`DecodeConfig.fallback_below`); in `rounds`
+    # The target's log-probability of each of `tokens` (`DecodeConfig.logprobs`); None unless requested.
+    logprobs: list[float] | None = None
 
 
 # The smallest prefill chunk (`Decoder.chunk_size`): chunks are sized to the tokens they prefill,
@@ -368,6 +382,7 @@ def _empty_state(tstate, dstate, roots, lengths, key_data, *, tgd, dgd, cfg: Dec
         draft_head=drafter.head_rows(target) if drafter is not None and not _vocab_split(mesh) else None,
         history=_history_init(roots, lengths, capacity) if _uses_lookup(drafter, cfg) else None,
         stop_at=zeros if cfg.stop else None,
+        logprobs=jnp.zeros((b, cfg.max_new_tokens), jnp.float32) if cfg.logprobs else None,
         # Every row starts drafting, from an optimistic estimate: a first tree that pays keeps it.
         **(dict(expected_block=jnp.full((b,), float(drafter.cfg.block_size), jnp.float32), skip=zeros,
                 wait=zeros, plain_rounds=zeros) if _falls_back(drafter, cfg) else {}),
@@ -620,15 +635,35 @@ def emit(ver, state: DecodeState, cfg: DecodeConfig, active: jax.Array | None = 
     count = jnp.where(has_end, jnp.argmax(ends, axis=1).astype(jnp.int32) + 1, count)
     count = jnp.minimum(count, cfg.max_new_tokens - state.num_out)
     count = jnp.where(active, count, 0)
-    cols = jnp.where(j[None, :] < count[:, None], state.num_out[:, None] + j[None, :], cfg.max_new_tokens)
-    out_buf = scatter_rows(state.out, cols, block_tokens)
     num_out = state.num_out + count
+    out_buf = scatter_block(state.out, state.num_out, num_out, block_tokens)
     finished = active & (has_end | (num_out >= cfg.max_new_tokens))
     stop_at = None
     if after is not None:  # the state after the last kept token (a row that kept none keeps its own)
         last = jnp.take_along_axis(after, jnp.maximum(count - 1, 0)[:, None], axis=1)[:, 0]
         stop_at = jnp.where(count > 0, last, state.stop_at)
     return out_buf, num_out, finished, stop_at
+
+
+def scatter_block(buf: jax.Array, start: jax.Array, end: jax.Array, block: jax.Array) -> jax.Array:
+    """`buf` [B, T] with each row's block [B, n] entries 0 .. end - start - 1 written at columns
+    start .. end - 1 (start, end [B]); the rest of the block is dropped."""
+    j = jnp.arange(block.shape[1], dtype=jnp.int32)[None, :]
+    cols = jnp.where(j < (end - start)[:, None], start[:, None] + j, buf.shape[1])
+    return scatter_rows(buf, cols, block.astype(buf.dtype))
+
+
+def block_logprobs(logits: jax.Array, ver) -> jax.Array:
+    """[B, N] float32 the target's log-probability of each token of the output blocks `ver`
+    verified on the tree-pass `logits` [B, N, V]: block token i was predicted at the root (i = 0)
+    or at accepted node path[i - 1], the bonus at the deepest accepted node. Entries past a
+    block's length are garbage, for the caller to drop."""
+    root = jnp.zeros((ver.path.shape[0], 1), jnp.int32)  # (path[:, :1] is empty for a root-only tree)
+    predictor = jnp.concatenate([root, jnp.maximum(ver.path, 0)], axis=1)  # [B, N]
+    lse = jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1)  # [B, N]
+    b = jnp.arange(logits.shape[0])[:, None]
+    chosen = logits[b, predictor, jnp.maximum(ver.tokens, 0)].astype(jnp.float32)  # [B, N], no [B, N, V] copy
+    return chosen - lse[b, predictor]
 
 
 def merge_lookups(trees: DraftTree, scores: jax.Array, history: jax.Array | None, cache_len: jax.Array,
@@ -728,6 +763,9 @@ def _settle(target: Transformer, drafter: DFlashDrafter | None, state: DecodeSta
     active = active & finite
     target_cache, drafter_cache, hidden = commit(out, ver, state, drafter, cfg, target.cfg)
     out_buf, num_out, finished, stop_at = emit(ver, state, cfg, active, stops)
+    logprobs = state.logprobs
+    if cfg.logprobs:
+        logprobs = scatter_block(logprobs, state.num_out, num_out, block_logprobs(out.logits, ver))
 
     return dataclasses.replace(
         state,
@@ -745,6 +783,7 @@ def _settle(target: Transformer, drafter: DFlashDrafter | None, state: DecodeSta
         nonfinite=state.nonfinite | bad,
         history=_history_after(state, ver) if state.history is not None else None,
         stop_at=stop_at,
+        logprobs=logprobs,
     ), law
 
 
@@ -888,7 +927,7 @@ class Decoder:
             head = drafter is not None and drafter.vocab_ids() is not None and not _vocab_split(mesh)
             sshard = state_shardings(mesh, drafter=drafter is not None, hidden=bool(cfg.hidden_layers), head=head,
                                      history=_uses_lookup(drafter, cfg), fallback=_falls_back(drafter, cfg),
-                                     stop=bool(cfg.stop))
+                                     stop=bool(cfg.stop), logprobs=cfg.logprobs)
             scalar = logical_sharding(mesh, ())
             rows = logical_sharding(mesh, ("batch",))
             # The n-gram table is small and read by every row: a copy on each device.
@@ -1168,6 +1207,7 @@ class Decoder:
         stopped = host_array(state.stop_at) == self.stops.matched if self.stops is not None \
             else np.zeros(len(nonfinite), bool)
         hidden = host_array(state.hidden) if state.hidden is not None and prompt_lengths is not None else None
+        logprobs = host_array(state.logprobs) if state.logprobs is not None else None
         gens = []
         rows = out.shape[0] if prompt_lengths is None else len(prompt_lengths)  # padding rows dropped
         for i in range(rows):
@@ -1179,7 +1219,8 @@ class Decoder:
             kept = hidden[i, : prompt_lengths[i] + len(toks) - 1] if hidden is not None else None
             gens.append(Generation(tokens=toks, rounds=int(rounds[i]),
                                    tau=float(total[i] / max(rounds[i], 1)), stop=stop, hidden=kept,
-                                   plain_rounds=int(plain[i])))
+                                   plain_rounds=int(plain[i]),
+                                   logprobs=logprobs[i, : num_out[i]].tolist() if logprobs is not None else None))
         return gens
 
     def generate(self, prompts: Sequence[Sequence[int]], seed: int = 0, *,
