@@ -96,8 +96,8 @@ STAGE_METHODS = {
 def commit_state(cache_len: jax.Array, root: jax.Array) -> engine.DecodeState:
     """The fields of a DecodeState that `engine.commit` reads when there is no drafter and no kept
     hidden states (the rest are never touched on that path)."""
-    none = dict(target_cache=None, drafter_cache=None, out=None, num_out=None, done=None, keys=None, rounds=None,
-                block_total=None, hidden=None, nonfinite=None)
+    none = dict(target_cache=None, drafter_cache=None, out=None, num_out=None, limit=None, done=None, keys=None,
+                rounds=None, block_total=None, hidden=None, nonfinite=None)
     return engine.DecodeState(cache_len=cache_len, root=root, **none)
 
 

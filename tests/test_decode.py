@@ -110,6 +110,31 @@ def test_eos_cuts_the_output_and_finished_rows_stop(models, ar_greedy):
     assert out[0].stop == "eos" and len(out[0].tokens) <= 7
 
 
+@pytest.mark.parametrize("verifier", [AR, "tev"])
+def test_rows_take_their_own_max_new_tokens(models, ar_greedy, verifier):
+    """Per-row limits are data, not shapes: each row stops at its own, with the loop compiled once."""
+    dec = _decoder(models, verifier)
+    limits = [5, 24, 1, 12]
+    gens = dec.generate(PROMPTS, max_new_tokens=limits)
+    compiled = dec._loop._cache_size()  # (other tests share this decoder with other batch shapes)
+    assert [g.tokens for g in gens] == [a[:n] for a, n in zip(ar_greedy, limits)]
+    assert all(g.stop == "length" for g in gens)
+    assert [g.tokens for g in dec.generate(PROMPTS, max_new_tokens=3)] == [a[:3] for a in ar_greedy]
+    streamed = [[] for _ in PROMPTS]
+    for new, _ in dec.stream(PROMPTS, max_new_tokens=limits):
+        for row, toks in zip(streamed, new):
+            row.extend(toks)
+    assert streamed == [a[:n] for a, n in zip(ar_greedy, limits)]
+    assert dec._loop._cache_size() == compiled
+    for bad, error, message in [([1, 25, 1, 1], ValueError, r"max_new_tokens\[1\] = 25 is outside \[1, 24\]"),
+                                ([0, 1, 1, 1], ValueError, r"max_new_tokens\[0\] = 0 is outside"),
+                                ([3, 3], ValueError, "2 values for 4 prompts"),
+                                (2.5, TypeError, "must be an int, a list of ints or None, got float"),
+                                ([3, True, 3, 3], TypeError, r"max_new_tokens\[1\] must be an int")]:
+        with pytest.raises(error, match=message):
+            dec.generate(PROMPTS, max_new_tokens=bad)
+
+
 def test_cache_after_each_round_equals_fresh_prefill(models):
     target, drafter = models
     dec = _decoder(models, "tev", temperature=1.0, max_new_tokens=16)

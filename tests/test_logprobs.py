@@ -3,11 +3,13 @@ tree pass that verified it, equals the log softmax of one causal pass over promp
 autoregressive and speculative decoding, greedy and sampled, whatever the block cuts."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from tevjax.decode import DecodeConfig, Decoder
 from tevjax.decode.engine import block_logprobs
@@ -18,18 +20,26 @@ from test_decode import PROMPTS, models  # noqa: F401  the tiny target (vocabula
 KW = dict(max_new_tokens=24, budget=8, prompt_bucket=16, capacity=64)
 
 
+@functools.partial(jax.jit, static_argnames="graphdef")
+def _log_softmax(graphdef, state, seq):
+    t = seq.shape[1]
+    target = nnx.merge(graphdef, state)
+    out = target(seq, jnp.arange(t, dtype=jnp.int32)[None], KVCache.init(target.cfg, 1, t), jnp.zeros((1,), jnp.int32),
+                 causal_mask(t)[None])
+    return jax.nn.log_softmax(out.logits[0].astype(jnp.float32), axis=-1)
+
+
 def teacher_forced(target, prompt: list[int], tokens: list[int]) -> np.ndarray:
     """[len(tokens)] log-probabilities of `tokens` after the prompt and the tokens before each,
-    from one causal pass over the whole sequence (none of the engine's code)."""
-    seq = prompt + tokens[:-1]
-    t = len(seq)
-    out = target(jnp.asarray([seq], jnp.int32), jnp.arange(t, dtype=jnp.int32)[None], KVCache.init(target.cfg, 1, t),
-                 jnp.zeros((1,), jnp.int32), causal_mask(t)[None])
-    logp = jax.nn.log_softmax(out.logits[0, len(prompt) - 1:].astype(jnp.float32), axis=-1)
-    return np.asarray(logp[jnp.arange(len(tokens)), jnp.asarray(tokens)])
+    from one causal pass over the whole sequence (none of the engine's code). Padded to 64
+    positions, so that every row shares one compile; the causal mask hides the padding."""
+    seq = np.zeros((1, 64), np.int32)
+    seq[0, : len(prompt) + len(tokens) - 1] = prompt + tokens[:-1]
+    logp = np.asarray(_log_softmax(*nnx.split(target), jnp.asarray(seq)))
+    return logp[len(prompt) - 1 + np.arange(len(tokens)), tokens]
 
 
-@pytest.mark.parametrize("verifier, temperature", [(None, 0.0), ("tev", 0.0), ("tev", 1.0), ("sequential", 1.0)])
+@pytest.mark.parametrize("verifier, temperature", [(None, 0.0), ("tev", 0.0), ("sequential", 1.0)])
 def test_logprobs_equal_a_causal_pass_over_the_output(models, verifier, temperature):
     target, drafter = models
     cfg = DecodeConfig(logprobs=True, temperature=temperature, lookup=5 if verifier else 0, eos_ids=(7,),

@@ -343,6 +343,9 @@ CHECKS = {
         state = stopping.prefill(PROMPTS)
         assert state.stop_at.sharding.spec[0] == "data" and state.logprobs.sharding.spec[0] == "data"
         assert stopping.stops.next.sharding.is_fully_replicated
+        # Per-row limits, split by rows like the rest.
+        short = [g.tokens for g in stopping.generate(PROMPTS, max_new_tokens=[3, 8, 1, 5])]
+        assert short == [w.tokens[:n] for w, n in zip(want, [3, 8, 1, 5])]
     """,
     # Truncated sampling with the vocabulary split over `model` (1, 4): the cuts' bisection sums over
     # devices. Each setting leaves only the most probable token of these rows (top-p 0.01: the top

@@ -226,6 +226,7 @@ class DecodeState:
     root: jax.Array  # [B] int32 last committed token (next tree root)
     out: jax.Array  # [B, max_new_tokens] int32 generated tokens, -1 beyond num_out
     num_out: jax.Array  # [B] int32
+    limit: jax.Array  # [B] int32 the row's most new tokens (`Decoder.prefill(max_new_tokens=...)`), <= the buffer's
     done: jax.Array  # [B] bool
     keys: jax.Array  # [B] PRNG keys, one stream per row
     rounds: jax.Array  # [B] int32 rounds while the row was active
@@ -263,6 +264,7 @@ STATE_AXES: dict[str, tuple[str | None, ...]] = {
     "root": ("batch",),
     "out": ("batch", None),
     "num_out": ("batch",),
+    "limit": ("batch",),
     "done": ("batch",),
     "keys": ("batch",),
     "rounds": ("batch",),
@@ -351,11 +353,12 @@ def _vocab_split(mesh) -> bool:
     return mesh is not None and dict(mesh.shape).get(LOGICAL_RULES["vocab"], 1) > 1
 
 
-def _empty_state(tstate, dstate, roots, lengths, key_data, *, tgd, dgd, cfg: DecodeConfig, capacity: int,
+def _empty_state(tstate, dstate, roots, lengths, limits, key_data, *, tgd, dgd, cfg: DecodeConfig, capacity: int,
                  mesh=None) -> DecodeState:
     """The state before prefill: zero caches of `capacity` slots, each row's root (its last prompt
-    token, roots [B]) and cache_len = lengths - 1 (lengths [B] prompt lengths >= 1); the prefill
-    chunks then fill slots [0, cache_len). key_data: the seed's key data; row r samples with
+    token, roots [B]), cache_len = lengths - 1 (lengths [B] prompt lengths >= 1) and its most new
+    tokens (limits [B], each in [1, cfg.max_new_tokens]); the prefill chunks then fill slots [0,
+    cache_len). key_data: the seed's key data; row r samples with
     fold_in(seed key, r), whatever the batch and its split over devices."""
     target: Transformer = nnx.merge(tgd, tstate)
     base = jax.random.wrap_key_data(key_data)
@@ -373,6 +376,7 @@ def _empty_state(tstate, dstate, roots, lengths, key_data, *, tgd, dgd, cfg: Dec
         root=roots.astype(jnp.int32),
         out=jnp.full((b, cfg.max_new_tokens), -1, jnp.int32),
         num_out=zeros,
+        limit=limits.astype(jnp.int32),
         done=jnp.zeros((b,), bool),
         keys=keys,
         rounds=zeros,
@@ -389,7 +393,7 @@ def _empty_state(tstate, dstate, roots, lengths, key_data, *, tgd, dgd, cfg: Dec
     )
 
 
-def _rebase(tstate, dstate, state: DecodeState, roots, lengths, key_data, *, tgd, dgd, cfg: DecodeConfig,
+def _rebase(tstate, dstate, state: DecodeState, roots, lengths, limits, key_data, *, tgd, dgd, cfg: DecodeConfig,
             capacity: int, mesh=None) -> DecodeState:
     """`state`'s caches (target K/V, drafter context, kept hidden states, history below each row's
     new cache_len) under a fresh start for prompts of `lengths` with `roots`: what `_empty_state`
@@ -398,8 +402,8 @@ def _rebase(tstate, dstate, state: DecodeState, roots, lengths, key_data, *, tgd
     new prompt does not share are rewritten by the chunks or lie at or above cache_len, where
     nothing reads them. Another `capacity` than `state`'s appends empty slots or drops the top
     ones (the kept prefix lies below the new cache_len, so below any capacity that fits it)."""
-    fresh = _empty_state(tstate, dstate, roots, lengths, key_data, tgd=tgd, dgd=dgd, cfg=cfg, capacity=capacity,
-                         mesh=mesh)
+    fresh = _empty_state(tstate, dstate, roots, lengths, limits, key_data, tgd=tgd, dgd=dgd, cfg=cfg,
+                         capacity=capacity, mesh=mesh)
 
     def fit(x, axis):  # the earlier slots in `capacity` slots: zeros appended, or the top ones cut
         if x is None or x.shape[axis] == capacity:
@@ -620,7 +624,7 @@ def emit(ver, state: DecodeState, cfg: DecodeConfig, active: jax.Array | None = 
          stops: StopTable | None = None) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
     """Writes the block (accepted tokens + bonus) of the `active` rows (default: not done), cut at
     the first EOS, after the token that completes a stop string (`stops`, with `cfg.stop`) and at
-    max_new_tokens, into the output buffer -> (out [B, max_new_tokens], num_out [B], finished
+    the row's `limit` of new tokens, into the output buffer -> (out [B, max_new_tokens], num_out [B], finished
     [B], stop_at [B] each row's stop automaton state after its kept tokens, or None)."""
     active = ~state.done if active is None else active
     block_tokens, count = ver.tokens, ver.num_tokens
@@ -633,11 +637,11 @@ def emit(ver, state: DecodeState, cfg: DecodeConfig, active: jax.Array | None = 
         ends = ends | (after == stops.matched)
     has_end = jnp.any(ends, axis=1)
     count = jnp.where(has_end, jnp.argmax(ends, axis=1).astype(jnp.int32) + 1, count)
-    count = jnp.minimum(count, cfg.max_new_tokens - state.num_out)
+    count = jnp.minimum(count, state.limit - state.num_out)
     count = jnp.where(active, count, 0)
     num_out = state.num_out + count
     out_buf = scatter_block(state.out, state.num_out, num_out, block_tokens)
-    finished = active & (has_end | (num_out >= cfg.max_new_tokens))
+    finished = active & (has_end | (num_out >= state.limit))
     stop_at = None
     if after is not None:  # the state after the last kept token (a row that kept none keeps its own)
         last = jnp.take_along_axis(after, jnp.maximum(count - 1, 0)[:, None], axis=1)[:, 0]
@@ -940,9 +944,9 @@ class Decoder:
                                         out_shardings=sshard)
             self._chunk_shardings = dict(in_shardings=(tshard, dshard, sshard, logical_sharding(mesh, ("batch", None)),
                                                        scalar), out_shardings=sshard)
-            self._empty_shardings = dict(in_shardings=(tshard, dshard, rows, rows, logical_sharding(mesh, (None,))),
+            self._empty_shardings = dict(in_shardings=(tshard, dshard, rows, rows, rows, logical_sharding(mesh, (None,))),
                                          out_shardings=sshard)
-            self._rebase_shardings = dict(in_shardings=(tshard, dshard, sshard, rows, rows,
+            self._rebase_shardings = dict(in_shardings=(tshard, dshard, sshard, rows, rows, rows,
                                                         logical_sharding(mesh, (None,))), out_shardings=sshard)
         # Donating the state is safe: each call's output state replaces its input and nothing
         # else holds a reference, so XLA can update the caches in place instead of copying them.
@@ -1034,8 +1038,14 @@ class Decoder:
         return prompts + [prompts[-1]] * (-len(prompts) % self.row_multiple) if prompts else prompts
 
     def prefill(self, prompts: Sequence[Sequence[int]], seed: int = 0, *,
-                reuse: tuple[DecodeState, Sequence[Sequence[int]]] | None = None) -> DecodeState:
+                reuse: tuple[DecodeState, Sequence[Sequence[int]]] | None = None,
+                max_new_tokens: int | Sequence[int] | None = None) -> DecodeState:
         """Initial state for a batch of token-id prompts (each of length >= 1).
+
+        `max_new_tokens`: the most new tokens of every row (an int) or of each (one per prompt;
+        padding rows after them take the last one), each at most `cfg.max_new_tokens`, which sizes
+        the buffers: rows of one batch can ask for different lengths without a compile. None:
+        `cfg.max_new_tokens`.
 
         prompt[:-1] goes into the caches chunk by chunk (the last prompt token is the root): one
         jitted call per chunk, as many as the longest prompt needs, each waited for, so Ctrl-C
@@ -1062,6 +1072,7 @@ class Decoder:
             if bad:
                 raise ValueError(f"prompt {i} holds token id {bad[0]} outside the vocabulary [0, {self.target_cfg.vocab_size})")
         _, capacity = self.shapes(lengths)
+        limits = self._limits(max_new_tokens, len(prompts))
         if self.mesh is not None:
             check_batch(self.mesh, len(prompts), f"a batch of {len(prompts)} prompts (Decoder.generate pads it)")
         key_data = np.asarray(jax.random.key_data(seed_key(seed)))
@@ -1070,13 +1081,14 @@ class Decoder:
             start, es = 0, self._empty_shardings
             state = self._empty_fn(capacity)(self.tstate, self.dstate, self._rows(roots, 2, es),
                                              self._rows(np.asarray(lengths, np.int32), 3, es),
-                                             self._rows(key_data, 4, es))
+                                             self._rows(limits, 4, es), self._rows(key_data, 5, es))
             c = self.chunk_size(lengths)
         else:
             start, rs = self._reused_prefix(prompts, reuse), self._rebase_shardings
             rebase = self._rebase_fn(capacity, reuse[0].target_cache.capacity)
             state = rebase(self.tstate, self.dstate, reuse[0], self._rows(roots, 3, rs),
-                           self._rows(np.asarray(lengths, np.int32), 4, rs), self._rows(key_data, 5, rs))
+                           self._rows(np.asarray(lengths, np.int32), 4, rs), self._rows(limits, 5, rs),
+                           self._rows(key_data, 6, rs))
             c = self.chunk_size(lengths, start)  # sized to what is left: a few messages, not the conversation
         chunks = -(-(max(lengths) - 1 - start) // c)  # covers prompt[start:-1]; 0 when nothing is left
         tokens = np.zeros((len(prompts), chunks * c), np.int32)
@@ -1087,6 +1099,29 @@ class Decoder:
             state = self._prefill_chunk(self.tstate, self.dstate, state, chunk, np.int32(start + i * c))
             jax.block_until_ready(state)
         return state
+
+    def _limits(self, max_new_tokens: int | Sequence[int] | None, rows: int) -> np.ndarray:
+        """[rows] int32 each row's most new tokens (`prefill`'s `max_new_tokens`), checked."""
+        most = self.cfg.max_new_tokens
+        if max_new_tokens is None:
+            return np.full(rows, most, np.int32)
+        if isinstance(max_new_tokens, (int, np.integer)) and not isinstance(max_new_tokens, bool):
+            limits = [max_new_tokens] * rows
+        elif isinstance(max_new_tokens, (Sequence, np.ndarray)) and not isinstance(max_new_tokens, (str, bytes)):
+            limits = list(max_new_tokens)
+            if 0 < len(limits) < rows:
+                limits += limits[-1:] * (-len(limits) % self.row_multiple)  # as `_padded` pads the prompts
+            if len(limits) != rows:
+                raise ValueError(f"max_new_tokens: {len(max_new_tokens)} values for {rows} prompts (one per prompt)")
+        else:
+            raise TypeError(f"max_new_tokens must be an int, a list of ints or None, got {type(max_new_tokens).__name__}")
+        for i, n in enumerate(limits):
+            if not isinstance(n, (int, np.integer)) or isinstance(n, bool):
+                raise TypeError(f"max_new_tokens[{i}] must be an int, got {n!r}")
+            if not 1 <= n <= most:
+                raise ValueError(f"max_new_tokens[{i}] = {n} is outside [1, {most}] (DecodeConfig.max_new_tokens sizes "
+                                 "the buffers)")
+        return np.asarray(limits, np.int32)
 
     def _reused_prefix(self, prompts: Sequence[Sequence[int]], reuse) -> int:
         """The first slot `prefill(prompts, reuse=reuse)` must prefill: the smallest over rows of the
@@ -1129,7 +1164,8 @@ class Decoder:
     def _abstract_state(self, batch: int, capacity: int) -> DecodeState:
         """The shapes and dtypes of a `prefill` result, computed without running anything."""
         i32 = jax.ShapeDtypeStruct((batch,), jnp.int32)
-        return jax.eval_shape(self._empty_fn(capacity), self.tstate, self.dstate, i32, i32, self._key_data_shape())
+        return jax.eval_shape(self._empty_fn(capacity), self.tstate, self.dstate, i32, i32, i32,
+                              self._key_data_shape())
 
     def compile(self, prompts: Sequence[Sequence[int]], *, streaming: bool = False, reuse: bool = False) -> float:
         """Compiles prefill and the generation loop (or, for `stream`, the single round) for this
@@ -1144,11 +1180,11 @@ class Decoder:
         state = self._abstract_state(b, capacity)
         i32 = jax.ShapeDtypeStruct((), jnp.int32)
         i32_b = jax.ShapeDtypeStruct((b,), jnp.int32)
-        self._empty_fn(capacity).lower(self.tstate, self.dstate, i32_b, i32_b, self._key_data_shape()).compile()
+        self._empty_fn(capacity).lower(self.tstate, self.dstate, i32_b, i32_b, i32_b, self._key_data_shape()).compile()
         tokens = jax.ShapeDtypeStruct((b, self.chunk_size(lengths)), jnp.int32)
         self._prefill_chunk.lower(self.tstate, self.dstate, state, tokens, i32).compile()
         if reuse:
-            self._rebase_fn(capacity, capacity).lower(self.tstate, self.dstate, state, i32_b, i32_b,
+            self._rebase_fn(capacity, capacity).lower(self.tstate, self.dstate, state, i32_b, i32_b, i32_b,
                                                       self._key_data_shape()).compile()
             small = jax.ShapeDtypeStruct((b, min(self.chunk_size(lengths), MIN_CHUNK)), jnp.int32)
             self._prefill_chunk.lower(self.tstate, self.dstate, state, small, i32).compile()
@@ -1223,12 +1259,13 @@ class Decoder:
                                    logprobs=logprobs[i, : num_out[i]].tolist() if logprobs is not None else None))
         return gens
 
-    def generate(self, prompts: Sequence[Sequence[int]], seed: int = 0, *,
-                 rounds_per_call: int | None = None) -> list[Generation]:
-        """Generates for a batch of prompts (`run` over `prefill`). On Ctrl-C raises `Interrupted`
-        with `results`: the `Generation` of every row that had finished, None for the others.
-        On a mesh the batch is padded to a multiple of `row_multiple` and the padding dropped."""
-        state = self.prefill(self._padded(prompts), seed)  # checks the prompts first
+    def generate(self, prompts: Sequence[Sequence[int]], seed: int = 0, *, rounds_per_call: int | None = None,
+                 max_new_tokens: int | Sequence[int] | None = None) -> list[Generation]:
+        """Generates for a batch of prompts (`run` over `prefill`, which takes `max_new_tokens`).
+        On Ctrl-C raises `Interrupted` with `results`: the `Generation` of every row that had
+        finished, None for the others. On a mesh the batch is padded to a multiple of
+        `row_multiple` and the padding dropped."""
+        state = self.prefill(self._padded(prompts), seed, max_new_tokens=max_new_tokens)  # checks the prompts first
         lengths = [len(p) for p in prompts]
         try:
             state = self.run(state, rounds_per_call=rounds_per_call)
@@ -1239,12 +1276,13 @@ class Decoder:
         return self.results(state, lengths)
 
     def stream(self, prompts: Sequence[Sequence[int]], seed: int = 0, *,
-               reuse: tuple[DecodeState, Sequence[Sequence[int]]] | None = None
-               ) -> Iterator[tuple[list[list[int]], DecodeState]]:
+               reuse: tuple[DecodeState, Sequence[Sequence[int]]] | None = None,
+               max_new_tokens: int | Sequence[int] | None = None) -> Iterator[tuple[list[list[int]], DecodeState]]:
         """Python-loop twin: yields (new tokens per row, state) after every round (the state may hold
         padding rows after the prompts' rows on a mesh: see `row_multiple`). `reuse`: the last
-        state of an earlier stream of this decoder and that stream's prompts (`prefill`)."""
-        state = self.prefill(self._padded(prompts), seed, reuse=reuse)
+        state of an earlier stream of this decoder and that stream's prompts; `max_new_tokens`:
+        as `prefill` takes them."""
+        state = self.prefill(self._padded(prompts), seed, reuse=reuse, max_new_tokens=max_new_tokens)
         seen = np.zeros(len(prompts), int)
         while True:
             state = self.step(state)
