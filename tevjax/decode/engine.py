@@ -944,7 +944,8 @@ class Decoder:
                                         out_shardings=sshard)
             self._chunk_shardings = dict(in_shardings=(tshard, dshard, sshard, logical_sharding(mesh, ("batch", None)),
                                                        scalar), out_shardings=sshard)
-            self._empty_shardings = dict(in_shardings=(tshard, dshard, rows, rows, rows, logical_sharding(mesh, (None,))),
+            self._empty_shardings = dict(in_shardings=(tshard, dshard, rows, rows, rows,
+                                                       logical_sharding(mesh, (None,))),
                                          out_shardings=sshard)
             self._rebase_shardings = dict(in_shardings=(tshard, dshard, sshard, rows, rows, rows,
                                                         logical_sharding(mesh, (None,))), out_shardings=sshard)
@@ -1114,7 +1115,8 @@ class Decoder:
             if len(limits) != rows:
                 raise ValueError(f"max_new_tokens: {len(max_new_tokens)} values for {rows} prompts (one per prompt)")
         else:
-            raise TypeError(f"max_new_tokens must be an int, a list of ints or None, got {type(max_new_tokens).__name__}")
+            raise TypeError(f"max_new_tokens must be an int, a list of ints or None, got "
+                            f"{type(max_new_tokens).__name__}")
         for i, n in enumerate(limits):
             if not isinstance(n, (int, np.integer)) or isinstance(n, bool):
                 raise TypeError(f"max_new_tokens[{i}] must be an int, got {n!r}")
