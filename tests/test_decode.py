@@ -110,6 +110,29 @@ def test_eos_cuts_the_output_and_finished_rows_stop(models, ar_greedy):
     assert out[0].stop == "eos" and len(out[0].tokens) <= 7
 
 
+@pytest.mark.parametrize("verifier, temperature", [(AR, 0.0), ("tev", 0.0), ("tev", 1.0)])
+def test_continuous_batching_equals_one_batch_of_every_prompt(models, verifier, temperature):
+    """Seven prompts of several lengths and limits, some ending at an EOS, through 2 or 3 rows
+    refilled as they finish: each prompt's output (and its rounds) equals `generate`'s for one
+    batch of all seven, sampled ones too, since a prompt's stream is its own. Prompt 5 needs
+    more cache slots than the ones before it, so the live caches grow when it is placed."""
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 23, rng.integers(1, 12)).tolist() for _ in range(7)]
+    prompts[5] = rng.integers(0, 23, 40).tolist()  # a later prompt bucket: 96 slots, not 64
+    limits = [5, 24, 3, 17, 9, 24, 2]
+    dec = _decoder(models, verifier, temperature=temperature, eos_ids=(4,), capacity=None, capacity_bucket=32,
+                   **({} if verifier is AR else {"lookup": 5}))
+    want = dec.generate(prompts, seed=3, max_new_tokens=limits)
+    assert any(g.stop == "eos" for g in want) and len({len(g.tokens) for g in want}) > 3  # rows end at many times
+    for batch in (2, 3):
+        got = dec.generate_continuous(prompts, batch, seed=3, max_new_tokens=limits)
+        assert [(g.tokens, g.rounds, g.stop) for g in got] == [(g.tokens, g.rounds, g.stop) for g in want]
+    assert dec._place._cache_size() <= 8  # per batch size and capacity, refills of 1 row or 2
+    assert list(dec._grow_fns) == [96]
+    with pytest.raises(ValueError, match="batch_size must be an int >= 1, got 0"):
+        dec.generate_continuous(prompts, 0)
+
+
 @pytest.mark.parametrize("verifier", [AR, "tev"])
 def test_rows_take_their_own_max_new_tokens(models, ar_greedy, verifier):
     """Per-row limits are data, not shapes: each row stops at its own, with the loop compiled once."""
@@ -535,6 +558,11 @@ def test_kept_hidden_states_equal_one_forward_over_the_text(models, verifier):
         ref = np.asarray(tapped_hidden(out, layers, target.cfg.num_layers)[0])
         assert g.hidden.shape == ref.shape == (t, 2, target.cfg.hidden_size)
         np.testing.assert_allclose(g.hidden, ref, atol=3e-5, rtol=1e-5)
+    # Continuous batching keeps them too, for rows refilled mid-run.
+    flowing = _decoder(models, verifier, hidden_layers=layers).generate_continuous(PROMPTS, 2)
+    for g, f in zip(gens, flowing):
+        assert f.tokens == g.tokens
+        np.testing.assert_allclose(f.hidden, g.hidden, atol=3e-5, rtol=1e-5)  # other batch shapes: last bits
 
 
 def test_hidden_layers_are_checked():

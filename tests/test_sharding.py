@@ -346,6 +346,14 @@ CHECKS = {
         # Per-row limits, split by rows like the rest.
         short = [g.tokens for g in stopping.generate(PROMPTS, max_new_tokens=[3, 8, 1, 5])]
         assert short == [w.tokens[:n] for w, n in zip(want, [3, 8, 1, 5])]
+        # Continuous batching: 5 prompts through 2 rows (one per `data` device), refilled in place.
+        flowing = stopping.generate_continuous(PROMPTS + PROMPTS[:1], 2)
+        assert [g.tokens for g in flowing] == [w.tokens for w in want + want[:1]]
+        # ... whose caches grow (sharded) when a later prompt needs more slots than the first.
+        roomy = Decoder(target, drafter, config(lookup=4, capacity=None, capacity_bucket=16), mesh=mesh)
+        longer = PROMPTS + [list(range(1, 40))]
+        assert [g.tokens for g in roomy.generate_continuous(longer, 2)] == [g.tokens for g in roomy.generate(longer)]
+        assert list(roomy._grow_fns) == [64]
     """,
     # Truncated sampling with the vocabulary split over `model` (1, 4): the cuts' bisection sums over
     # devices. Each setting leaves only the most probable token of these rows (top-p 0.01: the top

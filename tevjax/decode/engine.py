@@ -31,6 +31,8 @@ to take about `CALL_SECONDS`, so that Ctrl-C is answered between calls (`Interru
 rows already finished) while a long generation still makes few host round-trips. One compiled
 program serves every call: the round count is an argument, not a shape. `Decoder.stream` is the
 Python-loop twin over the same jitted round (one host sync per round) for streaming.
+`Decoder.generate_continuous` keeps a batch busy over many prompts: its loop also stops when a row
+finishes, and the next prompts are prefilled and placed into the free rows of the live state.
 
 Prefill writes prompt[:-1] into the caches in chunks of `DecodeConfig.prefill_chunk` tokens, each a
 causal run that attends to the cache so far (`Transformer` with `block_mask=None`): memory per
@@ -405,13 +407,7 @@ def _rebase(tstate, dstate, state: DecodeState, roots, lengths, limits, key_data
     fresh = _empty_state(tstate, dstate, roots, lengths, limits, key_data, tgd=tgd, dgd=dgd, cfg=cfg,
                          capacity=capacity, mesh=mesh)
 
-    def fit(x, axis):  # the earlier slots in `capacity` slots: zeros appended, or the top ones cut
-        if x is None or x.shape[axis] == capacity:
-            return x
-        if x.shape[axis] > capacity:
-            return jax.lax.slice_in_dim(x, 0, capacity, axis=axis)
-        return jnp.pad(x, [(0, capacity - x.shape[axis]) if a == axis else (0, 0) for a in range(x.ndim)])
-
+    fit = functools.partial(_fit_slots, capacity=capacity)
     slots = CACHE_AXES.index("cache_slots")
     caches = [None if c is None else KVCache(k=fit(c.k, slots), v=fit(c.v, slots))
               for c in (state.target_cache, state.drafter_cache)]
@@ -421,6 +417,27 @@ def _rebase(tstate, dstate, state: DecodeState, roots, lengths, limits, key_data
         history = jnp.where(below, fit(state.history, 1), history)
     return dataclasses.replace(fresh, target_cache=caches[0], drafter_cache=caches[1], hidden=fit(state.hidden, 1),
                                history=history, draft_head=state.draft_head)
+
+
+def _fit_slots(x: jax.Array | None, axis: int, capacity: int) -> jax.Array | None:
+    """`x`'s cache slots (along `axis`) in `capacity` slots: zeros appended, or the top ones cut."""
+    if x is None or x.shape[axis] == capacity:
+        return x
+    if x.shape[axis] > capacity:
+        return jax.lax.slice_in_dim(x, 0, capacity, axis=axis)
+    return jnp.pad(x, [(0, capacity - x.shape[axis]) if a == axis else (0, 0) for a in range(x.ndim)])
+
+
+def _grow(state: DecodeState, *, capacity: int) -> DecodeState:
+    """`state` with `capacity` cache slots (at least its own): every row as it was, with empty slots
+    appended to its caches, kept hidden states and history (continuous batching, when a prompt
+    needs more room than the rows so far)."""
+    fit = functools.partial(_fit_slots, capacity=capacity)
+    slots = CACHE_AXES.index("cache_slots")
+    caches = [None if c is None else KVCache(k=fit(c.k, slots), v=fit(c.v, slots))
+              for c in (state.target_cache, state.drafter_cache)]
+    return dataclasses.replace(state, target_cache=caches[0], drafter_cache=caches[1], hidden=fit(state.hidden, 1),
+                               history=fit(state.history, 1))
 
 
 def _falls_back(drafter, cfg: DecodeConfig) -> bool:
@@ -800,20 +817,47 @@ def _history_after(state: DecodeState, ver) -> jax.Array:
 
 
 def _rounds(tstate, dstate, state: DecodeState, max_rounds: jax.Array, ngrams: NgramTable | None = None,
-            stops: StopTable | None = None, *, tgd, dgd, cfg: DecodeConfig, mesh=None) -> DecodeState:
+            stops: StopTable | None = None, *, tgd, dgd, cfg: DecodeConfig, mesh=None,
+            until_one: bool = False) -> DecodeState:
     """Rounds in one `lax.while_loop` (no host round-trip per round) until every row is done or
-    `max_rounds` (a traced int32 scalar, so every count shares one compiled program) have run.
+    `max_rounds` (a traced int32 scalar, so every count shares one compiled program) have run;
+    `until_one` (static): or until one more row is done, for continuous batching to refill it.
     Running it again on its result continues exactly where it stopped: the loop carries nothing
     but the state."""
     body = functools.partial(_round, tstate, dstate, ngrams=ngrams, stops=stops, tgd=tgd, dgd=dgd, cfg=cfg,
                              mesh=mesh)
+    done_before = state.done
 
     def cond(carry):
         s, i = carry
-        return (i < max_rounds) & jnp.any(~s.done)
+        going = (i < max_rounds) & jnp.any(~s.done)
+        return going & ~jnp.any(s.done & ~done_before) if until_one else going
 
     state, _ = jax.lax.while_loop(cond, lambda carry: (body(carry[0]), carry[1] + 1), (state, jnp.int32(0)))
     return state
+
+
+def _place_rows(state: DecodeState, fresh: DecodeState, rows: jax.Array, prompt_ids: jax.Array,
+                key_data: jax.Array) -> DecodeState:
+    """`state` with its rows `rows` [k] replaced by the k rows of `fresh`, a state of the same
+    capacity (an index past the batch drops that row of `fresh`); each placed row then samples
+    with fold_in(seed key, its prompt index `prompt_ids` [k]), the stream row prompt_ids of one
+    batch holding every prompt would have. Fields without a batch axis (`draft_head`) stay."""
+    def put(name, live, new):
+        if live is None:
+            return None
+        axes = CACHE_AXES if name in ("target_cache", "drafter_cache") else STATE_AXES[name]
+        if "batch" not in axes:
+            return live
+        where = (slice(None),) * axes.index("batch") + (rows,)
+        return live.at[where].set(new, mode="drop")
+
+    base = jax.random.wrap_key_data(key_data)
+    keys = jax.vmap(lambda r: jax.random.fold_in(base, r))(prompt_ids)
+    fresh = dataclasses.replace(fresh, keys=keys)
+    return dataclasses.replace(state, **{
+        f.name: jax.tree.map(functools.partial(put, f.name), getattr(state, f.name), getattr(fresh, f.name))
+        for f in dataclasses.fields(DecodeState)})
 
 
 class Interrupted(KeyboardInterrupt):
@@ -923,6 +967,7 @@ class Decoder:
         self._empty_shardings: dict[str, Any] = {}
         self._rebase_shardings: dict[str, Any] = {}
         self._loop_shardings: dict[str, Any] = {}
+        self._place_shardings: dict[str, Any] = {}
         if mesh is not None:
             tshard = param_shardings(target, mesh, self.tstate)
             dshard = param_shardings(drafter, mesh, self.dstate) if drafter is not None else None
@@ -947,12 +992,19 @@ class Decoder:
             self._empty_shardings = dict(in_shardings=(tshard, dshard, rows, rows, rows,
                                                        logical_sharding(mesh, (None,))),
                                          out_shardings=sshard)
+            vector = logical_sharding(mesh, (None,))  # a small host vector, on every device
+            self._place_shardings = dict(in_shardings=(sshard, sshard, vector, vector, vector), out_shardings=sshard)
             self._rebase_shardings = dict(in_shardings=(tshard, dshard, sshard, rows, rows, rows,
                                                         logical_sharding(mesh, (None,))), out_shardings=sshard)
         # Donating the state is safe: each call's output state replaces its input and nothing
         # else holds a reference, so XLA can update the caches in place instead of copying them.
         self._round = jax.jit(functools.partial(_round, **statics), donate_argnums=(2,), **shard)
         self._loop = jax.jit(functools.partial(_rounds, **statics), donate_argnums=(2,), **self._loop_shardings)
+        self._loop_until_one = jax.jit(functools.partial(_rounds, **statics, until_one=True), donate_argnums=(2,),
+                                       **self._loop_shardings)
+        # Continuous batching's refill: the live state is donated (updated in place), the fresh rows not.
+        self._place = jax.jit(_place_rows, donate_argnums=(0,), **self._place_shardings)
+        self._grow_fns: dict[int, Any] = {}
         self._prefill_chunk = jax.jit(functools.partial(_prefill_chunk, tgd=self.tgd, dgd=self.dgd, cfg=cfg),
                                       donate_argnums=(2,), **self._chunk_shardings)
         if self.stops is not None:
@@ -1021,6 +1073,14 @@ class Decoder:
                 donate_argnums=(2,) if key[1] else (), **self._rebase_shardings)
         return self._rebase_fns[key]
 
+    def _grow_fn(self, capacity: int):
+        """`_grow` to `capacity` slots, jitted once per capacity."""
+        if capacity not in self._grow_fns:
+            shard = {} if self.mesh is None else dict(in_shardings=self._place_shardings["in_shardings"][:1],
+                                                      out_shardings=self._place_shardings["out_shardings"])
+            self._grow_fns[capacity] = jax.jit(functools.partial(_grow, capacity=capacity), **shard)
+        return self._grow_fns[capacity]
+
     def _rows(self, x: np.ndarray, sharding_index: int, shardings: dict) -> jax.Array:
         """A host array as a jit argument: on a mesh each device receives its own rows only
         (multi-host safe); without one, a plain device array."""
@@ -1062,20 +1122,31 @@ class Decoder:
         last bits: every output is still exactly verified against the target, and greedy outputs
         differ only at near-ties.
         """
-        _check_prompt_types(prompts)
-        if not prompts:
-            raise ValueError("no prompts given")
-        lengths = [len(p) for p in prompts]
-        for i, p in enumerate(prompts):
-            if len(p) == 0:
-                raise ValueError(f"prompt {i} is empty")
-            bad = [t for t in p if not 0 <= int(t) < self.target_cfg.vocab_size]
-            if bad:
-                raise ValueError(f"prompt {i} holds token id {bad[0]} outside the vocabulary [0, {self.target_cfg.vocab_size})")
-        _, capacity = self.shapes(lengths)
+        self._check_prompts(prompts)
+        _, capacity = self.shapes([len(p) for p in prompts])
         limits = self._limits(max_new_tokens, len(prompts))
         if self.mesh is not None:
             check_batch(self.mesh, len(prompts), f"a batch of {len(prompts)} prompts (Decoder.generate pads it)")
+        return self._prefill(prompts, seed, reuse, limits, capacity)
+
+    def _check_prompts(self, prompts: Sequence[Sequence[int]]) -> None:
+        """ValueError / TypeError naming the first prompt that is not a non-empty list of token ids
+        in the vocabulary."""
+        _check_prompt_types(prompts)
+        if not prompts:
+            raise ValueError("no prompts given")
+        vocab = self.target_cfg.vocab_size
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise ValueError(f"prompt {i} is empty")
+            bad = [t for t in p if not 0 <= int(t) < vocab]
+            if bad:
+                raise ValueError(f"prompt {i} holds token id {bad[0]} outside the vocabulary [0, {vocab})")
+
+    def _prefill(self, prompts: Sequence[Sequence[int]], seed: int, reuse, limits: np.ndarray,
+                 capacity: int) -> DecodeState:
+        """`prefill` of checked prompts into caches of `capacity` slots (at least what they need)."""
+        lengths = [len(p) for p in prompts]
         key_data = np.asarray(jax.random.key_data(seed_key(seed)))
         roots = np.asarray([p[-1] for p in prompts], np.int32)
         if reuse is None:
@@ -1276,6 +1347,86 @@ class Decoder:
             e.results = [g if d else None for g, d in zip(self.results(e.state, lengths), done)]
             raise
         return self.results(state, lengths)
+
+    def generate_continuous(self, prompts: Sequence[Sequence[int]], batch_size: int, seed: int = 0, *,
+                            max_new_tokens: int | Sequence[int] | None = None) -> list[Generation]:
+        """Generates for any number of prompts with `batch_size` rows kept busy (continuous
+        batching): the loop runs until a row finishes, its result is read, and the next prompts
+        are prefilled into the free rows (in groups of a power of two, so that few shapes compile)
+        while the other rows keep their state. A batch of fixed rows instead runs until its
+        slowest row is done, with finished rows idle.
+
+        Prompt i samples with the stream row i of `generate(prompts, seed)` would have (its key
+        and its own rounds decide it), so the results equal `generate`'s for every prompt, greedy
+        or sampled, in any schedule; only `cfg.fallback_below`, whose plain rounds are batch-wide,
+        makes sampled outputs depend on the schedule. `max_new_tokens`: as `prefill` takes them,
+        one per prompt. Ctrl-C is answered after the loop call in flight (`Interrupted`, with
+        `results` holding the prompts finished so far, None for the others).
+        """
+        self._check_prompts(prompts)
+        if not isinstance(batch_size, (int, np.integer)) or isinstance(batch_size, bool) or batch_size < 1:
+            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+        if batch_size % self.row_multiple:
+            raise ValueError(f"batch_size {batch_size} must be a multiple of the mesh's data axis "
+                             f"({self.row_multiple})")
+        limits = self._limits(max_new_tokens, len(prompts))
+        self.shapes([len(p) for p in prompts])  # every prompt fits the positions, checked up front
+        key_data = np.asarray(jax.random.key_data(seed_key(seed)))
+        n = len(prompts)
+
+        def group(k: int) -> int:  # the rows prefilled for k prompts: a power-of-two multiple of row_multiple
+            g = self.row_multiple
+            while g < k:
+                g *= 2
+            return min(g, batch_size)
+
+        def prefill(ids: list[int], rows: int) -> DecodeState:  # prompts `ids`, padded with copies of the last
+            pad = [ids[-1]] * (rows - len(ids))
+            return self._prefill([prompts[i] for i in ids + pad], seed, None, limits[ids + pad], capacity)
+
+        b = group(n)
+        first = list(range(min(b, n)))
+        # The caches hold what the prompts so far need, and grow when a later one needs more: one
+        # capacity for all would make every round attend over the longest prompt's slots (on 2 CPU
+        # cores a SmolLM2 round at 4 rows cost 8-12% more at 512 slots than at 384).
+        capacity = self.shapes([len(prompts[i]) for i in first])[1]
+        state = prefill(first, b)  # row i samples with prompt i's stream: fold_in(seed key, i)
+        owner = np.asarray(first + [-1] * (b - len(first)))  # the prompt each row decodes; -1: none (padding)
+        waiting = len(first)
+        results: list[Generation | None] = [None] * n
+        rounds = 1
+        with _deferred_sigint() as sigint:
+            while (owner >= 0).any():
+                # Each call ends when a row finishes, or after about CALL_SECONDS (as in `run`).
+                t0 = time.perf_counter()
+                state = self._loop_until_one(self.tstate, self.dstate, state, np.int32(rounds), self.ngrams,
+                                             self.stops)
+                finished = np.flatnonzero(host_array(state.done) & (owner >= 0))
+                want = _next_rounds(rounds, time.perf_counter() - t0, self.cfg.max_new_tokens)
+                if len(finished):
+                    # (the prompt lengths place `Generation.hidden`, with cfg.hidden_layers)
+                    gens = self.results(state, [len(prompts[o]) if o >= 0 else 1 for o in owner])
+                    for r in finished:
+                        results[owner[r]] = gens[r]
+                    owner[finished] = -1
+                hit, want = every_process([sigint.hit, want]).T
+                if hit.any():
+                    raise Interrupted(state, results)
+                rounds = int(want.min())
+                free = np.flatnonzero(owner < 0)  # finished rows, and padding rows (running or not)
+                k = min(len(free), n - waiting)
+                if k > 0:
+                    ids, g = list(range(waiting, waiting + k)), group(k)
+                    need = self.shapes([len(prompts[i]) for i in ids])[1]
+                    if need > capacity:
+                        capacity = need
+                        state = self._grow_fn(capacity)(state)
+                    rows = np.concatenate([free[:k], np.full(g - k, b)]).astype(np.int32)  # b: dropped
+                    prompt_ids = np.asarray(ids + [ids[-1]] * (g - k), np.int32)
+                    state = self._place(state, prefill(ids, g), rows, prompt_ids, key_data)
+                    owner[free[:k]] = ids
+                    waiting += k
+        return results
 
     def stream(self, prompts: Sequence[Sequence[int]], seed: int = 0, *,
                reuse: tuple[DecodeState, Sequence[Sequence[int]]] | None = None,
