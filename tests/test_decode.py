@@ -110,9 +110,9 @@ def test_eos_cuts_the_output_and_finished_rows_stop(models, ar_greedy):
     assert out[0].stop == "eos" and len(out[0].tokens) <= 7
 
 
-@pytest.mark.parametrize("verifier, temperature", [(AR, 0.0), ("tev", 0.0), ("tev", 1.0)])
+@pytest.mark.parametrize("verifier, temperature", [(AR, 0.0), ("tev", 1.0)])
 def test_continuous_batching_equals_one_batch_of_every_prompt(models, verifier, temperature):
-    """Seven prompts of several lengths and limits, some ending at an EOS, through 2 or 3 rows
+    """Seven prompts of several lengths and limits, some ending at an EOS, through 3 rows
     refilled as they finish: each prompt's output (and its rounds) equals `generate`'s for one
     batch of all seven, sampled ones too, since a prompt's stream is its own. Prompt 5 needs
     more cache slots than the ones before it, so the live caches grow when it is placed."""
@@ -124,10 +124,9 @@ def test_continuous_batching_equals_one_batch_of_every_prompt(models, verifier, 
                    **({} if verifier is AR else {"lookup": 5}))
     want = dec.generate(prompts, seed=3, max_new_tokens=limits)
     assert any(g.stop == "eos" for g in want) and len({len(g.tokens) for g in want}) > 3  # rows end at many times
-    for batch in (2, 3):
-        got = dec.generate_continuous(prompts, batch, seed=3, max_new_tokens=limits)
-        assert [(g.tokens, g.rounds, g.stop) for g in got] == [(g.tokens, g.rounds, g.stop) for g in want]
-    assert dec._place._cache_size() <= 8  # per batch size and capacity, refills of 1 row or 2
+    got = dec.generate_continuous(prompts, 3, seed=3, max_new_tokens=limits)
+    assert [(g.tokens, g.rounds, g.stop) for g in got] == [(g.tokens, g.rounds, g.stop) for g in want]
+    assert dec._place._cache_size() <= 4  # per capacity, refills of 1 row or 2 (powers of two)
     assert list(dec._grow_fns) == [96]
     with pytest.raises(ValueError, match="batch_size must be an int >= 1, got 0"):
         dec.generate_continuous(prompts, 0)

@@ -346,10 +346,12 @@ CHECKS = {
         # Per-row limits, split by rows like the rest.
         short = [g.tokens for g in stopping.generate(PROMPTS, max_new_tokens=[3, 8, 1, 5])]
         assert short == [w.tokens[:n] for w, n in zip(want, [3, 8, 1, 5])]
-        # Continuous batching: 5 prompts through 2 rows (one per `data` device), refilled in place.
-        flowing = stopping.generate_continuous(PROMPTS + PROMPTS[:1], 2)
-        assert [g.tokens for g in flowing] == [w.tokens for w in want + want[:1]]
-        # ... whose caches grow (sharded) when a later prompt needs more slots than the first.
+    """,
+    # Continuous batching on (2, 2): 5 prompts through 2 rows (one per `data` device), refilled in
+    # place, with caches that grow (sharded) when a later prompt needs more slots than the first.
+    "continuous_2x2": """
+        target, drafter = models()
+        mesh = make_mesh(2, 2)
         roomy = Decoder(target, drafter, config(lookup=4, capacity=None, capacity_bucket=16), mesh=mesh)
         longer = PROMPTS + [list(range(1, 40))]
         assert [g.tokens for g in roomy.generate_continuous(longer, 2)] == [g.tokens for g in roomy.generate(longer)]
@@ -541,6 +543,11 @@ def test_sharded_decoding_on_forced_devices():
 @pytest.mark.slow
 def test_every_verifier_on_every_mesh():
     _run("dp_sampling_tev", "every_verifier")
+
+
+@pytest.mark.slow
+def test_continuous_batching_on_a_mesh():
+    _run("continuous_2x2")
 
 
 @pytest.mark.slow
