@@ -1384,7 +1384,7 @@ class Decoder:
             pad = [ids[-1]] * (rows - len(ids))
             return self._prefill([prompts[i] for i in ids + pad], seed, None, limits[ids + pad], capacity)
 
-        b = group(n)
+        b = min(batch_size, -(-n // self.row_multiple) * self.row_multiple)  # no idle rows for a few prompts
         first = list(range(min(b, n)))
         # The caches hold what the prompts so far need, and grow when a later one needs more: one
         # capacity for all would make every round attend over the longest prompt's slots (on 2 CPU
