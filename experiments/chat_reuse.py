@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import emit  # noqa: E402  experiments/report.py
+from report import save  # noqa: E402  experiments/report.py
 
 
 def run(texts: list[list[str]], *, budget: int, max_new_tokens: int, passes: int = 2) -> list[dict]:
@@ -138,10 +138,7 @@ def main() -> None:
              for c in range(args.conversations)]
     t0 = time.perf_counter()
     rows = run(texts, budget=args.budget, max_new_tokens=args.max_new_tokens)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"args": vars(args), "turns": rows}, indent=1))
-    emit(report(rows, args, time.perf_counter() - t0), out)
+    save(report(rows, args, time.perf_counter() - t0), args.out, {"args": vars(args), "turns": rows})
 
 
 if __name__ == "__main__":

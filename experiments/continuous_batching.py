@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import emit, require_positive  # noqa: E402  experiments/report.py
+from report import require_positive, save  # noqa: E402  experiments/report.py
 
 
 def run(args) -> dict:
@@ -128,10 +128,7 @@ def main() -> None:
     args = parse_args()
     t0 = time.perf_counter()
     res = run(args)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"args": vars(args), **res}, indent=1))
-    emit(report(res, args, time.perf_counter() - t0), out)
+    save(report(res, args, time.perf_counter() - t0), args.out, {"args": vars(args), **res})
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 
@@ -16,6 +17,15 @@ def emit(lines: list[str], out: str | Path | None) -> str:
         out.write_text(text)
         print(f"wrote {out}")
     return text
+
+
+def save(lines: list[str], out: str | Path, payload: dict) -> str:
+    """`emit` to `out`, with `payload` (the run's arguments and measurements) written beside it as
+    JSON (the same name with .json)."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(payload, indent=1))
+    return emit(lines, out)
 
 
 def budget_axes(ax, budgets, ylabel: str, title: str, *, title_size: int = 8) -> None:

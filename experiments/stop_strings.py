@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import emit, require_positive  # noqa: E402  experiments/report.py
+from report import require_positive, save  # noqa: E402  experiments/report.py
 
 NEVER = "\u2603\u2603\u2603"  # three snowmen: in no answer (checked: "never" must equal "none")
 
@@ -130,10 +130,7 @@ def main() -> None:
     args = parse_args()
     t0 = time.perf_counter()
     rows = run(args)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"args": vars(args), "prompts": rows}, indent=1))
-    emit(report(rows, args, time.perf_counter() - t0), out)
+    save(report(rows, args, time.perf_counter() - t0), args.out, {"args": vars(args), "prompts": rows})
 
 
 if __name__ == "__main__":
