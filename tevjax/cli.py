@@ -623,7 +623,7 @@ def cmd_generate(args) -> int:
                 "prompt": prompts[start + j] if isinstance(prompts[start + j], str) else None,
                 "prompt_ids": batch[j],
                 "tokens": g.tokens,
-                "text": cut_text(_decode(models, g.tokens), stops)[0] if stops else _decode(models, g.tokens),
+                "text": cut_text(_decode(models, g.tokens), stops)[0],  # unchanged without --stop
                 "rounds": g.rounds,
                 "plain_rounds": g.plain_rounds,
                 "tau": round(g.tau, 4),

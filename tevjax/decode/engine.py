@@ -407,16 +407,13 @@ def _rebase(tstate, dstate, state: DecodeState, roots, lengths, limits, key_data
     fresh = _empty_state(tstate, dstate, roots, lengths, limits, key_data, tgd=tgd, dgd=dgd, cfg=cfg,
                          capacity=capacity, mesh=mesh)
 
-    fit = functools.partial(_fit_slots, capacity=capacity)
-    slots = CACHE_AXES.index("cache_slots")
-    caches = [None if c is None else KVCache(k=fit(c.k, slots), v=fit(c.v, slots))
-              for c in (state.target_cache, state.drafter_cache)]
+    kept = _fit_capacity(state, capacity=capacity)
     history = fresh.history
     if history is not None:  # the new root at slot lengths - 1, the earlier tokens below it
         below = jnp.arange(capacity, dtype=jnp.int32)[None, :] < (lengths - 1)[:, None]
-        history = jnp.where(below, fit(state.history, 1), history)
-    return dataclasses.replace(fresh, target_cache=caches[0], drafter_cache=caches[1], hidden=fit(state.hidden, 1),
-                               history=history, draft_head=state.draft_head)
+        history = jnp.where(below, kept.history, history)
+    return dataclasses.replace(fresh, target_cache=kept.target_cache, drafter_cache=kept.drafter_cache,
+                               hidden=kept.hidden, history=history, draft_head=state.draft_head)
 
 
 def _fit_slots(x: jax.Array | None, axis: int, capacity: int) -> jax.Array | None:
@@ -428,10 +425,10 @@ def _fit_slots(x: jax.Array | None, axis: int, capacity: int) -> jax.Array | Non
     return jnp.pad(x, [(0, capacity - x.shape[axis]) if a == axis else (0, 0) for a in range(x.ndim)])
 
 
-def _grow(state: DecodeState, *, capacity: int) -> DecodeState:
-    """`state` with `capacity` cache slots (at least its own): every row as it was, with empty slots
-    appended to its caches, kept hidden states and history (continuous batching, when a prompt
-    needs more room than the rows so far)."""
+def _fit_capacity(state: DecodeState, *, capacity: int) -> DecodeState:
+    """`state` with `capacity` cache slots: every row's caches, kept hidden states and history with
+    empty slots appended, or the top ones cut (`_rebase`; continuous batching grows them when a
+    prompt needs more room than the rows so far)."""
     fit = functools.partial(_fit_slots, capacity=capacity)
     slots = CACHE_AXES.index("cache_slots")
     caches = [None if c is None else KVCache(k=fit(c.k, slots), v=fit(c.v, slots))
@@ -1074,11 +1071,11 @@ class Decoder:
         return self._rebase_fns[key]
 
     def _grow_fn(self, capacity: int):
-        """`_grow` to `capacity` slots, jitted once per capacity."""
+        """`_fit_capacity` to `capacity` slots (more than the state's), jitted once per capacity."""
         if capacity not in self._grow_fns:
             shard = {} if self.mesh is None else dict(in_shardings=self._place_shardings["in_shardings"][:1],
                                                       out_shardings=self._place_shardings["out_shardings"])
-            self._grow_fns[capacity] = jax.jit(functools.partial(_grow, capacity=capacity), **shard)
+            self._grow_fns[capacity] = jax.jit(functools.partial(_fit_capacity, capacity=capacity), **shard)
         return self._grow_fns[capacity]
 
     def _rows(self, x: np.ndarray, sharding_index: int, shardings: dict) -> jax.Array:
