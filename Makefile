@@ -37,9 +37,11 @@ demo: $(BASE_STAMP)
 	$(PY) -m tevjax demo
 
 # Two workers, one test file each at a time (module fixtures such as compiled decoders stay in
-# one process): compilation is single-threaded, so this keeps both cores busy (~20% faster).
+# one process): compilation is single-threaded, so this keeps both cores busy (~20% faster). A
+# worker that crashes ends the run at once: xdist's replacement worker can hang under --dist
+# loadfile (pytest-xdist#784), and a hang would run until CI's limit.
 test: $(TEST_STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadfile --durations=15
+	$(PY) -m pytest -q -n 2 --dist loadfile --max-worker-restart=0 --durations=15
 
 test-slow: $(TEST_STAMP)
 	$(PY) -m pytest -q -m slow --durations=15
