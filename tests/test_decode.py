@@ -124,9 +124,10 @@ def test_continuous_batching_equals_one_batch_of_every_prompt(models, verifier, 
                    **({} if verifier is AR else {"lookup": 5}))
     want = dec.generate(prompts, seed=3, max_new_tokens=limits)
     assert any(g.stop == "eos" for g in want) and len({len(g.tokens) for g in want}) > 3  # rows end at many times
+    placed = dec._place._cache_size()  # (Decoders with equal statics share their programs)
     got = dec.generate_continuous(prompts, 3, seed=3, max_new_tokens=limits)
     assert [(g.tokens, g.rounds, g.stop) for g in got] == [(g.tokens, g.rounds, g.stop) for g in want]
-    assert dec._place._cache_size() <= 4  # per capacity, refills of 1 row or 2 (powers of two)
+    assert dec._place._cache_size() - placed <= 4  # per capacity, refills of 1 row or 2 (powers of two)
     assert list(dec._grow_fns) == [96]
     with pytest.raises(ValueError, match="batch_size must be an int >= 1, got 0"):
         dec.generate_continuous(prompts, 0)
@@ -529,13 +530,16 @@ def test_without_a_drafter_a_round_has_one_tree_slot(models):
 
 def test_prompt_lengths_share_one_compilation_per_bucket(models):
     dec = _decoder(models, "tev", max_new_tokens=6, capacity=None)
+    # Programs compiled before (Decoders with equal statics share them) are not counted.
+    loops, chunks = dec._loop._cache_size(), dec._prefill_chunk._cache_size()
     for prompt in ([1, 2], [1, 2, 3, 4, 5], [3] * 9, [4] * 15):  # all within one 16-token bucket
         dec.generate([prompt])
-    assert dec._loop._cache_size() == 1
-    assert len(dec._empty_fns) == 1 and dec._prefill_chunk._cache_size() == 1
+    assert dec._loop._cache_size() - loops <= 1
+    assert len(dec._empty_fns) == 1 and dec._prefill_chunk._cache_size() - chunks <= 1
+    loops, chunks = dec._loop._cache_size(), dec._prefill_chunk._cache_size()
     dec.generate([[5] * 20])  # the next prompt bucket: one more prefill chunk shape (32 tokens), not
     # one per prompt; the loop's shapes depend on the capacity only
-    assert dec._prefill_chunk._cache_size() == 2 and dec._loop._cache_size() == 1
+    assert dec._prefill_chunk._cache_size() - chunks <= 1 and dec._loop._cache_size() == loops
 
 
 @pytest.mark.parametrize("verifier", [AR, "tev"])

@@ -41,6 +41,7 @@ def test_any_split_of_the_rounds_gives_the_one_shot_result(models, with_drafter)
     for temperature in (0.0, 1.0):
         cfg = DecodeConfig(budget=8, max_new_tokens=20, prompt_bucket=16, capacity=64, temperature=temperature)
         dec = Decoder(target, drafter if with_drafter else None, cfg)
+        loops = dec._loop._cache_size()  # (Decoders with equal statics share their programs)
         # One call of max_new_tokens rounds runs every round (each emits >= 1 token per active
         # row): the one-shot while_loop of before.
         one_shot = _summary(dec.generate(PROMPTS, seed=5, rounds_per_call=cfg.max_new_tokens))
@@ -51,7 +52,7 @@ def test_any_split_of_the_rounds_gives_the_one_shot_result(models, with_drafter)
         for _, state in dec.stream(PROMPTS, seed=5):
             streamed = state
         assert _summary(dec.results(streamed)) == one_shot
-        assert dec._loop._cache_size() == 1  # the round count is an argument, not a shape
+        assert dec._loop._cache_size() - loops <= 1  # the round count is an argument, not a shape
         if with_drafter and temperature == 0.0:  # multi-token rounds happened, so the commits were split too
             assert max(tau for _, _, tau, _ in one_shot) > 1.2
 

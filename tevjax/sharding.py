@@ -322,3 +322,16 @@ def global_batch_array(mesh: Mesh, local: np.ndarray) -> jax.Array:
     """A global array, batch-sharded over `data`, from this process's slice of the global batch
     (the whole batch in a single-process run)."""
     return jax.make_array_from_process_local_data(batch_sharding(mesh, local.ndim), local)
+
+
+def frozen(tree: Any) -> tuple:
+    """A hashable form of a pytree of shardings, (structure, leaves): part of the key under which
+    jitted programs are shared (`thawed` gives the tree back). `None` entries stay in the structure."""
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef, tuple(leaves)
+
+
+def thawed(key: tuple) -> Any:
+    """The pytree `frozen` made `key` from."""
+    treedef, leaves = key
+    return jax.tree.unflatten(treedef, leaves)

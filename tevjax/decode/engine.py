@@ -84,8 +84,8 @@ from tevjax.multihost import every_process
 from tevjax.sampling import check_truncation, truncate_logits
 from tevjax.decode.stops import StopTable, advance, check_stops, stop_table
 from tevjax.seeding import seed_key
-from tevjax.sharding import (CACHE_AXES, LOGICAL_RULES, check_batch, host_array, logical_sharding,
-                             param_shardings, put)
+from tevjax.sharding import (CACHE_AXES, LOGICAL_RULES, check_batch, frozen, host_array, logical_sharding,
+                             param_shardings, put, thawed)
 from tevjax.tree import DraftTree
 from tevjax.verifiers import VERIFIERS, verify
 
@@ -923,11 +923,30 @@ def _check_prompt_types(prompts) -> None:
                 raise TypeError(f"prompt {i} holds {t!r} ({type(t).__name__}): token ids must be integers")
 
 
+@functools.lru_cache(maxsize=64)
+def _program(fn, statics: tuple, donate: tuple[int, ...], shardings: tuple | None):
+    """`fn` with its static arguments (`statics`: sorted (name, value) pairs: graph definitions,
+    config, mesh, capacity), jitted with `donate` and the `frozen` in/out shardings (None: one
+    device). Cached, so Decoders with equal statics share their traces and compilations: a second
+    Decoder for the same models and config (a new request, an evaluation's repeat, a test) compiles
+    nothing. Graph definitions compare by structure, not identity."""
+    shard = {} if shardings is None else dict(zip(("in_shardings", "out_shardings"), thawed(shardings)))
+    return jax.jit(functools.partial(fn, **dict(statics)), donate_argnums=donate, **shard)
+
+
+def _jit(fn, statics: dict, donate: tuple[int, ...] = (), shardings: dict | None = None):
+    """`_program` for keyword statics and a {"in_shardings", "out_shardings"} dict (empty or None
+    without a mesh)."""
+    key = frozen((shardings["in_shardings"], shardings["out_shardings"])) if shardings else None
+    return _program(fn, tuple(sorted(statics.items())), donate, key)
+
+
 class Decoder:
     """Speculative (or autoregressive) generation with a target and, optionally, a DFlash drafter.
 
     The models are split once into graphdef + state; the states travel as jit arguments (never as
-    closure constants). Compiled functions are cached per (batch, prompt bucket, capacity).
+    closure constants). Compiled functions are cached per (batch, prompt bucket, capacity) and shared
+    by Decoders whose models have the same structure and whose config and mesh are equal.
 
     With a `mesh` (`tevjax.sharding.make_mesh`) the weights are placed with their shardings (no
     copy if they already are), and prefill, round and loop run over the mesh with the state's
@@ -995,19 +1014,19 @@ class Decoder:
                                                         logical_sharding(mesh, (None,))), out_shardings=sshard)
         # Donating the state is safe: each call's output state replaces its input and nothing
         # else holds a reference, so XLA can update the caches in place instead of copying them.
-        self._round = jax.jit(functools.partial(_round, **statics), donate_argnums=(2,), **shard)
-        self._loop = jax.jit(functools.partial(_rounds, **statics), donate_argnums=(2,), **self._loop_shardings)
-        self._loop_until_one = jax.jit(functools.partial(_rounds, **statics, until_one=True), donate_argnums=(2,),
-                                       **self._loop_shardings)
+        self._round = _jit(_round, statics, (2,), shard)
+        self._loop = _jit(_rounds, statics, (2,), self._loop_shardings)
+        self._loop_until_one = _jit(_rounds, dict(statics, until_one=True), (2,), self._loop_shardings)
         # Continuous batching's refill: the live state is donated (updated in place), the fresh rows not.
-        self._place = jax.jit(_place_rows, donate_argnums=(0,), **self._place_shardings)
-        self._grow_fns: dict[int, Any] = {}
-        self._prefill_chunk = jax.jit(functools.partial(_prefill_chunk, tgd=self.tgd, dgd=self.dgd, cfg=cfg),
-                                      donate_argnums=(2,), **self._chunk_shardings)
+        self._place = _jit(_place_rows, {}, (0,), self._place_shardings)
+        self._prefill_chunk = _jit(_prefill_chunk, dict(tgd=self.tgd, dgd=self.dgd, cfg=cfg), (2,),
+                                   self._chunk_shardings)
         if self.stops is not None:
             self.stops = jax.device_put(self.stops, stshard) if mesh is not None else jax.device_put(self.stops)
+        # This Decoder's programs per capacity (shared with equal Decoders through `_program`).
         self._empty_fns: dict[int, Any] = {}
         self._rebase_fns: dict[tuple[int, bool], Any] = {}
+        self._grow_fns: dict[int, Any] = {}
 
     # -- shapes
     @property
@@ -1054,9 +1073,9 @@ class Decoder:
 
     def _empty_fn(self, capacity: int):
         if capacity not in self._empty_fns:
-            self._empty_fns[capacity] = jax.jit(functools.partial(
-                _empty_state, tgd=self.tgd, dgd=self.dgd, cfg=self.cfg, capacity=capacity, mesh=self.mesh),
-                **self._empty_shardings)
+            self._empty_fns[capacity] = _jit(_empty_state, dict(tgd=self.tgd, dgd=self.dgd, cfg=self.cfg,
+                                                                capacity=capacity, mesh=self.mesh),
+                                             (), self._empty_shardings)
         return self._empty_fns[capacity]
 
     def _rebase_fn(self, capacity: int, earlier: int):
@@ -1065,17 +1084,17 @@ class Decoder:
         the result, so then it is not."""
         key = (capacity, earlier == capacity)
         if key not in self._rebase_fns:
-            self._rebase_fns[key] = jax.jit(functools.partial(
-                _rebase, tgd=self.tgd, dgd=self.dgd, cfg=self.cfg, capacity=capacity, mesh=self.mesh),
-                donate_argnums=(2,) if key[1] else (), **self._rebase_shardings)
+            self._rebase_fns[key] = _jit(_rebase, dict(tgd=self.tgd, dgd=self.dgd, cfg=self.cfg, capacity=capacity,
+                                                       mesh=self.mesh),
+                                         (2,) if key[1] else (), self._rebase_shardings)
         return self._rebase_fns[key]
 
     def _grow_fn(self, capacity: int):
-        """`_fit_capacity` to `capacity` slots (more than the state's), jitted once per capacity."""
+        """`_fit_capacity` to `capacity` slots (more than the state's)."""
         if capacity not in self._grow_fns:
             shard = {} if self.mesh is None else dict(in_shardings=self._place_shardings["in_shardings"][:1],
                                                       out_shardings=self._place_shardings["out_shardings"])
-            self._grow_fns[capacity] = jax.jit(functools.partial(_fit_capacity, capacity=capacity), **shard)
+            self._grow_fns[capacity] = _jit(_fit_capacity, dict(capacity=capacity), (), shard)
         return self._grow_fns[capacity]
 
     def _rows(self, x: np.ndarray, sharding_index: int, shardings: dict) -> jax.Array:

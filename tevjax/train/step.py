@@ -48,7 +48,7 @@ from tevjax.models.cache import KVCache
 from tevjax.models.dflash import DFlashDrafter
 from tevjax.models.transformer import Transformer
 from tevjax.sampling import check_truncation, truncate_logits
-from tevjax.sharding import batch_sharding, check_batch, host_array, param_shardings, replicated
+from tevjax.sharding import batch_sharding, check_batch, frozen, host_array, param_shardings, replicated, thawed
 from tevjax.train.dataset import Batch
 from tevjax.train.objectives import (EXIT_WEIGHTS, distill_loss_terms, exit_loss_terms, exit_weights, ratio,
                                      sample_anchors, token_loss_terms)
@@ -298,18 +298,12 @@ def _train_step(state: TrainState, tstate, dconst, batch: Batch, *, dgd, ogd, tg
     return new, metrics
 
 
-def _frozen(tree) -> tuple:
-    """A hashable form of a pytree of shardings (its structure and leaves): an lru_cache key."""
-    leaves, treedef = jax.tree.flatten(tree)
-    return treedef, tuple(leaves)
-
-
 @functools.lru_cache(maxsize=16)
 def _jitted_step(dgd, ogd, tgd, cfg: TrainConfig, mesh, shardings: tuple):
     """The jitted, sharded step for one (model structure, config, mesh, shardings): cached, so
     Trainers of the same run (a resume in the same process, tests, sweeps) share one compilation.
-    `shardings` holds `_frozen` (state, target, drafter constants) shardings."""
-    state_s, tstate_s, dconst_s = (jax.tree.unflatten(treedef, leaves) for treedef, leaves in shardings)
+    `shardings` holds the `frozen` (state, target, drafter constants) shardings."""
+    state_s, tstate_s, dconst_s = (thawed(key) for key in shardings)
     batch_shard = Batch(tokens=batch_sharding(mesh, 2), loss_mask=batch_sharding(mesh, 2),
                         features=batch_sharding(mesh, 3), length=batch_sharding(mesh, 1))
     step = functools.partial(_train_step, dgd=dgd, ogd=ogd, tgd=tgd, cfg=cfg, mesh=mesh)
@@ -351,7 +345,7 @@ class Trainer:
         self.dconst = jax.device_put(dconst, dshard)
         self._init = (params, opt)
         self._step = _jitted_step(self.dgd, self.ogd, self.tgd, cfg, mesh,
-                                  tuple(_frozen(t) for t in (self.state_shardings, tshard, dshard)))
+                                  tuple(frozen(t) for t in (self.state_shardings, tshard, dshard)))
 
     def init_state(self) -> TrainState:
         params, opt = self._init
