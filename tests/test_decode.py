@@ -131,6 +131,13 @@ def test_continuous_batching_equals_one_batch_of_every_prompt(models, verifier, 
     assert list(dec._grow_fns) == [96]
     with pytest.raises(ValueError, match="batch_size must be an int >= 1, got 0"):
         dec.generate_continuous(prompts, 0)
+    # `continuous` yields each prompt once, as it finishes: a row that ends sooner is yielded sooner.
+    order = [(i, g.tokens) for i, g in dec.continuous(prompts, 3, seed=3, max_new_tokens=limits)]
+    assert sorted(order) == sorted((i, g.tokens) for i, g in enumerate(want))
+    assert [i for i, _ in order] != list(range(len(prompts)))  # prompt 1 (24 tokens) outlasts 2 (3 tokens)
+    assert [i for i, _ in order].index(2) < [i for i, _ in order].index(1)
+    with pytest.raises(ValueError, match="batch_size must be an int >= 1"):
+        dec.continuous(prompts, -1)  # raised at the call, not at the first result
 
 
 @pytest.mark.parametrize("verifier", [AR, "tev"])

@@ -109,6 +109,39 @@ def test_sigint_returns_the_finished_rows(models, monkeypatch, python_sigint_han
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is restored
 
 
+def test_sigint_during_continuous_batching_returns_the_finished_prompts(models, monkeypatch,
+                                                                         python_sigint_handler):
+    """`continuous` defers Ctrl-C over its loop calls and refills, not while the caller holds a
+    result; SIGINT during a call: `Interrupted` after it, with the prompts finished so far (equal
+    to an uninterrupted run's) and None for the others."""
+    target, _ = models
+    dec = Decoder(target, None, DecodeConfig(max_new_tokens=24, prompt_bucket=16, capacity=64))
+    limits = [3, 24, 5, 24, 2, 24]
+    prompts = PROMPTS + PROMPTS[:2]
+    reference = dec.generate_continuous(prompts, 2, max_new_tokens=limits)
+    for _, _ in dec.continuous(prompts, 2, max_new_tokens=limits):
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    calls = []
+    loop = dec._loop_until_one
+
+    def loop_then_sigint(*args):
+        out = loop(*args)
+        calls.append(1)
+        if len(calls) == 4:  # as if Ctrl-C were pressed while this call runs
+            signal.raise_signal(signal.SIGINT)
+        return out
+
+    monkeypatch.setattr(dec, "_loop_until_one", loop_then_sigint)
+    with pytest.raises(Interrupted) as info:
+        dec.generate_continuous(prompts, 2, max_new_tokens=limits)
+    assert len(calls) == 4
+    results = info.value.results
+    done = [i for i, g in enumerate(results) if g is not None]
+    assert 0 < len(done) < len(prompts)
+    assert _summary([results[i] for i in done]) == _summary([reference[i] for i in done])
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is restored
+
+
 # A target whose greedy output is scripted: layer outputs are zero, so the last hidden state is the
 # current token's (normalised) embedding, and lm_head row succ(t) = 50 * t's embedding makes
 # succ(t) the greedy next token. "a" answers "ok" then EOS; "z" answers "z" forever.

@@ -32,7 +32,8 @@ rows already finished) while a long generation still makes few host round-trips.
 program serves every call: the round count is an argument, not a shape. `Decoder.stream` is the
 Python-loop twin over the same jitted round (one host sync per round) for streaming.
 `Decoder.generate_continuous` keeps a batch busy over many prompts: its loop also stops when a row
-finishes, and the next prompts are prefilled and placed into the free rows of the live state.
+finishes, and the next prompts are prefilled and placed into the free rows of the live state
+(`Decoder.continuous` yields each prompt's result as it finishes).
 
 Prefill writes prompt[:-1] into the caches in chunks of `DecodeConfig.prefill_chunk` tokens, each a
 causal run that attends to the cache so far (`Transformer` with `block_mask=None`): memory per
@@ -1370,7 +1371,8 @@ class Decoder:
         batching): the loop runs until a row finishes, its result is read, and the next prompts
         are prefilled into the free rows (in groups of a power of two, so that few shapes compile)
         while the other rows keep their state. A batch of fixed rows instead runs until its
-        slowest row is done, with finished rows idle.
+        slowest row is done, with finished rows idle. `continuous` yields each result as it is
+        read; this returns them all, in prompt order.
 
         Prompt i samples with the stream row i of `generate(prompts, seed)` would have (its key
         and its own rounds decide it), so the results equal `generate`'s for every prompt, greedy
@@ -1379,6 +1381,19 @@ class Decoder:
         one per prompt. Ctrl-C is answered after the loop call in flight (`Interrupted`, with
         `results` holding the prompts finished so far, None for the others).
         """
+        results: list[Generation | None] = [None] * len(prompts)
+        for i, gen in self.continuous(prompts, batch_size, seed, max_new_tokens=max_new_tokens):
+            results[i] = gen
+        return results
+
+    def continuous(self, prompts: Sequence[Sequence[int]], batch_size: int, seed: int = 0, *,
+                   max_new_tokens: int | Sequence[int] | None = None) -> Iterator[tuple[int, Generation]]:
+        """`generate_continuous` as it goes: yields (prompt index, Generation) as each prompt
+        finishes, in the order they finish, so a caller (a server, a batch job writing results)
+        has each one a row's lifetime after it started instead of after the last prompt. The rows
+        wait while the caller holds a result: the next loop call starts when the generator is
+        resumed. Ctrl-C: `Interrupted`, as `generate_continuous` raises it. Bad arguments raise
+        here, before the first result is asked for."""
         self._check_prompts(prompts)
         if not isinstance(batch_size, (int, np.integer)) or isinstance(batch_size, bool) or batch_size < 1:
             raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
@@ -1387,6 +1402,10 @@ class Decoder:
                              f"({self.row_multiple})")
         limits = self._limits(max_new_tokens, len(prompts))
         self.shapes([len(p) for p in prompts])  # every prompt fits the positions, checked up front
+        return self._continuous(prompts, int(batch_size), seed, limits)
+
+    def _continuous(self, prompts: Sequence[Sequence[int]], batch_size: int, seed: int,
+                    limits: np.ndarray) -> Iterator[tuple[int, Generation]]:
         key_data = np.asarray(jax.random.key_data(seed_key(seed)))
         n = len(prompts)
 
@@ -1411,19 +1430,23 @@ class Decoder:
         waiting = len(first)
         results: list[Generation | None] = [None] * n
         rounds = 1
-        with _deferred_sigint() as sigint:
-            while (owner >= 0).any():
+        while (owner >= 0).any():
+            # Ctrl-C is deferred over a call and the refill after it (the state is donated through
+            # both), not while the caller holds a result.
+            with _deferred_sigint() as sigint:
                 # Each call ends when a row finishes, or after about CALL_SECONDS (as in `run`).
                 t0 = time.perf_counter()
                 state = self._loop_until_one(self.tstate, self.dstate, state, np.int32(rounds), self.ngrams,
                                              self.stops)
                 finished = np.flatnonzero(host_array(state.done) & (owner >= 0))
                 want = _next_rounds(rounds, time.perf_counter() - t0, self.cfg.max_new_tokens)
+                read: list[tuple[int, Generation]] = []
                 if len(finished):
                     # (the prompt lengths place `Generation.hidden`, with cfg.hidden_layers)
                     gens = self.results(state, [len(prompts[o]) if o >= 0 else 1 for o in owner])
-                    for r in finished:
-                        results[owner[r]] = gens[r]
+                    read = [(int(owner[r]), gens[r]) for r in finished]
+                    for i, gen in read:
+                        results[i] = gen
                     owner[finished] = -1
                 hit, want = every_process([sigint.hit, want]).T
                 if hit.any():
@@ -1442,7 +1465,7 @@ class Decoder:
                     state = self._place(state, prefill(ids, g), rows, prompt_ids, key_data)
                     owner[free[:k]] = ids
                     waiting += k
-        return results
+            yield from read
 
     def stream(self, prompts: Sequence[Sequence[int]], seed: int = 0, *,
                reuse: tuple[DecodeState, Sequence[Sequence[int]]] | None = None,
