@@ -186,6 +186,10 @@ def test_compile_needs_only_shapes(models, monkeypatch, caplog):
     assert len(gens) == 2 and all(len(g.tokens) == 8 or g.stop == "eos" for g in gens)
 
 
+def _compiled(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.getMessage().startswith("Compiling")]
+
+
 def test_compile_with_reuse_covers_a_reusing_prefill(models, caplog):
     """`compile(..., reuse=True)` also builds the rebase and the smallest chunk, so the next turn's
     prefill from the last state (a few new tokens, the same capacity) compiles nothing."""
@@ -201,10 +205,6 @@ def test_compile_with_reuse_covers_a_reusing_prefill(models, caplog):
         dec.prefill(follow, reuse=(state, batch))
     again = _compiled(caplog)
     assert not [m for m in again if "jit(_rebase)" in m or "jit(_prefill_chunk)" in m], again
-
-
-def _compiled(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.getMessage().startswith("Compiling")]
 
 
 def test_decoders_with_equal_statics_share_their_programs(models, caplog):
