@@ -207,6 +207,34 @@ def write_scripted_target(path, successors, max_positions: int = 64):
     write_tok_dir(tiny_meta(), path)
 
 
+def test_continuous_prints_each_prompt_as_it_ends(tmp_path, capsys):
+    """`--continuous` with 2 rows over "z", "a", "a", "a" (a scripted target: "a" answers "ok" and
+    ends, "z" runs to --max-new-tokens): the "a" prompts end and print while "z" decodes, so "z"
+    prints last; every record equals the fixed batches' record of the same prompt."""
+    a, z = (len(SPECIALS) + b for b in b"az")
+    chain = [a] + [len(SPECIALS) + b for b in b"ok"] + [2]  # byte b is token 3 + b; 2 = EOS
+    write_scripted_target(tmp_path / "t", [*zip(chain, chain[1:]), (z, z)])
+    lines = tmp_path / "prompts.txt"
+    lines.write_text("z\na\na\na\n")
+    argv = ["generate", "--target", str(tmp_path / "t"), "--batch-file", str(lines), "--batch-size", "2", "--no-chat",
+            "--verifier", "ar", "--max-new-tokens", "40", "--json"]
+    code, out, err = _run(capsys, *argv)
+    assert code == 0, err
+    fixed = [json.loads(line) for line in out.splitlines()]
+    assert [r["index"] for r in fixed] == [0, 1, 2, 3] and [r["text"] for r in fixed] == ["z" * 40] + ["ok"] * 3
+    code, out, err = _run(capsys, *argv, "--continuous")
+    assert code == 0, err
+    flowing = [json.loads(line) for line in out.splitlines()]
+    assert [r["index"] for r in flowing] == [1, 2, 3, 0]
+    for r in flowing:
+        want = fixed[r["index"]]
+        assert (r["prompt"], r["tokens"], r["text"], r["stop"]) == (want["prompt"], want["tokens"], want["text"],
+                                                                   want["stop"])
+    assert flowing[-1]["seconds"] >= flowing[0]["seconds"]  # seconds run from the start of decoding
+    code, _, err = _run(capsys, "generate", "--prompt", "hi", "--continuous")
+    assert code == 2 and "--continuous needs --batch-file" in err
+
+
 def test_a_text_prompt_too_long_for_the_target_is_one_error(capfd, text_target_dir):
     """A text prompt longer than the target's positions: the CLI's one-line error, naming the
     prompt and its length, and not also transformers' warning that the model will fail with

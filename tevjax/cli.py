@@ -337,6 +337,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_decoding_args(gen, max_new_tokens=128, seed_help="sampling seed, an integer in [0, 2**64)")
     gen.add_argument("--batch-size", type=_positive_int("--batch-size"), default=1,
                      help="prompts decoded together (with --batch-file)")
+    gen.add_argument("--continuous", action="store_true",
+                     help="with --batch-file: continuous batching, --batch-size rows kept busy, a row taking the next "
+                          "prompt as soon as its prompt ends; each prompt is printed as it ends, and its seconds run "
+                          "from the start of decoding (the refills compile on first use, within that time)")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
     gen.add_argument("--logprobs", action="store_true",
                      help="with --json: each token's log-probability under the target (before temperature and "
@@ -568,6 +572,8 @@ def cmd_generate(args) -> int:
     speculative = args.verifier != AUTOREGRESSIVE
     if args.logprobs and not args.json:
         raise CliError("--logprobs needs --json: the log-probabilities are a field of each JSON record")
+    if args.continuous and args.batch_file is None:
+        raise CliError("--continuous needs --batch-file (continuous batching refills rows from its prompts)")
     prompts, where = _read_prompts(args)  # cheap checks before the (slow) model load
     mesh = _mesh(args, default_all=False)
     if args.budget is None:
@@ -608,7 +614,7 @@ def cmd_generate(args) -> int:
     decoder = _decoder(models.target, models.drafter if speculative else None, cfg, mesh, models.ngrams,
                        spellings=_spellings(models, stops))
     # Streaming prints row 0 as it grows; a multi-host job prints once, at the end.
-    stream = not args.json and len(ids) == 1 and (mesh is None or jax_process_count() == 1)
+    stream = not args.json and not args.continuous and len(ids) == 1 and (mesh is None or jax_process_count() == 1)
     failed: list[str] = []
 
     def report(start, batch, gens, seconds, compile_seconds):
@@ -620,6 +626,7 @@ def cmd_generate(args) -> int:
                 failed.append(f"prompt {start + j} ({where[start + j]})")
                 continue
             record = {
+                "index": start + j,  # the prompt's line among the prompts (printed out of order with --continuous)
                 "prompt": prompts[start + j] if isinstance(prompts[start + j], str) else None,
                 "prompt_ids": batch[j],
                 "tokens": g.tokens,
@@ -656,40 +663,55 @@ def cmd_generate(args) -> int:
                       f"temperature {args.temperature}{truncation_text(args.top_k, args.top_p, args.min_p)} "
                       f"(compile {compile_seconds:.1f} s, load {load_seconds:.1f} s)", flush=True)
 
-    for start in range(0, len(ids), args.batch_size):
-        batch = ids[start: start + args.batch_size]
-        decoder.shapes([len(p) for p in batch])  # capacity / position checks before compiling
-        compile_seconds = decoder.compile(batch, streaming=stream)
+    if args.continuous:
+        rows = -(-args.batch_size // decoder.row_multiple) * decoder.row_multiple
+        compile_seconds = decoder.compile(ids[:rows], continuous=True)
         t1 = time.perf_counter()
-        if stream:
-            from tevjax.convert.tokenizer import StreamDetokenizer
+        reported: set[int] = set()
+        try:
+            for i, g in decoder.continuous(ids, rows, seed=args.seed):
+                report(i, [ids[i]], [g], time.perf_counter() - t1, compile_seconds)
+                reported.add(i)
+        except Interrupted as e:  # the prompts read in the interrupted call, then main() exits with 130
+            for i, g in enumerate(e.results or []):
+                if g is not None and i not in reported:
+                    report(i, [ids[i]], [g], time.perf_counter() - t1, compile_seconds)
+            raise
+    else:
+        for start in range(0, len(ids), args.batch_size):
+            batch = ids[start: start + args.batch_size]
+            decoder.shapes([len(p) for p in batch])  # capacity / position checks before compiling
+            compile_seconds = decoder.compile(batch, streaming=stream)
+            t1 = time.perf_counter()
+            if stream:
+                from tevjax.convert.tokenizer import StreamDetokenizer
 
-            # Holds back the bytes of an unfinished character (an emoji spans several tokens),
-            # so what streams is exactly the final text (_decode), never a stray U+FFFD.
-            detok = StreamDetokenizer(models.tokenizer) if models.tokenizer is not None else None
-            # With --stop, a tail that may begin a stop string waits until the next tokens decide.
-            shown = StopText(stops) if stops else None
-            try:
-                for new, state in decoder.stream(batch, seed=args.seed):
-                    if detok is not None:
-                        piece = detok.feed(new[0])
-                        print(shown.feed(piece) if shown else piece, end="", flush=True)
-            except KeyboardInterrupt:
-                print(flush=True)  # end the partial line; main() reports the interrupt
-                raise
-            gens = decoder.results(state)
-            # Without a tokenizer the ids are the output (printed once, at the end).
-            rest = detok.flush() if detok is not None else _decode(models, gens[0].tokens)
-            print(shown.feed(rest) + shown.flush() if shown else rest)
-        else:
-            try:
-                gens = decoder.generate(batch, seed=args.seed)
-            except Interrupted as e:
-                # Ctrl-C is answered after the loop call in flight (a fraction of a second): the
-                # rows of this batch that had finished are printed, then main() exits with 130.
-                report(start, batch, e.results or [], time.perf_counter() - t1, compile_seconds)
-                raise
-        report(start, batch, gens, time.perf_counter() - t1, compile_seconds)
+                # Holds back the bytes of an unfinished character (an emoji spans several tokens),
+                # so what streams is exactly the final text (_decode), never a stray U+FFFD.
+                detok = StreamDetokenizer(models.tokenizer) if models.tokenizer is not None else None
+                # With --stop, a tail that may begin a stop string waits until the next tokens decide.
+                shown = StopText(stops) if stops else None
+                try:
+                    for new, state in decoder.stream(batch, seed=args.seed):
+                        if detok is not None:
+                            piece = detok.feed(new[0])
+                            print(shown.feed(piece) if shown else piece, end="", flush=True)
+                except KeyboardInterrupt:
+                    print(flush=True)  # end the partial line; main() reports the interrupt
+                    raise
+                gens = decoder.results(state)
+                # Without a tokenizer the ids are the output (printed once, at the end).
+                rest = detok.flush() if detok is not None else _decode(models, gens[0].tokens)
+                print(shown.feed(rest) + shown.flush() if shown else rest)
+            else:
+                try:
+                    gens = decoder.generate(batch, seed=args.seed)
+                except Interrupted as e:
+                    # Ctrl-C is answered after the loop call in flight (a fraction of a second): the
+                    # rows of this batch that had finished are printed, then main() exits with 130.
+                    report(start, batch, e.results or [], time.perf_counter() - t1, compile_seconds)
+                    raise
+            report(start, batch, gens, time.perf_counter() - t1, compile_seconds)
     if failed:
         raise CliError(f"the target {args.target!r} produced non-finite logits for {', '.join(failed)}: its weights "
                        f"are damaged or overflow in this dtype; no tokens were emitted from that point")

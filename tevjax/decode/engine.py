@@ -1257,11 +1257,14 @@ class Decoder:
         return jax.eval_shape(self._empty_fn(capacity), self.tstate, self.dstate, i32, i32, i32,
                               self._key_data_shape())
 
-    def compile(self, prompts: Sequence[Sequence[int]], *, streaming: bool = False, reuse: bool = False) -> float:
+    def compile(self, prompts: Sequence[Sequence[int]], *, streaming: bool = False, reuse: bool = False,
+                continuous: bool = False) -> float:
         """Compiles prefill and the generation loop (or, for `stream`, the single round) for this
         batch shape ahead of time, from the shapes alone (nothing runs), so that timed runs
         exclude compilation; returns seconds spent. `reuse`: also a prefill that reuses a state
-        of these shapes (`prefill(reuse=...)`: its rebase and its smallest chunk)."""
+        of these shapes (`prefill(reuse=...)`: its rebase and its smallest chunk). `continuous`:
+        the loop `continuous` runs (to a row's end) for these prompts as its first rows; its
+        refills compile their shapes on first use."""
         t0 = time.perf_counter()
         prompts = self._padded(prompts)
         lengths = [len(p) for p in prompts]
@@ -1281,7 +1284,8 @@ class Decoder:
         if streaming:
             self._round.lower(self.tstate, self.dstate, state, self.ngrams, self.stops).compile()
         else:
-            self._loop.lower(self.tstate, self.dstate, state, i32, self.ngrams, self.stops).compile()
+            loop = self._loop_until_one if continuous else self._loop
+            loop.lower(self.tstate, self.dstate, state, i32, self.ngrams, self.stops).compile()
         return time.perf_counter() - t0
 
     def compiled_loop(self, state: DecodeState):
