@@ -43,8 +43,10 @@ _DECODERS: dict = {}
 
 
 def _decoder(models, verifier, ngrams=None, **kw):
-    """Decoders are cached so that tests sharing a configuration share its compiled functions.
-    `verifier=AR` gives no drafter (the config keeps its default verifier, which goes unused)."""
+    """Decoders are cached so that tests sharing a configuration share one Decoder (its placed
+    weights and its per-capacity programs; the compiled programs themselves are shared by any
+    Decoders with equal statics). `verifier=AR` gives no drafter (the config keeps its default
+    verifier, which goes unused)."""
     target, drafter = models
     kw.setdefault("max_new_tokens", 24)
     kw.setdefault("budget", 8)
