@@ -7,6 +7,7 @@ in] layouts, bf16 storage and config keys of the released z-lab drafters.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import warnings
@@ -22,7 +23,7 @@ from safetensors.numpy import save_file
 from tevjax.convert.dflash_ckpt import average_dflash, dflash_weight_rules, load_dflash, save_dflash
 from tevjax.convert.hf import CheckpointError, read_safetensors_dir
 from tevjax.models.cache import KVCache
-from tevjax.models.config import PRESETS
+from tevjax.models.config import PRESETS, RopeScaling
 from tevjax.models.dflash import (
     DFlashConfig,
     DFlashDrafter,
@@ -242,6 +243,9 @@ def test_for_target_defaults():
     ll = DFlashConfig.for_target(PRESETS["llama-3.1-8b"], block_size=10, mask_token_id=128255)
     assert ll.target_layer_ids == (1, 8, 15, 22, 29) and ll.rope_scaling == PRESETS["llama-3.1-8b"].rope_scaling
     assert DFlashConfig.from_hf_config(ll.to_hf_config()) == ll
+    yarn = RopeScaling(rope_type="yarn", factor=4.0, original_max_position_embeddings=32768)
+    qy = DFlashConfig.for_target(dataclasses.replace(PRESETS["qwen3-8b"], rope_scaling=yarn), mask_token_id=151669)
+    assert qy.rope_scaling == yarn and DFlashConfig.from_hf_config(qy.to_hf_config()) == qy
     with pytest.raises(ValueError, match="hidden_size"):
         q.check_target(PRESETS["qwen3-4b"])
 

@@ -315,6 +315,8 @@ def write_gguf(path: Path, state: dict[str, np.ndarray], *, arch: str = "llama",
     w.add_vocab_size(c["vocab_size"])
     if "rope_scaling_type" in c:
         w.add_string(f"{arch}.rope.scaling.type", c["rope_scaling_type"])
+    for key, value in c.get("rope_scaling_meta", {}).items():  # "<arch>.rope.scaling.<key>", as llama.cpp types it
+        (w.add_uint32 if key == "original_context_length" else w.add_float32)(f"{arch}.rope.scaling.{key}", value)
     if tokenizer:
         tokens = tiny_vocab()
         w.add_tokenizer_model("gpt2")
@@ -634,7 +636,8 @@ def test_llama3_rope_freqs_become_rope_scaling(tmp_path):
             read_gguf(path)
     path = write_gguf(tmp_path / "q.gguf", tiny_state(seed=5, arch="qwen2"), arch="qwen2",
                       extra_tensors={"rope_freqs.weight": divisors})
-    with pytest.raises(GGUFError, match=r"rope scaling \(qwen2\.rope\.scaling\.type='none', tensor rope_freqs"):
+    with pytest.raises(GGUFError, match=r"q\.gguf: tensor rope_freqs\.weight \(per-frequency rope scaling\) is not "
+                                        r"supported for qwen2"):
         read_gguf(path)
 
 
@@ -845,9 +848,93 @@ def test_missing_metadata(tmp_path):
         read_gguf(path)
 
 
-def test_rope_scaling_refused(tmp_path):
-    path = write_gguf(tmp_path / "rs.gguf", tiny_state(), meta_overrides={"rope_scaling_type": "linear"})
-    with pytest.raises(GGUFError, match="rope scaling"):
+def llamacpp_yarn_inv_freq(head_dim: int, theta: float, factor: float, context: int, beta_fast: float = 32.0,
+                           beta_slow: float = 1.0) -> np.ndarray:
+    """The per-position angle rate of llama.cpp's YaRN rope (ggml's `rope_yarn` with ext_factor 1
+    and `ggml_rope_yarn_corr_dims`, written here independently of `tevjax.models.layers`)."""
+    def corr_dim(turns):
+        return head_dim * np.log(context / (turns * 2 * np.pi)) / (2 * np.log(theta))
+
+    low, high = max(0.0, np.floor(corr_dim(beta_fast))), min(head_dim - 1.0, np.ceil(corr_dim(beta_slow)))
+    out = []
+    for i0 in range(0, head_dim, 2):
+        extrap = theta ** (-i0 / head_dim)
+        mix = 1 - min(1.0, max(0.0, (i0 // 2 - low) / max(0.001, high - low)))  # weight of the unscaled rate
+        out.append(extrap / factor * (1 - mix) + extrap * mix)
+    return np.asarray(out)
+
+
+@pytest.mark.parametrize("arch, meta, want_type", [
+    ("llama", {"rope_scaling_type": "linear", "rope_scaling_meta": {"factor": 4.0}}, "linear"),
+    # original context 32 of 128: with head size 16 and theta 1e4, dimension 0 keeps its rate,
+    # 1 is blended and 2-7 are divided by the factor
+    ("qwen3", {"rope_scaling_type": "yarn", "rope_scaling_meta": {"factor": 4.0, "original_context_length": 32}},
+     "yarn"),
+    # llama.cpp's neutral values of its other YaRN keys, and betas of the file's own
+    ("qwen2", {"rope_scaling_type": "yarn", "rope_scaling_meta": {
+        "factor": 2.0, "attn_factor": 1.0, "yarn_ext_factor": -1.0, "yarn_log_multiplier": 0.0,
+        "yarn_beta_fast": 16.0, "yarn_beta_slow": 2.0}}, "yarn"),
+])
+def test_rope_scaling_metadata_becomes_rope_scaling(tmp_path, arch, meta, want_type):
+    """`rope.scaling.type` linear / yarn: the converted config's scaling gives the rate llama.cpp
+    rotates at (its formula, written out above), and tevjax and transformers run the converted
+    checkpoint to the same logits at positions past the original context."""
+    import jax.numpy as jnp
+    import torch
+    import transformers
+
+    from tevjax.convert.hf import load_hf_target
+    from tevjax.models import KVCache
+    from tevjax.models.layers import Rope
+
+    path = write_gguf(tmp_path / "rs.gguf", tiny_state(seed=3, arch=arch), arch=arch, meta_overrides=meta)
+    cfg, _ = read_gguf(path)
+    m = meta["rope_scaling_meta"]
+    assert cfg["rope_scaling"]["rope_type"] == want_type and cfg["rope_scaling"]["factor"] == m["factor"]
+    base = TINY["rope_theta"] ** (-np.arange(0, HEAD_DIM, 2) / HEAD_DIM)
+    if want_type == "linear":
+        want, scale = base / m["factor"], 1.0
+    else:
+        context = m.get("original_context_length", TINY["max_position_embeddings"])
+        want = llamacpp_yarn_inv_freq(HEAD_DIM, TINY["rope_theta"], m["factor"], context,
+                                      m.get("yarn_beta_fast", 32.0), m.get("yarn_beta_slow", 1.0))
+        scale = 0.1 * np.log(m["factor"]) + 1  # llama.cpp's mscale with attn_factor 1
+        assert (want < base).any() and (want == base).any()  # the ramp leaves some rates alone
+    out = gguf_to_hf_dir(path, tmp_path / "hf")
+    _, target = load_hf_target(out)
+    rope = Rope.of(HEAD_DIM, target.cfg.rope_theta, target.cfg.rope_scaling)
+    np.testing.assert_allclose(rope.inv_freq, want, rtol=1e-6)
+    assert rope.scale == pytest.approx(scale, rel=1e-6)
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    ids = np.arange(3, 3 + 48, dtype=np.int32)[None] * 7 % 270  # 48 positions, past the context of 32
+    ours = target(jnp.asarray(ids), jnp.arange(ids.shape[1])[None], KVCache.init(target.cfg, 1, 64),
+                  jnp.zeros((1,), jnp.int32), None).logits
+    with torch.no_grad():
+        theirs = model(torch.as_tensor(ids, dtype=torch.long)).logits.numpy()
+    np.testing.assert_allclose(np.asarray(ours), theirs, atol=2e-4, rtol=2e-4)
+
+
+@pytest.mark.parametrize("meta, match", [
+    ({"rope_scaling_type": "longrope"}, r"rope scaling llama\.rope\.scaling\.type='longrope' is not supported"),
+    ({"rope_scaling_type": "linear"}, r"type='linear' needs metadata llama\.rope\.scaling\.factor"),
+    ({"rope_scaling_type": "linear", "rope_scaling_meta": {"factor": -2.0}}, r"factor should be a positive number"),
+    ({"rope_scaling_type": "yarn", "rope_scaling_meta": {"factor": 4.0, "attn_factor": 2.0}},
+     r"llama\.rope\.scaling\.attn_factor=2\.0 is not supported with yarn \(only 1\.0\)"),
+    ({"rope_scaling_type": "yarn", "rope_scaling_meta": {"factor": 4.0, "yarn_log_multiplier": 0.1}},
+     r"yarn_log_multiplier=0\.1.* is not supported with yarn"),
+])
+def test_rope_scaling_refused(tmp_path, meta, match):
+    path = write_gguf(tmp_path / "rs.gguf", tiny_state(), meta_overrides=meta)
+    with pytest.raises(GGUFError, match=r"rs\.gguf: " + ".*" + match):
+        read_gguf(path)
+
+
+def test_rope_scaling_and_rope_freqs_refused_together(tmp_path):
+    divisors = llamacpp_rope_freqs(HEAD_DIM, TINY["rope_theta"], **LLAMA3_ROPE)
+    path = write_gguf(tmp_path / "both.gguf", tiny_state(), extra_tensors={"rope_freqs.weight": divisors},
+                      meta_overrides={"rope_scaling_type": "linear", "rope_scaling_meta": {"factor": 2.0}})
+    with pytest.raises(GGUFError, match=r"both llama\.rope\.scaling\.type='linear' and tensor rope_freqs"):
         read_gguf(path)
 
 

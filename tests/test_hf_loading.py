@@ -372,7 +372,8 @@ def test_config_rejects_unsupported():
     base = tiny_config("qwen3").to_hf_config()
     for patch, match in [({"use_sliding_window": True}, "use_sliding_window"),
                          ({"hidden_act": "gelu"}, "hidden_act"),
-                         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
+                         ({"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}},
+                          "rope_type 'dynamic' is not supported"),
                          ({"model_type": "gemma"}, "gemma.*supported: llama, mistral, qwen2, qwen3"),
                          ({"model_type": "mistral", "sliding_window": 4096}, "sliding_window=4096 is not supported"),
                          ({"layer_types": ["full_attention", "sliding_attention"]}, "sliding_attention"),

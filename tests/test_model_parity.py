@@ -53,12 +53,22 @@ VARIANTS = {
     # Qwen2 (Qwen2.5): biases on q/k/v but not o, tied embeddings.
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM",
               dict(tie_word_embeddings=True, rope_theta=1_000_000.0)),
+    # Linear rope scaling (position interpolation), untied head.
+    "llama-linear-rope": ("LlamaConfig", "LlamaForCausalLM",
+                          dict(tie_word_embeddings=False, rope_theta=10000.0,
+                               rope_scaling=dict(rope_type="linear", factor=4.0))),
+    # YaRN (Qwen3's long-context setting): with head size 32, theta 1e4 and an original length of
+    # 64 the ramp spans dimensions 0-5 of 16, and q and k are scaled by 0.1 ln 4 + 1.
+    "qwen3-yarn": ("Qwen3Config", "Qwen3ForCausalLM",
+                   dict(tie_word_embeddings=True, head_dim=32, rope_theta=10000.0,
+                        rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64))),
     # Mistral (v0.2 onwards): Llama's layers with full attention; head_dim (8) given.
     "mistral": ("MistralConfig", "MistralForCausalLM",
                 dict(tie_word_embeddings=False, head_dim=8, sliding_window=None, rope_theta=1_000_000.0)),
 }
 
-HEAD_DIM = {"qwen3": 32, "mistral": 8}
+HEAD_DIM = {"qwen3": 32, "qwen3-yarn": 32, "mistral": 8}
+ROPE_TYPE = {"llama3-rope": "llama3", "llama-linear-rope": "linear", "qwen3-yarn": "yarn"}
 
 
 def build_hf(variant: str, seed: int = 0):
@@ -86,17 +96,17 @@ def hf_pair(request, tmp_path_factory):
 
 def test_config_translation(hf_pair):
     variant, hf, cfg, _ = hf_pair
-    assert cfg.architecture == ("llama" if variant.startswith("llama") else variant)
+    assert cfg.architecture == VARIANTS[variant][0].removesuffix("Config").lower()
     assert cfg.num_layers == 3 and cfg.num_kv_heads == 2 and cfg.vocab_size == 300
     assert cfg.head_dim == HEAD_DIM.get(variant, 16)
-    assert cfg.qk_norm == (variant == "qwen3")
+    assert cfg.qk_norm == variant.startswith("qwen3")
     assert cfg.tie_word_embeddings == variant.startswith("qwen")
     assert cfg.attention_bias == (variant == "llama3-rope")
     assert cfg.qkv_biased == (variant in ("llama3-rope", "qwen2"))
     biases = {k.split(".", 3)[-1] for k in hf.state_dict() if k.endswith(".bias")}
     assert biases == ({"self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"} if cfg.qkv_biased
                       else set()) | ({"self_attn.o_proj.bias"} if cfg.attention_bias else set()), biases
-    assert (cfg.rope_scaling is not None) == (variant == "llama3-rope")
+    assert (cfg.rope_scaling and cfg.rope_scaling.rope_type) == ROPE_TYPE.get(variant)
     assert cfg.eos_token_ids == (2,) and cfg.bos_token_id == 1
 
 
@@ -165,23 +175,44 @@ def test_rmsnorm_matches_hf():
     assert ours(jnp.asarray(x, jnp.bfloat16)).dtype == jnp.bfloat16
 
 
-@pytest.mark.parametrize("scaled", [False, True])
-def test_rope_matches_hf(scaled):
+ROPE_SCALINGS = {
+    "none": None,
+    # original length 64 puts the 16-dim head's frequencies in all three bands
+    "llama3": dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=64),
+    "linear": dict(rope_type="linear", factor=4.0),
+    "yarn": dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64),
+    # every YaRN option set: a ramp with fractional ends, and an attention factor of its own
+    "yarn-options": dict(rope_type="yarn", factor=8.0, original_max_position_embeddings=128, beta_fast=16.0,
+                         beta_slow=2.0, attention_factor=1.3, truncate=False),
+    # transformers' DeepSeek form: the attention factor from mscale and mscale_all_dim
+    "yarn-mscale": dict(rope_type="yarn", factor=16.0, original_max_position_embeddings=32, mscale=1.0,
+                        mscale_all_dim=0.5),
+}
+
+
+@pytest.mark.parametrize("kind", list(ROPE_SCALINGS))
+def test_rope_matches_hf(kind):
+    """tevjax's frequencies and rotated q equal transformers' for each rope scaling, at positions
+    up to 250 (past every original length); the attention factor is on the rotated values, as
+    transformers puts it on cos and sin."""
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-    extra = {}
-    scaling = None
-    if scaled:
-        scaling = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                              original_max_position_embeddings=64)
-        extra = dict(rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
-                                       high_freq_factor=4.0, original_max_position_embeddings=64))
+    from tevjax.models import ModelConfig
+    from tevjax.models.layers import Rope
+
+    hf_scaling = ROPE_SCALINGS[kind]
+    extra = {} if hf_scaling is None else dict(rope_scaling=dict(hf_scaling))
     config = transformers.LlamaConfig(**{**BASE, "num_hidden_layers": 1}, rope_theta=10000.0, **extra)
+    scaling = ModelConfig.from_hf_config(config.to_dict()).rope_scaling
+    assert (scaling and scaling.rope_type) == (hf_scaling and hf_scaling["rope_type"])
     emb = LlamaRotaryEmbedding(config)
-    inv = rope_inv_freq(16, 10000.0, scaling)
-    np.testing.assert_allclose(inv, emb.inv_freq.numpy(), rtol=1e-6, atol=0)
-    if scaled:  # the scaling really changed the low frequencies
-        assert not np.allclose(inv, rope_inv_freq(16, 10000.0, None))
+    rope = Rope.of(16, 10000.0, scaling)
+    np.testing.assert_allclose(rope.inv_freq, emb.inv_freq.numpy(), rtol=1e-6, atol=0)
+    assert rope.scale == pytest.approx(emb.attention_scaling, rel=1e-12)
+    if scaling is not None:  # the scaling really changed the low frequencies
+        assert not np.allclose(rope.inv_freq, rope_inv_freq(16, 10000.0, None))
+    assert (rope.scale != 1.0) == kind.startswith("yarn")
 
     rng = np.random.default_rng(3)
     b, t, h, dh = 2, 9, 4, 16
@@ -192,8 +223,41 @@ def test_rope_matches_hf(scaled):
         # HF layout is [B, H, T, Dh]; unsqueeze_dim=1 broadcasts cos over heads.
         ref, _ = apply_rotary_pos_emb(torch.from_numpy(q).transpose(1, 2), torch.from_numpy(q).transpose(1, 2),
                                       cos, sin)
-    ours = apply_rope(jnp.asarray(q), jnp.asarray(pos, jnp.int32), inv)
-    np.testing.assert_allclose(np.asarray(ours), ref.transpose(1, 2).numpy(), atol=1e-5, rtol=0)
+    ours = apply_rope(jnp.asarray(q), jnp.asarray(pos, jnp.int32), *rope)
+    # 1e-5 of float32 angle rounding, grown by the attention factor like the values themselves
+    np.testing.assert_allclose(np.asarray(ours), ref.transpose(1, 2).numpy(), atol=1e-5 * max(rope.scale, 1), rtol=0)
+
+
+def test_rope_scaling_round_trips_and_refusals():
+    """Each scaling's HF dict reads back to the same value; YaRN fills transformers' defaults; a
+    field of another type, a missing one or an unknown type is refused by name."""
+    from tevjax.models import ModelConfig
+
+    for kind, hf_scaling in ROPE_SCALINGS.items():
+        if hf_scaling is None:
+            continue
+        cfg = ModelConfig.from_hf_config(transformers.LlamaConfig(**BASE, rope_scaling=dict(hf_scaling)).to_dict())
+        assert ModelConfig.from_hf_config(cfg.to_hf_config()) == cfg, kind
+        assert cfg.to_hf_config()["rope_scaling"]["rope_type"] == hf_scaling["rope_type"]
+    yarn = RopeScaling(rope_type="yarn", factor=4.0, original_max_position_embeddings=64)
+    assert (yarn.beta_fast, yarn.beta_slow, yarn.truncate) == (32.0, 1.0, True)
+    assert yarn.attention_factor == pytest.approx(0.1 * np.log(4.0) + 1)
+    # YaRN without an original length: transformers' default, max_position_embeddings (256 here).
+    cfg = ModelConfig.from_hf_config({**transformers.LlamaConfig(**BASE).to_dict(),
+                                      "rope_scaling": {"rope_type": "yarn", "factor": 2.0}})
+    assert cfg.rope_scaling.original_max_position_embeddings == 256
+    for kw, match in [(dict(rope_type="linear", factor=2.0, beta_fast=4.0), "'linear' has no beta_fast"),
+                      (dict(rope_type="llama3", factor=2.0), "'llama3' needs low_freq_factor"),
+                      (dict(rope_type="yarn", factor=0.0, original_max_position_embeddings=8),
+                       "factor must be a positive"),
+                      (dict(rope_type="yarn", factor=2.0, original_max_position_embeddings=8, truncate=1),
+                       "truncate must be true or false"),
+                      (dict(rope_type="dynamic", factor=2.0), "'dynamic' is not supported")]:
+        with pytest.raises(ValueError, match=match):
+            RopeScaling(**kw)
+    with pytest.raises(ValueError, match=r"rope_type 'longrope' is not supported \(only 'default', 'llama3'"):
+        ModelConfig.from_hf_config({**transformers.LlamaConfig(**BASE).to_dict(),
+                                    "rope_scaling": {"rope_type": "longrope", "factor": 2.0}})
 
 
 def test_attention_matches_torch_sdpa():

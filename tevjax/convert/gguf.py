@@ -8,7 +8,8 @@ tokenizer.json, tokenizer_config.json with the file's chat template, generation_
 the HF loader -- and transformers itself, in the tests -- treat it like any other checkpoint.
 Architectures: `llama` (SmolLM2 among them; Llama 3.1 onwards with the rope scaling it stores as
 `rope_freqs.weight`, `_llama3_scaling`), `qwen2` (Qwen2 and Qwen2.5: q/k/v biases) and `qwen3`
-(per-head q/k norms, a head size of its own).
+(per-head q/k norms, a head size of its own). `rope.scaling.type` linear and yarn become HF's
+`rope_scaling` of the same name (`_rope_scaling`).
 
 Two layout facts matter (both from llama.cpp's `convert_hf_to_gguf.py`):
 
@@ -234,12 +235,15 @@ def _config_from_metadata(path: Path, meta: Mapping[str, Any], tensor_names: set
     if rope_dims != head_dim:
         raise GGUFError(f"{path}: rope.dimension_count {rope_dims} != head size {head_dim}; "
                         f"partial rotary embeddings are not supported for {arch}")
-    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
     # Llama 3.1 onwards carries its scaling as the tensor rope_freqs.weight (`_llama3_scaling`).
-    freqs = "rope_freqs.weight" in tensor_names and arch != "llama"
-    if scaling != "none" or freqs:
-        raise GGUFError(f"{path}: rope scaling ({arch}.rope.scaling.type={scaling!r}"
-                        f"{', tensor rope_freqs.weight' if freqs else ''}) is not supported")
+    freqs = "rope_freqs.weight" in tensor_names
+    if freqs and arch != "llama":
+        raise GGUFError(f"{path}: tensor rope_freqs.weight (per-frequency rope scaling) is not supported "
+                        f"for {arch}")
+    scaling = _rope_scaling(path, meta, arch, cfg["max_position_embeddings"])
+    if scaling is not None and freqs:
+        raise GGUFError(f"{path}: both {arch}.rope.scaling.type={scaling['rope_type']!r} and tensor "
+                        "rope_freqs.weight scale the rope; a file has one or the other")
 
     vocab = meta.get(f"{arch}.vocab_size")
     tokens = meta.get("tokenizer.ggml.tokens")
@@ -253,11 +257,50 @@ def _config_from_metadata(path: Path, meta: Mapping[str, Any], tensor_names: set
                         f"size is {vocab}")
     cfg["vocab_size"] = vocab
     cfg["tie_word_embeddings"] = "output.weight" not in tensor_names
-    cfg.update(hidden_act="silu", rope_scaling=None, torch_dtype="float32", **dict(_ARCHS[arch].extra_config))
+    cfg.update(hidden_act="silu", rope_scaling=scaling, torch_dtype="float32", **dict(_ARCHS[arch].extra_config))
     for key, field in _TOKEN_ID_TABLE:
         if key in meta:
             cfg[field] = int(meta[key])
     return cfg
+
+
+# llama.cpp's `rope.scaling.*` keys and the values under which its rope equals transformers' (the
+# "yarn" attention factor is llama.cpp's `attn_factor` times mscale(factor), but HF's replaces
+# mscale; ext_factor -1 means "1 for yarn"). Any other value is refused, not approximated.
+_NEUTRAL_YARN_KEYS = {"attn_factor": (1.0,), "yarn_attn_factor": (1.0,), "yarn_ext_factor": (1.0, -1.0),
+                      "yarn_log_multiplier": (0.0,)}
+
+
+def _rope_scaling(path: Path, meta: Mapping[str, Any], arch: str, context: int) -> dict[str, Any] | None:
+    """The HF `rope_scaling` dict of `{arch}.rope.scaling.*` ("linear" or "yarn"), or None."""
+    key = f"{arch}.rope.scaling."
+    kind = meta.get(key + "type", "none")
+
+    def number(name, default=_REQUIRED):
+        if key + name not in meta:
+            if default is _REQUIRED:
+                raise GGUFError(f"{path}: {key}type={kind!r} needs metadata {key}{name}")
+            return default
+        value = meta[key + name]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise GGUFError(f"{path}: metadata {key}{name} should be a positive number, got {value!r}")
+        return value
+
+    if kind == "none":
+        return None
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(number("factor"))}
+    if kind == "yarn":
+        for name, neutral in _NEUTRAL_YARN_KEYS.items():
+            if key + name in meta and meta[key + name] not in neutral:
+                raise GGUFError(f"{path}: {key}{name}={meta[key + name]!r} is not supported with yarn "
+                                f"(only {' or '.join(map(str, neutral))})")
+        return {"rope_type": "yarn", "factor": float(number("factor")),
+                "original_max_position_embeddings": _uniform_int(
+                    path, key + "original_context_length", number("original_context_length", context)),
+                "beta_fast": float(number("yarn_beta_fast", 32.0)),
+                "beta_slow": float(number("yarn_beta_slow", 1.0))}
+    raise GGUFError(f"{path}: rope scaling {key}type={kind!r} is not supported (only none, linear, yarn)")
 
 
 # Llama 3.1 onwards: llama.cpp stores the rope's per-frequency divisors, computed from HF's

@@ -2,8 +2,8 @@
 
 from tevjax.models.cache import KVCache
 from tevjax.models.config import PRESETS, ModelConfig, RopeScaling
-from tevjax.models.layers import (NEG_INF, RMSNorm, SwiGLU, apply_rope, attention, causal_mask, matmul_precision,
-                                  rope_inv_freq)
+from tevjax.models.layers import (NEG_INF, RMSNorm, Rope, SwiGLU, apply_rope, attention, causal_mask,
+                                  matmul_precision, rope_inv_freq)
 from tevjax.models.transformer import (
     ForwardOutput,
     Transformer,
@@ -18,6 +18,7 @@ __all__ = [
     "KVCache",
     "ModelConfig",
     "RMSNorm",
+    "Rope",
     "RopeScaling",
     "SwiGLU",
     "Transformer",

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["ModelConfig", "RopeScaling", "PRESETS", "SUPPORTED_ARCHITECTURES", "read_config_json"]
+__all__ = ["ModelConfig", "RopeScaling", "ROPE_TYPES", "PRESETS", "SUPPORTED_ARCHITECTURES", "read_config_json",
+           "yarn_mscale"]
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 _DTYPES = ("float32", "bfloat16", "float16")
@@ -98,14 +100,120 @@ def with_overrides(cls, fields: dict[str, Any], overrides: Mapping[str, Any]):
     return cls(**{**fields, **overrides})
 
 
+ROPE_TYPES = ("llama3", "linear", "yarn")
+# The fields each scaling reads beyond `factor` (HF `rope_scaling` key names); the rest stay None.
+_ROPE_FIELDS = {
+    "llama3": ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "linear": (),
+    "yarn": ("original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor", "truncate"),
+}
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature term, 0.1 * mscale * ln(factor) + 1 (1 for factor <= 1)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RopeScaling:
-    """Llama-3 style frequency-dependent RoPE scaling (HF `rope_type: "llama3"`)."""
+    """RoPE scaling for contexts longer than pretraining's, as HF's `rope_scaling` names it.
+
+    - `"llama3"` (Llama 3.1 onwards, the default type): keeps high frequencies, divides low ones by
+      `factor` and blends in between (`low_freq_factor`, `high_freq_factor`,
+      `original_max_position_embeddings`).
+    - `"linear"` (position interpolation): every frequency divided by `factor`.
+    - `"yarn"` (Qwen2.5 / Qwen3 long context): frequencies blended between divided and kept along
+      a ramp set by `beta_fast` and `beta_slow` (default 32 and 1) over the original context, and q
+      and k each scaled by `attention_factor` (default `yarn_mscale(factor)`); `truncate` (default
+      true) rounds the ramp's ends to whole dimensions, as transformers and llama.cpp do.
+
+    Fields another type does not read must stay None, so two configs that rotate alike compare equal.
+    """
 
     factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
+    rope_type: str = "llama3"
+    low_freq_factor: float | None = None
+    high_freq_factor: float | None = None
+    original_max_position_embeddings: int | None = None
+    beta_fast: float | None = None
+    beta_slow: float | None = None
+    attention_factor: float | None = None
+    truncate: bool | None = None
+
+    def __post_init__(self):
+        if self.rope_type not in ROPE_TYPES:
+            raise ValueError(f"RopeScaling.rope_type={self.rope_type!r} is not supported; "
+                             f"supported: {', '.join(ROPE_TYPES)}")
+        wanted = _ROPE_FIELDS[self.rope_type]
+        stray = [f.name for f in dataclasses.fields(self)
+                 if f.name not in ("factor", "rope_type", *wanted) and getattr(self, f.name) is not None]
+        if stray:
+            raise ValueError(f"RopeScaling: rope_type {self.rope_type!r} has no {', '.join(stray)}")
+        if self.rope_type == "yarn":
+            defaults = dict(beta_fast=32.0, beta_slow=1.0, truncate=True,
+                            attention_factor=yarn_mscale(float(self.factor)))
+            for name, value in defaults.items():
+                if getattr(self, name) is None:
+                    object.__setattr__(self, name, value)
+        for name in ("factor", *wanted):
+            value = getattr(self, name)
+            if name == "truncate":
+                if not isinstance(value, bool):
+                    raise ValueError(f"RopeScaling.truncate must be true or false, got {value!r}")
+                continue
+            kind = int if name == "original_max_position_embeddings" else (int, float)
+            if value is None:
+                raise ValueError(f"RopeScaling: rope_type {self.rope_type!r} needs {name}")
+            if isinstance(value, bool) or not isinstance(value, kind) or not value > 0:
+                raise ValueError(f"RopeScaling.{name} must be a positive "
+                                 f"{'int' if kind is int else 'number'}, got {value!r}")
+        if self.rope_type == "llama3" and not self.low_freq_factor < self.high_freq_factor:
+            raise ValueError(f"RopeScaling: low_freq_factor={self.low_freq_factor} must be below "
+                             f"high_freq_factor={self.high_freq_factor}")
+
+    def to_hf(self) -> dict[str, Any]:
+        """The HF `rope_scaling` dict (`from_hf_config` reads it back to this value)."""
+        return {"rope_type": self.rope_type, "factor": self.factor,
+                **{name: getattr(self, name) for name in _ROPE_FIELDS[self.rope_type]}}
+
+    @classmethod
+    def from_hf(cls, src: Mapping[str, Any], *, source: str, prefix: str,
+                max_position_embeddings: int) -> "RopeScaling | None":
+        """Reads an HF scaling dict (`rope_scaling`, or transformers 5's `rope_parameters`); None
+        for the default type. Defaults follow transformers: a YaRN original context defaults to
+        `max_position_embeddings`, a missing YaRN factor to the ratio of the two, and YaRN's
+        attention factor to mscale(factor, mscale) / mscale(factor, mscale_all_dim) when both are
+        given."""
+        rope_type = src.get("rope_type", src.get("type", "default"))
+        if rope_type == "default":
+            return None
+        if rope_type not in ROPE_TYPES:
+            raise ValueError(f"{source}: rope_type {rope_type!r} is not supported "
+                             f"(only 'default', {', '.join(repr(t) for t in ROPE_TYPES)})")
+
+        def get(key, kind, default=_MISSING):
+            return config_field(src, key, kind, source, default, positive=kind is not bool, prefix=prefix)
+
+        fields: dict[str, Any] = {}
+        if rope_type == "llama3":
+            fields = {k: get(k, int if k.startswith("original") else float) for k in _ROPE_FIELDS["llama3"]}
+        elif rope_type == "yarn":
+            original = get("original_max_position_embeddings", int, max_position_embeddings)
+            factor = get("factor", float, max_position_embeddings / original)
+            # 0 is allowed and means "unset", as in transformers
+            mscale, mscale_all = (config_field(src, key, float, source, 0.0, prefix=prefix)
+                                  for key in ("mscale", "mscale_all_dim"))
+            attention = (yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all)
+                         if mscale and mscale_all else None)
+            fields = dict(factor=factor, original_max_position_embeddings=original,
+                          beta_fast=get("beta_fast", float, None), beta_slow=get("beta_slow", float, None),
+                          attention_factor=get("attention_factor", float, attention),
+                          truncate=get("truncate", bool, None))
+        fields.setdefault("factor", get("factor", float))
+        try:
+            return cls(rope_type=rope_type, **fields)
+        except ValueError as e:
+            raise ValueError(f"{source}: {prefix.rstrip('.')}: {e}") from e
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -235,23 +343,9 @@ class ModelConfig:
         else:
             theta = config_field(rope, "rope_theta", float, source, 10000.0, positive=True,
                                  prefix="rope_parameters.")
-        rope_type = scaling_src.get("rope_type", scaling_src.get("type", "default")) if scaling_src else "default"
-        if rope_type == "default":
-            scaling = None
-        elif rope_type == "llama3":
-            def rope_field(key, kind):
-                return config_field(scaling_src, key, kind, source, positive=True, prefix=f"{scaling_key}.")
-
-            scaling = RopeScaling(
-                factor=rope_field("factor", float),
-                low_freq_factor=rope_field("low_freq_factor", float),
-                high_freq_factor=rope_field("high_freq_factor", float),
-                original_max_position_embeddings=rope_field("original_max_position_embeddings", int),
-            )
-        else:
-            raise ValueError(
-                f"{source}: rope_type {rope_type!r} is not supported (only 'default' and 'llama3')"
-            )
+        max_positions = field("max_position_embeddings", int, 2048, positive=True)
+        scaling = (RopeScaling.from_hf(scaling_src, source=source, prefix=f"{scaling_key}.",
+                                       max_position_embeddings=max_positions) if scaling_src else None)
 
         heads = field("num_attention_heads", int, positive=True)
         hidden = field("hidden_size", int, positive=True)
@@ -279,7 +373,7 @@ class ModelConfig:
             # Qwen2 has q/k/v biases and no o bias, always; its config has no key for them.
             attention_bias=False if model_type == "qwen2" else field("attention_bias", bool, False),
             qkv_bias=model_type == "qwen2",
-            max_position_embeddings=field("max_position_embeddings", int, 2048, positive=True),
+            max_position_embeddings=max_positions,
             eos_token_ids=_token_ids(c, "eos_token_id", source),
             bos_token_id=bos[0] if bos else None,
             dtype=dtype,
@@ -321,7 +415,7 @@ class ModelConfig:
             "torch_dtype": self.param_dtype,
         }
         if self.rope_scaling is not None:
-            out["rope_scaling"] = {"rope_type": "llama3", **dataclasses.asdict(self.rope_scaling)}
+            out["rope_scaling"] = self.rope_scaling.to_hf()
         if self.architecture in ("llama", "qwen3", "mistral"):
             out["attention_bias"] = self.attention_bias
         if self.architecture in ("qwen2", "qwen3"):

@@ -50,7 +50,7 @@ from flax import nnx
 
 from tevjax.models.cache import KVCache, write_slots
 from tevjax.models.config import ModelConfig, RopeScaling, read_config_json, with_overrides
-from tevjax.models.layers import NEG_INF, RMSNorm, SwiGLU, apply_rope, matmul_precision, rope_inv_freq
+from tevjax.models.layers import NEG_INF, RMSNorm, Rope, SwiGLU, apply_rope, matmul_precision
 
 __all__ = [
     "DFlashConfig",
@@ -395,7 +395,7 @@ class DFlashConfig:
         if self.num_target_layers is not None:
             out["num_target_layers"] = self.num_target_layers
         if self.rope_scaling is not None:
-            out["rope_scaling"] = {"rope_type": "llama3", **dataclasses.asdict(self.rope_scaling)}
+            out["rope_scaling"] = self.rope_scaling.to_hf()
         return out
 
 
@@ -494,23 +494,23 @@ class DFlashAttention(nnx.Module):
         self.k_norm = RMSNorm(dh, **nkw)
         self.num_heads, self.num_kv_heads, self.head_dim = h, k, dh
 
-    def context_kv(self, ctx, positions, inv_freq):
+    def context_kv(self, ctx, positions, rope):
         """ctx [B, T, D] projected features, positions [B, T] -> keys, values [B, K, T, Dh] (the
         cache's heads-major layout)."""
         b, c, _ = ctx.shape
         k = self.k_norm(self.k_proj(ctx).reshape(b, c, self.num_kv_heads, self.head_dim))
-        k = apply_rope(k, positions, inv_freq)
+        k = apply_rope(k, positions, *rope)
         v = self.v_proj(ctx).reshape(b, c, self.num_kv_heads, self.head_dim)
         return k.swapaxes(1, 2), v.swapaxes(1, 2)
 
-    def __call__(self, x, positions, inv_freq, k_ctx, v_ctx, ctx_visible):
+    def __call__(self, x, positions, rope, k_ctx, v_ctx, ctx_visible):
         """x [B, G + 1, D] normed block stream -> attention output [B, G + 1, D]."""
         b, t, _ = x.shape
         q = self.q_norm(self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim))
         k = self.k_norm(self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim))
         v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
-        q = apply_rope(q, positions, inv_freq)
-        k = apply_rope(k, positions, inv_freq)
+        q = apply_rope(q, positions, *rope)
+        k = apply_rope(k, positions, *rope)
         out = _context_block_attention(q, k_ctx, v_ctx, ctx_visible, k, v)
         return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim))
 
@@ -526,8 +526,8 @@ class DFlashLayer(nnx.Module):
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, dtype=cfg.dtype,
                           param_dtype=cfg.param_dtype, rngs=rngs)
 
-    def __call__(self, x, positions, inv_freq, k_ctx, v_ctx, ctx_visible):
-        x = x + self.self_attn(self.input_layernorm(x), positions, inv_freq, k_ctx, v_ctx, ctx_visible)
+    def __call__(self, x, positions, rope, k_ctx, v_ctx, ctx_visible):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, k_ctx, v_ctx, ctx_visible)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -573,10 +573,10 @@ class DFlashDrafter(nnx.Module):
 
     # ------------------------------------------------------------------ helpers
 
-    def _inv_freq(self):
+    def _rope(self) -> Rope:
         # A host constant recomputed per trace (cheap) instead of a module attribute, so the
         # module's state is exactly the checkpoint's tensors.
-        return rope_inv_freq(self.cfg.head_dim, self.cfg.rope_theta, self.cfg.rope_scaling)
+        return Rope.of(self.cfg.head_dim, self.cfg.rope_theta, self.cfg.rope_scaling)
 
     def _check_features(self, features):
         if features.shape[-1] != self.cfg.feature_dim:
@@ -643,15 +643,15 @@ class DFlashDrafter(nnx.Module):
 
     def _context_kv(self, ctx, positions):
         """ctx [B, T, D] -> stacked keys, values [L, B, K, T, Dh] of every layer."""
-        inv_freq = self._inv_freq()
-        kv = [layer.self_attn.context_kv(ctx, positions, inv_freq) for layer in self.layers]
+        rope = self._rope()
+        kv = [layer.self_attn.context_kv(ctx, positions, rope) for layer in self.layers]
         return jnp.stack([k for k, _ in kv]), jnp.stack([v for _, v in kv])
 
     def _block_hidden(self, x, positions, k_ctx, v_ctx, ctx_visible):
         """Block stream [B, G + 1, D] through every layer and the final norm -> [B, G + 1, D]."""
-        inv_freq = self._inv_freq()
+        rope = self._rope()
         for i, layer in enumerate(self.layers):
-            x = layer(x, positions, inv_freq, k_ctx[i], v_ctx[i], ctx_visible)
+            x = layer(x, positions, rope, k_ctx[i], v_ctx[i], ctx_visible)
         return self.norm(x)
 
     def block_tokens(self, anchor_tokens: jax.Array) -> jax.Array:

@@ -11,6 +11,7 @@ row (padding) gives a uniform softmax instead of NaN. Every matmul states its pr
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +23,7 @@ from tevjax.models.config import RopeScaling
 __all__ = [
     "NEG_INF",
     "RMSNorm",
+    "Rope",
     "SwiGLU",
     "apply_rope",
     "attention",
@@ -65,24 +67,64 @@ class RMSNorm(nnx.Module):
         return (x32 * inv * self.scale[...].astype(jnp.float32)).astype(x.dtype)
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
-    """[head_dim // 2] float32 inverse frequencies theta^(-2i/head_dim), with Llama-3 scaling.
+class Rope(NamedTuple):
+    """A model's rotary embedding as trace-time constants: `inv_freq` [Dh // 2] float32, and
+    `scale`, what q and k are both multiplied by after rotation (YaRN's `attention_factor`; 1
+    otherwise). transformers folds that factor into cos and sin, so its KV cache holds scaled
+    keys; so does tevjax's."""
 
-    Llama-3 scaling keeps high frequencies (wavelength < original_len / high_freq_factor),
-    divides low frequencies (wavelength > original_len / low_freq_factor) by `factor`, and
-    interpolates smoothly in between. Computed in float64 on the host (a static constant).
+    inv_freq: np.ndarray
+    scale: float
+
+    @classmethod
+    def of(cls, head_dim: int, theta: float, scaling: RopeScaling | None) -> "Rope":
+        scale = scaling.attention_factor if scaling is not None and scaling.rope_type == "yarn" else 1.0
+        return cls(rope_inv_freq(head_dim, theta, scaling), float(scale))
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
+    """[head_dim // 2] float32 inverse frequencies theta^(-2i/head_dim), scaled by `scaling`.
+
+    - llama3: keeps high frequencies (wavelength < original_len / high_freq_factor), divides low
+      frequencies (wavelength > original_len / low_freq_factor) by `factor`, and interpolates
+      smoothly in between.
+    - linear: divides every frequency by `factor`.
+    - yarn: dimension i keeps its frequency below the ramp [lo, hi] and is divided by `factor`
+      above it, blended linearly across it; lo and hi are the dimensions that turn `beta_fast`
+      and `beta_slow` times over the original context (rounded outwards when `truncate`).
+
+    Computed in float64 on the host (a static constant).
     """
     inv = 1.0 / (float(theta) ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
-    if scaling is not None:
+    if scaling is None:
+        return inv.astype(np.float32)
+    factor = float(scaling.factor)
+    if scaling.rope_type == "linear":
+        inv = inv / factor
+    elif scaling.rope_type == "yarn":
+        old = float(scaling.original_max_position_embeddings)
+
+        def dim_of(turns):  # the (fractional) dimension whose wavelength fits `turns` times in `old`
+            return head_dim * math.log(old / (turns * 2 * math.pi)) / (2 * math.log(float(theta)))
+
+        lo, hi = dim_of(scaling.beta_fast), dim_of(scaling.beta_slow)
+        if scaling.truncate:
+            lo, hi = math.floor(lo), math.ceil(hi)
+        lo, hi = max(lo, 0), min(hi, head_dim - 1)
+        if lo == hi:
+            hi += 0.001  # transformers' guard against a zero-width ramp
+        ramp = np.clip((np.arange(head_dim // 2, dtype=np.float64) - lo) / (hi - lo), 0, 1)
+        inv = inv / factor * ramp + inv * (1 - ramp)
+    else:  # llama3
         old = float(scaling.original_max_position_embeddings)
         low_wavelen = old / scaling.low_freq_factor
         high_wavelen = old / scaling.high_freq_factor
         wavelen = 2 * math.pi / inv
-        scaled = np.where(wavelen > low_wavelen, inv / scaling.factor, inv)
+        scaled = np.where(wavelen > low_wavelen, inv / factor, inv)
         smooth = (old / wavelen - scaling.low_freq_factor) / (
             scaling.high_freq_factor - scaling.low_freq_factor
         )
-        smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         inv = np.where(medium, smoothed, scaled)
     return inv.astype(np.float32)
@@ -93,11 +135,12 @@ def _rotate_half(x: jax.Array) -> jax.Array:
     return jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq) -> jax.Array:
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq, scale: float = 1.0) -> jax.Array:
     """Rotary embedding, HF "rotate_half" layout (first and second half of Dh form the pairs).
 
-    x: [..., T, H, Dh]; positions: [..., T] int; inv_freq: [Dh // 2]. Angles and the rotation
-    are computed in float32; the result has x's dtype.
+    x: [..., T, H, Dh]; positions: [..., T] int; inv_freq: [Dh // 2]; `scale` multiplies the
+    result (`Rope.scale`). Angles and the rotation are computed in float32; the result has x's
+    dtype.
     """
     inv_freq = jnp.asarray(inv_freq, jnp.float32)
     if x.shape[-1] != 2 * inv_freq.shape[-1]:
@@ -105,7 +148,10 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq) -> jax.Array:
     angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [..., T, Dh/2]
     angles = jnp.concatenate([angles, angles], axis=-1)[..., None, :]  # [..., T, 1, Dh]
     x32 = x.astype(jnp.float32)
-    out = x32 * jnp.cos(angles) + _rotate_half(x32) * jnp.sin(angles)
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    if scale != 1.0:  # on cos and sin, where transformers puts it, for the same float32 rounding
+        cos, sin = cos * scale, sin * scale
+    out = x32 * cos + _rotate_half(x32) * sin
     return out.astype(x.dtype)
 
 

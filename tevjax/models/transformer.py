@@ -33,8 +33,7 @@ from flax import nnx
 
 from tevjax.models.cache import KVCache, write_layer
 from tevjax.models.config import ModelConfig
-from tevjax.models.layers import (RMSNorm, SwiGLU, apply_rope, attention, causal_attention, matmul_precision,
-                                  rope_inv_freq)
+from tevjax.models.layers import RMSNorm, Rope, SwiGLU, apply_rope, attention, causal_attention, matmul_precision
 
 __all__ = [
     "Attention",
@@ -76,7 +75,7 @@ class Attention(nnx.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def qkv(self, x: jax.Array, positions: jax.Array, inv_freq) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def qkv(self, x: jax.Array, positions: jax.Array, rope: Rope) -> tuple[jax.Array, jax.Array, jax.Array]:
         """x [B, T, D] -> q [B, T, H, Dh], k and v [B, T, K, Dh]; q and k rotated."""
         b, t, _ = x.shape
         q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
@@ -84,7 +83,7 @@ class Attention(nnx.Module):
         v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+        return apply_rope(q, positions, *rope), apply_rope(k, positions, *rope), v
 
     def out(self, a: jax.Array) -> jax.Array:
         """a [B, T, H, Dh] -> [B, T, D]."""
@@ -102,7 +101,7 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, **kw)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, **kw)
 
-    def __call__(self, x, *, positions, inv_freq, mask, cache_k, cache_v, layer, write_idx, write_pos):
+    def __call__(self, x, *, positions, rope, mask, cache_k, cache_v, layer, write_idx, write_pos):
         """One layer over the new tokens.
 
         x [B, T, D]; mask [B, T, S], or None for a causal run starting at slots write_pos [B];
@@ -110,7 +109,7 @@ class DecoderLayer(nnx.Module):
         scatter of T entries, not a copy of the layer's slab); layer: traced layer index;
         write_idx [B, T] slot of each new token (S = dropped).
         """
-        q, k, v = self.self_attn.qkv(self.input_layernorm(x), positions, inv_freq)
+        q, k, v = self.self_attn.qkv(self.input_layernorm(x), positions, rope)
         cache_k, cache_v = write_layer(cache_k, layer, write_idx, k), write_layer(cache_v, layer, write_idx, v)
         k_all = jax.lax.dynamic_index_in_dim(cache_k, layer, 0, keepdims=False)  # [B, K, S, Dh]
         v_all = jax.lax.dynamic_index_in_dim(cache_v, layer, 0, keepdims=False)
@@ -233,7 +232,7 @@ class Transformer(nnx.Module):
         mask = full_mask(block_mask.astype(bool), write_pos, s) if block_mask is not None else None
         write_idx = write_pos[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
         write_idx = jnp.where((write_idx >= 0) & (write_idx < s), write_idx, s)  # S: dropped
-        inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        rope = Rope.of(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         wanted = np.asarray(hidden_layers, np.int32)  # [R] static
 
         x = self.embed(tokens)
@@ -243,7 +242,7 @@ class Transformer(nnx.Module):
             x, ck, cv, buf = carry
             state, layer = xs
             x, ck, cv = nnx.merge(graphdef, state)(
-                x, positions=positions, inv_freq=inv_freq, mask=mask, cache_k=ck, cache_v=cv,
+                x, positions=positions, rope=rope, mask=mask, cache_k=ck, cache_v=cv,
                 layer=layer, write_idx=write_idx, write_pos=write_pos)
             if wanted.size:
                 # Buffer of R slots written only where the layer index matches: O(R), not O(L).
