@@ -167,6 +167,52 @@ def test_rows_take_their_own_max_new_tokens(models, ar_greedy, verifier):
             dec.generate(PROMPTS, max_new_tokens=bad)
 
 
+@pytest.mark.parametrize("verifier", [AR, "tev", "sequential"])
+def test_rows_take_their_own_temperatures(models, ar_greedy, verifier):
+    """With `temperature_per_row`, rows of one batch decode at their own temperatures: a greedy row
+    gives autoregressive greedy decoding's tokens and a sampled row the tokens of the same row in
+    a batch all at its temperature (same seed, so the same key stream), in fixed and continuous
+    batches; other temperatures reuse the compiled loop. Without the flag, only the config's
+    temperature is accepted."""
+    dec = _decoder(models, verifier, temperature_per_row=True)
+    temps = [0.0, 1.0, 0.0, 0.7]
+    gens = dec.generate(PROMPTS, seed=5, temperature=temps)
+    compiled = dec._loop._cache_size()
+    uniform = {t: [g.tokens for g in _decoder(models, verifier, temperature=t).generate(PROMPTS, seed=5)]
+               for t in (1.0, 0.7)}
+    assert [g.tokens for g in gens] == [ar_greedy[0], uniform[1.0][1], ar_greedy[2], uniform[0.7][3]]
+    assert uniform[1.0][1] != ar_greedy[1] and uniform[0.7][3] != ar_greedy[3]  # the rows really sampled
+    assert [g.tokens for g in dec.generate(PROMPTS)] == ar_greedy  # default: the config's temperature, 0
+    # Padding rows take the last value, as they take the last prompt.
+    assert [g.tokens for g in dec.generate(PROMPTS, seed=5, temperature=[1.0, 1.0, 1.0, 1.0])] == uniform[1.0]
+    assert dec._loop._cache_size() == compiled
+    cont = dec.generate_continuous(PROMPTS, 2, seed=5, temperature=temps)
+    assert [g.tokens for g in cont] == [g.tokens for g in gens]
+
+    fixed = _decoder(models, verifier)
+    assert [g.tokens for g in fixed.generate(PROMPTS, temperature=0.0)] == ar_greedy  # the config's own value
+    for bad, error, message in [([0.0, 1.0, 0.0, 0.0], ValueError, r"temperature_per_row=True"),
+                                (0.5, ValueError, r"temperature_per_row=True")]:
+        with pytest.raises(error, match=message):
+            fixed.generate(PROMPTS, temperature=bad)
+    for bad, error, message in [([0.0, -1.0, 0.0, 0.0], ValueError, r"temperature\[1\] = -1.0 is not a finite number"),
+                                ([float("nan")] * 4, ValueError, r"temperature\[0\] = nan"),
+                                ([0.0, 1.0], ValueError, "2 values for 4 prompts"),
+                                ([0.0, "hot", 0.0, 0.0], TypeError, r"temperature\[1\] must be a number"),
+                                ("hot", TypeError, "must be a number, a list of numbers or None, got str")]:
+        with pytest.raises(error, match=message):
+            dec.generate(PROMPTS, temperature=bad)
+
+
+def test_temperature_per_row_with_the_fallback_keeps_greedy_rows_exact(models, ar_greedy):
+    """The fallback's estimate of each row's block uses the row's own law (greedy: the realised
+    block; sampled: 1 + C_p), and a greedy row stays exact next to sampled ones."""
+    dec = _decoder(models, "tev", temperature_per_row=True, fallback_below=1.5)
+    gens = dec.generate(PROMPTS, seed=2, temperature=[1.0, 0.0, 1.0, 0.0])
+    assert [gens[1].tokens, gens[3].tokens] == [ar_greedy[1], ar_greedy[3]]
+    assert all(len(g.tokens) == 24 or g.stop == "eos" for g in gens)
+
+
 def test_cache_after_each_round_equals_fresh_prefill(models):
     target, drafter = models
     dec = _decoder(models, "tev", temperature=1.0, max_new_tokens=16)

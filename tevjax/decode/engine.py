@@ -77,7 +77,7 @@ from flax import nnx
 
 from tevjax.builder import (LOOKUP_SURVIVAL, NgramTable, build_ddtree_from_top, chain_log_reach, check_survival,
                              context_chain, corpus_chain, merge_chain)
-from tevjax.law import exit_law, is_greedy
+from tevjax.law import exit_law, is_greedy, samples
 from tevjax.models.cache import KVCache, scatter_rows
 from tevjax.models.dflash import DFlashDrafter, DrafterCache, features_from_hidden, tapped_hidden
 from tevjax.models.transformer import Transformer
@@ -122,6 +122,12 @@ class DecodeConfig:
     corpus: int = 0
     verifier: str = "tev"  # a name in tevjax.verifiers.VERIFIERS: "tev" | "predraw" | "sequential"
     temperature: float = 0.0  # below 1e-5 (tevjax.law.GREEDY_BELOW) = greedy
+    # Rows of one batch may decode at different temperatures: `Decoder.generate(...,
+    # temperature=[...])` (and `prefill`, `continuous`, `stream`) sets each row's, `temperature`
+    # above being the default. Every row then runs the greedy and the sampling verifier and keeps
+    # its own (a select per row, as `verify` does for a traced temperature), so a batch that is
+    # all greedy costs more than with this off; off, every row decodes at `temperature`.
+    temperature_per_row: bool = False
     # Truncated sampling (`tevjax.sampling.truncate_logits`): the target law becomes top-k, then
     # top-p, then min-p of softmax(logits / temperature), for the autoregressive baseline and every
     # verifier alike, so speculative decoding stays exact for it. 0 / 1.0 / 0.0: off. No effect
@@ -213,9 +219,10 @@ class DecodeConfig:
             raise ValueError(f"hidden_layers must be distinct layer indices >= 0, got {self.hidden_layers!r}")
         object.__setattr__(self, "hidden_layers", layers)
         object.__setattr__(self, "stop", check_stops(self.stop))
-        if not isinstance(self.logprobs, (bool, np.bool_)):
-            raise TypeError(f"DecodeConfig.logprobs must be a bool, got {self.logprobs!r}")
-        object.__setattr__(self, "logprobs", bool(self.logprobs))
+        for name in ("logprobs", "temperature_per_row"):
+            if not isinstance(getattr(self, name), (bool, np.bool_)):
+                raise TypeError(f"DecodeConfig.{name} must be a bool, got {getattr(self, name)!r}")
+            object.__setattr__(self, name, bool(getattr(self, name)))
 
 
 @jax.tree_util.register_dataclass
@@ -257,6 +264,9 @@ class DecodeState:
     # [B, max_new_tokens] float32 the target's log-probability of each generated token (0 beyond
     # num_out). None without `cfg.logprobs`.
     logprobs: jax.Array | None = None
+    # [B] float32 each row's temperature. None without `cfg.temperature_per_row` (every row then
+    # decodes at cfg.temperature, a static value).
+    temperature: jax.Array | None = None
 
 
 # Logical axes of every `DecodeState` field (`tevjax.sharding.LOGICAL_RULES` maps them to mesh axes).
@@ -284,6 +294,7 @@ STATE_AXES: dict[str, tuple[str | None, ...]] = {
     "plain_rounds": ("batch",),
     "stop_at": ("batch",),
     "logprobs": ("batch", None),
+    "temperature": ("batch",),
 }
 
 
@@ -297,10 +308,11 @@ FALLBACK_MAX_WAIT = 64
 
 
 def state_shardings(mesh, *, drafter: bool, hidden: bool, head: bool = False, history: bool = False,
-                    fallback: bool = False, stop: bool = False, logprobs: bool = False) -> DecodeState:
+                    fallback: bool = False, stop: bool = False, logprobs: bool = False,
+                    temperature: bool = False) -> DecodeState:
     """A `DecodeState` of NamedShardings (from `STATE_AXES`) for a decoder with or without a
     drafter, kept hidden states, a pre-gathered draft head, a token history, the fallback's
-    bookkeeping, stop strings and log-probabilities. The specs do not
+    bookkeeping, stop strings, log-probabilities and per-row temperatures. The specs do not
     depend on the sizes; the sizes are checked where they are known (`Decoder.prefill`: rows;
     `param_shardings`: heads)."""
     named = {f.name: logical_sharding(mesh, STATE_AXES[f.name]) for f in dataclasses.fields(DecodeState)}
@@ -311,6 +323,7 @@ def state_shardings(mesh, *, drafter: bool, hidden: bool, head: bool = False, hi
                           "history": named["history"] if history else None,
                           "stop_at": named["stop_at"] if stop else None,
                           "logprobs": named["logprobs"] if logprobs else None,
+                          "temperature": named["temperature"] if temperature else None,
                           **{name: named[name] if fallback else None for name in FALLBACK_FIELDS}})
 
 
@@ -356,11 +369,12 @@ def _vocab_split(mesh) -> bool:
     return mesh is not None and dict(mesh.shape).get(LOGICAL_RULES["vocab"], 1) > 1
 
 
-def _empty_state(tstate, dstate, roots, lengths, limits, key_data, *, tgd, dgd, cfg: DecodeConfig, capacity: int,
-                 mesh=None) -> DecodeState:
+def _empty_state(tstate, dstate, roots, lengths, limits, temperatures, key_data, *, tgd, dgd, cfg: DecodeConfig,
+                 capacity: int, mesh=None) -> DecodeState:
     """The state before prefill: zero caches of `capacity` slots, each row's root (its last prompt
-    token, roots [B]), cache_len = lengths - 1 (lengths [B] prompt lengths >= 1) and its most new
-    tokens (limits [B], each in [1, cfg.max_new_tokens]); the prefill chunks then fill slots [0,
+    token, roots [B]), cache_len = lengths - 1 (lengths [B] prompt lengths >= 1), its most new
+    tokens (limits [B], each in [1, cfg.max_new_tokens]) and its temperature (temperatures [B],
+    kept with `cfg.temperature_per_row`); the prefill chunks then fill slots [0,
     cache_len). key_data: the seed's key data; row r samples with
     fold_in(seed key, r), whatever the batch and its split over devices."""
     target: Transformer = nnx.merge(tgd, tstate)
@@ -390,14 +404,15 @@ def _empty_state(tstate, dstate, roots, lengths, limits, key_data, *, tgd, dgd, 
         history=_history_init(roots, lengths, capacity) if _uses_lookup(drafter, cfg) else None,
         stop_at=zeros if cfg.stop else None,
         logprobs=jnp.zeros((b, cfg.max_new_tokens), jnp.float32) if cfg.logprobs else None,
+        temperature=temperatures.astype(jnp.float32) if cfg.temperature_per_row else None,
         # Every row starts drafting, from an optimistic estimate: a first tree that pays keeps it.
         **(dict(expected_block=jnp.full((b,), float(drafter.cfg.block_size), jnp.float32), skip=zeros,
                 wait=zeros, plain_rounds=zeros) if _falls_back(drafter, cfg) else {}),
     )
 
 
-def _rebase(tstate, dstate, state: DecodeState, roots, lengths, limits, key_data, *, tgd, dgd, cfg: DecodeConfig,
-            capacity: int, mesh=None) -> DecodeState:
+def _rebase(tstate, dstate, state: DecodeState, roots, lengths, limits, temperatures, key_data, *, tgd, dgd,
+            cfg: DecodeConfig, capacity: int, mesh=None) -> DecodeState:
     """`state`'s caches (target K/V, drafter context, kept hidden states, history below each row's
     new cache_len) under a fresh start for prompts of `lengths` with `roots`: what `_empty_state`
     gives, but with the cache slots an earlier decoding filled kept, for `Decoder.prefill(...,
@@ -405,7 +420,7 @@ def _rebase(tstate, dstate, state: DecodeState, roots, lengths, limits, key_data
     new prompt does not share are rewritten by the chunks or lie at or above cache_len, where
     nothing reads them. Another `capacity` than `state`'s appends empty slots or drops the top
     ones (the kept prefix lies below the new cache_len, so below any capacity that fits it)."""
-    fresh = _empty_state(tstate, dstate, roots, lengths, limits, key_data, tgd=tgd, dgd=dgd, cfg=cfg,
+    fresh = _empty_state(tstate, dstate, roots, lengths, limits, temperatures, key_data, tgd=tgd, dgd=dgd, cfg=cfg,
                          capacity=capacity, mesh=mesh)
 
     kept = _fit_capacity(state, capacity=capacity)
@@ -486,12 +501,17 @@ def _prefill_chunk(tstate, dstate, state: DecodeState, tokens: jax.Array, start:
     return dataclasses.replace(state, target_cache=out.cache, drafter_cache=dcache, hidden=hidden, history=history)
 
 
-def target_logits(logits: jax.Array, cfg: DecodeConfig) -> jax.Array:
-    """The logits the verifiers sample from: `logits` truncated by the config's top-k / top-p /
-    min-p, or as they are when none is set or decoding is greedy (which no truncation changes)."""
-    if is_greedy(cfg.temperature):
-        return logits
-    return truncate_logits(logits, cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, min_p=cfg.min_p)
+def target_logits(logits: jax.Array, cfg: DecodeConfig, temperature: jax.Array | None = None) -> jax.Array:
+    """The logits the verifiers sample from: `logits` [B, ...] truncated by the config's top-k /
+    top-p / min-p, or as they are when none is set or decoding is greedy (which no truncation
+    changes). `temperature`: each row's [B] (`DecodeState.temperature`); None: cfg.temperature."""
+    if temperature is None:
+        if is_greedy(cfg.temperature):
+            return logits
+        temperature = cfg.temperature
+    else:  # one temperature per row, over the row's other axes
+        temperature = temperature.reshape(temperature.shape + (1,) * (logits.ndim - 1))
+    return truncate_logits(logits, temperature, top_k=cfg.top_k, top_p=cfg.top_p, min_p=cfg.min_p)
 
 
 def _taps(drafter: DFlashDrafter | None, cfg: DecodeConfig) -> tuple[int, ...]:
@@ -751,8 +771,12 @@ def _after_speculative(state: DecodeState, new: DecodeState, trees: DraftTree, t
     `cfg.fallback_below` waits: `cfg.fallback_rounds` plain rounds, or twice its last wait if it
     was waiting already."""
     active = ~state.done
-    if is_greedy(cfg.temperature):
-        this = (new.block_total - state.block_total).astype(jnp.float32)  # the greedy law is a point mass
+    realised = (new.block_total - state.block_total).astype(jnp.float32)  # the greedy law is a point mass
+    if state.temperature is not None:
+        law = jax.vmap(exit_law)(trees, target_law, state.temperature)
+        this = jnp.where(samples(state.temperature), 1.0 + law.coverage, realised)
+    elif is_greedy(cfg.temperature):
+        this = realised
     else:
         law = jax.vmap(lambda t, l: exit_law(t, l, cfg.temperature))(trees, target_law)
         this = 1.0 + law.coverage
@@ -773,8 +797,11 @@ def _settle(target: Transformer, drafter: DFlashDrafter | None, state: DecodeSta
     state, the target logits [B, N, V] verified against)."""
     active = ~state.done
     out = tree_pass(target, trees, state.cache_len, state.target_cache, _taps(drafter, cfg))
-    law = target_logits(out.logits, cfg)
-    ver = jax.vmap(lambda k, t, l: verify(k, t, l, cfg.temperature, method))(sub, trees, law)
+    law = target_logits(out.logits, cfg, state.temperature)
+    if state.temperature is None:
+        ver = jax.vmap(lambda k, t, l: verify(k, t, l, cfg.temperature, method))(sub, trees, law)
+    else:  # each row's own: `verify` selects its greedy or sampling result by the traced value
+        ver = jax.vmap(lambda k, t, l, temp: verify(k, t, l, temp, method))(sub, trees, law, state.temperature)
     # A NaN/inf logit (damaged weights, overflow) would be verified into garbage tokens: that row
     # stops here, emits nothing from this round and reports it (one read of the logits).
     finite = jnp.all(jnp.isfinite(out.logits) | ~trees.valid[..., None], axis=(1, 2))
@@ -993,7 +1020,8 @@ class Decoder:
             head = drafter is not None and drafter.vocab_ids() is not None and not _vocab_split(mesh)
             sshard = state_shardings(mesh, drafter=drafter is not None, hidden=bool(cfg.hidden_layers), head=head,
                                      history=_uses_lookup(drafter, cfg), fallback=_falls_back(drafter, cfg),
-                                     stop=bool(cfg.stop), logprobs=cfg.logprobs)
+                                     stop=bool(cfg.stop), logprobs=cfg.logprobs,
+                                     temperature=cfg.temperature_per_row)
             scalar = logical_sharding(mesh, ())
             rows = logical_sharding(mesh, ("batch",))
             # The n-gram table is small and read by every row: a copy on each device.
@@ -1006,12 +1034,12 @@ class Decoder:
                                         out_shardings=sshard)
             self._chunk_shardings = dict(in_shardings=(tshard, dshard, sshard, logical_sharding(mesh, ("batch", None)),
                                                        scalar), out_shardings=sshard)
-            self._empty_shardings = dict(in_shardings=(tshard, dshard, rows, rows, rows,
+            self._empty_shardings = dict(in_shardings=(tshard, dshard, rows, rows, rows, rows,
                                                        logical_sharding(mesh, (None,))),
                                          out_shardings=sshard)
             vector = logical_sharding(mesh, (None,))  # a small host vector, on every device
             self._place_shardings = dict(in_shardings=(sshard, sshard, vector, vector, vector), out_shardings=sshard)
-            self._rebase_shardings = dict(in_shardings=(tshard, dshard, sshard, rows, rows, rows,
+            self._rebase_shardings = dict(in_shardings=(tshard, dshard, sshard, rows, rows, rows, rows,
                                                         logical_sharding(mesh, (None,))), out_shardings=sshard)
         # Donating the state is safe: each call's output state replaces its input and nothing
         # else holds a reference, so XLA can update the caches in place instead of copying them.
@@ -1117,13 +1145,19 @@ class Decoder:
 
     def prefill(self, prompts: Sequence[Sequence[int]], seed: int = 0, *,
                 reuse: tuple[DecodeState, Sequence[Sequence[int]]] | None = None,
-                max_new_tokens: int | Sequence[int] | None = None) -> DecodeState:
+                max_new_tokens: int | Sequence[int] | None = None,
+                temperature: float | Sequence[float] | None = None) -> DecodeState:
         """Initial state for a batch of token-id prompts (each of length >= 1).
 
         `max_new_tokens`: the most new tokens of every row (an int) or of each (one per prompt;
         padding rows after them take the last one), each at most `cfg.max_new_tokens`, which sizes
         the buffers: rows of one batch can ask for different lengths without a compile. None:
         `cfg.max_new_tokens`.
+
+        `temperature`: every row's (a number) or each row's (one per prompt; padding rows take the
+        last), with `cfg.temperature_per_row`: greedy and sampled rows share the batch without a
+        compile. None: `cfg.temperature`. Without `cfg.temperature_per_row` only that value is
+        accepted.
 
         prompt[:-1] goes into the caches chunk by chunk (the last prompt token is the root): one
         jitted call per chunk, as many as the longest prompt needs, each waited for, so Ctrl-C
@@ -1142,9 +1176,10 @@ class Decoder:
         self._check_prompts(prompts)
         _, capacity = self.shapes([len(p) for p in prompts])
         limits = self._limits(max_new_tokens, len(prompts))
+        temperatures = self._temperatures(temperature, len(prompts))
         if self.mesh is not None:
             check_batch(self.mesh, len(prompts), f"a batch of {len(prompts)} prompts (Decoder.generate pads it)")
-        return self._prefill(prompts, seed, reuse, limits, capacity)
+        return self._prefill(prompts, seed, reuse, limits, temperatures, capacity)
 
     def _check_prompts(self, prompts: Sequence[Sequence[int]]) -> None:
         """ValueError / TypeError naming the first prompt that is not a non-empty list of token ids
@@ -1161,7 +1196,7 @@ class Decoder:
                 raise ValueError(f"prompt {i} holds token id {bad[0]} outside the vocabulary [0, {vocab})")
 
     def _prefill(self, prompts: Sequence[Sequence[int]], seed: int, reuse, limits: np.ndarray,
-                 capacity: int) -> DecodeState:
+                 temperatures: np.ndarray, capacity: int) -> DecodeState:
         """`prefill` of checked prompts into caches of `capacity` slots (at least what they need)."""
         lengths = [len(p) for p in prompts]
         key_data = np.asarray(jax.random.key_data(seed_key(seed)))
@@ -1170,14 +1205,15 @@ class Decoder:
             start, es = 0, self._empty_shardings
             state = self._empty_fn(capacity)(self.tstate, self.dstate, self._rows(roots, 2, es),
                                              self._rows(np.asarray(lengths, np.int32), 3, es),
-                                             self._rows(limits, 4, es), self._rows(key_data, 5, es))
+                                             self._rows(limits, 4, es), self._rows(temperatures, 5, es),
+                                             self._rows(key_data, 6, es))
             c = self.chunk_size(lengths)
         else:
             start, rs = self._reused_prefix(prompts, reuse), self._rebase_shardings
             rebase = self._rebase_fn(capacity, reuse[0].target_cache.capacity)
             state = rebase(self.tstate, self.dstate, reuse[0], self._rows(roots, 3, rs),
                            self._rows(np.asarray(lengths, np.int32), 4, rs), self._rows(limits, 5, rs),
-                           self._rows(key_data, 6, rs))
+                           self._rows(temperatures, 6, rs), self._rows(key_data, 7, rs))
             c = self.chunk_size(lengths, start)  # sized to what is left: a few messages, not the conversation
         chunks = -(-(max(lengths) - 1 - start) // c)  # covers prompt[start:-1]; 0 when nothing is left
         tokens = np.zeros((len(prompts), chunks * c), np.int32)
@@ -1189,29 +1225,49 @@ class Decoder:
             jax.block_until_ready(state)
         return state
 
+    def _per_row(self, value, rows: int, name: str, scalar: tuple[type, ...], kind: str, kinds: str) -> list:
+        """`value` as one entry per row: a scalar for every row, or a sequence of one per prompt
+        (padding rows after the prompts take the last, as `_padded` pads the prompts)."""
+        if isinstance(value, scalar) and not isinstance(value, bool):
+            return [value] * rows
+        if isinstance(value, (Sequence, np.ndarray)) and not isinstance(value, (str, bytes)):
+            values = list(value)
+            if 0 < len(values) < rows:
+                values += values[-1:] * (-len(values) % self.row_multiple)
+            if len(values) != rows:
+                raise ValueError(f"{name}: {len(value)} values for {rows} prompts (one per prompt)")
+            for i, v in enumerate(values):
+                if not isinstance(v, scalar) or isinstance(v, bool):
+                    raise TypeError(f"{name}[{i}] must be {kind}, got {v!r}")
+            return values
+        raise TypeError(f"{name} must be {kind}, a list of {kinds} or None, got {type(value).__name__}")
+
     def _limits(self, max_new_tokens: int | Sequence[int] | None, rows: int) -> np.ndarray:
         """[rows] int32 each row's most new tokens (`prefill`'s `max_new_tokens`), checked."""
         most = self.cfg.max_new_tokens
         if max_new_tokens is None:
             return np.full(rows, most, np.int32)
-        if isinstance(max_new_tokens, (int, np.integer)) and not isinstance(max_new_tokens, bool):
-            limits = [max_new_tokens] * rows
-        elif isinstance(max_new_tokens, (Sequence, np.ndarray)) and not isinstance(max_new_tokens, (str, bytes)):
-            limits = list(max_new_tokens)
-            if 0 < len(limits) < rows:
-                limits += limits[-1:] * (-len(limits) % self.row_multiple)  # as `_padded` pads the prompts
-            if len(limits) != rows:
-                raise ValueError(f"max_new_tokens: {len(max_new_tokens)} values for {rows} prompts (one per prompt)")
-        else:
-            raise TypeError(f"max_new_tokens must be an int, a list of ints or None, got "
-                            f"{type(max_new_tokens).__name__}")
+        limits = self._per_row(max_new_tokens, rows, "max_new_tokens", (int, np.integer), "an int", "ints")
         for i, n in enumerate(limits):
-            if not isinstance(n, (int, np.integer)) or isinstance(n, bool):
-                raise TypeError(f"max_new_tokens[{i}] must be an int, got {n!r}")
             if not 1 <= n <= most:
                 raise ValueError(f"max_new_tokens[{i}] = {n} is outside [1, {most}] (DecodeConfig.max_new_tokens sizes "
                                  "the buffers)")
         return np.asarray(limits, np.int32)
+
+    def _temperatures(self, temperature: float | Sequence[float] | None, rows: int) -> np.ndarray:
+        """[rows] float32 each row's temperature (`prefill`'s `temperature`), checked."""
+        default = float(self.cfg.temperature)
+        if temperature is None:
+            return np.full(rows, default, np.float32)
+        values = self._per_row(temperature, rows, "temperature", (int, float, np.integer, np.floating), "a number",
+                               "numbers")
+        for i, t in enumerate(values):
+            if not math.isfinite(float(t)) or float(t) < 0:
+                raise ValueError(f"temperature[{i}] = {t!r} is not a finite number >= 0")
+        if not self.cfg.temperature_per_row and any(float(t) != default for t in values):
+            raise ValueError(f"temperature {temperature!r} is not DecodeConfig.temperature ({default}): rows take "
+                             "temperatures of their own with DecodeConfig(temperature_per_row=True)")
+        return np.asarray(values, np.float32)
 
     def _reused_prefix(self, prompts: Sequence[Sequence[int]], reuse) -> int:
         """The first slot `prefill(prompts, reuse=reuse)` must prefill: the smallest over rows of the
@@ -1253,8 +1309,8 @@ class Decoder:
 
     def _abstract_state(self, batch: int, capacity: int) -> DecodeState:
         """The shapes and dtypes of a `prefill` result, computed without running anything."""
-        i32 = jax.ShapeDtypeStruct((batch,), jnp.int32)
-        return jax.eval_shape(self._empty_fn(capacity), self.tstate, self.dstate, i32, i32, i32,
+        i32, f32 = jax.ShapeDtypeStruct((batch,), jnp.int32), jax.ShapeDtypeStruct((batch,), jnp.float32)
+        return jax.eval_shape(self._empty_fn(capacity), self.tstate, self.dstate, i32, i32, i32, f32,
                               self._key_data_shape())
 
     def compile(self, prompts: Sequence[Sequence[int]], *, streaming: bool = False, reuse: bool = False,
@@ -1272,12 +1328,13 @@ class Decoder:
         b = len(prompts)
         state = self._abstract_state(b, capacity)
         i32 = jax.ShapeDtypeStruct((), jnp.int32)
-        i32_b = jax.ShapeDtypeStruct((b,), jnp.int32)
-        self._empty_fn(capacity).lower(self.tstate, self.dstate, i32_b, i32_b, i32_b, self._key_data_shape()).compile()
+        i32_b, f32_b = jax.ShapeDtypeStruct((b,), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.float32)
+        self._empty_fn(capacity).lower(self.tstate, self.dstate, i32_b, i32_b, i32_b, f32_b,
+                                       self._key_data_shape()).compile()
         tokens = jax.ShapeDtypeStruct((b, self.chunk_size(lengths)), jnp.int32)
         self._prefill_chunk.lower(self.tstate, self.dstate, state, tokens, i32).compile()
         if reuse:
-            self._rebase_fn(capacity, capacity).lower(self.tstate, self.dstate, state, i32_b, i32_b, i32_b,
+            self._rebase_fn(capacity, capacity).lower(self.tstate, self.dstate, state, i32_b, i32_b, i32_b, f32_b,
                                                       self._key_data_shape()).compile()
             small = jax.ShapeDtypeStruct((b, min(self.chunk_size(lengths), MIN_CHUNK)), jnp.int32)
             self._prefill_chunk.lower(self.tstate, self.dstate, state, small, i32).compile()
@@ -1354,12 +1411,15 @@ class Decoder:
         return gens
 
     def generate(self, prompts: Sequence[Sequence[int]], seed: int = 0, *, rounds_per_call: int | None = None,
-                 max_new_tokens: int | Sequence[int] | None = None) -> list[Generation]:
-        """Generates for a batch of prompts (`run` over `prefill`, which takes `max_new_tokens`).
+                 max_new_tokens: int | Sequence[int] | None = None,
+                 temperature: float | Sequence[float] | None = None) -> list[Generation]:
+        """Generates for a batch of prompts (`run` over `prefill`, which takes `max_new_tokens` and
+        `temperature`).
         On Ctrl-C raises `Interrupted` with `results`: the `Generation` of every row that had
         finished, None for the others. On a mesh the batch is padded to a multiple of
         `row_multiple` and the padding dropped."""
-        state = self.prefill(self._padded(prompts), seed, max_new_tokens=max_new_tokens)  # checks the prompts first
+        state = self.prefill(self._padded(prompts), seed, max_new_tokens=max_new_tokens,  # checks the prompts first
+                             temperature=temperature)
         lengths = [len(p) for p in prompts]
         try:
             state = self.run(state, rounds_per_call=rounds_per_call)
@@ -1370,7 +1430,8 @@ class Decoder:
         return self.results(state, lengths)
 
     def generate_continuous(self, prompts: Sequence[Sequence[int]], batch_size: int, seed: int = 0, *,
-                            max_new_tokens: int | Sequence[int] | None = None) -> list[Generation]:
+                            max_new_tokens: int | Sequence[int] | None = None,
+                            temperature: float | Sequence[float] | None = None) -> list[Generation]:
         """Generates for any number of prompts with `batch_size` rows kept busy (continuous
         batching): the loop runs until a row finishes, its result is read, and the next prompts
         are prefilled into the free rows (in groups of a power of two, so that few shapes compile)
@@ -1381,17 +1442,19 @@ class Decoder:
         Prompt i samples with the stream row i of `generate(prompts, seed)` would have (its key
         and its own rounds decide it), so the results equal `generate`'s for every prompt, greedy
         or sampled, in any schedule; only `cfg.fallback_below`, whose plain rounds are batch-wide,
-        makes sampled outputs depend on the schedule. `max_new_tokens`: as `prefill` takes them,
-        one per prompt. Ctrl-C is answered after the loop call in flight (`Interrupted`, with
+        makes sampled outputs depend on the schedule. `max_new_tokens` and `temperature`: as
+        `prefill` takes them, one per prompt. Ctrl-C is answered after the loop call in flight (`Interrupted`, with
         `results` holding the prompts finished so far, None for the others).
         """
         results: list[Generation | None] = [None] * len(prompts)
-        for i, gen in self.continuous(prompts, batch_size, seed, max_new_tokens=max_new_tokens):
+        for i, gen in self.continuous(prompts, batch_size, seed, max_new_tokens=max_new_tokens,
+                                      temperature=temperature):
             results[i] = gen
         return results
 
     def continuous(self, prompts: Sequence[Sequence[int]], batch_size: int, seed: int = 0, *,
-                   max_new_tokens: int | Sequence[int] | None = None) -> Iterator[tuple[int, Generation]]:
+                   max_new_tokens: int | Sequence[int] | None = None,
+                   temperature: float | Sequence[float] | None = None) -> Iterator[tuple[int, Generation]]:
         """`generate_continuous` as it goes: yields (prompt index, Generation) as each prompt
         finishes, in the order they finish, so a caller (a server, a batch job writing results)
         has each one a row's lifetime after it started instead of after the last prompt. The rows
@@ -1405,11 +1468,12 @@ class Decoder:
             raise ValueError(f"batch_size {batch_size} must be a multiple of the mesh's data axis "
                              f"({self.row_multiple})")
         limits = self._limits(max_new_tokens, len(prompts))
+        temperatures = self._temperatures(temperature, len(prompts))
         self.shapes([len(p) for p in prompts])  # every prompt fits the positions, checked up front
-        return self._continuous(prompts, int(batch_size), seed, limits)
+        return self._continuous(prompts, int(batch_size), seed, limits, temperatures)
 
     def _continuous(self, prompts: Sequence[Sequence[int]], batch_size: int, seed: int,
-                    limits: np.ndarray) -> Iterator[tuple[int, Generation]]:
+                    limits: np.ndarray, temperatures: np.ndarray) -> Iterator[tuple[int, Generation]]:
         key_data = np.asarray(jax.random.key_data(seed_key(seed)))
         n = len(prompts)
 
@@ -1421,7 +1485,8 @@ class Decoder:
 
         def prefill(ids: list[int], rows: int) -> DecodeState:  # prompts `ids`, padded with copies of the last
             pad = [ids[-1]] * (rows - len(ids))
-            return self._prefill([prompts[i] for i in ids + pad], seed, None, limits[ids + pad], capacity)
+            return self._prefill([prompts[i] for i in ids + pad], seed, None, limits[ids + pad],
+                                 temperatures[ids + pad], capacity)
 
         b = min(batch_size, -(-n // self.row_multiple) * self.row_multiple)  # no idle rows for a few prompts
         first = list(range(min(b, n)))
@@ -1473,12 +1538,15 @@ class Decoder:
 
     def stream(self, prompts: Sequence[Sequence[int]], seed: int = 0, *,
                reuse: tuple[DecodeState, Sequence[Sequence[int]]] | None = None,
-               max_new_tokens: int | Sequence[int] | None = None) -> Iterator[tuple[list[list[int]], DecodeState]]:
+               max_new_tokens: int | Sequence[int] | None = None,
+               temperature: float | Sequence[float] | None = None
+               ) -> Iterator[tuple[list[list[int]], DecodeState]]:
         """Python-loop twin: yields (new tokens per row, state) after every round (the state may hold
         padding rows after the prompts' rows on a mesh: see `row_multiple`). `reuse`: the last
-        state of an earlier stream of this decoder and that stream's prompts; `max_new_tokens`:
-        as `prefill` takes them."""
-        state = self.prefill(self._padded(prompts), seed, reuse=reuse, max_new_tokens=max_new_tokens)
+        state of an earlier stream of this decoder and that stream's prompts; `max_new_tokens` and
+        `temperature`: as `prefill` takes them."""
+        state = self.prefill(self._padded(prompts), seed, reuse=reuse, max_new_tokens=max_new_tokens,
+                             temperature=temperature)
         seen = np.zeros(len(prompts), int)
         while True:
             state = self.step(state)
