@@ -235,6 +235,47 @@ def test_continuous_prints_each_prompt_as_it_ends(tmp_path, capsys):
     assert code == 2 and "--continuous needs --batch-file" in err
 
 
+def test_jsonl_batch_file_gives_each_prompt_its_temperature_and_length(tmp_path, capsys, tiny_dir):
+    """A .jsonl batch file: each record's prompt ids, temperature and length. The greedy rows
+    decode the flags' greedy tokens and the sampled row the tokens of the same row in a batch all
+    at its temperature, each cut at its own length; bad records are refused by line and key."""
+    path, _ = tiny_dir
+    base = ["generate", "--target", str(path), "--verifier", "ar", "--max-new-tokens", "8", "--seed", "4", "--json"]
+
+    def records(lines: list[dict], *extra) -> list[dict]:
+        f = tmp_path / "prompts.jsonl"
+        f.write_text("".join(json.dumps(r) + "\n" for r in lines))
+        code, out, err = _run(capsys, *base, "--batch-file", str(f), "--batch-size", "3", *extra)
+        assert code == 0, err
+        return [json.loads(line) for line in out.splitlines()]
+
+    ids = [[1, 5, 7], [1, 3], [6]]
+    greedy = records([{"prompt_ids": p} for p in ids])
+    hot = records([{"prompt_ids": p} for p in ids], "--temperature", "1")
+    mixed = records([{"prompt_ids": ids[0], "temperature": 0}, {"prompt_ids": ids[1], "temperature": 1.0},
+                     {"prompt_ids": ids[2], "max_new_tokens": 5}])
+    assert [r["tokens"] for r in mixed] == [greedy[0]["tokens"], hot[1]["tokens"], greedy[2]["tokens"][:5]]
+    assert hot[1]["tokens"] != greedy[1]["tokens"]  # the row really sampled
+    assert [(r["temperature"], r["max_new_tokens"]) for r in mixed] == [(0.0, 8), (1.0, 8), (0.0, 5)]
+
+    f = tmp_path / "bad.jsonl"
+    for line, message in [("[1, 2]", "line 2: not a JSON object, got list"),
+                          ('{"prompt_ids": [1], "temp": 1}', "line 2: unknown key(s) 'temp'"),
+                          ('{"prompt": "a", "prompt_ids": [1]}', 'line 2: give one of "prompt" (text) and'),
+                          ('{"prompt_ids": [1], "temperature": -1}',
+                           'line 2: "temperature" must be a finite number >= 0'),
+                          ('{"prompt_ids": [1], "max_new_tokens": 9}',
+                           'line 2: "max_new_tokens" must be an integer in [1, 8]'),
+                          ('{"prompt_ids": []}', 'line 2: "prompt_ids" must be a non-empty list of token ids'),
+                          ("{'prompt': 1}", "line 2: not a JSON object (Expecting property name")]:
+        f.write_text('{"prompt_ids": [1]}\n' + line + "\n")
+        code, _, err = _run(capsys, *base, "--batch-file", str(f))
+        assert code == 2 and f"--batch-file '{f}': " + message in err, err
+    f.write_text('{"prompt": "hello"}\n')
+    code, _, err = _run(capsys, *base, "--batch-file", str(f))
+    assert code == 2 and 'no tokenizer: give --prompt-ids (or "prompt_ids" in a .jsonl batch file)' in err, err
+
+
 def test_a_text_prompt_too_long_for_the_target_is_one_error(capfd, text_target_dir):
     """A text prompt longer than the target's positions: the CLI's one-line error, naming the
     prompt and its length, and not also transformers' warning that the model will fail with
@@ -421,8 +462,8 @@ def test_batch_file_lines(tmp_path, capsys, tiny_dir):
 
     f = tmp_path / "prompts.txt"
     f.write_bytes("\ufeffone\x0cstill one\r\n\ntwo\u2028still two\n".encode("utf-8"))
-    prompts, where = _read_prompts(build_parser().parse_args(["generate", "--batch-file", str(f)]))
-    assert prompts == ["one\x0cstill one", "two\u2028still two"]
+    prompts, where, settings = _read_prompts(build_parser().parse_args(["generate", "--batch-file", str(f)]))
+    assert prompts == ["one\x0cstill one", "two\u2028still two"] and settings == [{}, {}]
     assert where == [f"line 1 of {f}", f"line 3 of {f}"]
 
     bad = tmp_path / "latin1.txt"

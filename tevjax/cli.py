@@ -8,10 +8,13 @@ Entry points are thin: parse and check arguments, call the library, print. Every
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import math
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from tevjax.verifiers import VERIFIERS
 
@@ -80,7 +83,7 @@ DEFAULT_FALLBACK_TEXT = (f"{CPU_FALLBACK_BELOW} on a CPU when sampling or with a
                          "where it has not been measured")
 
 
-def _fallback_below(args, trained: bool) -> float:
+def _fallback_below(args, trained: bool, temperatures: list[float] | None = None) -> float:
     """--fallback-below, or its default (DEFAULT_FALLBACK_TEXT). Measured on SmolLM2 at budget 8
     (`experiments/results/fallback.md`, speed over AR without -> with it): an untrained drafter
     0.68x -> 0.93x greedy and 0.54x -> 0.92x at temperature 1, the shipped one at temperature 1
@@ -91,7 +94,7 @@ def _fallback_below(args, trained: bool) -> float:
 
     from tevjax.law import is_greedy
 
-    sampling = not is_greedy(args.temperature)
+    sampling = any(not is_greedy(t) for t in (temperatures or [args.temperature]))
     return CPU_FALLBACK_BELOW if jax.default_backend() == "cpu" and (sampling or not trained) else 0.0
 
 
@@ -331,7 +334,10 @@ def build_parser() -> argparse.ArgumentParser:
     src = gen.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-ids", type=_prompt_ids, help="raw token ids, comma-separated (no chat template)")
-    src.add_argument("--batch-file", type=Path, help="a file with one prompt per line")
+    src.add_argument("--batch-file", type=Path,
+                     help="a file with one prompt per line; a .jsonl file holds one JSON object per line instead: "
+                          '"prompt" (text) or "prompt_ids" (token ids, no chat template), and optionally the '
+                          'prompt\'s own "temperature" and "max_new_tokens" (at most --max-new-tokens)')
     gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                      help="wrap text prompts in the model's chat template (default: on)")
     _add_decoding_args(gen, max_new_tokens=128, seed_help="sampling seed, an integer in [0, 2**64)")
@@ -489,14 +495,15 @@ def build_parser() -> argparse.ArgumentParser:
 # ------------------------------------------------------------------------------------- generate
 
 
-def _read_prompts(args) -> tuple[list[str] | list[list[int]], list[str]]:
-    """(prompts, where each came from) -- "--prompt", or "line 3 of FILE" for error messages."""
+def _read_prompts(args) -> tuple[list[str | list[int]], list[str], list[dict[str, Any]]]:
+    """(prompts, where each came from -- "--prompt", or "line 3 of FILE" for error messages -- and
+    each prompt's own settings: a .jsonl batch file's "temperature" and "max_new_tokens")."""
     if args.prompt_ids is not None:
-        return [args.prompt_ids], ["--prompt-ids"]
+        return [args.prompt_ids], ["--prompt-ids"], [{}]
     if args.prompt is not None:
         if not args.prompt.strip():
             raise CliError("--prompt is empty")
-        return [args.prompt], ["--prompt"]
+        return [args.prompt], ["--prompt"], [{}]
     name = str(args.batch_file)
     if not args.batch_file.is_file():
         raise CliError(f"--batch-file {name!r}: no such file")
@@ -509,15 +516,56 @@ def _read_prompts(args) -> tuple[list[str] | list[list[int]], list[str]]:
     text = text.removeprefix("\ufeff")  # a byte-order mark is not part of the first prompt
     # One prompt per "\n"-terminated line: str.splitlines() would also split at form feeds,
     # U+2028 and other characters that belong inside a prompt.
-    prompts, where = [], []
+    prompts, where, settings = [], [], []
+    jsonl = args.batch_file.suffix.lower() == ".jsonl"
     for n, line in enumerate(text.split("\n"), start=1):
         line = line.removesuffix("\r")
         if line.strip():
-            prompts.append(line)
+            prompt, own = _jsonl_record(line, f"--batch-file {name!r}: line {n}", args) if jsonl else (line, {})
+            prompts.append(prompt)
             where.append(f"line {n} of {name}")
+            settings.append(own)
     if not prompts:
         raise CliError(f"--batch-file {name!r} holds no prompts")
-    return prompts, where
+    return prompts, where, settings
+
+
+def _jsonl_record(line: str, where: str, args) -> tuple[str | list[int], dict[str, Any]]:
+    """A .jsonl batch file's line -> (its prompt, its own settings), or a CliError naming the line."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise CliError(f"{where}: not a JSON object ({e.msg} at column {e.colno})") from None
+    if not isinstance(record, dict):
+        raise CliError(f"{where}: not a JSON object, got {type(record).__name__}")
+    unknown = sorted(set(record) - {"prompt", "prompt_ids", "temperature", "max_new_tokens"})
+    if unknown:
+        raise CliError(f"{where}: unknown key(s) {', '.join(map(repr, unknown))} (a record has \"prompt\" or "
+                       "\"prompt_ids\", and optionally \"temperature\" and \"max_new_tokens\")")
+    if ("prompt" in record) == ("prompt_ids" in record):
+        raise CliError(f"{where}: give one of \"prompt\" (text) and \"prompt_ids\" (token ids)")
+    if "prompt" in record:
+        prompt = record["prompt"]
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise CliError(f"{where}: \"prompt\" must be non-empty text, got {prompt!r}")
+    else:
+        prompt = record["prompt_ids"]
+        if (not isinstance(prompt, list) or not prompt
+                or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt)):
+            raise CliError(f"{where}: \"prompt_ids\" must be a non-empty list of token ids >= 0, got {prompt!r}")
+    own: dict[str, Any] = {}
+    if "temperature" in record:
+        t = record["temperature"]
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+            raise CliError(f"{where}: \"temperature\" must be a finite number >= 0, got {t!r}")
+        own["temperature"] = float(t)
+    if "max_new_tokens" in record:
+        m = record["max_new_tokens"]
+        if isinstance(m, bool) or not isinstance(m, int) or not 1 <= m <= args.max_new_tokens:
+            raise CliError(f"{where}: \"max_new_tokens\" must be an integer in [1, {args.max_new_tokens}] "
+                           f"(--max-new-tokens), got {m!r}")
+        own["max_new_tokens"] = m
+    return prompt, own
 
 
 def _check_positions(args, speculative: bool) -> None:
@@ -543,11 +591,14 @@ def _check_positions(args, speculative: bool) -> None:
 
 
 def _encode(models, prompts, chat: bool) -> list[list[int]]:
-    if prompts and isinstance(prompts[0], list):
-        return prompts
+    """Token ids of each prompt: id prompts as they are, text through the chat template (`chat`) or
+    the tokenizer alone."""
+    texts = [p for p in prompts if not isinstance(p, list)]
+    if not texts:
+        return list(prompts)
     tok = models.tokenizer
     if tok is None:
-        raise CliError("this target has no tokenizer: give --prompt-ids")
+        raise CliError("this target has no tokenizer: give --prompt-ids (or \"prompt_ids\" in a .jsonl batch file)")
     if chat:
         from tevjax.convert.tokenizer import chat_prompt_ids
 
@@ -555,9 +606,10 @@ def _encode(models, prompts, chat: bool) -> list[list[int]]:
             source = Path(getattr(tok, "name_or_path", "") or ".") / "tokenizer_config.json"
             raise CliError(f"this target's tokenizer has no chat template ({source} has no 'chat_template'): "
                            "use --no-chat")
-        return [chat_prompt_ids(tok, p) for p in prompts]
-    # A plain prompt gets what the tokenizer adds to any text (Llama 3's BOS; none for SmolLM2).
-    return [tok.encode(p) for p in prompts]
+        encode = functools.partial(chat_prompt_ids, tok)
+    else:  # a plain prompt gets what the tokenizer adds to any text (Llama 3's BOS; none for SmolLM2)
+        encode = tok.encode
+    return [p if isinstance(p, list) else encode(p) for p in prompts]
 
 
 def _decode(models, ids: list[int]) -> str:
@@ -574,7 +626,7 @@ def cmd_generate(args) -> int:
         raise CliError("--logprobs needs --json: the log-probabilities are a field of each JSON record")
     if args.continuous and args.batch_file is None:
         raise CliError("--continuous needs --batch-file (continuous batching refills rows from its prompts)")
-    prompts, where = _read_prompts(args)  # cheap checks before the (slow) model load
+    prompts, where, settings = _read_prompts(args)  # cheap checks before the (slow) model load
     mesh = _mesh(args, default_all=False)
     if args.budget is None:
         args.budget = _default_budget()
@@ -610,7 +662,13 @@ def cmd_generate(args) -> int:
                            f"and {slots} tree slots it exceeds the target's {limit} positions")
 
     stops = tuple(args.stop or ())
-    cfg = _decode_config(args, models, speculative, stop=stops, logprobs=args.logprobs)
+    # A .jsonl batch file's own temperatures and lengths (the flags' values elsewhere): rows of one
+    # batch decode at theirs (DecodeConfig.temperature_per_row, on only when they differ).
+    temperatures = [own.get("temperature", float(args.temperature)) for own in settings]
+    limits = [own.get("max_new_tokens", args.max_new_tokens) for own in settings]
+    per_row = any(t != float(args.temperature) for t in temperatures)
+    cfg = _decode_config(args, models, speculative, stop=stops, logprobs=args.logprobs, temperature_per_row=per_row,
+                         temperatures=temperatures)
     decoder = _decoder(models.target, models.drafter if speculative else None, cfg, mesh, models.ngrams,
                        spellings=_spellings(models, stops))
     # Streaming prints row 0 as it grows; a multi-host job prints once, at the end.
@@ -643,7 +701,8 @@ def cmd_generate(args) -> int:
                 "lookup": cfg.lookup if speculative else 0,
                 "corpus": cfg.corpus if speculative else 0,
                 "fallback_below": cfg.fallback_below if speculative else 0.0,
-                "temperature": args.temperature,
+                "temperature": temperatures[start + j],
+                "max_new_tokens": limits[start + j],
                 "top_k": args.top_k,
                 "top_p": args.top_p,
                 "min_p": args.min_p,
@@ -660,7 +719,7 @@ def cmd_generate(args) -> int:
                       f"({record['tokens_per_second']} tok/s), {g.rounds} rounds{_plain_text(g)}, tau {g.tau:.2f}, "
                       f"verifier {args.verifier}, budget {record['budget']}, lookup {record['lookup']}, "
                       f"corpus {record['corpus']}, "
-                      f"temperature {args.temperature}{truncation_text(args.top_k, args.top_p, args.min_p)} "
+                      f"temperature {temperatures[start + j]}{truncation_text(args.top_k, args.top_p, args.min_p)} "
                       f"(compile {compile_seconds:.1f} s, load {load_seconds:.1f} s)", flush=True)
 
     if args.continuous:
@@ -669,7 +728,8 @@ def cmd_generate(args) -> int:
         t1 = time.perf_counter()
         reported: set[int] = set()
         try:
-            for i, g in decoder.continuous(ids, rows, seed=args.seed):
+            for i, g in decoder.continuous(ids, rows, seed=args.seed, max_new_tokens=limits,
+                                           temperature=temperatures if per_row else None):
                 report(i, [ids[i]], [g], time.perf_counter() - t1, compile_seconds)
                 reported.add(i)
         except Interrupted as e:  # the prompts read in the interrupted call, then main() exits with 130
@@ -680,6 +740,8 @@ def cmd_generate(args) -> int:
     else:
         for start in range(0, len(ids), args.batch_size):
             batch = ids[start: start + args.batch_size]
+            own = dict(max_new_tokens=limits[start: start + args.batch_size],
+                       temperature=temperatures[start: start + args.batch_size] if per_row else None)
             decoder.shapes([len(p) for p in batch])  # capacity / position checks before compiling
             compile_seconds = decoder.compile(batch, streaming=stream)
             t1 = time.perf_counter()
@@ -692,7 +754,7 @@ def cmd_generate(args) -> int:
                 # With --stop, a tail that may begin a stop string waits until the next tokens decide.
                 shown = StopText(stops) if stops else None
                 try:
-                    for new, state in decoder.stream(batch, seed=args.seed):
+                    for new, state in decoder.stream(batch, seed=args.seed, **own):
                         if detok is not None:
                             piece = detok.feed(new[0])
                             print(shown.feed(piece) if shown else piece, end="", flush=True)
@@ -705,7 +767,7 @@ def cmd_generate(args) -> int:
                 print(shown.feed(rest) + shown.flush() if shown else rest)
             else:
                 try:
-                    gens = decoder.generate(batch, seed=args.seed)
+                    gens = decoder.generate(batch, seed=args.seed, **own)
                 except Interrupted as e:
                     # Ctrl-C is answered after the loop call in flight (a fraction of a second): the
                     # rows of this batch that had finished are printed, then main() exits with 130.
@@ -723,8 +785,9 @@ def _plain_text(g) -> str:
     return f", {g.plain_rounds} of them plain" if g.plain_rounds else ""
 
 
-def _decode_config(args, models, speculative: bool, **kw):
-    """The DecodeConfig of `generate` and `chat` (their flags are the same)."""
+def _decode_config(args, models, speculative: bool, temperatures: list[float] | None = None, **kw):
+    """The DecodeConfig of `generate` and `chat` (their flags are the same); `temperatures`: the
+    rows' own, where a batch file gives them (the fallback's default looks at them)."""
     from tevjax.decode.engine import DecodeConfig
     from tevjax.evaluate import corpus_for, lookup_for
 
@@ -734,7 +797,8 @@ def _decode_config(args, models, speculative: bool, **kw):
                         corpus=corpus_for(args.budget, args.corpus, models.ngrams),
                         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                         max_new_tokens=args.max_new_tokens, eos_ids=models.eos_ids,
-                        fallback_below=_fallback_below(args, models.drafter_trained) if speculative else 0.0,
+                        fallback_below=_fallback_below(args, models.drafter_trained, temperatures) if speculative
+                        else 0.0,
                         fallback_rounds=args.fallback_rounds, **kw)
 
 
