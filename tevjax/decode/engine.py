@@ -125,8 +125,9 @@ class DecodeConfig:
     # Rows of one batch may decode at different temperatures: `Decoder.generate(...,
     # temperature=[...])` (and `prefill`, `continuous`, `stream`) sets each row's, `temperature`
     # above being the default. Every row then runs the greedy and the sampling verifier and keeps
-    # its own (a select per row, as `verify` does for a traced temperature), so a batch that is
-    # all greedy costs more than with this off; off, every row decodes at `temperature`.
+    # its own (a select per row, as `verify` does for a traced temperature): about 4% of a batch's
+    # time on SmolLM2 (experiments/results/per_row_temperature.md). Off, every row decodes at
+    # `temperature`.
     temperature_per_row: bool = False
     # Truncated sampling (`tevjax.sampling.truncate_logits`): the target law becomes top-k, then
     # top-p, then min-p of softmax(logits / temperature), for the autoregressive baseline and every
