@@ -400,6 +400,29 @@ def test_stop_strings_cut_the_streamed_and_json_text(capsys, scripted_dir, stops
     assert out.rsplit("\n[tevjax] ", 1)[0] == text
 
 
+def test_jsonl_rows_cut_at_their_own_stop_strings(capsys, scripted_dir, tmp_path):
+    """A .jsonl record's "stop" replaces --stop for its prompt: three rows of one batch, each cut at
+    its own strings (the union builds one automaton), the text and the stop reason per row as a
+    single prompt with those --stop flags gives them."""
+    path, start = scripted_dir
+    f = tmp_path / "prompts.jsonl"
+    rows = [{"prompt_ids": [1, start], "stop": [" "]}, {"prompt_ids": [1, start], "stop": ["é", "x"]},
+            {"prompt_ids": [1, start]}]
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    base = ["generate", "--target", str(path), "--max-new-tokens", "12", "--json"]
+    code, out, err = _run(capsys, *base, "--batch-file", str(f), "--batch-size", "3", "--stop", "x")
+    assert code == 0, err
+    got = [json.loads(line) for line in out.splitlines()]
+    assert [(r["text"], r["stop"]) for r in got] == [("🙂", "stop"), ("🙂 ", "stop"), (SCRIPTED.decode(), "eos")]
+    for r, stops in zip(got, ([" "], ["é", "x"], ["x"])):
+        code, out, err = _run(capsys, *base, "--prompt-ids", f"1,{start}", *(a for s in stops for a in ("--stop", s)))
+        alone = json.loads(out.strip().splitlines()[-1])
+        assert (r["tokens"], r["text"], r["stop"]) == (alone["tokens"], alone["text"], alone["stop"])
+    f.write_text('{"prompt_ids": [1], "stop": "x"}\n')
+    code, _, err = _run(capsys, *base, "--batch-file", str(f))
+    assert code == 2 and 'line 1: "stop" must be a list of non-empty strings' in err, err
+
+
 def test_stop_needs_a_tokenizer_and_reads_escapes(capsys, tiny_dir):
     from tevjax.cli import _stop_string
 

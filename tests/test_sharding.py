@@ -342,6 +342,11 @@ CHECKS = {
             np.testing.assert_allclose(g.logprobs, w.logprobs, atol=1e-5)
         state = stopping.prefill(PROMPTS)
         assert state.stop_at.sharding.spec[0] == "data" and state.logprobs.sharding.spec[0] == "data"
+        assert state.stop_mask.sharding.spec[0] == "data"
+        # Each row's own subset of the stop strings, split by rows: as unsharded.
+        subsets = [["ddd"], ["ca", "fe"], [], ["ca", "fe", "ddd"]]
+        assert [g.tokens for g in stopping.generate(PROMPTS, stop=subsets)] == [
+            g.tokens for g in Decoder(target, drafter, stop_cfg, spellings=spell).generate(PROMPTS, stop=subsets)]
         assert stopping.stops.next.sharding.is_fully_replicated
         # Per-row limits, split by rows like the rest.
         short = [g.tokens for g in stopping.generate(PROMPTS, max_new_tokens=[3, 8, 1, 5])]

@@ -39,14 +39,17 @@ def test_the_automaton_stops_at_the_first_token_whose_text_holds_a_stop_string(s
     table = stop_table(stops, spellings, vocab)
     tokens = [p % vocab for p in picks]
     padded = spellings + [b""]
-    q, hit = 0, None
-    for i, t in enumerate(tokens):
-        q = int(table.next[q, t])
-        if q == table.matched:
-            hit = i
-            break
-    assert hit == first_stop(padded, tokens, stops)
-    assert (table.next[table.matched] == table.matched).all()  # absorbing
+    # Every subset of the strings (a row's mask), the whole set among them, on the one table.
+    for mask in range(1, 2 ** len(stops)):
+        q, hit = 0, None
+        for i, t in enumerate(tokens):
+            if int(table.hits[q, t]) & mask:
+                hit = i
+                break
+            q = int(table.next[q, t])
+        watched = [s for k, s in enumerate(stops) if mask >> k & 1]
+        assert hit == first_stop(padded, tokens, watched), mask
+    assert (table.next[table.matched] == table.matched).all() and not table.hits[table.matched].any()  # absorbing
 
 
 def test_advance_walks_the_table_and_skips_invalid_tokens():
@@ -54,13 +57,21 @@ def test_advance_walks_the_table_and_skips_invalid_tokens():
     table = stop_table(["ab"], spellings, 5)
     # The module docstring's worked example.
     assert table.matched == 3
-    assert (int(table.next[0, 0]), int(table.next[1, 1]), int(table.next[0, 2]), int(table.next[0, 1])) == (1, 3, 3, 0)
+    assert (int(table.next[0, 0]), int(table.next[1, 1]), int(table.next[0, 2]), int(table.next[0, 1])) == (1, 2, 2, 0)
+    assert (int(table.hits[0, 0]), int(table.hits[1, 1]), int(table.hits[0, 2]), int(table.hits[1, 2])) == (0, 1, 1, 1)
     tokens = jnp.asarray([0, 4, 3, 1, 0], jnp.int32)
     valid = jnp.asarray([True, True, True, False, True])
     got = jax.jit(advance)(jax.device_put(table), jnp.int32(0), tokens, valid)
     # "xa" -> 1; token 4 spells nothing; "a" -> 1; the invalid "b" is skipped; "xa" -> 1.
     assert got.tolist() == [1, 1, 1, 1, 1]
     assert jax.jit(advance)(table, jnp.int32(1), tokens[3:4], valid[:1]).tolist() == [3]
+    # A row watching none of the strings reads on through "b" (to state 2, the text ending in "ab").
+    assert jax.jit(advance)(table, jnp.int32(1), tokens[3:4], valid[:1], 0).tolist() == [2]
+    two = stop_table(["ab", "x"], spellings, 5)
+    walk = jax.jit(advance)
+    tokens = jnp.asarray([0, 1], jnp.int32)  # "xa", "b": "x" ends in the first token, "ab" in the second
+    assert [walk(two, jnp.int32(0), tokens, jnp.ones(2, bool), m).tolist() for m in (-1, 1, 2, 0)] == [
+        [4, 4], [1, 4], [4, 4], [1, 2]]
 
 
 def test_stop_string_errors_name_the_problem():
@@ -205,6 +216,37 @@ def test_decoding_stops_where_the_autoregressive_text_first_holds_a_stop_string(
         assert any(round(g.tau * g.rounds) > len(g.tokens) for g in gens if g.stop == "stop")
 
 
+@pytest.mark.parametrize("verifier", [None, "tev"])
+def test_rows_watch_their_own_stop_strings(models, reference, verifier):
+    """`stop=` gives each row its own subset of cfg.stop: each row stops where the autoregressive
+    text first holds one of its strings (or runs to its length), in fixed and continuous batches,
+    with the loop compiled once; a row watching none runs on, and strings outside cfg.stop are
+    refused by name."""
+    outs, texts = reference
+    drafter = models[1] if verifier else None
+    cfg = DecodeConfig(stop=STOPS, lookup=5 if verifier else 0, **({"verifier": verifier} if verifier else {}), **KW)
+    dec = Decoder(models[0], drafter, cfg, spellings=SPELLINGS)
+    dec.generate(PROMPTS)
+    compiled = dec._loop._cache_size()
+    subsets = [["ddd"], ["ca", "fe"], [], list(STOPS)]
+    cuts = [first_stop(SPELLINGS, out, sub) for out, sub in zip(outs, subsets)]
+    want = [out if c is None else out[: c + 1] for out, c in zip(outs, cuts)]
+    assert want != _expected(outs)[0], "the subsets change no row: the test could not fail"
+    gens = dec.generate(PROMPTS, stop=subsets)
+    assert [g.tokens for g in gens] == want
+    assert [g.stop for g in gens] == ["length" if c is None else "stop" for c in cuts]
+    assert [g.tokens for g in dec.generate_continuous(PROMPTS, 2, stop=subsets)] == want
+    assert dec._loop._cache_size() == compiled
+    for bad, error, message in [([["ca"], ["zz"], [], []], ValueError, r"stop\[1\]: 'zz' is not one of DecodeConfig"),
+                                ([["ca"]] * 2, ValueError, "2 values for 4 prompts"),
+                                (["ca", "fe", "ddd", "ca"], TypeError, r"stop\[0\]: .*single string 'ca'"),
+                                ("ca", TypeError, "stop must be one list of stop strings per prompt or None")]:
+        with pytest.raises(error, match=message):
+            dec.generate(PROMPTS, stop=bad)
+    with pytest.raises(ValueError, match="DecodeConfig.stop, which is empty"):
+        Decoder(models[0], None, DecodeConfig(**KW)).generate(PROMPTS, stop=[["ca"]] * 4)
+
+
 def test_a_reused_state_matches_its_new_output_from_the_start(models, reference):
     """A second turn from a stopped state: the automaton starts over on the new output, so the
     turn decodes what a fresh prefill of the same prompts decodes."""
@@ -235,7 +277,8 @@ def test_emit_cuts_blocks_at_the_first_stop_eos_or_length():
     ver = SimpleNamespace(tokens=blocks, num_tokens=jnp.asarray([3, 3, 3, 3], jnp.int32))
     state = SimpleNamespace(out=jnp.full((4, 4), -1, jnp.int32), num_out=jnp.asarray([0, 2, 0, 0], jnp.int32),
                             limit=jnp.full((4,), 4, jnp.int32),
-                            done=jnp.asarray([False, False, False, True]), stop_at=jnp.zeros(4, jnp.int32))
+                            done=jnp.asarray([False, False, False, True]), stop_at=jnp.zeros(4, jnp.int32),
+                            stop_mask=jnp.full(4, -1, jnp.int32))
     out, num_out, finished, stop_at = emit(ver, state, cfg, stops=table)
     assert num_out.tolist() == [3, 4, 1, 0] and finished.tolist() == [True, True, True, False]
     assert out[0].tolist() == [2, 0, 1, -1] and out[1].tolist()[2:] == [2, 0]

@@ -337,7 +337,8 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--batch-file", type=Path,
                      help="a file with one prompt per line; a .jsonl file holds one JSON object per line instead: "
                           '"prompt" (text) or "prompt_ids" (token ids, no chat template), and optionally the '
-                          'prompt\'s own "temperature" and "max_new_tokens" (at most --max-new-tokens)')
+                          'prompt\'s own "temperature", "max_new_tokens" (at most --max-new-tokens) and "stop" (a '
+                          "list of strings, in place of --stop)")
     gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                      help="wrap text prompts in the model's chat template (default: on)")
     _add_decoding_args(gen, max_new_tokens=128, seed_help="sampling seed, an integer in [0, 2**64)")
@@ -497,7 +498,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _read_prompts(args) -> tuple[list[str | list[int]], list[str], list[dict[str, Any]]]:
     """(prompts, where each came from -- "--prompt", or "line 3 of FILE" for error messages -- and
-    each prompt's own settings: a .jsonl batch file's "temperature" and "max_new_tokens")."""
+    each prompt's own settings: a .jsonl batch file's "temperature", "max_new_tokens" and "stop")."""
     if args.prompt_ids is not None:
         return [args.prompt_ids], ["--prompt-ids"], [{}]
     if args.prompt is not None:
@@ -538,10 +539,10 @@ def _jsonl_record(line: str, where: str, args) -> tuple[str | list[int], dict[st
         raise CliError(f"{where}: not a JSON object ({e.msg} at column {e.colno})") from None
     if not isinstance(record, dict):
         raise CliError(f"{where}: not a JSON object, got {type(record).__name__}")
-    unknown = sorted(set(record) - {"prompt", "prompt_ids", "temperature", "max_new_tokens"})
+    unknown = sorted(set(record) - {"prompt", "prompt_ids", "temperature", "max_new_tokens", "stop"})
     if unknown:
         raise CliError(f"{where}: unknown key(s) {', '.join(map(repr, unknown))} (a record has \"prompt\" or "
-                       "\"prompt_ids\", and optionally \"temperature\" and \"max_new_tokens\")")
+                       "\"prompt_ids\", and optionally \"temperature\", \"max_new_tokens\" and \"stop\")")
     if ("prompt" in record) == ("prompt_ids" in record):
         raise CliError(f"{where}: give one of \"prompt\" (text) and \"prompt_ids\" (token ids)")
     if "prompt" in record:
@@ -565,6 +566,11 @@ def _jsonl_record(line: str, where: str, args) -> tuple[str | list[int], dict[st
             raise CliError(f"{where}: \"max_new_tokens\" must be an integer in [1, {args.max_new_tokens}] "
                            f"(--max-new-tokens), got {m!r}")
         own["max_new_tokens"] = m
+    if "stop" in record:
+        stop = record["stop"]
+        if not isinstance(stop, list) or not all(isinstance(x, str) and x for x in stop):
+            raise CliError(f"{where}: \"stop\" must be a list of non-empty strings, got {stop!r}")
+        own["stop"] = tuple(dict.fromkeys(stop))
     return prompt, own
 
 
@@ -635,7 +641,7 @@ def cmd_generate(args) -> int:
     _note_truncation(args)
 
     from tevjax.decode.engine import Interrupted
-    from tevjax.decode.stops import StopText, cut_text
+    from tevjax.decode.stops import MAX_STOPS, StopText, cut_text
     from tevjax.evaluate import truncation_text
     from tevjax.loading import load_models
     from tevjax.multihost import check_same
@@ -661,12 +667,17 @@ def cmd_generate(args) -> int:
             raise CliError(f"prompt {i} ({where[i]}) is {len(p)} tokens: with --max-new-tokens {args.max_new_tokens} "
                            f"and {slots} tree slots it exceeds the target's {limit} positions")
 
-    stops = tuple(args.stop or ())
-    # A .jsonl batch file's own temperatures and lengths (the flags' values elsewhere): rows of one
-    # batch decode at theirs (DecodeConfig.temperature_per_row, on only when they differ).
+    # A .jsonl batch file's own temperatures, lengths and stop strings (the flags' values
+    # elsewhere): rows of one batch decode at their temperatures (DecodeConfig.temperature_per_row,
+    # on only when they differ) and watch their stop strings among the union of all (DecodeConfig.stop).
     temperatures = [own.get("temperature", float(args.temperature)) for own in settings]
     limits = [own.get("max_new_tokens", args.max_new_tokens) for own in settings]
     per_row = any(t != float(args.temperature) for t in temperatures)
+    row_stops = [own.get("stop", tuple(args.stop or ())) for own in settings]
+    stops = tuple(dict.fromkeys(s for row in [tuple(args.stop or ()), *row_stops] for s in row))
+    if len(stops) > MAX_STOPS:
+        raise CliError(f"{len(stops)} distinct stop strings in --stop and the batch file: at most {MAX_STOPS}")
+    own_stops = any("stop" in own for own in settings)
     cfg = _decode_config(args, models, speculative, stop=stops, logprobs=args.logprobs, temperature_per_row=per_row,
                          temperatures=temperatures)
     decoder = _decoder(models.target, models.drafter if speculative else None, cfg, mesh, models.ngrams,
@@ -688,7 +699,7 @@ def cmd_generate(args) -> int:
                 "prompt": prompts[start + j] if isinstance(prompts[start + j], str) else None,
                 "prompt_ids": batch[j],
                 "tokens": g.tokens,
-                "text": cut_text(_decode(models, g.tokens), stops)[0],  # unchanged without --stop
+                "text": cut_text(_decode(models, g.tokens), row_stops[start + j])[0],  # unchanged without stops
                 "rounds": g.rounds,
                 "plain_rounds": g.plain_rounds,
                 "tau": round(g.tau, 4),
@@ -729,7 +740,8 @@ def cmd_generate(args) -> int:
         reported: set[int] = set()
         try:
             for i, g in decoder.continuous(ids, rows, seed=args.seed, max_new_tokens=limits,
-                                           temperature=temperatures if per_row else None):
+                                           temperature=temperatures if per_row else None,
+                                           stop=row_stops if own_stops else None):
                 report(i, [ids[i]], [g], time.perf_counter() - t1, compile_seconds)
                 reported.add(i)
         except Interrupted as e:  # the prompts read in the interrupted call, then main() exits with 130
@@ -740,8 +752,9 @@ def cmd_generate(args) -> int:
     else:
         for start in range(0, len(ids), args.batch_size):
             batch = ids[start: start + args.batch_size]
-            own = dict(max_new_tokens=limits[start: start + args.batch_size],
-                       temperature=temperatures[start: start + args.batch_size] if per_row else None)
+            part = slice(start, start + args.batch_size)
+            own = dict(max_new_tokens=limits[part], temperature=temperatures[part] if per_row else None,
+                       stop=row_stops[part] if own_stops else None)
             decoder.shapes([len(p) for p in batch])  # capacity / position checks before compiling
             compile_seconds = decoder.compile(batch, streaming=stream)
             t1 = time.perf_counter()
@@ -752,7 +765,7 @@ def cmd_generate(args) -> int:
                 # so what streams is exactly the final text (_decode), never a stray U+FFFD.
                 detok = StreamDetokenizer(models.tokenizer) if models.tokenizer is not None else None
                 # With --stop, a tail that may begin a stop string waits until the next tokens decide.
-                shown = StopText(stops) if stops else None
+                shown = StopText(row_stops[start]) if row_stops[start] else None
                 try:
                     for new, state in decoder.stream(batch, seed=args.seed, **own):
                         if detok is not None:

@@ -262,6 +262,9 @@ class DecodeState:
     # [B] int32 each row's state in the stop strings' automaton (`tevjax.decode.stops`) over its
     # generated text; `StopTable.matched` once a stop string completed. None without `cfg.stop`.
     stop_at: jax.Array | None = None
+    # [B] int32 the stop strings each row watches: bit i for cfg.stop[i] (`Decoder.prefill(...,
+    # stop=...)`); -1, all of them, by default. None without `cfg.stop`.
+    stop_mask: jax.Array | None = None
     # [B, max_new_tokens] float32 the target's log-probability of each generated token (0 beyond
     # num_out). None without `cfg.logprobs`.
     logprobs: jax.Array | None = None
@@ -294,6 +297,7 @@ STATE_AXES: dict[str, tuple[str | None, ...]] = {
     "wait": ("batch",),
     "plain_rounds": ("batch",),
     "stop_at": ("batch",),
+    "stop_mask": ("batch",),
     "logprobs": ("batch", None),
     "temperature": ("batch",),
 }
@@ -323,6 +327,7 @@ def state_shardings(mesh, *, drafter: bool, hidden: bool, head: bool = False, hi
                           "draft_head": named["draft_head"] if head else None,
                           "history": named["history"] if history else None,
                           "stop_at": named["stop_at"] if stop else None,
+                          "stop_mask": named["stop_mask"] if stop else None,
                           "logprobs": named["logprobs"] if logprobs else None,
                           "temperature": named["temperature"] if temperature else None,
                           **{name: named[name] if fallback else None for name in FALLBACK_FIELDS}})
@@ -370,12 +375,13 @@ def _vocab_split(mesh) -> bool:
     return mesh is not None and dict(mesh.shape).get(LOGICAL_RULES["vocab"], 1) > 1
 
 
-def _empty_state(tstate, dstate, roots, lengths, limits, temperatures, key_data, *, tgd, dgd, cfg: DecodeConfig,
-                 capacity: int, mesh=None) -> DecodeState:
+def _empty_state(tstate, dstate, roots, lengths, limits, temperatures, stop_masks, key_data, *, tgd, dgd,
+                 cfg: DecodeConfig, capacity: int, mesh=None) -> DecodeState:
     """The state before prefill: zero caches of `capacity` slots, each row's root (its last prompt
     token, roots [B]), cache_len = lengths - 1 (lengths [B] prompt lengths >= 1), its most new
-    tokens (limits [B], each in [1, cfg.max_new_tokens]) and its temperature (temperatures [B],
-    kept with `cfg.temperature_per_row`); the prefill chunks then fill slots [0,
+    tokens (limits [B], each in [1, cfg.max_new_tokens]), its temperature (temperatures [B],
+    kept with `cfg.temperature_per_row`) and the stop strings it watches (stop_masks [B], kept with
+    `cfg.stop`); the prefill chunks then fill slots [0,
     cache_len). key_data: the seed's key data; row r samples with
     fold_in(seed key, r), whatever the batch and its split over devices."""
     target: Transformer = nnx.merge(tgd, tstate)
@@ -404,6 +410,7 @@ def _empty_state(tstate, dstate, roots, lengths, limits, temperatures, key_data,
         draft_head=drafter.head_rows(target) if drafter is not None and not _vocab_split(mesh) else None,
         history=_history_init(roots, lengths, capacity) if _uses_lookup(drafter, cfg) else None,
         stop_at=zeros if cfg.stop else None,
+        stop_mask=stop_masks.astype(jnp.int32) if cfg.stop else None,
         logprobs=jnp.zeros((b, cfg.max_new_tokens), jnp.float32) if cfg.logprobs else None,
         temperature=temperatures.astype(jnp.float32) if cfg.temperature_per_row else None,
         # Every row starts drafting, from an optimistic estimate: a first tree that pays keeps it.
@@ -412,8 +419,8 @@ def _empty_state(tstate, dstate, roots, lengths, limits, temperatures, key_data,
     )
 
 
-def _rebase(tstate, dstate, state: DecodeState, roots, lengths, limits, temperatures, key_data, *, tgd, dgd,
-            cfg: DecodeConfig, capacity: int, mesh=None) -> DecodeState:
+def _rebase(tstate, dstate, state: DecodeState, roots, lengths, limits, temperatures, stop_masks, key_data, *, tgd,
+            dgd, cfg: DecodeConfig, capacity: int, mesh=None) -> DecodeState:
     """`state`'s caches (target K/V, drafter context, kept hidden states, history below each row's
     new cache_len) under a fresh start for prompts of `lengths` with `roots`: what `_empty_state`
     gives, but with the cache slots an earlier decoding filled kept, for `Decoder.prefill(...,
@@ -421,8 +428,8 @@ def _rebase(tstate, dstate, state: DecodeState, roots, lengths, limits, temperat
     new prompt does not share are rewritten by the chunks or lie at or above cache_len, where
     nothing reads them. Another `capacity` than `state`'s appends empty slots or drops the top
     ones (the kept prefix lies below the new cache_len, so below any capacity that fits it)."""
-    fresh = _empty_state(tstate, dstate, roots, lengths, limits, temperatures, key_data, tgd=tgd, dgd=dgd, cfg=cfg,
-                         capacity=capacity, mesh=mesh)
+    fresh = _empty_state(tstate, dstate, roots, lengths, limits, temperatures, stop_masks, key_data, tgd=tgd,
+                         dgd=dgd, cfg=cfg, capacity=capacity, mesh=mesh)
 
     kept = _fit_capacity(state, capacity=capacity)
     history = fresh.history
@@ -669,7 +676,8 @@ def emit(ver, state: DecodeState, cfg: DecodeConfig, active: jax.Array | None = 
     ends = jnp.isin(block_tokens, jnp.asarray(cfg.eos_ids or (-2,), jnp.int32)) & valid
     after = None
     if cfg.stop:
-        after = jax.vmap(advance, in_axes=(None, 0, 0, 0))(stops, state.stop_at, block_tokens, valid)  # [B, n]
+        after = jax.vmap(advance, in_axes=(None, 0, 0, 0, 0))(stops, state.stop_at, block_tokens, valid,
+                                                             state.stop_mask)  # [B, n]
         ends = ends | (after == stops.matched)
     has_end = jnp.any(ends, axis=1)
     count = jnp.where(has_end, jnp.argmax(ends, axis=1).astype(jnp.int32) + 1, count)
@@ -1035,12 +1043,12 @@ class Decoder:
                                         out_shardings=sshard)
             self._chunk_shardings = dict(in_shardings=(tshard, dshard, sshard, logical_sharding(mesh, ("batch", None)),
                                                        scalar), out_shardings=sshard)
-            self._empty_shardings = dict(in_shardings=(tshard, dshard, rows, rows, rows, rows,
+            self._empty_shardings = dict(in_shardings=(tshard, dshard, rows, rows, rows, rows, rows,
                                                        logical_sharding(mesh, (None,))),
                                          out_shardings=sshard)
             vector = logical_sharding(mesh, (None,))  # a small host vector, on every device
             self._place_shardings = dict(in_shardings=(sshard, sshard, vector, vector, vector), out_shardings=sshard)
-            self._rebase_shardings = dict(in_shardings=(tshard, dshard, sshard, rows, rows, rows, rows,
+            self._rebase_shardings = dict(in_shardings=(tshard, dshard, sshard, rows, rows, rows, rows, rows,
                                                         logical_sharding(mesh, (None,))), out_shardings=sshard)
         # Donating the state is safe: each call's output state replaces its input and nothing
         # else holds a reference, so XLA can update the caches in place instead of copying them.
@@ -1147,7 +1155,8 @@ class Decoder:
     def prefill(self, prompts: Sequence[Sequence[int]], seed: int = 0, *,
                 reuse: tuple[DecodeState, Sequence[Sequence[int]]] | None = None,
                 max_new_tokens: int | Sequence[int] | None = None,
-                temperature: float | Sequence[float] | None = None) -> DecodeState:
+                temperature: float | Sequence[float] | None = None,
+                stop: Sequence[Sequence[str]] | None = None) -> DecodeState:
         """Initial state for a batch of token-id prompts (each of length >= 1).
 
         `max_new_tokens`: the most new tokens of every row (an int) or of each (one per prompt;
@@ -1159,6 +1168,10 @@ class Decoder:
         last), with `cfg.temperature_per_row`: greedy and sampled rows share the batch without a
         compile. None: `cfg.temperature`. Without `cfg.temperature_per_row` only that value is
         accepted.
+
+        `stop`: the stop strings each row watches, one list per prompt (padding rows take the
+        last), each a subset of `cfg.stop`, which builds the one automaton every row reads: rows
+        stop at different strings without a compile. None: all of `cfg.stop`.
 
         prompt[:-1] goes into the caches chunk by chunk (the last prompt token is the root): one
         jitted call per chunk, as many as the longest prompt needs, each waited for, so Ctrl-C
@@ -1178,9 +1191,10 @@ class Decoder:
         _, capacity = self.shapes([len(p) for p in prompts])
         limits = self._limits(max_new_tokens, len(prompts))
         temperatures = self._temperatures(temperature, len(prompts))
+        stop_masks = self._stop_masks(stop, len(prompts))
         if self.mesh is not None:
             check_batch(self.mesh, len(prompts), f"a batch of {len(prompts)} prompts (Decoder.generate pads it)")
-        return self._prefill(prompts, seed, reuse, limits, temperatures, capacity)
+        return self._prefill(prompts, seed, reuse, limits, temperatures, stop_masks, capacity)
 
     def _check_prompts(self, prompts: Sequence[Sequence[int]]) -> None:
         """ValueError / TypeError naming the first prompt that is not a non-empty list of token ids
@@ -1197,7 +1211,7 @@ class Decoder:
                 raise ValueError(f"prompt {i} holds token id {bad[0]} outside the vocabulary [0, {vocab})")
 
     def _prefill(self, prompts: Sequence[Sequence[int]], seed: int, reuse, limits: np.ndarray,
-                 temperatures: np.ndarray, capacity: int) -> DecodeState:
+                 temperatures: np.ndarray, stop_masks: np.ndarray, capacity: int) -> DecodeState:
         """`prefill` of checked prompts into caches of `capacity` slots (at least what they need)."""
         lengths = [len(p) for p in prompts]
         key_data = np.asarray(jax.random.key_data(seed_key(seed)))
@@ -1207,14 +1221,15 @@ class Decoder:
             state = self._empty_fn(capacity)(self.tstate, self.dstate, self._rows(roots, 2, es),
                                              self._rows(np.asarray(lengths, np.int32), 3, es),
                                              self._rows(limits, 4, es), self._rows(temperatures, 5, es),
-                                             self._rows(key_data, 6, es))
+                                             self._rows(stop_masks, 6, es), self._rows(key_data, 7, es))
             c = self.chunk_size(lengths)
         else:
             start, rs = self._reused_prefix(prompts, reuse), self._rebase_shardings
             rebase = self._rebase_fn(capacity, reuse[0].target_cache.capacity)
             state = rebase(self.tstate, self.dstate, reuse[0], self._rows(roots, 3, rs),
                            self._rows(np.asarray(lengths, np.int32), 4, rs), self._rows(limits, 5, rs),
-                           self._rows(temperatures, 6, rs), self._rows(key_data, 7, rs))
+                           self._rows(temperatures, 6, rs), self._rows(stop_masks, 7, rs),
+                           self._rows(key_data, 8, rs))
             c = self.chunk_size(lengths, start)  # sized to what is left: a few messages, not the conversation
         chunks = -(-(max(lengths) - 1 - start) // c)  # covers prompt[start:-1]; 0 when nothing is left
         tokens = np.zeros((len(prompts), chunks * c), np.int32)
@@ -1226,10 +1241,12 @@ class Decoder:
             jax.block_until_ready(state)
         return state
 
-    def _per_row(self, value, rows: int, name: str, scalar: tuple[type, ...], kind: str, kinds: str) -> list:
+    def _per_row(self, value, rows: int, name: str, scalar: tuple[type, ...] | None, kind: str, kinds: str) -> list:
         """`value` as one entry per row: a scalar for every row, or a sequence of one per prompt
-        (padding rows after the prompts take the last, as `_padded` pads the prompts)."""
-        if isinstance(value, scalar) and not isinstance(value, bool):
+        (padding rows after the prompts take the last, as `_padded` pads the prompts). `scalar`:
+        the types of an entry (checked), or None when entries are sequences (checked by the caller)
+        and there is no scalar form."""
+        if scalar is not None and isinstance(value, scalar) and not isinstance(value, bool):
             return [value] * rows
         if isinstance(value, (Sequence, np.ndarray)) and not isinstance(value, (str, bytes)):
             values = list(value)
@@ -1238,9 +1255,11 @@ class Decoder:
             if len(values) != rows:
                 raise ValueError(f"{name}: {len(value)} values for {rows} prompts (one per prompt)")
             for i, v in enumerate(values):
-                if not isinstance(v, scalar) or isinstance(v, bool):
+                if scalar is not None and (not isinstance(v, scalar) or isinstance(v, bool)):
                     raise TypeError(f"{name}[{i}] must be {kind}, got {v!r}")
             return values
+        if scalar is None:
+            raise TypeError(f"{name} must be {kind} or None, got {type(value).__name__}")
         raise TypeError(f"{name} must be {kind}, a list of {kinds} or None, got {type(value).__name__}")
 
     def _limits(self, max_new_tokens: int | Sequence[int] | None, rows: int) -> np.ndarray:
@@ -1269,6 +1288,29 @@ class Decoder:
             raise ValueError(f"temperature {temperature!r} is not DecodeConfig.temperature ({default}): rows take "
                              "temperatures of their own with DecodeConfig(temperature_per_row=True)")
         return np.asarray(values, np.float32)
+
+    def _stop_masks(self, stop: Sequence[Sequence[str]] | None, rows: int) -> np.ndarray:
+        """[rows] int32 the stop strings each row watches (`prefill`'s `stop`), as bit masks over
+        `cfg.stop`, checked."""
+        if stop is None:
+            return np.full(rows, -1, np.int32)
+        if not self.cfg.stop:
+            raise ValueError("stop= picks each row's stop strings among DecodeConfig.stop, which is empty: the "
+                             "strings build the automaton, so give them there")
+        lists = self._per_row(stop, rows, "stop", None, "one list of stop strings per prompt", "")
+        masks = []
+        for i, strings in enumerate(lists):
+            try:
+                strings = check_stops(strings)
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"stop[{i}]: {e}") from None
+            unknown = [s for s in strings if s not in self.cfg.stop]
+            if unknown:
+                raise ValueError(f"stop[{i}]: {unknown[0]!r} is not one of DecodeConfig.stop {self.cfg.stop!r} (the "
+                                 "strings the automaton was built from)")
+            bits = sum(1 << self.cfg.stop.index(s) for s in set(strings))
+            masks.append(bits - (1 << 32) if bits >= 1 << 31 else bits)  # bit 31 as int32's sign
+        return np.asarray(masks, np.int32)
 
     def _reused_prefix(self, prompts: Sequence[Sequence[int]], reuse) -> int:
         """The first slot `prefill(prompts, reuse=reuse)` must prefill: the smallest over rows of the
@@ -1311,7 +1353,7 @@ class Decoder:
     def _abstract_state(self, batch: int, capacity: int) -> DecodeState:
         """The shapes and dtypes of a `prefill` result, computed without running anything."""
         i32, f32 = jax.ShapeDtypeStruct((batch,), jnp.int32), jax.ShapeDtypeStruct((batch,), jnp.float32)
-        return jax.eval_shape(self._empty_fn(capacity), self.tstate, self.dstate, i32, i32, i32, f32,
+        return jax.eval_shape(self._empty_fn(capacity), self.tstate, self.dstate, i32, i32, i32, f32, i32,
                               self._key_data_shape())
 
     def compile(self, prompts: Sequence[Sequence[int]], *, streaming: bool = False, reuse: bool = False,
@@ -1330,13 +1372,13 @@ class Decoder:
         state = self._abstract_state(b, capacity)
         i32 = jax.ShapeDtypeStruct((), jnp.int32)
         i32_b, f32_b = jax.ShapeDtypeStruct((b,), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.float32)
-        self._empty_fn(capacity).lower(self.tstate, self.dstate, i32_b, i32_b, i32_b, f32_b,
+        self._empty_fn(capacity).lower(self.tstate, self.dstate, i32_b, i32_b, i32_b, f32_b, i32_b,
                                        self._key_data_shape()).compile()
         tokens = jax.ShapeDtypeStruct((b, self.chunk_size(lengths)), jnp.int32)
         self._prefill_chunk.lower(self.tstate, self.dstate, state, tokens, i32).compile()
         if reuse:
             self._rebase_fn(capacity, capacity).lower(self.tstate, self.dstate, state, i32_b, i32_b, i32_b, f32_b,
-                                                      self._key_data_shape()).compile()
+                                                      i32_b, self._key_data_shape()).compile()
             small = jax.ShapeDtypeStruct((b, min(self.chunk_size(lengths), MIN_CHUNK)), jnp.int32)
             self._prefill_chunk.lower(self.tstate, self.dstate, state, small, i32).compile()
         if streaming:
@@ -1413,14 +1455,15 @@ class Decoder:
 
     def generate(self, prompts: Sequence[Sequence[int]], seed: int = 0, *, rounds_per_call: int | None = None,
                  max_new_tokens: int | Sequence[int] | None = None,
-                 temperature: float | Sequence[float] | None = None) -> list[Generation]:
-        """Generates for a batch of prompts (`run` over `prefill`, which takes `max_new_tokens` and
-        `temperature`).
+                 temperature: float | Sequence[float] | None = None,
+                 stop: Sequence[Sequence[str]] | None = None) -> list[Generation]:
+        """Generates for a batch of prompts (`run` over `prefill`, which takes `max_new_tokens`,
+        `temperature` and `stop`).
         On Ctrl-C raises `Interrupted` with `results`: the `Generation` of every row that had
         finished, None for the others. On a mesh the batch is padded to a multiple of
         `row_multiple` and the padding dropped."""
         state = self.prefill(self._padded(prompts), seed, max_new_tokens=max_new_tokens,  # checks the prompts first
-                             temperature=temperature)
+                             temperature=temperature, stop=stop)
         lengths = [len(p) for p in prompts]
         try:
             state = self.run(state, rounds_per_call=rounds_per_call)
@@ -1432,7 +1475,8 @@ class Decoder:
 
     def generate_continuous(self, prompts: Sequence[Sequence[int]], batch_size: int, seed: int = 0, *,
                             max_new_tokens: int | Sequence[int] | None = None,
-                            temperature: float | Sequence[float] | None = None) -> list[Generation]:
+                            temperature: float | Sequence[float] | None = None,
+                            stop: Sequence[Sequence[str]] | None = None) -> list[Generation]:
         """Generates for any number of prompts with `batch_size` rows kept busy (continuous
         batching): the loop runs until a row finishes, its result is read, and the next prompts
         are prefilled into the free rows (in groups of a power of two, so that few shapes compile)
@@ -1443,19 +1487,20 @@ class Decoder:
         Prompt i samples with the stream row i of `generate(prompts, seed)` would have (its key
         and its own rounds decide it), so the results equal `generate`'s for every prompt, greedy
         or sampled, in any schedule; only `cfg.fallback_below`, whose plain rounds are batch-wide,
-        makes sampled outputs depend on the schedule. `max_new_tokens` and `temperature`: as
-        `prefill` takes them, one per prompt. Ctrl-C is answered after the loop call in flight (`Interrupted`, with
+        makes sampled outputs depend on the schedule. `max_new_tokens`, `temperature` and `stop`:
+        as `prefill` takes them, one per prompt. Ctrl-C is answered after the loop call in flight (`Interrupted`, with
         `results` holding the prompts finished so far, None for the others).
         """
         results: list[Generation | None] = [None] * len(prompts)
         for i, gen in self.continuous(prompts, batch_size, seed, max_new_tokens=max_new_tokens,
-                                      temperature=temperature):
+                                      temperature=temperature, stop=stop):
             results[i] = gen
         return results
 
     def continuous(self, prompts: Sequence[Sequence[int]], batch_size: int, seed: int = 0, *,
                    max_new_tokens: int | Sequence[int] | None = None,
-                   temperature: float | Sequence[float] | None = None) -> Iterator[tuple[int, Generation]]:
+                   temperature: float | Sequence[float] | None = None,
+                   stop: Sequence[Sequence[str]] | None = None) -> Iterator[tuple[int, Generation]]:
         """`generate_continuous` as it goes: yields (prompt index, Generation) as each prompt
         finishes, in the order they finish, so a caller (a server, a batch job writing results)
         has each one a row's lifetime after it started instead of after the last prompt. The rows
@@ -1470,11 +1515,12 @@ class Decoder:
                              f"({self.row_multiple})")
         limits = self._limits(max_new_tokens, len(prompts))
         temperatures = self._temperatures(temperature, len(prompts))
+        stop_masks = self._stop_masks(stop, len(prompts))
         self.shapes([len(p) for p in prompts])  # every prompt fits the positions, checked up front
-        return self._continuous(prompts, int(batch_size), seed, limits, temperatures)
+        return self._continuous(prompts, int(batch_size), seed, limits, temperatures, stop_masks)
 
-    def _continuous(self, prompts: Sequence[Sequence[int]], batch_size: int, seed: int,
-                    limits: np.ndarray, temperatures: np.ndarray) -> Iterator[tuple[int, Generation]]:
+    def _continuous(self, prompts: Sequence[Sequence[int]], batch_size: int, seed: int, limits: np.ndarray,
+                    temperatures: np.ndarray, stop_masks: np.ndarray) -> Iterator[tuple[int, Generation]]:
         key_data = np.asarray(jax.random.key_data(seed_key(seed)))
         n = len(prompts)
 
@@ -1487,7 +1533,7 @@ class Decoder:
         def prefill(ids: list[int], rows: int) -> DecodeState:  # prompts `ids`, padded with copies of the last
             pad = [ids[-1]] * (rows - len(ids))
             return self._prefill([prompts[i] for i in ids + pad], seed, None, limits[ids + pad],
-                                 temperatures[ids + pad], capacity)
+                                 temperatures[ids + pad], stop_masks[ids + pad], capacity)
 
         b = min(batch_size, -(-n // self.row_multiple) * self.row_multiple)  # no idle rows for a few prompts
         first = list(range(min(b, n)))
@@ -1540,14 +1586,14 @@ class Decoder:
     def stream(self, prompts: Sequence[Sequence[int]], seed: int = 0, *,
                reuse: tuple[DecodeState, Sequence[Sequence[int]]] | None = None,
                max_new_tokens: int | Sequence[int] | None = None,
-               temperature: float | Sequence[float] | None = None
-               ) -> Iterator[tuple[list[list[int]], DecodeState]]:
+               temperature: float | Sequence[float] | None = None,
+               stop: Sequence[Sequence[str]] | None = None) -> Iterator[tuple[list[list[int]], DecodeState]]:
         """Python-loop twin: yields (new tokens per row, state) after every round (the state may hold
         padding rows after the prompts' rows on a mesh: see `row_multiple`). `reuse`: the last
-        state of an earlier stream of this decoder and that stream's prompts; `max_new_tokens` and
-        `temperature`: as `prefill` takes them."""
+        state of an earlier stream of this decoder and that stream's prompts; `max_new_tokens`,
+        `temperature` and `stop`: as `prefill` takes them."""
         state = self.prefill(self._padded(prompts), seed, reuse=reuse, max_new_tokens=max_new_tokens,
-                             temperature=temperature)
+                             temperature=temperature, stop=stop)
         seen = np.zeros(len(prompts), int)
         while True:
             state = self.step(state)

@@ -7,10 +7,15 @@ matched on the device by an automaton over tokens: the stop strings' Aho-Corasic
 bytes, with each token's transition precomputed from the bytes it spells.
 
 * Q states: the trie nodes of the stop strings' UTF-8 bytes (state 0 is the empty match), plus
-  one absorbing state, `StopTable.matched`, entered by the token whose bytes complete a stop string.
+  one absorbing state, `StopTable.matched`, entered by the token whose bytes complete a stop string
+  the row watches.
 * `next[q, t]` [Q, V]: the state after token t's bytes are read from state q. A state is the
   longest suffix of the text so far that is a prefix of some stop string, so the automaton matches
   at every position, across token and round boundaries.
+* `hits[q, t]` [Q, V]: the stop strings (bit i: string i) that end inside token t's bytes read from
+  state q. Rows may watch different subsets of the strings (`DecodeState.stop_mask`, a bit mask;
+  all of them by default): a row enters `matched` when `hits & mask` is not 0, and otherwise reads
+  on to `next`, so one table serves every subset.
 * Each row carries one int32 state (`DecodeState.stop_at`), from 0 at its first generated token:
   the prompt is not searched, as in other servers. A block is cut after the token that enters
   `matched`, like an end-of-sequence token; that token is kept (the tokens are a prefix of what the
@@ -19,10 +24,10 @@ bytes, with each token's transition precomputed from the bytes it spells.
 Matching is on the tokens' bytes (`tevjax.convert.tokenizer.token_bytes`): special tokens spell
 nothing, so they are invisible to it, as to `decode(..., skip_special_tokens=True)`.
 
-Worked example: stops ("ab",) give the trie 0 -a-> 1 -b-> 2 and `matched` = 3 (Q = 4; a token that
-would reach 2 enters 3 instead). For tokens "xa" (id 0), "b" (1), "cab" (2): next[0, 0] = 1 (the
-text ends in "a"), next[1, 1] = 3 (the text "xab" holds "ab"), next[0, 2] = next[1, 2] = 3 and
-next[0, 1] = 0.
+Worked example: stops ("ab",) give the trie 0 -a-> 1 -b-> 2 and `matched` = 3 (Q = 4). For tokens
+"xa" (id 0), "b" (1), "cab" (2): next[0, 0] = 1 (the text ends in "a"); from state 1, "b" completes
+"ab" (hits[1, 1] = 1), so a row watching it enters 3, and next[1, 1] = 2; "cab" completes it from
+state 0 or 1 (hits 1, next 2); next[0, 1] = 0 with no hit.
 """
 
 from __future__ import annotations
@@ -34,7 +39,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["StopTable", "StopText", "advance", "check_stops", "cut_text", "stop_table"]
+__all__ = ["MAX_STOPS", "StopTable", "StopText", "advance", "check_stops", "cut_text", "stop_table"]
+
+# The stop strings of one table: one bit each in an int32 mask.
+MAX_STOPS = 32
 
 
 def check_stops(stops) -> tuple[str, ...]:
@@ -59,7 +67,8 @@ def check_stops(stops) -> tuple[str, ...]:
 class StopTable:
     """The stop strings' automaton over tokens (module docstring)."""
 
-    next: jax.Array  # [Q, V] int32 state after a token; row `matched` is all `matched`
+    next: jax.Array  # [Q, V] int32 state after a token's bytes; row `matched` is all `matched`
+    hits: jax.Array  # [Q, V] int32 bit i: stop string i ends inside the token; row `matched` is 0
 
     @property
     def matched(self) -> int:
@@ -68,31 +77,31 @@ class StopTable:
 
 
 def _byte_automaton(stops: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray]:
-    """Aho-Corasick over bytes -> (delta [Q, 256] int32 next state, final [Q] bool: a stop string
-    ends here, directly or through a suffix). Q = trie nodes, state 0 the root."""
+    """Aho-Corasick over bytes -> (delta [Q, 256] int32 next state, final [Q] int32: bit i set
+    where stop string i ends, directly or through a suffix). Q = trie nodes, state 0 the root."""
     children: list[dict[int, int]] = [{}]
-    final = [False]
-    for s in stops:
+    final = [0]
+    for i, s in enumerate(stops):
         q = 0
         for b in s:
             if b not in children[q]:
                 children.append({})
-                final.append(False)
+                final.append(0)
                 children[q][b] = len(children) - 1
             q = children[q][b]
-        final[q] = True
+        final[q] |= 1 << i
     delta = np.zeros((len(children), 256), np.int32)
     fail = [0] * len(children)
     order = [0]  # breadth first, so a state's failure state is complete before it is read
     for q in order:
         if q != 0:
             delta[q] = delta[fail[q]]
-            final[q] = final[q] or final[fail[q]]
+            final[q] |= final[fail[q]]
         for b, r in children[q].items():
             fail[r] = delta[fail[q], b] if q != 0 else 0
             delta[q, b] = r
             order.append(r)
-    return delta, np.asarray(final)
+    return delta, np.asarray(final, np.int64).astype(np.uint32).view(np.int32)  # bit 31 as int32's sign
 
 
 def stop_table(stops: Sequence[str], spellings: Sequence[bytes], vocab_size: int) -> StopTable:
@@ -103,6 +112,8 @@ def stop_table(stops: Sequence[str], spellings: Sequence[bytes], vocab_size: int
     stops = check_stops(stops)
     if not stops:
         raise ValueError("no stop strings given")
+    if len(stops) > MAX_STOPS:
+        raise ValueError(f"{len(stops)} stop strings: a table holds at most {MAX_STOPS} (one bit of a row's mask each)")
     if len(spellings) > vocab_size:
         raise ValueError(f"{len(spellings)} token spellings for a vocabulary of {vocab_size}: the tokenizer does not "
                          "belong to this model")
@@ -114,29 +125,36 @@ def stop_table(stops: Sequence[str], spellings: Sequence[bytes], vocab_size: int
     spelt = np.zeros((vocab_size, max(width, 1)), np.uint8)  # [V, M] the bytes, zero-padded
     for t, b in enumerate(spellings):
         spelt[t, : len(b)] = np.frombuffer(b, np.uint8)
-    # Every (state, token) pair reads the token's bytes in step; a pair stops moving once the token
-    # has no byte left, or once a stop string ended inside the token.
+    # Every (state, token) pair reads all of the token's bytes in step (a row that does not watch a
+    # string ending inside the token reads on), collecting the strings that end on the way.
     state = np.broadcast_to(np.arange(q, dtype=np.int32)[:, None], (q, vocab_size)).copy()
-    hit = np.zeros((q, vocab_size), bool)
+    hit = np.zeros((q, vocab_size), np.int32)
     for m in range(width):
-        live = (m < lengths)[None, :] & ~hit
+        live = (m < lengths)[None, :]
         moved = delta[state, spelt[:, m][None, :]]
         state = np.where(live, moved, state)
-        hit |= live & final[moved]
+        hit |= np.where(live, final[moved], 0)
     matched = q  # one state past the trie
     table = np.full((q + 1, vocab_size), matched, np.int32)
-    table[:q] = np.where(hit, matched, state)
-    return StopTable(next=table)
+    table[:q] = state
+    hits = np.zeros((q + 1, vocab_size), np.int32)
+    hits[:q] = hit
+    return StopTable(next=table, hits=hits)
 
 
-def advance(table: StopTable, state: jax.Array, tokens: jax.Array, valid: jax.Array) -> jax.Array:
+def advance(table: StopTable, state: jax.Array, tokens: jax.Array, valid: jax.Array, mask: jax.Array | int = -1
+            ) -> jax.Array:
     """One row's automaton over a block: the state after each of `tokens` [n] (the ones not
-    `valid` [n] leave it as it is), from `state` (an int32 scalar) -> [n] int32."""
-    table_next = jnp.asarray(table.next)  # a host-built table works too
+    `valid` [n] leave it as it is), from `state` (an int32 scalar) -> [n] int32; `matched` once a
+    token completes a stop string in the row's `mask` (bit i: string i; -1, the default: all)."""
+    table_next, table_hits = jnp.asarray(table.next), jnp.asarray(table.hits)  # a host-built table works too
+    matched = table_next.shape[0] - 1
 
     def step(q, tv):
         t, v = tv
-        q = jnp.where(v, table_next[q, jnp.maximum(t, 0)], q)
+        t = jnp.maximum(t, 0)
+        moved = jnp.where((table_hits[q, t] & mask) != 0, matched, table_next[q, t])
+        q = jnp.where(v, moved, q)
         return q, q
 
     return jax.lax.scan(step, state, (tokens, valid))[1]
