@@ -252,11 +252,13 @@ def test_jsonl_batch_file_gives_each_prompt_its_temperature_and_length(tmp_path,
     ids = [[1, 5, 7], [1, 3], [6]]
     greedy = records([{"prompt_ids": p} for p in ids])
     hot = records([{"prompt_ids": p} for p in ids], "--temperature", "1")
-    mixed = records([{"prompt_ids": ids[0], "temperature": 0}, {"prompt_ids": ids[1], "temperature": 1.0},
+    mixed = records([{"prompt_ids": ids[0], "temperature": 1, "top_k": 1}, {"prompt_ids": ids[1], "temperature": 1.0},
                      {"prompt_ids": ids[2], "max_new_tokens": 5}])
+    # top-k 1 at temperature 1 samples the greedy tokens
     assert [r["tokens"] for r in mixed] == [greedy[0]["tokens"], hot[1]["tokens"], greedy[2]["tokens"][:5]]
     assert hot[1]["tokens"] != greedy[1]["tokens"]  # the row really sampled
-    assert [(r["temperature"], r["max_new_tokens"]) for r in mixed] == [(0.0, 8), (1.0, 8), (0.0, 5)]
+    assert [(r["temperature"], r["top_k"], r["max_new_tokens"]) for r in mixed] == [(1, 1, 8), (1.0, 0, 8),
+                                                                                  (0.0, 0, 5)]
 
     f = tmp_path / "bad.jsonl"
     for line, message in [("[1, 2]", "line 2: not a JSON object, got list"),
@@ -267,6 +269,8 @@ def test_jsonl_batch_file_gives_each_prompt_its_temperature_and_length(tmp_path,
                           ('{"prompt_ids": [1], "max_new_tokens": 9}',
                            'line 2: "max_new_tokens" must be an integer in [1, 8]'),
                           ('{"prompt_ids": []}', 'line 2: "prompt_ids" must be a non-empty list of token ids'),
+                          ('{"prompt_ids": [1], "top_p": 0}', 'line 2: "top_p" must be a number in (0, 1] (1: off)'),
+                          ('{"prompt_ids": [1], "top_k": 1.5}', 'line 2: "top_k" must be an integer >= 0'),
                           ("{'prompt': 1}", "line 2: not a JSON object (Expecting property name")]:
         f.write_text('{"prompt_ids": [1]}\n' + line + "\n")
         code, _, err = _run(capsys, *base, "--batch-file", str(f))

@@ -169,12 +169,12 @@ def test_rows_take_their_own_max_new_tokens(models, ar_greedy, verifier):
 
 @pytest.mark.parametrize("verifier", [AR, "tev", "sequential"])
 def test_rows_take_their_own_temperatures(models, ar_greedy, verifier):
-    """With `temperature_per_row`, rows of one batch decode at their own temperatures: a greedy row
+    """With `sampling_per_row`, rows of one batch decode at their own temperatures: a greedy row
     gives autoregressive greedy decoding's tokens and a sampled row the tokens of the same row in
     a batch all at its temperature (same seed, so the same key stream), in fixed and continuous
     batches; other temperatures reuse the compiled loop. Without the flag, only the config's
     temperature is accepted."""
-    dec = _decoder(models, verifier, temperature_per_row=True)
+    dec = _decoder(models, verifier, sampling_per_row=True)
     temps = [0.0, 1.0, 0.0, 0.7]
     gens = dec.generate(PROMPTS, seed=5, temperature=temps)
     compiled = dec._loop._cache_size()
@@ -191,8 +191,8 @@ def test_rows_take_their_own_temperatures(models, ar_greedy, verifier):
 
     fixed = _decoder(models, verifier)
     assert [g.tokens for g in fixed.generate(PROMPTS, temperature=0.0)] == ar_greedy  # the config's own value
-    for bad, error, message in [([0.0, 1.0, 0.0, 0.0], ValueError, r"temperature_per_row=True"),
-                                (0.5, ValueError, r"temperature_per_row=True")]:
+    for bad, error, message in [([0.0, 1.0, 0.0, 0.0], ValueError, r"sampling_per_row=True"),
+                                (0.5, ValueError, r"sampling_per_row=True")]:
         with pytest.raises(error, match=message):
             fixed.generate(PROMPTS, temperature=bad)
     for bad, error, message in [([0.0, -1.0, 0.0, 0.0], ValueError, r"temperature\[1\] = -1.0 is not a finite number"),
@@ -204,10 +204,31 @@ def test_rows_take_their_own_temperatures(models, ar_greedy, verifier):
             dec.generate(PROMPTS, temperature=bad)
 
 
-def test_temperature_per_row_with_the_fallback_keeps_greedy_rows_exact(models, ar_greedy):
+@pytest.mark.parametrize("verifier", [AR, "tev"])
+def test_rows_take_their_own_truncation(models, ar_greedy, verifier):
+    """Per-row top-k / top-p / min-p: top-k 1 at temperature 1 is greedy decoding; a row with
+    top-p 0.5 or min-p 0.2 gives the tokens of the same row in a batch all with that setting; an
+    untruncated row next to them those of plain sampling. Bad settings name their row."""
+    dec = _decoder(models, verifier, sampling_per_row=True, temperature=1.0)
+    gens = dec.generate(PROMPTS, seed=7, top_k=[1, 0, 0, 0], top_p=[1.0, 0.5, 1.0, 1.0], min_p=[0.0, 0.0, 0.2, 0.0])
+    batch = {kw: [g.tokens for g in _decoder(models, verifier, temperature=1.0, **dict([kw])).generate(PROMPTS, seed=7)]
+             for kw in (("top_p", 0.5), ("min_p", 0.2), ("top_k", 0))}
+    assert [g.tokens for g in gens] == [ar_greedy[0], batch[("top_p", 0.5)][1], batch[("min_p", 0.2)][2],
+                                        batch[("top_k", 0)][3]]
+    assert len({tuple(batch[kw][1]) for kw in batch}) > 1  # the cuts change what a row samples
+    for kw, message in [(dict(top_k=[1, -1, 0, 0]), r"row 1: top_k must be >= 0"),
+                        (dict(top_p=[1.0, 0.0, 1.0, 1.0]), r"row 1: top_p must be in \(0, 1\]"),
+                        (dict(min_p=[0.0, 0.0, 1.0, 0.0]), r"row 2: min_p must be in \[0, 1\)")]:
+        with pytest.raises(ValueError, match=message):
+            dec.generate(PROMPTS, **kw)
+    with pytest.raises(ValueError, match=r"top_k \[1, 0, 0, 0\] is not DecodeConfig.top_k \(0\)"):
+        _decoder(models, verifier).generate(PROMPTS, top_k=[1, 0, 0, 0])
+
+
+def test_sampling_per_row_with_the_fallback_keeps_greedy_rows_exact(models, ar_greedy):
     """The fallback's estimate of each row's block uses the row's own law (greedy: the realised
     block; sampled: 1 + C_p), and a greedy row stays exact next to sampled ones."""
-    dec = _decoder(models, "tev", temperature_per_row=True, fallback_below=1.5)
+    dec = _decoder(models, "tev", sampling_per_row=True, fallback_below=1.5)
     gens = dec.generate(PROMPTS, seed=2, temperature=[1.0, 0.0, 1.0, 0.0])
     assert [gens[1].tokens, gens[3].tokens] == [ar_greedy[1], ar_greedy[3]]
     assert all(len(g.tokens) == 24 or g.stop == "eos" for g in gens)

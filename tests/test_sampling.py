@@ -165,6 +165,24 @@ def test_truncation_composes_with_jit_vmap_traced_temperature_and_bf16():
     assert np.all(np.asarray(pad) == -np.inf)
 
 
+def test_per_row_truncation_equals_each_rows_static_settings():
+    """Settings given as arrays, one per row (traced under jit), keep exactly what the same static
+    settings keep for that row; 0 / 1 / 0 leave a row uncut, as the static "off" values do."""
+    rng = np.random.default_rng(3)
+    settings = [(0, 1.0, 0.0), (1, 1.0, 0.0), (5, 1.0, 0.0), (0, 0.5, 0.0), (0, 1.0, 0.2), (40, 0.9, 0.02),
+                (6144, 0.999, 0.0), (0, 0.1, 0.5)]
+    x = jnp.asarray(rng.normal(size=(len(settings), 3, 6144)).astype(np.float32) * 3)
+    temps = jnp.asarray(rng.uniform(0.4, 1.6, len(settings)), jnp.float32)
+    k, p, m = (jnp.asarray(v)[:, None] for v in zip(*settings))
+    fn = jax.jit(lambda x, t, k, p, m: truncate_logits(x, t[:, None, None], top_k=k, top_p=p, min_p=m))
+    got = np.asarray(fn(x, temps, k.astype(jnp.int32), p.astype(jnp.float32), m.astype(jnp.float32)))
+    for i, (top_k, top_p, min_p) in enumerate(settings):
+        want = np.asarray(truncate_logits(x[i], float(temps[i]), top_k=top_k, top_p=top_p, min_p=min_p))
+        np.testing.assert_array_equal(got[i], want, err_msg=str(settings[i]))
+    np.testing.assert_array_equal(got[0], np.asarray(x[0]))  # all off: uncut
+    assert (np.isfinite(got[1]).sum(-1) == 1).all()  # top-k 1: the most probable token alone
+
+
 @pytest.mark.parametrize("cut, error, message", [
     ({"top_k": -1}, ValueError, r"top_k must be >= 0 \(0: off\), got -1"),
     ({"top_k": 2.5}, TypeError, "top_k must be an int"),

@@ -353,10 +353,10 @@ CHECKS = {
         assert short == [w.tokens[:n] for w, n in zip(want, [3, 8, 1, 5])]
         # Per-row temperatures, split by rows: the greedy rows decode unsharded greedy's tokens
         # next to sampled ones (whose draws see the vocabulary split over `model`).
-        mixed = Decoder(target, drafter, config(lookup=4, temperature_per_row=True), mesh=mesh)
+        mixed = Decoder(target, drafter, config(lookup=4, sampling_per_row=True), mesh=mesh)
         got = [g.tokens for g in mixed.generate(PROMPTS, seed=3, temperature=[0.0, 1.0, 0.0, 1.0])]
         assert [got[0], got[2]] == [tokens(plain)[0], tokens(plain)[2]]
-        assert mixed.prefill(PROMPTS, temperature=[0.0, 1.0, 0.0, 1.0]).temperature.sharding.spec[0] == "data"
+        assert mixed.prefill(PROMPTS, temperature=[0.0, 1.0, 0.0, 1.0]).sampling.sharding.spec[0] == "data"
     """,
     # Continuous batching on (2, 2): 5 prompts through 2 rows (one per `data` device), refilled in
     # place, with caches that grow (sharded) when a later prompt needs more slots than the first.

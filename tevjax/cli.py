@@ -337,8 +337,8 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--batch-file", type=Path,
                      help="a file with one prompt per line; a .jsonl file holds one JSON object per line instead: "
                           '"prompt" (text) or "prompt_ids" (token ids, no chat template), and optionally the '
-                          'prompt\'s own "temperature", "max_new_tokens" (at most --max-new-tokens) and "stop" (a '
-                          "list of strings, in place of --stop)")
+                          'prompt\'s own "temperature", "top_k", "top_p", "min_p", "max_new_tokens" (at most '
+                          '--max-new-tokens) and "stop" (a list of strings, in place of --stop)')
     gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                      help="wrap text prompts in the model's chat template (default: on)")
     _add_decoding_args(gen, max_new_tokens=128, seed_help="sampling seed, an integer in [0, 2**64)")
@@ -498,7 +498,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _read_prompts(args) -> tuple[list[str | list[int]], list[str], list[dict[str, Any]]]:
     """(prompts, where each came from -- "--prompt", or "line 3 of FILE" for error messages -- and
-    each prompt's own settings: a .jsonl batch file's "temperature", "max_new_tokens" and "stop")."""
+    each prompt's own settings: a .jsonl batch file's sampling settings, "max_new_tokens" and "stop")."""
     if args.prompt_ids is not None:
         return [args.prompt_ids], ["--prompt-ids"], [{}]
     if args.prompt is not None:
@@ -531,6 +531,16 @@ def _read_prompts(args) -> tuple[list[str | list[int]], list[str], list[dict[str
     return prompts, where, settings
 
 
+# A .jsonl record's own sampling settings (the flags of the same names elsewhere).
+ROW_SAMPLING = ("temperature", "top_k", "top_p", "min_p")
+# top_k, top_p, min_p: (whether a JSON value is one, what it must be) -- what `check_truncation` takes.
+_TRUNCATION_CHECKS = {
+    "top_k": (lambda v: isinstance(v, int) and 0 <= v < 2**31, "an integer >= 0 (0: off)"),
+    "top_p": (lambda v: isinstance(v, (int, float)) and math.isfinite(v) and 0 < v <= 1, "a number in (0, 1] (1: off)"),
+    "min_p": (lambda v: isinstance(v, (int, float)) and math.isfinite(v) and 0 <= v < 1, "a number in [0, 1) (0: off)"),
+}
+
+
 def _jsonl_record(line: str, where: str, args) -> tuple[str | list[int], dict[str, Any]]:
     """A .jsonl batch file's line -> (its prompt, its own settings), or a CliError naming the line."""
     try:
@@ -539,10 +549,11 @@ def _jsonl_record(line: str, where: str, args) -> tuple[str | list[int], dict[st
         raise CliError(f"{where}: not a JSON object ({e.msg} at column {e.colno})") from None
     if not isinstance(record, dict):
         raise CliError(f"{where}: not a JSON object, got {type(record).__name__}")
-    unknown = sorted(set(record) - {"prompt", "prompt_ids", "temperature", "max_new_tokens", "stop"})
+    unknown = sorted(set(record) - {"prompt", "prompt_ids", *ROW_SAMPLING, "max_new_tokens", "stop"})
     if unknown:
         raise CliError(f"{where}: unknown key(s) {', '.join(map(repr, unknown))} (a record has \"prompt\" or "
-                       "\"prompt_ids\", and optionally \"temperature\", \"max_new_tokens\" and \"stop\")")
+                       "\"prompt_ids\", and optionally \"temperature\", \"top_k\", \"top_p\", \"min_p\", "
+                       "\"max_new_tokens\" and \"stop\")")
     if ("prompt" in record) == ("prompt_ids" in record):
         raise CliError(f"{where}: give one of \"prompt\" (text) and \"prompt_ids\" (token ids)")
     if "prompt" in record:
@@ -560,6 +571,12 @@ def _jsonl_record(line: str, where: str, args) -> tuple[str | list[int], dict[st
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
             raise CliError(f"{where}: \"temperature\" must be a finite number >= 0, got {t!r}")
         own["temperature"] = float(t)
+    for key, (ok, what) in _TRUNCATION_CHECKS.items():
+        if key in record:
+            v = record[key]
+            if isinstance(v, bool) or not ok(v):
+                raise CliError(f"{where}: \"{key}\" must be {what}, got {v!r}")
+            own[key] = v
     if "max_new_tokens" in record:
         m = record["max_new_tokens"]
         if isinstance(m, bool) or not isinstance(m, int) or not 1 <= m <= args.max_new_tokens:
@@ -667,18 +684,19 @@ def cmd_generate(args) -> int:
             raise CliError(f"prompt {i} ({where[i]}) is {len(p)} tokens: with --max-new-tokens {args.max_new_tokens} "
                            f"and {slots} tree slots it exceeds the target's {limit} positions")
 
-    # A .jsonl batch file's own temperatures, lengths and stop strings (the flags' values
-    # elsewhere): rows of one batch decode at their temperatures (DecodeConfig.temperature_per_row,
-    # on only when they differ) and watch their stop strings among the union of all (DecodeConfig.stop).
-    temperatures = [own.get("temperature", float(args.temperature)) for own in settings]
+    # A .jsonl batch file's own sampling settings, lengths and stop strings (the flags' values
+    # elsewhere): rows of one batch sample with theirs (DecodeConfig.sampling_per_row, on only when
+    # they differ) and watch their stop strings among the union of all (DecodeConfig.stop).
+    sampling = {key: [own.get(key, getattr(args, key)) for own in settings] for key in ROW_SAMPLING}
+    temperatures = sampling["temperature"]
     limits = [own.get("max_new_tokens", args.max_new_tokens) for own in settings]
-    per_row = any(t != float(args.temperature) for t in temperatures)
+    per_row = any(v != getattr(args, key) for key, values in sampling.items() for v in values)
     row_stops = [own.get("stop", tuple(args.stop or ())) for own in settings]
     stops = tuple(dict.fromkeys(s for row in [tuple(args.stop or ()), *row_stops] for s in row))
     if len(stops) > MAX_STOPS:
         raise CliError(f"{len(stops)} distinct stop strings in --stop and the batch file: at most {MAX_STOPS}")
     own_stops = any("stop" in own for own in settings)
-    cfg = _decode_config(args, models, speculative, stop=stops, logprobs=args.logprobs, temperature_per_row=per_row,
+    cfg = _decode_config(args, models, speculative, stop=stops, logprobs=args.logprobs, sampling_per_row=per_row,
                          temperatures=temperatures)
     decoder = _decoder(models.target, models.drafter if speculative else None, cfg, mesh, models.ngrams,
                        spellings=_spellings(models, stops))
@@ -712,11 +730,8 @@ def cmd_generate(args) -> int:
                 "lookup": cfg.lookup if speculative else 0,
                 "corpus": cfg.corpus if speculative else 0,
                 "fallback_below": cfg.fallback_below if speculative else 0.0,
-                "temperature": temperatures[start + j],
+                **{key: sampling[key][start + j] for key in ROW_SAMPLING},
                 "max_new_tokens": limits[start + j],
-                "top_k": args.top_k,
-                "top_p": args.top_p,
-                "min_p": args.min_p,
                 "drafter_trained": models.drafter_trained if speculative else None,
                 "compile_seconds": round(compile_seconds, 3),
                 "load_seconds": round(load_seconds, 3),
@@ -730,7 +745,8 @@ def cmd_generate(args) -> int:
                       f"({record['tokens_per_second']} tok/s), {g.rounds} rounds{_plain_text(g)}, tau {g.tau:.2f}, "
                       f"verifier {args.verifier}, budget {record['budget']}, lookup {record['lookup']}, "
                       f"corpus {record['corpus']}, "
-                      f"temperature {temperatures[start + j]}{truncation_text(args.top_k, args.top_p, args.min_p)} "
+                      f"temperature {temperatures[start + j]}"
+                      f"{truncation_text(*(sampling[key][start + j] for key in ROW_SAMPLING[1:]))} "
                       f"(compile {compile_seconds:.1f} s, load {load_seconds:.1f} s)", flush=True)
 
     if args.continuous:
@@ -740,7 +756,7 @@ def cmd_generate(args) -> int:
         reported: set[int] = set()
         try:
             for i, g in decoder.continuous(ids, rows, seed=args.seed, max_new_tokens=limits,
-                                           temperature=temperatures if per_row else None,
+                                           **({key: sampling[key] for key in ROW_SAMPLING} if per_row else {}),
                                            stop=row_stops if own_stops else None):
                 report(i, [ids[i]], [g], time.perf_counter() - t1, compile_seconds)
                 reported.add(i)
@@ -753,8 +769,8 @@ def cmd_generate(args) -> int:
         for start in range(0, len(ids), args.batch_size):
             batch = ids[start: start + args.batch_size]
             part = slice(start, start + args.batch_size)
-            own = dict(max_new_tokens=limits[part], temperature=temperatures[part] if per_row else None,
-                       stop=row_stops[part] if own_stops else None)
+            own = dict(max_new_tokens=limits[part], stop=row_stops[part] if own_stops else None,
+                       **({key: sampling[key][part] for key in ROW_SAMPLING} if per_row else {}))
             decoder.shapes([len(p) for p in batch])  # capacity / position checks before compiling
             compile_seconds = decoder.compile(batch, streaming=stream)
             t1 = time.perf_counter()

@@ -142,8 +142,7 @@ def _largest_cut(keys: jax.Array, weight: jax.Array, target: jax.Array) -> jax.A
     return lo
 
 
-def truncate_logits(logits: jax.Array, temperature=1.0, *, top_k: int = 0, top_p: float = 1.0,
-                    min_p: float = 0.0) -> jax.Array:
+def truncate_logits(logits: jax.Array, temperature=1.0, *, top_k=0, top_p=1.0, min_p=0.0) -> jax.Array:
     """`logits` [..., V] with -inf outside the tokens that top-k, then top-p, then min-p keep.
 
     The target law of truncated sampling is softmax(truncate_logits(x, t, ...) / t). Applied in
@@ -156,26 +155,45 @@ def truncate_logits(logits: jax.Array, temperature=1.0, *, top_k: int = 0, top_p
     never on a sort order (Hugging Face's sort may keep part of a tie). The most probable token is
     always kept, so greedy decoding is unchanged by any setting.
 
-    top_k, top_p and min_p are static Python numbers (`check_truncation`); `temperature` may be
-    traced. A row without a finite entry (padding) comes back all -inf. Jittable, vmap-composable;
-    the dtype of `logits` is kept; with every setting off, `logits` itself is returned.
+    top_k, top_p and min_p are static Python numbers (`check_truncation`), or arrays that
+    broadcast against `logits.shape[:-1]` (one setting per row, e.g. [B, 1] for [B, N, V] logits;
+    traced, not checked: 0 / 1 / 0 leave a row uncut); `temperature` may be traced. A row without
+    a finite entry (padding) comes back all -inf. Jittable, vmap-composable; the dtype of `logits`
+    is kept; with every static setting off, `logits` itself is returned.
     """
-    top_k, top_p, min_p = check_truncation(top_k, top_p, min_p)
-    if not truncates(top_k, top_p, min_p):
-        return logits
+    per_row = any(isinstance(v, (jax.Array, np.ndarray)) for v in (top_k, top_p, min_p))
+    if not per_row:
+        top_k, top_p, min_p = check_truncation(top_k, top_p, min_p)
+        if not truncates(top_k, top_p, min_p):
+            return logits
     vocab = logits.shape[-1]
     x = logits.astype(jnp.float32)
     keys = _order_keys(x)
     keep = jnp.ones(x.shape, bool)
-    if 0 < top_k < vocab:
+    if per_row:
+        # Each cut's bisection (32 passes over the logits) runs only when some row asks for it.
+        k = jnp.broadcast_to(jnp.asarray(top_k, jnp.int32)[..., None], x.shape[:-1] + (1,))
+        on = (k > 0) & (k < vocab)
+        keep = jax.lax.cond(jnp.any(on), lambda: jnp.where(on, keys >= _largest_cut(
+            keys, jnp.ones_like(x), jnp.clip(k, 1, vocab).astype(jnp.float32)), keep), lambda: keep)
+    elif 0 < top_k < vocab:
         keep = keys >= _largest_cut(keys, jnp.ones_like(x), jnp.float32(top_k))
     t = jnp.asarray(temperature, jnp.float32)
     inv_t = 1.0 / jnp.where(t > 0, t, 1.0)
     top = jnp.max(x, axis=-1, keepdims=True)
     scaled = (x - jnp.where(jnp.isfinite(top), top, 0.0)) * inv_t  # log p + log Z, <= 0
-    if top_p < 1:
+    def top_p_cut(p):
         mass = jnp.where(keep, jnp.exp(scaled), 0.0)
-        keep = keep & (keys >= _largest_cut(keys, mass, top_p * jnp.sum(mass, axis=-1, keepdims=True)))
-    if min_p > 0:
+        return keys >= _largest_cut(keys, mass, p * jnp.sum(mass, axis=-1, keepdims=True))
+
+    if per_row:
+        p = jnp.broadcast_to(jnp.asarray(top_p, jnp.float32)[..., None], x.shape[:-1] + (1,))
+        keep = jax.lax.cond(jnp.any(p < 1), lambda: keep & (top_p_cut(p) | (p >= 1)), lambda: keep)
+    elif top_p < 1:
+        keep = keep & top_p_cut(top_p)
+    if per_row:
+        m = jnp.asarray(min_p, jnp.float32)[..., None]
+        keep = keep & ((m <= 0) | (scaled >= jnp.log(jnp.where(m > 0, m, 1.0))))
+    elif min_p > 0:
         keep = keep & (scaled >= math.log(min_p))
     return jnp.where(keep, logits, jnp.asarray(-jnp.inf, logits.dtype))

@@ -122,13 +122,14 @@ class DecodeConfig:
     corpus: int = 0
     verifier: str = "tev"  # a name in tevjax.verifiers.VERIFIERS: "tev" | "predraw" | "sequential"
     temperature: float = 0.0  # below 1e-5 (tevjax.law.GREEDY_BELOW) = greedy
-    # Rows of one batch may decode at different temperatures: `Decoder.generate(...,
-    # temperature=[...])` (and `prefill`, `continuous`, `stream`) sets each row's, `temperature`
-    # above being the default. Every row then runs the greedy and the sampling verifier and keeps
-    # its own (a select per row, as `verify` does for a traced temperature): about 4% of a batch's
-    # time on SmolLM2 (experiments/results/per_row_temperature.md). Off, every row decodes at
-    # `temperature`.
-    temperature_per_row: bool = False
+    # Rows of one batch may sample with different settings: `Decoder.generate(..., temperature=[...],
+    # top_k=[...], top_p=[...], min_p=[...])` (and `prefill`, `continuous`, `stream`) set each
+    # row's, the fields here being the defaults. Every row then runs the greedy and the sampling
+    # verifier and keeps its own (a select per row, as `verify` does for a traced temperature),
+    # and a batch in which some row truncates cuts every row's logits by its own settings: 4-10%
+    # of a batch's time on SmolLM2 (experiments/results/per_row_sampling.md). Off, every row
+    # decodes with the fields above.
+    sampling_per_row: bool = False
     # Truncated sampling (`tevjax.sampling.truncate_logits`): the target law becomes top-k, then
     # top-p, then min-p of softmax(logits / temperature), for the autoregressive baseline and every
     # verifier alike, so speculative decoding stays exact for it. 0 / 1.0 / 0.0: off. No effect
@@ -220,7 +221,7 @@ class DecodeConfig:
             raise ValueError(f"hidden_layers must be distinct layer indices >= 0, got {self.hidden_layers!r}")
         object.__setattr__(self, "hidden_layers", layers)
         object.__setattr__(self, "stop", check_stops(self.stop))
-        for name in ("logprobs", "temperature_per_row"):
+        for name in ("logprobs", "sampling_per_row"):
             if not isinstance(getattr(self, name), (bool, np.bool_)):
                 raise TypeError(f"DecodeConfig.{name} must be a bool, got {getattr(self, name)!r}")
             object.__setattr__(self, name, bool(getattr(self, name)))
@@ -268,9 +269,9 @@ class DecodeState:
     # [B, max_new_tokens] float32 the target's log-probability of each generated token (0 beyond
     # num_out). None without `cfg.logprobs`.
     logprobs: jax.Array | None = None
-    # [B] float32 each row's temperature. None without `cfg.temperature_per_row` (every row then
-    # decodes at cfg.temperature, a static value).
-    temperature: jax.Array | None = None
+    # [B, 4] float32 each row's temperature, top-k, top-p and min-p (`SAMPLING_COLUMNS`). None
+    # without `cfg.sampling_per_row` (every row then decodes with the config's, static values).
+    sampling: jax.Array | None = None
 
 
 # Logical axes of every `DecodeState` field (`tevjax.sharding.LOGICAL_RULES` maps them to mesh axes).
@@ -299,8 +300,11 @@ STATE_AXES: dict[str, tuple[str | None, ...]] = {
     "stop_at": ("batch",),
     "stop_mask": ("batch",),
     "logprobs": ("batch", None),
-    "temperature": ("batch",),
+    "sampling": ("batch", None),
 }
+
+# The columns of `DecodeState.sampling`.
+SAMPLING_COLUMNS = ("temperature", "top_k", "top_p", "min_p")
 
 
 FALLBACK_FIELDS = ("expected_block", "skip", "wait", "plain_rounds")
@@ -314,10 +318,10 @@ FALLBACK_MAX_WAIT = 64
 
 def state_shardings(mesh, *, drafter: bool, hidden: bool, head: bool = False, history: bool = False,
                     fallback: bool = False, stop: bool = False, logprobs: bool = False,
-                    temperature: bool = False) -> DecodeState:
+                    sampling: bool = False) -> DecodeState:
     """A `DecodeState` of NamedShardings (from `STATE_AXES`) for a decoder with or without a
     drafter, kept hidden states, a pre-gathered draft head, a token history, the fallback's
-    bookkeeping, stop strings, log-probabilities and per-row temperatures. The specs do not
+    bookkeeping, stop strings, log-probabilities and per-row sampling settings. The specs do not
     depend on the sizes; the sizes are checked where they are known (`Decoder.prefill`: rows;
     `param_shardings`: heads)."""
     named = {f.name: logical_sharding(mesh, STATE_AXES[f.name]) for f in dataclasses.fields(DecodeState)}
@@ -329,7 +333,7 @@ def state_shardings(mesh, *, drafter: bool, hidden: bool, head: bool = False, hi
                           "stop_at": named["stop_at"] if stop else None,
                           "stop_mask": named["stop_mask"] if stop else None,
                           "logprobs": named["logprobs"] if logprobs else None,
-                          "temperature": named["temperature"] if temperature else None,
+                          "sampling": named["sampling"] if sampling else None,
                           **{name: named[name] if fallback else None for name in FALLBACK_FIELDS}})
 
 
@@ -375,12 +379,12 @@ def _vocab_split(mesh) -> bool:
     return mesh is not None and dict(mesh.shape).get(LOGICAL_RULES["vocab"], 1) > 1
 
 
-def _empty_state(tstate, dstate, roots, lengths, limits, temperatures, stop_masks, key_data, *, tgd, dgd,
+def _empty_state(tstate, dstate, roots, lengths, limits, sampling, stop_masks, key_data, *, tgd, dgd,
                  cfg: DecodeConfig, capacity: int, mesh=None) -> DecodeState:
     """The state before prefill: zero caches of `capacity` slots, each row's root (its last prompt
     token, roots [B]), cache_len = lengths - 1 (lengths [B] prompt lengths >= 1), its most new
-    tokens (limits [B], each in [1, cfg.max_new_tokens]), its temperature (temperatures [B],
-    kept with `cfg.temperature_per_row`) and the stop strings it watches (stop_masks [B], kept with
+    tokens (limits [B], each in [1, cfg.max_new_tokens]), its sampling settings (sampling [B, 4],
+    kept with `cfg.sampling_per_row`) and the stop strings it watches (stop_masks [B], kept with
     `cfg.stop`); the prefill chunks then fill slots [0,
     cache_len). key_data: the seed's key data; row r samples with
     fold_in(seed key, r), whatever the batch and its split over devices."""
@@ -412,14 +416,14 @@ def _empty_state(tstate, dstate, roots, lengths, limits, temperatures, stop_mask
         stop_at=zeros if cfg.stop else None,
         stop_mask=stop_masks.astype(jnp.int32) if cfg.stop else None,
         logprobs=jnp.zeros((b, cfg.max_new_tokens), jnp.float32) if cfg.logprobs else None,
-        temperature=temperatures.astype(jnp.float32) if cfg.temperature_per_row else None,
+        sampling=sampling.astype(jnp.float32) if cfg.sampling_per_row else None,
         # Every row starts drafting, from an optimistic estimate: a first tree that pays keeps it.
         **(dict(expected_block=jnp.full((b,), float(drafter.cfg.block_size), jnp.float32), skip=zeros,
                 wait=zeros, plain_rounds=zeros) if _falls_back(drafter, cfg) else {}),
     )
 
 
-def _rebase(tstate, dstate, state: DecodeState, roots, lengths, limits, temperatures, stop_masks, key_data, *, tgd,
+def _rebase(tstate, dstate, state: DecodeState, roots, lengths, limits, sampling, stop_masks, key_data, *, tgd,
             dgd, cfg: DecodeConfig, capacity: int, mesh=None) -> DecodeState:
     """`state`'s caches (target K/V, drafter context, kept hidden states, history below each row's
     new cache_len) under a fresh start for prompts of `lengths` with `roots`: what `_empty_state`
@@ -428,7 +432,7 @@ def _rebase(tstate, dstate, state: DecodeState, roots, lengths, limits, temperat
     new prompt does not share are rewritten by the chunks or lie at or above cache_len, where
     nothing reads them. Another `capacity` than `state`'s appends empty slots or drops the top
     ones (the kept prefix lies below the new cache_len, so below any capacity that fits it)."""
-    fresh = _empty_state(tstate, dstate, roots, lengths, limits, temperatures, stop_masks, key_data, tgd=tgd,
+    fresh = _empty_state(tstate, dstate, roots, lengths, limits, sampling, stop_masks, key_data, tgd=tgd,
                          dgd=dgd, cfg=cfg, capacity=capacity, mesh=mesh)
 
     kept = _fit_capacity(state, capacity=capacity)
@@ -509,17 +513,25 @@ def _prefill_chunk(tstate, dstate, state: DecodeState, tokens: jax.Array, start:
     return dataclasses.replace(state, target_cache=out.cache, drafter_cache=dcache, hidden=hidden, history=history)
 
 
-def target_logits(logits: jax.Array, cfg: DecodeConfig, temperature: jax.Array | None = None) -> jax.Array:
+def target_logits(logits: jax.Array, cfg: DecodeConfig, sampling: jax.Array | None = None) -> jax.Array:
     """The logits the verifiers sample from: `logits` [B, ...] truncated by the config's top-k /
     top-p / min-p, or as they are when none is set or decoding is greedy (which no truncation
-    changes). `temperature`: each row's [B] (`DecodeState.temperature`); None: cfg.temperature."""
-    if temperature is None:
+    changes). `sampling`: each row's settings [B, 4] (`DecodeState.sampling`); None: the config's."""
+    if sampling is None:
         if is_greedy(cfg.temperature):
             return logits
-        temperature = cfg.temperature
-    else:  # one temperature per row, over the row's other axes
-        temperature = temperature.reshape(temperature.shape + (1,) * (logits.ndim - 1))
-    return truncate_logits(logits, temperature, top_k=cfg.top_k, top_p=cfg.top_p, min_p=cfg.min_p)
+        return truncate_logits(logits, cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, min_p=cfg.min_p)
+    b = logits.shape[0]
+    rows = (b,) + (1,) * (logits.ndim - 2)  # one setting per row, over logits.shape[:-1]
+    temperature, top_k, top_p, min_p = (sampling[:, i] for i in range(4))
+    cuts = samples(temperature) & ((top_k > 0) | (top_p < 1) | (min_p > 0))
+
+    def cut():
+        return truncate_logits(logits, temperature.reshape(rows + (1,)), top_k=top_k.astype(jnp.int32).reshape(rows),
+                               top_p=top_p.reshape(rows), min_p=min_p.reshape(rows))
+
+    # The cuts' bisections cost a few passes over the logits: skipped when no row truncates.
+    return jax.lax.cond(jnp.any(cuts), cut, lambda: logits)
 
 
 def _taps(drafter: DFlashDrafter | None, cfg: DecodeConfig) -> tuple[int, ...]:
@@ -781,9 +793,10 @@ def _after_speculative(state: DecodeState, new: DecodeState, trees: DraftTree, t
     was waiting already."""
     active = ~state.done
     realised = (new.block_total - state.block_total).astype(jnp.float32)  # the greedy law is a point mass
-    if state.temperature is not None:
-        law = jax.vmap(exit_law)(trees, target_law, state.temperature)
-        this = jnp.where(samples(state.temperature), 1.0 + law.coverage, realised)
+    if state.sampling is not None:
+        temperature = state.sampling[:, 0]
+        law = jax.vmap(exit_law)(trees, target_law, temperature)
+        this = jnp.where(samples(temperature), 1.0 + law.coverage, realised)
     elif is_greedy(cfg.temperature):
         this = realised
     else:
@@ -806,11 +819,11 @@ def _settle(target: Transformer, drafter: DFlashDrafter | None, state: DecodeSta
     state, the target logits [B, N, V] verified against)."""
     active = ~state.done
     out = tree_pass(target, trees, state.cache_len, state.target_cache, _taps(drafter, cfg))
-    law = target_logits(out.logits, cfg, state.temperature)
-    if state.temperature is None:
+    law = target_logits(out.logits, cfg, state.sampling)
+    if state.sampling is None:
         ver = jax.vmap(lambda k, t, l: verify(k, t, l, cfg.temperature, method))(sub, trees, law)
     else:  # each row's own: `verify` selects its greedy or sampling result by the traced value
-        ver = jax.vmap(lambda k, t, l, temp: verify(k, t, l, temp, method))(sub, trees, law, state.temperature)
+        ver = jax.vmap(lambda k, t, l, temp: verify(k, t, l, temp, method))(sub, trees, law, state.sampling[:, 0])
     # A NaN/inf logit (damaged weights, overflow) would be verified into garbage tokens: that row
     # stops here, emits nothing from this round and reports it (one read of the logits).
     finite = jnp.all(jnp.isfinite(out.logits) | ~trees.valid[..., None], axis=(1, 2))
@@ -1030,7 +1043,7 @@ class Decoder:
             sshard = state_shardings(mesh, drafter=drafter is not None, hidden=bool(cfg.hidden_layers), head=head,
                                      history=_uses_lookup(drafter, cfg), fallback=_falls_back(drafter, cfg),
                                      stop=bool(cfg.stop), logprobs=cfg.logprobs,
-                                     temperature=cfg.temperature_per_row)
+                                     sampling=cfg.sampling_per_row)
             scalar = logical_sharding(mesh, ())
             rows = logical_sharding(mesh, ("batch",))
             # The n-gram table is small and read by every row: a copy on each device.
@@ -1155,7 +1168,8 @@ class Decoder:
     def prefill(self, prompts: Sequence[Sequence[int]], seed: int = 0, *,
                 reuse: tuple[DecodeState, Sequence[Sequence[int]]] | None = None,
                 max_new_tokens: int | Sequence[int] | None = None,
-                temperature: float | Sequence[float] | None = None,
+                temperature: float | Sequence[float] | None = None, top_k: int | Sequence[int] | None = None,
+                top_p: float | Sequence[float] | None = None, min_p: float | Sequence[float] | None = None,
                 stop: Sequence[Sequence[str]] | None = None) -> DecodeState:
         """Initial state for a batch of token-id prompts (each of length >= 1).
 
@@ -1164,10 +1178,10 @@ class Decoder:
         the buffers: rows of one batch can ask for different lengths without a compile. None:
         `cfg.max_new_tokens`.
 
-        `temperature`: every row's (a number) or each row's (one per prompt; padding rows take the
-        last), with `cfg.temperature_per_row`: greedy and sampled rows share the batch without a
-        compile. None: `cfg.temperature`. Without `cfg.temperature_per_row` only that value is
-        accepted.
+        `temperature`, `top_k`, `top_p`, `min_p`: every row's (a number) or each row's (one per
+        prompt; padding rows take the last), with `cfg.sampling_per_row`: greedy, sampled and
+        truncated rows share the batch without a compile. None: the config's. Without
+        `cfg.sampling_per_row` only the config's values are accepted.
 
         `stop`: the stop strings each row watches, one list per prompt (padding rows take the
         last), each a subset of `cfg.stop`, which builds the one automaton every row reads: rows
@@ -1190,11 +1204,11 @@ class Decoder:
         self._check_prompts(prompts)
         _, capacity = self.shapes([len(p) for p in prompts])
         limits = self._limits(max_new_tokens, len(prompts))
-        temperatures = self._temperatures(temperature, len(prompts))
+        sampling = self._sampling(len(prompts), temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
         stop_masks = self._stop_masks(stop, len(prompts))
         if self.mesh is not None:
             check_batch(self.mesh, len(prompts), f"a batch of {len(prompts)} prompts (Decoder.generate pads it)")
-        return self._prefill(prompts, seed, reuse, limits, temperatures, stop_masks, capacity)
+        return self._prefill(prompts, seed, reuse, limits, sampling, stop_masks, capacity)
 
     def _check_prompts(self, prompts: Sequence[Sequence[int]]) -> None:
         """ValueError / TypeError naming the first prompt that is not a non-empty list of token ids
@@ -1211,7 +1225,7 @@ class Decoder:
                 raise ValueError(f"prompt {i} holds token id {bad[0]} outside the vocabulary [0, {vocab})")
 
     def _prefill(self, prompts: Sequence[Sequence[int]], seed: int, reuse, limits: np.ndarray,
-                 temperatures: np.ndarray, stop_masks: np.ndarray, capacity: int) -> DecodeState:
+                 sampling: np.ndarray, stop_masks: np.ndarray, capacity: int) -> DecodeState:
         """`prefill` of checked prompts into caches of `capacity` slots (at least what they need)."""
         lengths = [len(p) for p in prompts]
         key_data = np.asarray(jax.random.key_data(seed_key(seed)))
@@ -1220,7 +1234,7 @@ class Decoder:
             start, es = 0, self._empty_shardings
             state = self._empty_fn(capacity)(self.tstate, self.dstate, self._rows(roots, 2, es),
                                              self._rows(np.asarray(lengths, np.int32), 3, es),
-                                             self._rows(limits, 4, es), self._rows(temperatures, 5, es),
+                                             self._rows(limits, 4, es), self._rows(sampling, 5, es),
                                              self._rows(stop_masks, 6, es), self._rows(key_data, 7, es))
             c = self.chunk_size(lengths)
         else:
@@ -1228,7 +1242,7 @@ class Decoder:
             rebase = self._rebase_fn(capacity, reuse[0].target_cache.capacity)
             state = rebase(self.tstate, self.dstate, reuse[0], self._rows(roots, 3, rs),
                            self._rows(np.asarray(lengths, np.int32), 4, rs), self._rows(limits, 5, rs),
-                           self._rows(temperatures, 6, rs), self._rows(stop_masks, 7, rs),
+                           self._rows(sampling, 6, rs), self._rows(stop_masks, 7, rs),
                            self._rows(key_data, 8, rs))
             c = self.chunk_size(lengths, start)  # sized to what is left: a few messages, not the conversation
         chunks = -(-(max(lengths) - 1 - start) // c)  # covers prompt[start:-1]; 0 when nothing is left
@@ -1274,20 +1288,32 @@ class Decoder:
                                  "the buffers)")
         return np.asarray(limits, np.int32)
 
-    def _temperatures(self, temperature: float | Sequence[float] | None, rows: int) -> np.ndarray:
-        """[rows] float32 each row's temperature (`prefill`'s `temperature`), checked."""
-        default = float(self.cfg.temperature)
-        if temperature is None:
-            return np.full(rows, default, np.float32)
-        values = self._per_row(temperature, rows, "temperature", (int, float, np.integer, np.floating), "a number",
-                               "numbers")
-        for i, t in enumerate(values):
-            if not math.isfinite(float(t)) or float(t) < 0:
-                raise ValueError(f"temperature[{i}] = {t!r} is not a finite number >= 0")
-        if not self.cfg.temperature_per_row and any(float(t) != default for t in values):
-            raise ValueError(f"temperature {temperature!r} is not DecodeConfig.temperature ({default}): rows take "
-                             "temperatures of their own with DecodeConfig(temperature_per_row=True)")
-        return np.asarray(values, np.float32)
+    def _sampling(self, rows: int, **given) -> np.ndarray:
+        """[rows, 4] float32 each row's temperature, top-k, top-p and min-p (`prefill`'s settings of
+        those names; None: the config's), checked."""
+        cfg = self.cfg
+        kinds = {"temperature": ((int, float, np.integer, np.floating), "a number", "numbers"),
+                 "top_k": ((int, np.integer), "an int", "ints"),
+                 "top_p": ((int, float, np.integer, np.floating), "a number", "numbers"),
+                 "min_p": ((int, float, np.integer, np.floating), "a number", "numbers")}
+        columns = {}
+        for name in SAMPLING_COLUMNS:
+            default = getattr(cfg, name)
+            value = given.get(name)
+            values = [default] * rows if value is None else self._per_row(value, rows, name, *kinds[name])
+            if value is not None and not cfg.sampling_per_row and any(v != default for v in values):
+                raise ValueError(f"{name} {value!r} is not DecodeConfig.{name} ({default}): rows take sampling "
+                                 "settings of their own with DecodeConfig(sampling_per_row=True)")
+            columns[name] = values
+        for i, row in enumerate(zip(*columns.values())):
+            temperature, top_k, top_p, min_p = row
+            if not math.isfinite(float(temperature)) or float(temperature) < 0:
+                raise ValueError(f"temperature[{i}] = {temperature!r} is not a finite number >= 0")
+            try:
+                check_truncation(top_k, top_p, min_p)
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"row {i}: {e}") from None
+        return np.asarray(list(zip(*columns.values())), np.float32).reshape(rows, len(SAMPLING_COLUMNS))
 
     def _stop_masks(self, stop: Sequence[Sequence[str]] | None, rows: int) -> np.ndarray:
         """[rows] int32 the stop strings each row watches (`prefill`'s `stop`), as bit masks over
@@ -1352,7 +1378,7 @@ class Decoder:
 
     def _abstract_state(self, batch: int, capacity: int) -> DecodeState:
         """The shapes and dtypes of a `prefill` result, computed without running anything."""
-        i32, f32 = jax.ShapeDtypeStruct((batch,), jnp.int32), jax.ShapeDtypeStruct((batch,), jnp.float32)
+        i32, f32 = jax.ShapeDtypeStruct((batch,), jnp.int32), jax.ShapeDtypeStruct((batch, 4), jnp.float32)
         return jax.eval_shape(self._empty_fn(capacity), self.tstate, self.dstate, i32, i32, i32, f32, i32,
                               self._key_data_shape())
 
@@ -1371,7 +1397,7 @@ class Decoder:
         b = len(prompts)
         state = self._abstract_state(b, capacity)
         i32 = jax.ShapeDtypeStruct((), jnp.int32)
-        i32_b, f32_b = jax.ShapeDtypeStruct((b,), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.float32)
+        i32_b, f32_b = jax.ShapeDtypeStruct((b,), jnp.int32), jax.ShapeDtypeStruct((b, 4), jnp.float32)
         self._empty_fn(capacity).lower(self.tstate, self.dstate, i32_b, i32_b, i32_b, f32_b, i32_b,
                                        self._key_data_shape()).compile()
         tokens = jax.ShapeDtypeStruct((b, self.chunk_size(lengths)), jnp.int32)
@@ -1455,15 +1481,16 @@ class Decoder:
 
     def generate(self, prompts: Sequence[Sequence[int]], seed: int = 0, *, rounds_per_call: int | None = None,
                  max_new_tokens: int | Sequence[int] | None = None,
-                 temperature: float | Sequence[float] | None = None,
+                 temperature: float | Sequence[float] | None = None, top_k: int | Sequence[int] | None = None,
+                 top_p: float | Sequence[float] | None = None, min_p: float | Sequence[float] | None = None,
                  stop: Sequence[Sequence[str]] | None = None) -> list[Generation]:
-        """Generates for a batch of prompts (`run` over `prefill`, which takes `max_new_tokens`,
-        `temperature` and `stop`).
+        """Generates for a batch of prompts (`run` over `prefill`, which takes `max_new_tokens`, the
+        sampling settings and `stop`).
         On Ctrl-C raises `Interrupted` with `results`: the `Generation` of every row that had
         finished, None for the others. On a mesh the batch is padded to a multiple of
         `row_multiple` and the padding dropped."""
         state = self.prefill(self._padded(prompts), seed, max_new_tokens=max_new_tokens,  # checks the prompts first
-                             temperature=temperature, stop=stop)
+                             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, stop=stop)
         lengths = [len(p) for p in prompts]
         try:
             state = self.run(state, rounds_per_call=rounds_per_call)
@@ -1476,6 +1503,8 @@ class Decoder:
     def generate_continuous(self, prompts: Sequence[Sequence[int]], batch_size: int, seed: int = 0, *,
                             max_new_tokens: int | Sequence[int] | None = None,
                             temperature: float | Sequence[float] | None = None,
+                            top_k: int | Sequence[int] | None = None, top_p: float | Sequence[float] | None = None,
+                            min_p: float | Sequence[float] | None = None,
                             stop: Sequence[Sequence[str]] | None = None) -> list[Generation]:
         """Generates for any number of prompts with `batch_size` rows kept busy (continuous
         batching): the loop runs until a row finishes, its result is read, and the next prompts
@@ -1487,19 +1516,22 @@ class Decoder:
         Prompt i samples with the stream row i of `generate(prompts, seed)` would have (its key
         and its own rounds decide it), so the results equal `generate`'s for every prompt, greedy
         or sampled, in any schedule; only `cfg.fallback_below`, whose plain rounds are batch-wide,
-        makes sampled outputs depend on the schedule. `max_new_tokens`, `temperature` and `stop`:
-        as `prefill` takes them, one per prompt. Ctrl-C is answered after the loop call in flight (`Interrupted`, with
-        `results` holding the prompts finished so far, None for the others).
+        makes sampled outputs depend on the schedule. `max_new_tokens`, the sampling settings and
+        `stop`: as `prefill` takes them, one per prompt. Ctrl-C is answered after the loop call in
+        flight (`Interrupted`, with `results` holding the prompts finished so far, None for the
+        others).
         """
         results: list[Generation | None] = [None] * len(prompts)
         for i, gen in self.continuous(prompts, batch_size, seed, max_new_tokens=max_new_tokens,
-                                      temperature=temperature, stop=stop):
+                                      temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                                      stop=stop):
             results[i] = gen
         return results
 
     def continuous(self, prompts: Sequence[Sequence[int]], batch_size: int, seed: int = 0, *,
                    max_new_tokens: int | Sequence[int] | None = None,
-                   temperature: float | Sequence[float] | None = None,
+                   temperature: float | Sequence[float] | None = None, top_k: int | Sequence[int] | None = None,
+                   top_p: float | Sequence[float] | None = None, min_p: float | Sequence[float] | None = None,
                    stop: Sequence[Sequence[str]] | None = None) -> Iterator[tuple[int, Generation]]:
         """`generate_continuous` as it goes: yields (prompt index, Generation) as each prompt
         finishes, in the order they finish, so a caller (a server, a batch job writing results)
@@ -1514,13 +1546,13 @@ class Decoder:
             raise ValueError(f"batch_size {batch_size} must be a multiple of the mesh's data axis "
                              f"({self.row_multiple})")
         limits = self._limits(max_new_tokens, len(prompts))
-        temperatures = self._temperatures(temperature, len(prompts))
+        sampling = self._sampling(len(prompts), temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
         stop_masks = self._stop_masks(stop, len(prompts))
         self.shapes([len(p) for p in prompts])  # every prompt fits the positions, checked up front
-        return self._continuous(prompts, int(batch_size), seed, limits, temperatures, stop_masks)
+        return self._continuous(prompts, int(batch_size), seed, limits, sampling, stop_masks)
 
     def _continuous(self, prompts: Sequence[Sequence[int]], batch_size: int, seed: int, limits: np.ndarray,
-                    temperatures: np.ndarray, stop_masks: np.ndarray) -> Iterator[tuple[int, Generation]]:
+                    sampling: np.ndarray, stop_masks: np.ndarray) -> Iterator[tuple[int, Generation]]:
         key_data = np.asarray(jax.random.key_data(seed_key(seed)))
         n = len(prompts)
 
@@ -1533,7 +1565,7 @@ class Decoder:
         def prefill(ids: list[int], rows: int) -> DecodeState:  # prompts `ids`, padded with copies of the last
             pad = [ids[-1]] * (rows - len(ids))
             return self._prefill([prompts[i] for i in ids + pad], seed, None, limits[ids + pad],
-                                 temperatures[ids + pad], stop_masks[ids + pad], capacity)
+                                 sampling[ids + pad], stop_masks[ids + pad], capacity)
 
         b = min(batch_size, -(-n // self.row_multiple) * self.row_multiple)  # no idle rows for a few prompts
         first = list(range(min(b, n)))
@@ -1586,14 +1618,15 @@ class Decoder:
     def stream(self, prompts: Sequence[Sequence[int]], seed: int = 0, *,
                reuse: tuple[DecodeState, Sequence[Sequence[int]]] | None = None,
                max_new_tokens: int | Sequence[int] | None = None,
-               temperature: float | Sequence[float] | None = None,
+               temperature: float | Sequence[float] | None = None, top_k: int | Sequence[int] | None = None,
+               top_p: float | Sequence[float] | None = None, min_p: float | Sequence[float] | None = None,
                stop: Sequence[Sequence[str]] | None = None) -> Iterator[tuple[list[list[int]], DecodeState]]:
         """Python-loop twin: yields (new tokens per row, state) after every round (the state may hold
         padding rows after the prompts' rows on a mesh: see `row_multiple`). `reuse`: the last
-        state of an earlier stream of this decoder and that stream's prompts; `max_new_tokens`,
-        `temperature` and `stop`: as `prefill` takes them."""
+        state of an earlier stream of this decoder and that stream's prompts; `max_new_tokens`, the
+        sampling settings and `stop`: as `prefill` takes them."""
         state = self.prefill(self._padded(prompts), seed, reuse=reuse, max_new_tokens=max_new_tokens,
-                             temperature=temperature, stop=stop)
+                             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, stop=stop)
         seen = np.zeros(len(prompts), int)
         while True:
             state = self.step(state)
