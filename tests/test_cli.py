@@ -66,6 +66,8 @@ def _run(capsys, *argv):
         (["chat", "--fallback-below", "inf"], "--fallback-below must be a finite number >= 0.0, got 'inf'"),
         (["eval", "--fallback-rounds", "0"], "--fallback-rounds must be >= 1"),
         (["generate", "--prompt", "hi", "--stop", ""], "--stop is empty"),
+        (["generate", "--prompt", "hi", *(a for i in range(33) for a in ("--stop", f"s{i}"))],
+         "33 distinct stop strings in --stop and the batch file: at most 32"),
         (["generate", "--prompt", "hi", "--logprobs"], "--logprobs needs --json"),
         (["train", "--data", "d", "--out", "o", "--steps", "1", "--heartbeat-timeout", "2.5"],
          "--heartbeat-timeout must be an integer"),

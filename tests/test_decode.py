@@ -167,7 +167,7 @@ def test_rows_take_their_own_max_new_tokens(models, ar_greedy, verifier):
             dec.generate(PROMPTS, max_new_tokens=bad)
 
 
-@pytest.mark.parametrize("verifier", [AR, "tev", "sequential"])
+@pytest.mark.parametrize("verifier", [AR, "tev"])
 def test_rows_take_their_own_temperatures(models, ar_greedy, verifier):
     """With `sampling_per_row`, rows of one batch decode at their own temperatures: a greedy row
     gives autoregressive greedy decoding's tokens and a sampled row the tokens of the same row in

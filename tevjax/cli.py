@@ -650,6 +650,14 @@ def cmd_generate(args) -> int:
     if args.continuous and args.batch_file is None:
         raise CliError("--continuous needs --batch-file (continuous batching refills rows from its prompts)")
     prompts, where, settings = _read_prompts(args)  # cheap checks before the (slow) model load
+    # Each prompt's stop strings (a .jsonl record's "stop", else --stop): rows watch theirs among
+    # the union of all (DecodeConfig.stop), which one automaton holds.
+    from tevjax.decode.stops import MAX_STOPS
+
+    row_stops = [own.get("stop", tuple(args.stop or ())) for own in settings]
+    stops = tuple(dict.fromkeys(s for row in [tuple(args.stop or ()), *row_stops] for s in row))
+    if len(stops) > MAX_STOPS:
+        raise CliError(f"{len(stops)} distinct stop strings in --stop and the batch file: at most {MAX_STOPS}")
     mesh = _mesh(args, default_all=False)
     if args.budget is None:
         args.budget = _default_budget()
@@ -658,7 +666,7 @@ def cmd_generate(args) -> int:
     _note_truncation(args)
 
     from tevjax.decode.engine import Interrupted
-    from tevjax.decode.stops import MAX_STOPS, StopText, cut_text
+    from tevjax.decode.stops import StopText, cut_text
     from tevjax.evaluate import truncation_text
     from tevjax.loading import load_models
     from tevjax.multihost import check_same
@@ -684,17 +692,12 @@ def cmd_generate(args) -> int:
             raise CliError(f"prompt {i} ({where[i]}) is {len(p)} tokens: with --max-new-tokens {args.max_new_tokens} "
                            f"and {slots} tree slots it exceeds the target's {limit} positions")
 
-    # A .jsonl batch file's own sampling settings, lengths and stop strings (the flags' values
-    # elsewhere): rows of one batch sample with theirs (DecodeConfig.sampling_per_row, on only when
-    # they differ) and watch their stop strings among the union of all (DecodeConfig.stop).
+    # A .jsonl batch file's own sampling settings and lengths (the flags' values elsewhere): rows of
+    # one batch sample with theirs (DecodeConfig.sampling_per_row, on only when they differ).
     sampling = {key: [own.get(key, getattr(args, key)) for own in settings] for key in ROW_SAMPLING}
     temperatures = sampling["temperature"]
     limits = [own.get("max_new_tokens", args.max_new_tokens) for own in settings]
     per_row = any(v != getattr(args, key) for key, values in sampling.items() for v in values)
-    row_stops = [own.get("stop", tuple(args.stop or ())) for own in settings]
-    stops = tuple(dict.fromkeys(s for row in [tuple(args.stop or ()), *row_stops] for s in row))
-    if len(stops) > MAX_STOPS:
-        raise CliError(f"{len(stops)} distinct stop strings in --stop and the batch file: at most {MAX_STOPS}")
     own_stops = any("stop" in own for own in settings)
     cfg = _decode_config(args, models, speculative, stop=stops, logprobs=args.logprobs, sampling_per_row=per_row,
                          temperatures=temperatures)
