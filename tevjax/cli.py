@@ -531,8 +531,6 @@ def _read_prompts(args) -> tuple[list[str | list[int]], list[str], list[dict[str
     return prompts, where, settings
 
 
-# A .jsonl record's own sampling settings (the flags of the same names elsewhere).
-ROW_SAMPLING = ("temperature", "top_k", "top_p", "min_p")
 # top_k, top_p, min_p: (whether a JSON value is one, what it must be) -- what `check_truncation` takes.
 _TRUNCATION_CHECKS = {
     "top_k": (lambda v: isinstance(v, int) and 0 <= v < 2**31, "an integer >= 0 (0: off)"),
@@ -549,7 +547,9 @@ def _jsonl_record(line: str, where: str, args) -> tuple[str | list[int], dict[st
         raise CliError(f"{where}: not a JSON object ({e.msg} at column {e.colno})") from None
     if not isinstance(record, dict):
         raise CliError(f"{where}: not a JSON object, got {type(record).__name__}")
-    unknown = sorted(set(record) - {"prompt", "prompt_ids", *ROW_SAMPLING, "max_new_tokens", "stop"})
+    from tevjax.decode.engine import SAMPLING_COLUMNS  # a record's own sampling settings, as a row's
+
+    unknown = sorted(set(record) - {"prompt", "prompt_ids", *SAMPLING_COLUMNS, "max_new_tokens", "stop"})
     if unknown:
         raise CliError(f"{where}: unknown key(s) {', '.join(map(repr, unknown))} (a record has \"prompt\" or "
                        "\"prompt_ids\", and optionally \"temperature\", \"top_k\", \"top_p\", \"min_p\", "
@@ -665,7 +665,7 @@ def cmd_generate(args) -> int:
     _check_lookup(args)
     _note_truncation(args)
 
-    from tevjax.decode.engine import Interrupted
+    from tevjax.decode.engine import SAMPLING_COLUMNS, Interrupted
     from tevjax.decode.stops import StopText, cut_text
     from tevjax.evaluate import truncation_text
     from tevjax.loading import load_models
@@ -694,7 +694,7 @@ def cmd_generate(args) -> int:
 
     # A .jsonl batch file's own sampling settings and lengths (the flags' values elsewhere): rows of
     # one batch sample with theirs (DecodeConfig.sampling_per_row, on only when they differ).
-    sampling = {key: [own.get(key, getattr(args, key)) for own in settings] for key in ROW_SAMPLING}
+    sampling = {key: [own.get(key, getattr(args, key)) for own in settings] for key in SAMPLING_COLUMNS}
     temperatures = sampling["temperature"]
     limits = [own.get("max_new_tokens", args.max_new_tokens) for own in settings]
     per_row = any(v != getattr(args, key) for key, values in sampling.items() for v in values)
@@ -733,7 +733,7 @@ def cmd_generate(args) -> int:
                 "lookup": cfg.lookup if speculative else 0,
                 "corpus": cfg.corpus if speculative else 0,
                 "fallback_below": cfg.fallback_below if speculative else 0.0,
-                **{key: sampling[key][start + j] for key in ROW_SAMPLING},
+                **{key: sampling[key][start + j] for key in SAMPLING_COLUMNS},
                 "max_new_tokens": limits[start + j],
                 "drafter_trained": models.drafter_trained if speculative else None,
                 "compile_seconds": round(compile_seconds, 3),
@@ -749,7 +749,7 @@ def cmd_generate(args) -> int:
                       f"verifier {args.verifier}, budget {record['budget']}, lookup {record['lookup']}, "
                       f"corpus {record['corpus']}, "
                       f"temperature {temperatures[start + j]}"
-                      f"{truncation_text(*(sampling[key][start + j] for key in ROW_SAMPLING[1:]))} "
+                      f"{truncation_text(*(sampling[key][start + j] for key in SAMPLING_COLUMNS[1:]))} "
                       f"(compile {compile_seconds:.1f} s, load {load_seconds:.1f} s)", flush=True)
 
     if args.continuous:
@@ -759,7 +759,7 @@ def cmd_generate(args) -> int:
         reported: set[int] = set()
         try:
             for i, g in decoder.continuous(ids, rows, seed=args.seed, max_new_tokens=limits,
-                                           **({key: sampling[key] for key in ROW_SAMPLING} if per_row else {}),
+                                           **({key: sampling[key] for key in SAMPLING_COLUMNS} if per_row else {}),
                                            stop=row_stops if own_stops else None):
                 report(i, [ids[i]], [g], time.perf_counter() - t1, compile_seconds)
                 reported.add(i)
@@ -773,7 +773,7 @@ def cmd_generate(args) -> int:
             batch = ids[start: start + args.batch_size]
             part = slice(start, start + args.batch_size)
             own = dict(max_new_tokens=limits[part], stop=row_stops[part] if own_stops else None,
-                       **({key: sampling[key][part] for key in ROW_SAMPLING} if per_row else {}))
+                       **({key: sampling[key][part] for key in SAMPLING_COLUMNS} if per_row else {}))
             decoder.shapes([len(p) for p in batch])  # capacity / position checks before compiling
             compile_seconds = decoder.compile(batch, streaming=stream)
             t1 = time.perf_counter()
