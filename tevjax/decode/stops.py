@@ -148,12 +148,11 @@ def advance(table: StopTable, state: jax.Array, tokens: jax.Array, valid: jax.Ar
     `valid` [n] leave it as it is), from `state` (an int32 scalar) -> [n] int32; `matched` once a
     token completes a stop string in the row's `mask` (bit i: string i; -1, the default: all)."""
     table_next, table_hits = jnp.asarray(table.next), jnp.asarray(table.hits)  # a host-built table works too
-    matched = table_next.shape[0] - 1
 
     def step(q, tv):
         t, v = tv
         t = jnp.maximum(t, 0)
-        moved = jnp.where((table_hits[q, t] & mask) != 0, matched, table_next[q, t])
+        moved = jnp.where((table_hits[q, t] & mask) != 0, table.matched, table_next[q, t])
         q = jnp.where(v, moved, q)
         return q, q
 
