@@ -161,6 +161,7 @@ def test_drafter_scale_next_session_recipe(tmp_path):
     assert w0.shape == w1.shape and not np.array_equal(w0, w1)
 
 
+@pytest.mark.slow  # ~20 s: it splits the 94 MiB GGUF and rebuilds both prompt plans
 def test_staging_splits_the_target_and_plans_prompts_without_heldout_conversations(tmp_path):
     """experiments/gpu/stage_drafter_scale.py: the two folders join into the GGUF again (its digest
     travels too), each call weighs the same and fits the cap, and the prompts are the plans'

@@ -218,6 +218,10 @@ def test_two_processes_generate_train_resume_and_decode_as_one(tmp_path):
         np.testing.assert_array_equal(got[name], np.asarray(want, np.float32), err_msg=name)
 
 
+# Slow (three processes, ~20 s): the default suite joins jobs by the environment
+# (test_cli_eval_on_two_processes_measures_what_one_does) and parses the flags in
+# test_a_job_that_never_assembles_stops_at_the_join_timeout.
+@pytest.mark.slow
 def test_cli_generate_joins_two_processes_by_its_flags(tiny_llama_dir):
     """`tevjax generate` on two processes joined by --coordinator / --num-processes / --process-id
     on a (2, 2) mesh prints, on each of them, the tokens one process prints on one device."""
@@ -582,7 +586,9 @@ NOT_SHARED = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("what", ["data", "run"])
+# The run directory's case stays in the default suite; the data directory's goes through the same
+# check (`check_shared_dir`) and costs another ~15 s of two processes, so it runs with the slow tests.
+@pytest.mark.parametrize("what", [pytest.param("data", marks=pytest.mark.slow), "run"])
 def test_directories_the_hosts_do_not_share_are_refused(tmp_path, what):
     """Process 0 writes the data and run directories and every host reads them, and orbax writes
     each checkpoint from every host: a path that is each host's own directory (a local disk, or

@@ -79,12 +79,14 @@ def test_causal_attention_equals_masked_attention():
     b, t, h, kh, dh, s = 3, 8, 4, 2, 16, 30
     q, k, v = (jnp.asarray(rng.standard_normal(shape), jnp.float32)
                for shape in ((b, t, h, dh), (b, kh, s, dh), (b, kh, s, dh)))  # caches are heads-major
-    for first in ([0, 5, s - t], [9, 13, s - t], [s - 2, s - 3, s - 1]):  # the last: queries past the cache
-        first = jnp.asarray(first, jnp.int32)
-        want = attention(q, k, v, full_mask(jnp.broadcast_to(causal_mask(t), (b, t, t)), first, s))
-        for key_block in (1, 4, 7, 16, s, 64):
-            for query_block in (1, 2, 3, 4, t, 64):
-                got = causal_attention(q, k, v, first, key_block=key_block, query_block=query_block)
+    # One compile per block shape, reused for every prefix (eager calls compiled each of them anew).
+    causal = jax.jit(causal_attention, static_argnames=("key_block", "query_block"))
+    firsts = [jnp.asarray(f, jnp.int32) for f in ([0, 5, s - t], [9, 13, s - t], [s - 2, s - 3, s - 1])]
+    wants = [attention(q, k, v, full_mask(jnp.broadcast_to(causal_mask(t), (b, t, t)), first, s)) for first in firsts]
+    for key_block in (1, 4, 7, 16, s, 64):
+        for query_block in (1, 2, 3, 4, t, 64):
+            for first, want in zip(firsts, wants):  # the last: queries past the cache
+                got = causal(q, k, v, first, key_block=key_block, query_block=query_block)
                 np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6, rtol=1e-5,
                                            err_msg=f"first={first}, key_block={key_block}, query_block={query_block}")
 

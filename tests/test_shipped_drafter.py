@@ -85,6 +85,8 @@ def test_shipped_corpus_is_answers_to_training_prompts_and_its_table_is_cached(t
         load_ngrams(broken)
 
 
+# Slow (~20 s of a 2-core run): it re-derives committed files, which change only with the assets.
+@pytest.mark.slow
 def test_the_records_that_share_a_heldout_conversation_are_the_listed_ones(tmp_path):
     """experiments/heldout_sources.py, run again: it rebuilds the later-turn plan the GPU records
     were drawn from, checks that every record's prompt is its plan prompt, and lists the records
