@@ -368,15 +368,64 @@ def test_config_roundtrip_and_v5_rope_parameters():
     assert ModelConfig.from_hf_config(qwen.to_hf_config(), dtype="float32").dtype == "float32"
 
 
+def test_sliding_windows_are_read_as_transformers_reads_them():
+    """Mistral's window covers every layer (absent: transformers' 4096; null: none); Qwen2 / Qwen3
+    windows need use_sliding_window and cover the layers from max_window_layers on, or those that
+    layer_types marks; each config goes back to a dict that transformers reads as the same layers."""
+    mistral = tiny_config("mistral").to_hf_config()
+    assert mistral["sliding_window"] is None
+    assert ModelConfig.from_hf_config(mistral).sliding_window is None
+    absent = {k: v for k, v in mistral.items() if k != "sliding_window"}
+    assert transformers.MistralConfig(**absent).sliding_window == 4096
+    cfg = ModelConfig.from_hf_config(absent)
+    assert (cfg.sliding_window, cfg.sliding_layers, cfg.layer_windows) == (4096, (0, 1), (4096, 4096))
+    cfg = ModelConfig.from_hf_config({**mistral, "sliding_window": 5})
+    assert (cfg.sliding_window, cfg.sliding_layers) == (5, (0, 1))
+    assert transformers.MistralConfig(**cfg.to_hf_config()).sliding_window == 5
+    for arch, hf_class in (("qwen2", transformers.Qwen2Config), ("qwen3", transformers.Qwen3Config)):
+        base = {**tiny_config(arch, num_layers=4).to_hf_config(), "layer_types": None}
+        for patch, layers in [({"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 1}, (1, 2, 3)),
+                              ({"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 4}, ()),
+                              ({"use_sliding_window": False, "sliding_window": 6, "max_window_layers": 0}, ()),
+                              ({"use_sliding_window": True, "sliding_window": 6,
+                                "layer_types": ["sliding_attention", "full_attention"] * 2}, (0, 2))]:
+            hf = hf_class(**{**base, **patch})
+            want = tuple(i for i, t in enumerate(hf.layer_types) if t == "sliding_attention")
+            assert want == layers, (arch, patch)
+            cfg = ModelConfig.from_hf_config({**base, **patch})
+            assert cfg.sliding_layers == layers and cfg.sliding_window == (6 if layers else None), (arch, patch)
+            back = hf_class(**cfg.to_hf_config())
+            assert back.layer_types == hf.layer_types and ModelConfig.from_hf_config(back.to_dict()) == cfg
+    for kw, match in [(dict(architecture="llama", sliding_window=4, sliding_layers=(0,)), "'llama' has no sliding"),
+                      (dict(architecture="mistral", sliding_window=4, sliding_layers=(1,)), "every layer"),
+                      (dict(architecture="qwen2", sliding_window=4), "needs a sliding_window and the other way"),
+                      (dict(architecture="qwen2", sliding_layers=(1,)), "needs a sliding_window"),
+                      (dict(architecture="qwen2", sliding_window=4, sliding_layers=(1, 0)), "increasing layer"),
+                      (dict(architecture="qwen2", sliding_window=4, sliding_layers=(2,)), r"in \[0, 2\)"),
+                      (dict(architecture="qwen2", sliding_window=-1, sliding_layers=(0,)), "positive int")]:
+        with pytest.raises(ValueError, match=match):
+            tiny_config(**kw)
+
+
 def test_config_rejects_unsupported():
     base = tiny_config("qwen3").to_hf_config()
-    for patch, match in [({"use_sliding_window": True}, "use_sliding_window"),
+    for patch, match in [({"use_sliding_window": True, "sliding_window": None}, "use_sliding_window=true needs a "
+                                                                                 "sliding_window, got null"),
                          ({"hidden_act": "gelu"}, "hidden_act"),
                          ({"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}},
                           "rope_type 'dynamic' is not supported"),
                          ({"model_type": "gemma"}, "gemma.*supported: llama, mistral, qwen2, qwen3"),
-                         ({"model_type": "mistral", "sliding_window": 4096}, "sliding_window=4096 is not supported"),
-                         ({"layer_types": ["full_attention", "sliding_attention"]}, "sliding_attention"),
+                         ({"model_type": "mistral", "sliding_window": 8, "layer_types": ["full_attention",
+                                                                                          "sliding_attention"]},
+                          "mixing full and sliding attention are not supported for model_type 'mistral'"),
+                         ({"layer_types": ["full_attention", "sliding_attention"]},
+                          "marks sliding_attention layers but use_sliding_window is false"),
+                         ({"layer_types": ["full_attention", "chunked_attention"]},
+                          r"layer_types \['chunked_attention'\] are not supported"),
+                         ({"layer_types": ["full_attention"]}, "'layer_types' must be a list of 2 strings"),
+                         ({"model_type": "llama", "layer_types": ["sliding_attention"] * 2},
+                          "sliding_attention are not supported for model_type 'llama'"),
+                         ({"model_type": "mistral", "sliding_window": 0}, "sliding_window"),
                          ({"num_key_value_heads": 3}, "num_heads=4 must be a multiple of num_kv_heads=3")]:
         with pytest.raises(ValueError, match=match):
             ModelConfig.from_hf_config({**base, **patch})

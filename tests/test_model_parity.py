@@ -65,9 +65,17 @@ VARIANTS = {
     # Mistral (v0.2 onwards): Llama's layers with full attention; head_dim (8) given.
     "mistral": ("MistralConfig", "MistralForCausalLM",
                 dict(tie_word_embeddings=False, head_dim=8, sliding_window=None, rope_theta=1_000_000.0)),
+    # Mistral-7B-v0.1's sliding window (every layer), 5 wide: the 13-token parity runs reach past it.
+    "mistral-window": ("MistralConfig", "MistralForCausalLM",
+                       dict(tie_word_embeddings=False, head_dim=8, sliding_window=5, rope_theta=1_000_000.0)),
+    # Qwen2 with use_sliding_window: a 4-wide window in layers 1-2 (max_window_layers 1), layer 0 full.
+    "qwen2-window": ("Qwen2Config", "Qwen2ForCausalLM",
+                     dict(tie_word_embeddings=True, rope_theta=1_000_000.0, use_sliding_window=True, sliding_window=4,
+                          max_window_layers=1)),
 }
 
-HEAD_DIM = {"qwen3": 32, "qwen3-yarn": 32, "mistral": 8}
+HEAD_DIM = {"qwen3": 32, "qwen3-yarn": 32, "mistral": 8, "mistral-window": 8}
+WINDOWS = {"mistral-window": (5, (0, 1, 2)), "qwen2-window": (4, (1, 2))}
 ROPE_TYPE = {"llama3-rope": "llama3", "llama-linear-rope": "linear", "qwen3-yarn": "yarn"}
 
 
@@ -102,12 +110,13 @@ def test_config_translation(hf_pair):
     assert cfg.qk_norm == variant.startswith("qwen3")
     assert cfg.tie_word_embeddings == variant.startswith("qwen")
     assert cfg.attention_bias == (variant == "llama3-rope")
-    assert cfg.qkv_biased == (variant in ("llama3-rope", "qwen2"))
+    assert cfg.qkv_biased == variant.startswith(("llama3-rope", "qwen2"))
     biases = {k.split(".", 3)[-1] for k in hf.state_dict() if k.endswith(".bias")}
     assert biases == ({"self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"} if cfg.qkv_biased
                       else set()) | ({"self_attn.o_proj.bias"} if cfg.attention_bias else set()), biases
     assert (cfg.rope_scaling and cfg.rope_scaling.rope_type) == ROPE_TYPE.get(variant)
     assert cfg.eos_token_ids == (2,) and cfg.bos_token_id == 1
+    assert (cfg.sliding_window, cfg.sliding_layers) == WINDOWS.get(variant, (None, ()))
 
 
 def test_whole_model_parity(hf_pair):
@@ -293,3 +302,83 @@ def test_attention_fully_masked_row_is_finite():
     np.testing.assert_allclose(np.asarray(out[0, 1], np.float32),
                                np.broadcast_to(np.asarray(kv, np.float32)[0, 0].mean(0), (2, 4)), atol=2e-2)
     assert NEG_INF > float(jnp.finfo(jnp.float32).min) / 2 and NEG_INF < -1e20
+
+
+@pytest.mark.parametrize("variant", list(WINDOWS))
+def test_windowed_causal_runs_and_tree_passes_match_hf(variant, tmp_path):
+    """With sliding windows, what the decoder runs equals transformers on each path's own sequence:
+    a prompt prefilled in two causal chunks (the second reads the first through the cache, past
+    the window), then a tree pass over the cached prefix whose nodes sit at prefix + depth, two
+    branches at each of the first two depths, one branch running past the window again."""
+    hf = build_hf(variant)
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    cfg, model = load_hf_target(tmp_path)
+    graphdef, state = nnx.split(model)
+    rng = np.random.default_rng(6)
+    seq = rng.integers(3, cfg.vocab_size, 16).astype(np.int32)
+
+    def hf_logits(tokens):
+        with torch.no_grad():
+            return hf(torch.from_numpy(np.asarray(tokens, np.int64))[None]).logits[0].numpy()
+
+    cache, s = KVCache.init(cfg, 1, 32), 32
+    prefill = []
+    for start, end in ((0, 4), (4, 11)):  # chunks of 4 and 7 tokens
+        t = end - start
+        out = FWD(graphdef, state, jnp.asarray(seq[None, start:end]), jnp.arange(start, end, dtype=jnp.int32)[None],
+                  cache, jnp.asarray([start], jnp.int32), None)
+        cache = out.cache
+        prefill.append(np.asarray(out.logits[0]))
+    np.testing.assert_allclose(np.concatenate(prefill), hf_logits(seq[:11]), atol=1e-4, rtol=0)
+
+    # Tree over the 10 cached tokens: node 0 = seq[10] (the root, depth 0), children seq[11] and a
+    # stray token, under seq[11] seq[12] and another stray, then seq[13], seq[14] below seq[12].
+    stray = [int(t) for t in rng.integers(3, cfg.vocab_size, 2)]
+    tokens = [seq[10], seq[11], stray[0], seq[12], stray[1], seq[13], seq[14]]
+    parents = [-1, 0, 0, 1, 1, 3, 5]
+    depth, anc = [], np.zeros((7, 7), bool)
+    for i, p in enumerate(parents):
+        depth.append(0 if p < 0 else depth[p] + 1)
+        anc[i] = anc[p] if p >= 0 else False
+        anc[i, i] = True
+    prefix = 10
+    out = FWD(graphdef, state, jnp.asarray([tokens], jnp.int32), jnp.asarray([[prefix + d for d in depth]], jnp.int32),
+              cache, jnp.asarray([prefix], jnp.int32), jnp.asarray(anc[None]))
+    for i in range(7):
+        path = [tokens[j] for j in range(7) if anc[i, j]]  # ancestors in depth order (parents come first)
+        want = hf_logits(np.concatenate([seq[:prefix], path]))[-1]
+        np.testing.assert_allclose(np.asarray(out.logits[0, i]), want, atol=1e-4, rtol=0, err_msg=f"node {i}")
+    assert max(depth) + prefix + 1 > 2 * WINDOWS[variant][0]  # the deepest path reaches past two windows
+
+
+@pytest.mark.parametrize("variant", list(WINDOWS))
+def test_windowed_decoding_equals_transformers_generate(variant, tmp_path):
+    """Greedy decoding of a windowed target, autoregressive and speculative (TEV over a fresh
+    drafter and the context chain: trees with several branches, and rounds of several tokens),
+    gives transformers' greedy tokens, for prompts of two lengths in one batch whose answers run
+    several windows long."""
+    from tevjax.decode import DecodeConfig, Decoder
+    from tevjax.models.dflash import DFlashConfig, DFlashDrafter
+
+    hf = build_hf(variant)
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    cfg, model = load_hf_target(tmp_path)
+    prompts = [[5, 17, 42, 8, 99, 23, 61, 7, 150], [3, 250, 14, 77]]
+    hf.generation_config.eos_token_id = None  # 20 tokens each; tevjax's DecodeConfig has no eos_ids either
+    want = []
+    for prompt in prompts:
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                              max_new_tokens=20, do_sample=False, pad_token_id=0)
+        want.append(out[0, len(prompt):].tolist())
+    assert [len(w) for w in want] == [20, 20]
+    kw = dict(max_new_tokens=20, prompt_bucket=16, capacity=64)
+    ar = Decoder(model, None, DecodeConfig(**kw)).generate(prompts)
+    assert [g.tokens for g in ar] == want
+    drafter = DFlashDrafter(DFlashConfig.for_target(cfg, num_layers=1, block_size=4, mask_token_id=299),
+                            rngs=nnx.Rngs(1))
+    spec = Decoder(model, drafter, DecodeConfig(verifier="tev", budget=8, lookup=8, **kw)).generate(prompts)
+    assert [g.tokens for g in spec] == want
+    # Some rounds take more than one token (the context chain finds the answers' repeats), so
+    # windowed tree nodes below the root were accepted, not only the roots' own steps.
+    assert sum(g.rounds for g in spec) < 40

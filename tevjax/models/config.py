@@ -245,6 +245,13 @@ class ModelConfig:
     bos_token_id: int | None = None
     dtype: str = "float32"
     param_dtype: str = "float32"
+    # Sliding-window attention (Mistral-7B-v0.1 and its fine-tunes; Qwen2/Qwen3 with
+    # use_sliding_window): in the layers `sliding_layers`, the token at position p attends only to
+    # positions p - sliding_window + 1 .. p, transformers' `kv_idx > q_idx - sliding_window`.
+    # None: every layer attends to the whole prefix. The cache still keeps every slot: a window
+    # changes what a layer reads, not what the cache holds.
+    sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] = ()
 
     def __post_init__(self):
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -271,6 +278,27 @@ class ModelConfig:
                 )
         # Tuples keep the config hashable (it is a static argument of jitted functions).
         object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
+        object.__setattr__(self, "sliding_layers", tuple(int(i) for i in self.sliding_layers))
+        window, layers = self.sliding_window, self.sliding_layers
+        if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window <= 0):
+            raise ValueError(f"ModelConfig.sliding_window must be a positive int or None, got {window!r}")
+        if (window is None) != (not layers):
+            raise ValueError(f"ModelConfig.sliding_layers={layers} needs a sliding_window and the other way "
+                             f"round (sliding_window={window!r})")
+        if sorted(set(layers)) != list(layers) or not all(0 <= i < self.num_layers for i in layers):
+            raise ValueError(f"ModelConfig.sliding_layers={layers} must be increasing layer indices in "
+                             f"[0, {self.num_layers})")
+        if layers and self.architecture == "llama":
+            raise ValueError("ModelConfig: architecture 'llama' has no sliding window (Llama checkpoints attend "
+                             "fully); use 'mistral', 'qwen2' or 'qwen3'")
+        if self.architecture == "mistral" and layers and len(layers) != self.num_layers:
+            raise ValueError(f"ModelConfig: a Mistral window applies to every layer, got sliding_layers={layers} "
+                             f"of {self.num_layers}")
+
+    @property
+    def layer_windows(self) -> tuple[int, ...]:
+        """Each layer's window, 0 for full attention (the per-layer input of the layer scan)."""
+        return tuple(self.sliding_window if i in self.sliding_layers else 0 for i in range(self.num_layers))
 
     @property
     def qkv_biased(self) -> bool:
@@ -298,8 +326,9 @@ class ModelConfig:
         """Builds a config from an HF config dict, a `config.json` path or a checkpoint directory.
 
         `overrides` replace fields after translation (e.g. `dtype="bfloat16"`). Features this
-        model does not implement (sliding windows, MLP biases, other RoPE types, non-SiLU MLPs)
-        raise `ValueError` rather than producing a silently different model.
+        model does not implement (MLP biases, other RoPE types, non-SiLU MLPs, attention kinds
+        besides full and sliding-window) raise `ValueError` rather than producing a silently
+        different model.
         """
         c, source = read_config_json(config, what="HF config")
         model_type = c.get("model_type")
@@ -317,16 +346,7 @@ class ModelConfig:
             raise ValueError(f"{source}: hidden_act={act!r} is not supported (only 'silu')")
         if c.get("mlp_bias", False):
             raise ValueError(f"{source}: mlp_bias=True is not supported")
-        if c.get("use_sliding_window", False):
-            raise ValueError(f"{source}: use_sliding_window=True is not supported")
-        # Mistral's window applies to every layer whenever it is set (Mistral-7B-v0.1: 4096);
-        # v0.2 onwards and Qwen2 (whose window is gated by use_sliding_window) attend fully.
-        if model_type == "mistral" and c.get("sliding_window") is not None:
-            raise ValueError(f"{source}: sliding_window={c['sliding_window']!r} is not supported (only "
-                             f"full attention, sliding_window null)")
-        odd_layers = sorted({t for t in (c.get("layer_types") or []) if t != "full_attention"})
-        if odd_layers:
-            raise ValueError(f"{source}: layer_types {odd_layers} are not supported (only full_attention)")
+        window, sliding_layers = _sliding_window(c, model_type, source)
         if c.get("pretraining_tp", 1) not in (1, None):
             raise ValueError(f"{source}: pretraining_tp={c['pretraining_tp']} is not supported")
 
@@ -378,6 +398,8 @@ class ModelConfig:
             bos_token_id=bos[0] if bos else None,
             dtype=dtype,
             param_dtype=dtype,
+            sliding_window=window,
+            sliding_layers=sliding_layers,
         )
         try:
             return with_overrides(cls, fields, overrides)
@@ -419,10 +441,66 @@ class ModelConfig:
         if self.architecture in ("llama", "qwen3", "mistral"):
             out["attention_bias"] = self.attention_bias
         if self.architecture in ("qwen2", "qwen3"):
-            out["use_sliding_window"] = False
+            out["use_sliding_window"] = self.sliding_window is not None
+            out["sliding_window"] = self.sliding_window
+            # transformers derives the layers from max_window_layers when layer_types is absent;
+            # the explicit list says any set of layers (and is read back first).
+            out["max_window_layers"] = self.sliding_layers[0] if self.sliding_layers else self.num_layers
+            out["layer_types"] = ["sliding_attention" if w else "full_attention" for w in self.layer_windows]
         if self.architecture == "mistral":
-            out["sliding_window"] = None
+            out["sliding_window"] = self.sliding_window
         return out
+
+
+# transformers' defaults where a config.json leaves the keys out (MistralConfig, Qwen2Config, Qwen3Config).
+_MISTRAL_WINDOW = 4096
+_QWEN_WINDOW = 4096
+_QWEN_MAX_WINDOW_LAYERS = 28
+
+
+def _sliding_window(c: Mapping[str, Any], model_type: str, source: str) -> tuple[int | None, tuple[int, ...]]:
+    """(window, sliding layers) as transformers reads them from an HF config.
+
+    Mistral: `sliding_window` applies to every layer; absent means transformers' 4096 and null
+    means full attention (Mistral-7B-v0.1 and its fine-tunes: 4096; v0.2 onwards: null).
+    Qwen2 / Qwen3: a window only with `use_sliding_window`, in the layers `layer_types` marks
+    "sliding_attention", or without that list in layers max_window_layers onwards. Llama: none.
+    """
+    layers_n = config_field(c, "num_hidden_layers", int, source, positive=True)
+    types = c.get("layer_types")
+    if types is not None:
+        if not isinstance(types, list) or len(types) != layers_n:
+            raise ValueError(f"{source}: field 'layer_types' must be a list of {layers_n} strings, got {types!r}")
+        odd = sorted({str(t) for t in types} - {"full_attention", "sliding_attention"})
+        if odd:
+            raise ValueError(f"{source}: layer_types {odd} are not supported (only full_attention and "
+                             f"sliding_attention)")
+    if model_type == "llama":
+        if types is not None and "sliding_attention" in types:
+            raise ValueError(f"{source}: layer_types with sliding_attention are not supported for model_type "
+                             f"'llama'")
+        return None, ()
+    if model_type == "mistral":
+        if types is not None and len(set(types)) > 1:
+            raise ValueError(f"{source}: layer_types mixing full and sliding attention are not supported for "
+                             f"model_type 'mistral' (transformers' MistralForCausalLM ignores them)")
+        if "sliding_window" in c and c["sliding_window"] is None:
+            return None, ()
+        return config_field(c, "sliding_window", int, source, _MISTRAL_WINDOW, positive=True), tuple(range(layers_n))
+    if not config_field(c, "use_sliding_window", bool, source, False):
+        if types is not None and "sliding_attention" in types:
+            raise ValueError(f"{source}: layer_types marks sliding_attention layers but use_sliding_window is "
+                             f"false, so transformers gives them no window")
+        return None, ()
+    if c.get("sliding_window", _QWEN_WINDOW) is None:
+        raise ValueError(f"{source}: use_sliding_window=true needs a sliding_window, got null")
+    window = config_field(c, "sliding_window", int, source, _QWEN_WINDOW, positive=True)
+    if types is not None:
+        layers = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    else:
+        first = config_field(c, "max_window_layers", int, source, _QWEN_MAX_WINDOW_LAYERS)
+        layers = tuple(range(max(first, 0), layers_n))
+    return (window, layers) if layers else (None, ())
 
 
 # Published numbers (Hugging Face config.json of each checkpoint). Large models store bf16.

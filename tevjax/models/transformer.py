@@ -17,6 +17,10 @@ S = 6 and the tree block mask of a root with two children::
     [1 1 0]     ->    [1 1 | 1 1 0 | 0]
     [1 0 1]           [1 1 | 1 0 1 | 0]
 
+Sliding windows (`ModelConfig.sliding_window`, in `sliding_layers`) narrow this per layer: a
+query at position p sees only keys at positions > p - window, the committed slot s holding
+position s. A causal run's queries sit at slots write_pos + t, positions equal to slots.
+
 Layers are stacked along a leading axis (created with `nnx.vmap`) and run under `jax.lax.scan`,
 so a 36-layer model compiles one layer body. Shape letters follow the legend in
 `tevjax/__init__.py` (here T: the new tokens of one call).
@@ -101,20 +105,28 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, **kw)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, **kw)
 
-    def __call__(self, x, *, positions, rope, mask, cache_k, cache_v, layer, write_idx, write_pos):
+    def __call__(self, x, *, positions, rope, mask, cache_k, cache_v, layer, write_idx, write_pos,
+                 window=None, distance=None):
         """One layer over the new tokens.
 
         x [B, T, D]; mask [B, T, S], or None for a causal run starting at slots write_pos [B];
         cache_k/v: the full [L, B, K, S, Dh] stacks (scan carry, so the write is an in-place
         scatter of T entries, not a copy of the layer's slab); layer: traced layer index;
-        write_idx [B, T] slot of each new token (S = dropped).
+        write_idx [B, T] slot of each new token (S = dropped). A model with sliding windows also
+        passes window, the layer's (traced scalar, 0 = none), and distance [B, T, S], each query's
+        position minus each slot's (for a mask; a causal run compares slots).
         """
         q, k, v = self.self_attn.qkv(self.input_layernorm(x), positions, rope)
         cache_k, cache_v = write_layer(cache_k, layer, write_idx, k), write_layer(cache_v, layer, write_idx, v)
         k_all = jax.lax.dynamic_index_in_dim(cache_k, layer, 0, keepdims=False)  # [B, K, S, Dh]
         v_all = jax.lax.dynamic_index_in_dim(cache_v, layer, 0, keepdims=False)
         k_all, v_all = k_all.astype(q.dtype), v_all.astype(q.dtype)
-        a = attention(q, k_all, v_all, mask) if mask is not None else causal_attention(q, k_all, v_all, write_pos)
+        if mask is None:
+            a = causal_attention(q, k_all, v_all, write_pos, window=window)
+        else:
+            if window is not None:
+                mask = mask & ((window == 0) | (distance < window))
+            a = attention(q, k_all, v_all, mask)
         x = x + self.self_attn.out(a)
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, cache_k, cache_v
@@ -234,6 +246,18 @@ class Transformer(nnx.Module):
         write_idx = jnp.where((write_idx >= 0) & (write_idx < s), write_idx, s)  # S: dropped
         rope = Rope.of(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         wanted = np.asarray(hidden_layers, np.int32)  # [R] static
+        windows = np.asarray(cfg.layer_windows, np.int32) if cfg.sliding_window else None  # [L] static
+        distance = None
+        if windows is not None and mask is not None:
+            # A committed slot s holds position s (prefill writes a prompt's token i at slot i, and
+            # each round commits its accepted path after the prefix); the run's own slots hold its
+            # positions, a tree node's the prefix length plus its depth. Windows are over positions,
+            # so a tree node sees what it would see at the end of its path's causal sequence.
+            slot = jnp.arange(s, dtype=jnp.int32)[None, :]
+            rel = slot - write_pos[:, None]  # [B, S]
+            own = jnp.take_along_axis(positions.astype(jnp.int32), jnp.clip(rel, 0, t - 1), axis=1)
+            key_pos = jnp.where((rel >= 0) & (rel < t), own, slot)
+            distance = positions.astype(jnp.int32)[:, :, None] - key_pos[:, None, :]  # [B, T, S]
 
         x = self.embed(tokens)
         graphdef, layer_state = nnx.split(self.layers)
@@ -241,9 +265,10 @@ class Transformer(nnx.Module):
         def body(carry, xs):
             x, ck, cv, buf = carry
             state, layer = xs
+            window = None if windows is None else jnp.asarray(windows)[layer]
             x, ck, cv = nnx.merge(graphdef, state)(
                 x, positions=positions, rope=rope, mask=mask, cache_k=ck, cache_v=cv,
-                layer=layer, write_idx=write_idx, write_pos=write_pos)
+                layer=layer, write_idx=write_idx, write_pos=write_pos, window=window, distance=distance)
             if wanted.size:
                 # Buffer of R slots written only where the layer index matches: O(R), not O(L).
                 hit = jnp.asarray(wanted) == layer
