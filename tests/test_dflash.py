@@ -658,3 +658,32 @@ def test_grown_drafter_computes_the_same_logits_and_trains_its_new_layer(drafter
                                   np.asarray(_train_logits(grown, target, feats, tokens, ANCHORS)))
     with pytest.raises(ValueError, match="only adding layers"):
         grow_drafter(grown, 1, rngs=nnx.Rngs(0))
+
+
+def test_mask_token_is_one_text_never_contains():
+    """`mask_token_for`'s order: SmolLM2's <empty_output>; else a spare embedding row past the
+    tokenizer; else Llama-3's first reserved token or Gemma's <unused0>; else a named error."""
+    from tevjax.loading import mask_token_for
+
+    class Tok:
+        def __init__(self, vocab):
+            self.vocab = vocab
+
+        def get_vocab(self):
+            return dict(self.vocab)
+
+        def __len__(self):
+            return len(self.vocab)
+
+    words = {f"w{i}": i for i in range(20)}
+    cfg = tiny_config("llama", vocab_size=24)
+    assert mask_token_for(cfg, Tok({**words, "<empty_output>": 16})) == 16
+    assert mask_token_for(cfg, Tok(words)) == 20  # the first spare row
+    full = tiny_config("llama", vocab_size=20)
+    assert mask_token_for(full, Tok({**{f"w{i}": i for i in range(19)}, "<|reserved_special_token_0|>": 19})) == 19
+    assert mask_token_for(tiny_config("gemma2", vocab_size=20), Tok({**{f"w{i}": i for i in range(18)},
+                                                                   "<unused0>": 18, "<unused1>": 19})) == 18
+    with pytest.raises(ValueError, match="no token that text never contains and no spare embedding rows"):
+        mask_token_for(full, Tok(words))
+    with pytest.raises(ValueError, match="needs the target's tokenizer"):
+        mask_token_for(full, None)

@@ -62,9 +62,13 @@ def _copy(saved, tmp_path):
 # --------------------------------------------------------------------------------- round trips
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
-def test_save_load_roundtrip_and_transformers_reads_it(arch, tmp_path):
-    model = random_model(tiny_config(arch, attention_bias=arch == "llama"), seed=1)
+@pytest.mark.parametrize("arch, overrides", [
+    ("llama", dict(attention_bias=True)), ("mistral", {}), ("qwen2", {}), ("qwen3", {}),
+    # windows: the 9-token logits below reach past them
+    ("mistral", dict(sliding_window=3, sliding_layers=(0, 1))), ("qwen2", dict(sliding_window=3, sliding_layers=(1,))),
+    ("gemma2", dict(sliding_window=3, sliding_layers=(0,)))])
+def test_save_load_roundtrip_and_transformers_reads_it(arch, overrides, tmp_path):
+    model = random_model(tiny_config(arch, **overrides), seed=1)
     save_hf_target(model, tmp_path)
     assert sorted(os.listdir(tmp_path)) == ["config.json", "model.safetensors"]
     cfg, loaded = load_hf_target(tmp_path)
@@ -405,6 +409,45 @@ def test_sliding_windows_are_read_as_transformers_reads_them():
                       (dict(architecture="qwen2", sliding_window=-1, sliding_layers=(0,)), "positive int")]:
         with pytest.raises(ValueError, match=match):
             tiny_config(**kw)
+
+
+def test_gemma2_fields_read_as_transformers_reads_them_and_belong_to_gemma2_only():
+    """Gemma 2's keys, absent, take Gemma2Config's defaults (query scalar 256, caps 50 and 30,
+    windows 4096 in alternate layers, a tied head); null caps mean none. Its fields are refused on
+    other families (transformers would read their saved configs without them), and so are an
+    activation of the other kind and bidirectional attention."""
+    full = transformers.Gemma2Config(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                                     num_attention_heads=4, num_key_value_heads=2).to_dict()
+    sparse = {k: v for k, v in full.items() if k not in (
+        "head_dim", "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping", "sliding_window",
+        "layer_types", "tie_word_embeddings", "hidden_activation")}
+    for c in (full, sparse):
+        cfg = ModelConfig.from_hf_config(c)
+        assert (cfg.head_dim, cfg.query_pre_attn_scalar, cfg.attn_softcap, cfg.final_softcap) == (
+            256, 256.0, 50.0, 30.0)
+        assert (cfg.sliding_window, cfg.sliding_layers, cfg.tie_word_embeddings) == (4096, (0, 2), True)
+        assert cfg.hidden_act == "gelu_tanh" and cfg.attention_scale == 256 ** -0.5
+        assert ModelConfig.from_hf_config(cfg.to_hf_config()) == cfg
+    uncapped = ModelConfig.from_hf_config({**full, "attn_logit_softcapping": None, "final_logit_softcapping": None})
+    assert uncapped.attn_softcap is None and uncapped.final_softcap is None
+    assert transformers.Gemma2Config(**uncapped.to_hf_config()).final_logit_softcapping is None
+    for patch, match in [({"hidden_activation": "silu"}, r"hidden_activation='silu' is not supported \(only "
+                                                         r"gelu_pytorch_tanh\)"),
+                         ({"use_bidirectional_attention": True}, "use_bidirectional_attention=true"),
+                         ({"sliding_window": None}, "sliding_window is null"),
+                         ({"attn_logit_softcapping": -1.0}, "attn_logit_softcapping")]:
+        with pytest.raises(ValueError, match=match):
+            ModelConfig.from_hf_config({**full, **patch})
+    with pytest.raises(ValueError, match=r"hidden_act='gelu_pytorch_tanh' is not supported \(only silu\)"):
+        ModelConfig.from_hf_config({**tiny_config("llama").to_hf_config(), "hidden_act": "gelu_pytorch_tanh"})
+    for arch, kw, match in [("llama", dict(attn_softcap=5.0), "attn_softcap=5.0 is Gemma 2's, not architecture "
+                                                              "'llama'"),
+                            ("qwen3", dict(hidden_act="gelu_tanh"), "hidden_act='gelu_tanh' is Gemma 2's"),
+                            ("gemma2", dict(qk_norm=True), "'gemma2' has no q/k norms"),
+                            ("gemma2", dict(hidden_act="relu"), "hidden_act='relu' is not one of silu, gelu_tanh"),
+                            ("gemma2", dict(final_softcap=0.0), "final_softcap must be a positive number")]:
+        with pytest.raises(ValueError, match=match):
+            tiny_config(arch, **kw)
 
 
 def test_config_rejects_unsupported():

@@ -72,10 +72,17 @@ VARIANTS = {
     "qwen2-window": ("Qwen2Config", "Qwen2ForCausalLM",
                      dict(tie_word_embeddings=True, rope_theta=1_000_000.0, use_sliding_window=True, sliding_window=4,
                           max_window_layers=1)),
+    # Gemma 2: zero-centred norms on both sides of attention and MLP, GeGLU, scaled embeddings,
+    # scores scaled by query_pre_attn_scalar and soft-capped, capped logits, and a window in layers
+    # 0 and 2. Caps of 2 and 3 bind often on these random weights (Gemma 2's own: 50 and 30).
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM",
+               dict(tie_word_embeddings=True, head_dim=16, query_pre_attn_scalar=24, sliding_window=4,
+                    attn_logit_softcapping=2.0, final_logit_softcapping=3.0, rope_theta=10000.0,
+                    attn_implementation="eager")),
 }
 
 HEAD_DIM = {"qwen3": 32, "qwen3-yarn": 32, "mistral": 8, "mistral-window": 8}
-WINDOWS = {"mistral-window": (5, (0, 1, 2)), "qwen2-window": (4, (1, 2))}
+WINDOWS = {"mistral-window": (5, (0, 1, 2)), "qwen2-window": (4, (1, 2)), "gemma2": (4, (0, 2))}
 ROPE_TYPE = {"llama3-rope": "llama3", "llama-linear-rope": "linear", "qwen3-yarn": "yarn"}
 
 
@@ -108,7 +115,7 @@ def test_config_translation(hf_pair):
     assert cfg.num_layers == 3 and cfg.num_kv_heads == 2 and cfg.vocab_size == 300
     assert cfg.head_dim == HEAD_DIM.get(variant, 16)
     assert cfg.qk_norm == variant.startswith("qwen3")
-    assert cfg.tie_word_embeddings == variant.startswith("qwen")
+    assert cfg.tie_word_embeddings == variant.startswith(("qwen", "gemma"))
     assert cfg.attention_bias == (variant == "llama3-rope")
     assert cfg.qkv_biased == variant.startswith(("llama3-rope", "qwen2"))
     biases = {k.split(".", 3)[-1] for k in hf.state_dict() if k.endswith(".bias")}
@@ -117,6 +124,11 @@ def test_config_translation(hf_pair):
     assert (cfg.rope_scaling and cfg.rope_scaling.rope_type) == ROPE_TYPE.get(variant)
     assert cfg.eos_token_ids == (2,) and cfg.bos_token_id == 1
     assert (cfg.sliding_window, cfg.sliding_layers) == WINDOWS.get(variant, (None, ()))
+    gemma = variant == "gemma2"
+    assert (cfg.hidden_act, cfg.query_pre_attn_scalar, cfg.attn_softcap, cfg.final_softcap) == (
+        ("gelu_tanh", 24.0, 2.0, 3.0) if gemma else ("silu", None, None, None))
+    assert (cfg.norm_offset, cfg.output_norms, cfg.embed_scale) == ((1.0, True, 8.0) if gemma else (0.0, False, None))
+    assert cfg.num_params == sum(p.numel() for p in hf.parameters())
 
 
 def test_whole_model_parity(hf_pair):

@@ -78,13 +78,15 @@ def test_causal_attention_equals_masked_attention(windowed):
     enough that whole blocks skip the mask, and a run that reaches the last slot. With sliding
     windows (traced, as the layer scan passes them; 0 is none) the mask also hides the slots at or
     below query slot - window; a query past the cache that sees no slot at all is finite (it
-    averages some values, as `attention` does, and no one reads it)."""
+    averages some values, as `attention` does, and no one reads it). The windowed sweep also
+    scales and soft-caps the scores (Gemma 2's), as `attention` does."""
     rng = np.random.default_rng(0)
     b, t, h, kh, dh, s = 3, 8, 4, 2, 16, 30
     q, k, v = (jnp.asarray(rng.standard_normal(shape), jnp.float32)
                for shape in ((b, t, h, dh), (b, kh, s, dh), (b, kh, s, dh)))  # caches are heads-major
     # One compile per block shape, reused for every prefix (eager calls compiled each of them anew).
-    causal = jax.jit(causal_attention, static_argnames=("key_block", "query_block"))
+    causal = jax.jit(causal_attention, static_argnames=("key_block", "query_block", "scale", "softcap"))
+    scores = dict(scale=0.3, softcap=1.5) if windowed else {}
     firsts = [jnp.asarray(f, jnp.int32) for f in ([0, 5, s - t], [9, 13, s - t], [s - 2, s - 3, s - 1], [3, 0, 20])]
     cases = []  # (first, window, attention's output, which queries see any slot [B, T])
     for first in firsts:  # the third: queries past the cache
@@ -92,12 +94,13 @@ def test_causal_attention_equals_masked_attention(windowed):
         for window in (0, 1, 3, 9, 40) if windowed else (None,):
             near = jnp.arange(s)[None, None, :] > (first[:, None] + jnp.arange(t))[:, :, None] - (window or s + t)
             visible = causal_seen & near
-            cases.append((first, window, np.asarray(attention(q, k, v, visible)), np.asarray(visible.any(-1))))
+            cases.append((first, window, np.asarray(attention(q, k, v, visible, **scores)),
+                          np.asarray(visible.any(-1))))
     for key_block in (1, 4, 7, 16, s, 64):
         for query_block in (1, 2, 3, 4, t, 64):
             for first, window, want, seen in cases:
                 got = np.asarray(causal(q, k, v, first, key_block=key_block, query_block=query_block,
-                                        window=None if window is None else jnp.int32(window)))
+                                        window=None if window is None else jnp.int32(window), **scores))
                 assert np.isfinite(got).all()
                 np.testing.assert_allclose(got[seen], want[seen], atol=1e-6, rtol=1e-5,
                                            err_msg=f"{first=}, {window=}, {key_block=}, {query_block=}")

@@ -38,7 +38,7 @@ def _specs(tree) -> dict[str, P]:
 
 
 @pytest.mark.parametrize("arch, overrides", [("llama", {}), ("qwen3", {}), ("llama", {"attention_bias": True}),
-                                             ("qwen2", {})])
+                                             ("qwen2", {}), ("gemma2", {})])
 def test_every_target_array_has_axes_and_heads_split_over_model(arch, overrides):
     target = nnx.eval_shape(lambda: random_model(tiny_config(arch, num_heads=8, num_kv_heads=4, head_dim=8,
                                                              **overrides)))
@@ -57,6 +57,8 @@ def test_every_target_array_has_axes_and_heads_split_over_model(arch, overrides)
         assert specs["lm_head.kernel"] == P(None, "model")
     if cfg.qk_norm:  # per-head q/k norms
         assert specs["layers.self_attn.q_norm.scale"] == P(None, None)
+    if cfg.output_norms:  # Gemma 2's norms on the attention and MLP outputs
+        assert specs["layers.attn_output_norm.scale"] == specs["layers.mlp_output_norm.scale"] == P(None, None)
     if cfg.qkv_biased:  # Llama's attention_bias, Qwen2's
         assert specs["layers.self_attn.q_proj.bias"] == P(None, "model")
         assert specs["layers.self_attn.v_proj.bias"] == P(None, "model")

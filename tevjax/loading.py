@@ -71,8 +71,8 @@ def mask_token_for(target_cfg: ModelConfig, tokenizer) -> int:
 
     In order: SmolLM2's `<empty_output>` (a special token no chat produces); the first embedding
     row past the tokenizer's vocabulary when the model has spare rows (Qwen3: 151669, the id of the
-    released Qwen3 DFlash drafters); Llama-3's `<|reserved_special_token_0|>`. Otherwise the
-    caller must name one.
+    released Qwen3 DFlash drafters); Llama-3's `<|reserved_special_token_0|>`; Gemma's `<unused0>`.
+    Otherwise the caller must name one.
     """
     if tokenizer is None:
         raise ValueError("choosing a drafter mask token needs the target's tokenizer (or pass an explicit id)")
@@ -82,7 +82,7 @@ def mask_token_for(target_cfg: ModelConfig, tokenizer) -> int:
             return int(vocab[name])
     if target_cfg.vocab_size > len(tokenizer):
         return len(tokenizer)
-    for name in ("<|reserved_special_token_0|>",):
+    for name in ("<|reserved_special_token_0|>", "<unused0>"):
         if name in vocab:
             return int(vocab[name])
     raise ValueError("the target's tokenizer has no token that text never contains and no spare embedding "

@@ -68,6 +68,8 @@ LOGICAL_RULES: Mapping[str, str | None] = {
 _LAYER_AXES: Mapping[str, tuple[str, ...]] = {
     "input_layernorm.scale": ("embed",),
     "post_attention_layernorm.scale": ("embed",),
+    "attn_output_norm.scale": ("embed",),
+    "mlp_output_norm.scale": ("embed",),
     "self_attn.q_proj.kernel": ("embed", "heads"),
     "self_attn.q_proj.bias": ("heads",),
     "self_attn.k_proj.kernel": ("embed", "kv_heads"),

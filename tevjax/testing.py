@@ -26,6 +26,9 @@ def tiny_config(architecture: str = "llama", **overrides) -> ModelConfig:
         qk_norm=architecture == "qwen3", qkv_bias=architecture == "qwen2", max_position_embeddings=256, eos_token_ids=(2,),
         bos_token_id=1,
     )
+    if architecture == "gemma2":  # GeGLU, scores scaled by 24^-1/2 and capped, capped logits, tied head
+        fields.update(hidden_act="gelu_tanh", query_pre_attn_scalar=24.0, attn_softcap=5.0, final_softcap=3.0,
+                      tie_word_embeddings=True)
     fields.update(overrides)
     return ModelConfig(**fields)
 

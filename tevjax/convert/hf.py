@@ -107,7 +107,7 @@ _TRANSFORMS = {
 
 
 def target_weight_rules(cfg: ModelConfig) -> list[WeightRule]:
-    """The conversion table for a Llama / Mistral / Qwen2 / Qwen3 target with this config."""
+    """The conversion table for a Llama / Mistral / Qwen2 / Qwen3 / Gemma 2 target with this config."""
     d, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     qd, kd, dh = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.head_dim
     pre = "model.layers.{i}."
@@ -140,6 +140,15 @@ def target_weight_rules(cfg: ModelConfig) -> list[WeightRule]:
         rules += [
             layer("self_attn.q_norm.weight", ("self_attn", "q_norm", "scale"), "identity", (dh,)),
             layer("self_attn.k_norm.weight", ("self_attn", "k_norm", "scale"), "identity", (dh,)),
+        ]
+    if cfg.output_norms:
+        # Gemma 2 names its four norms by place: its post_attention_layernorm norms the attention
+        # output, and its pre_feedforward_layernorm is the pre-MLP norm that Llama names
+        # post_attention_layernorm (tevjax keeps Llama's name for that role).
+        rules = [r for r in rules if r.hf_name != pre + "post_attention_layernorm.weight"] + [
+            layer("post_attention_layernorm.weight", ("attn_output_norm", "scale"), "identity", (d,)),
+            layer("pre_feedforward_layernorm.weight", ("post_attention_layernorm", "scale"), "identity", (d,)),
+            layer("post_feedforward_layernorm.weight", ("mlp_output_norm", "scale"), "identity", (d,)),
         ]
     if not cfg.tie_word_embeddings:
         rules.append(WeightRule("lm_head.weight", ("lm_head", "kernel"), "transpose", (v, d)))
@@ -295,7 +304,7 @@ def checkpoint_config_path(path: str | os.PathLike, what: str) -> tuple[str, str
 
 
 def load_hf_target(path: str | os.PathLike, *, dtype: str | None = None, mesh=None) -> tuple[ModelConfig, Transformer]:
-    """Loads an HF Llama / Mistral / Qwen2 / Qwen3 checkpoint directory into a `Transformer`.
+    """Loads an HF Llama / Mistral / Qwen2 / Qwen3 / Gemma 2 checkpoint directory into a `Transformer`.
 
     `dtype` sets both compute and storage dtypes (default: the checkpoint's `torch_dtype`).
     The model skeleton is built with `nnx.eval_shape`, so no random weights are materialised;

@@ -1,4 +1,4 @@
-"""Target-model configuration: one frozen dataclass for the Llama, Mistral, Qwen2 and Qwen3 families.
+"""Target-model configuration: one frozen dataclass for the Llama, Mistral, Qwen2, Qwen3 and Gemma 2 families.
 
 Variants are made with `dataclasses.replace`; `from_hf_config` / `to_hf_config` translate to and
 from a Hugging Face `config.json` (both the legacy `rope_theta` + `rope_scaling` keys and the
@@ -18,10 +18,14 @@ from typing import Any
 __all__ = ["ModelConfig", "RopeScaling", "ROPE_TYPES", "PRESETS", "SUPPORTED_ARCHITECTURES", "read_config_json",
            "yarn_mscale"]
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2")
 _DTYPES = ("float32", "bfloat16", "float16")
 _HF_CLASS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-             "qwen3": "Qwen3ForCausalLM"}
+             "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM"}
+# The MLP activations: SiLU (every family but Gemma) and the tanh approximation of GELU (Gemma 2's
+# "gelu_pytorch_tanh", which transformers also calls "gelu_new" / "gelu_fast" up to rounding: only
+# the exact name is accepted).
+HIDDEN_ACTS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
 
 def read_config_json(config: Mapping[str, Any] | str | os.PathLike, *, what: str) -> tuple[dict, str]:
@@ -225,7 +229,7 @@ class ModelConfig:
     uses true float32 matmuls on every backend (no TF32 on GPUs: `layers.matmul_precision`).
     """
 
-    architecture: str  # "llama" | "mistral" | "qwen2" | "qwen3": one decoder; the fields below differ
+    architecture: str  # "llama" | "mistral" | "qwen2" | "qwen3" | "gemma2": one decoder; the fields below differ
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -252,6 +256,13 @@ class ModelConfig:
     # changes what a layer reads, not what the cache holds.
     sliding_window: int | None = None
     sliding_layers: tuple[int, ...] = ()
+    # Gemma 2 (architecture "gemma2" only). Besides these fields it implies, as the properties
+    # below say: norms that scale by 1 + weight, embeddings times sqrt(hidden_size), and norms on
+    # the attention and MLP outputs before they join the residual stream.
+    hidden_act: str = "silu"  # "silu" | "gelu_tanh"
+    query_pre_attn_scalar: float | None = None  # scores scale by its -1/2 power (default head_dim's)
+    attn_softcap: float | None = None  # scores -> cap * tanh(scores / cap), before the mask
+    final_softcap: float | None = None  # logits -> cap * tanh(logits / cap)
 
     def __post_init__(self):
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -294,6 +305,43 @@ class ModelConfig:
         if self.architecture == "mistral" and layers and len(layers) != self.num_layers:
             raise ValueError(f"ModelConfig: a Mistral window applies to every layer, got sliding_layers={layers} "
                              f"of {self.num_layers}")
+        if self.hidden_act not in HIDDEN_ACTS.values():
+            raise ValueError(f"ModelConfig.hidden_act={self.hidden_act!r} is not one of "
+                             f"{', '.join(HIDDEN_ACTS.values())}")
+        for name in ("query_pre_attn_scalar", "attn_softcap", "final_softcap"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool)
+                                          and math.isfinite(value) and value > 0):
+                raise ValueError(f"ModelConfig.{name} must be a positive number or None, got {value!r}")
+        if self.architecture != "gemma2":
+            gemma = [f"{n}={getattr(self, n)!r}" for n, default in (("hidden_act", "silu"), ("query_pre_attn_scalar",
+                     None), ("attn_softcap", None), ("final_softcap", None)) if getattr(self, n) != default]
+            if gemma:
+                raise ValueError(f"ModelConfig: {', '.join(gemma)} is Gemma 2's, not architecture "
+                                 f"{self.architecture!r}'s (transformers would read the saved config without it)")
+        elif self.qk_norm or self.qkv_bias or self.attention_bias:
+            raise ValueError("ModelConfig: architecture 'gemma2' has no q/k norms and no attention biases")
+
+    @property
+    def norm_offset(self) -> float:
+        """What every RMSNorm adds to its weight before scaling: 1 for Gemma (zero-centred weights)."""
+        return 1.0 if self.architecture == "gemma2" else 0.0
+
+    @property
+    def embed_scale(self) -> float | None:
+        """What embeddings are multiplied by (Gemma: sqrt(hidden_size), rounded to the weights'
+        dtype as transformers rounds it); None: nothing."""
+        return self.hidden_size ** 0.5 if self.architecture == "gemma2" else None
+
+    @property
+    def output_norms(self) -> bool:
+        """Whether the attention and MLP outputs are normed before the residual adds them (Gemma 2)."""
+        return self.architecture == "gemma2"
+
+    @property
+    def attention_scale(self) -> float:
+        """The factor on q . k: query_pre_attn_scalar ** -0.5, or head_dim ** -0.5."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @property
     def layer_windows(self) -> tuple[int, ...]:
@@ -317,7 +365,7 @@ class ModelConfig:
             attn += d
         if self.qk_norm:
             attn += 2 * dh
-        layer = attn + 3 * d * f + 2 * d
+        layer = attn + 3 * d * f + (4 if self.output_norms else 2) * d
         embed = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * layer + embed + d
 
@@ -341,9 +389,11 @@ class ModelConfig:
         def field(key, kind, default=_MISSING, **kw):
             return config_field(c, key, kind, source, default, **kw)
 
-        act = c.get("hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"{source}: hidden_act={act!r} is not supported (only 'silu')")
+        act_key = "hidden_activation" if model_type == "gemma2" else "hidden_act"
+        act = c.get(act_key) or ("gelu_pytorch_tanh" if model_type == "gemma2" else "silu")
+        if act not in HIDDEN_ACTS or (act == "silu") == (model_type == "gemma2"):
+            raise ValueError(f"{source}: {act_key}={act!r} is not supported (only "
+                             f"{'gelu_pytorch_tanh' if model_type == 'gemma2' else 'silu'})")
         if c.get("mlp_bias", False):
             raise ValueError(f"{source}: mlp_bias=True is not supported")
         window, sliding_layers = _sliding_window(c, model_type, source)
@@ -388,7 +438,7 @@ class ModelConfig:
             rope_theta=theta,
             rope_scaling=scaling,
             # HF's default for both families is tie_word_embeddings=False when the key is absent.
-            tie_word_embeddings=field("tie_word_embeddings", bool, False),
+            tie_word_embeddings=field("tie_word_embeddings", bool, model_type == "gemma2"),
             qk_norm=model_type == "qwen3",
             # Qwen2 has q/k/v biases and no o bias, always; its config has no key for them.
             attention_bias=False if model_type == "qwen2" else field("attention_bias", bool, False),
@@ -401,6 +451,19 @@ class ModelConfig:
             sliding_window=window,
             sliding_layers=sliding_layers,
         )
+        if model_type == "gemma2":  # transformers' Gemma2Config defaults where a key is absent
+            if c.get("use_bidirectional_attention"):
+                raise ValueError(f"{source}: use_bidirectional_attention=true is not supported (a decoder attends "
+                                 f"causally)")
+            fields.update(
+                hidden_act=HIDDEN_ACTS[act],
+                head_dim=field("head_dim", int, 256, positive=True),
+                query_pre_attn_scalar=field("query_pre_attn_scalar", float, 256.0, positive=True),
+                attn_softcap=field("attn_logit_softcapping", float, 50.0, positive=True)
+                if c.get("attn_logit_softcapping", 50.0) is not None else None,
+                final_softcap=field("final_logit_softcapping", float, 30.0, positive=True)
+                if c.get("final_logit_softcapping", 30.0) is not None else None,
+            )
         try:
             return with_overrides(cls, fields, overrides)
         except ValueError as e:  # cross-field checks (e.g. heads vs KV heads): name the file
@@ -424,7 +487,7 @@ class ModelConfig:
             "num_attention_heads": self.num_heads,
             "num_key_value_heads": self.num_kv_heads,
             "head_dim": self.head_dim,
-            "hidden_act": "silu",
+            "hidden_act": "silu",  # gemma2: hidden_activation (below)
             "rms_norm_eps": self.rms_norm_eps,
             "rope_theta": self.rope_theta,
             "rope_scaling": None,
@@ -449,13 +512,26 @@ class ModelConfig:
             out["layer_types"] = ["sliding_attention" if w else "full_attention" for w in self.layer_windows]
         if self.architecture == "mistral":
             out["sliding_window"] = self.sliding_window
+        if self.architecture == "gemma2":
+            del out["hidden_act"]
+            out.update(hidden_activation=next(k for k, v in HIDDEN_ACTS.items() if v == self.hidden_act),
+                       # an int where it is one: transformers' Gemma2Config checks the type
+                       query_pre_attn_scalar=_int_if_whole(self.query_pre_attn_scalar or self.head_dim),
+                       attn_logit_softcapping=self.attn_softcap, final_logit_softcapping=self.final_softcap,
+                       attention_bias=False, sliding_window=self.sliding_window,
+                       layer_types=["sliding_attention" if w else "full_attention" for w in self.layer_windows])
         return out
+
+
+def _int_if_whole(x: float) -> int | float:
+    return int(x) if float(x).is_integer() else float(x)
 
 
 # transformers' defaults where a config.json leaves the keys out (MistralConfig, Qwen2Config, Qwen3Config).
 _MISTRAL_WINDOW = 4096
 _QWEN_WINDOW = 4096
 _QWEN_MAX_WINDOW_LAYERS = 28
+_GEMMA2_WINDOW = 4096
 
 
 def _sliding_window(c: Mapping[str, Any], model_type: str, source: str) -> tuple[int | None, tuple[int, ...]]:
@@ -464,7 +540,8 @@ def _sliding_window(c: Mapping[str, Any], model_type: str, source: str) -> tuple
     Mistral: `sliding_window` applies to every layer; absent means transformers' 4096 and null
     means full attention (Mistral-7B-v0.1 and its fine-tunes: 4096; v0.2 onwards: null).
     Qwen2 / Qwen3: a window only with `use_sliding_window`, in the layers `layer_types` marks
-    "sliding_attention", or without that list in layers max_window_layers onwards. Llama: none.
+    "sliding_attention", or without that list in layers max_window_layers onwards. Gemma 2: the
+    layers layer_types marks, or without it every other one from layer 0. Llama: none.
     """
     layers_n = config_field(c, "num_hidden_layers", int, source, positive=True)
     types = c.get("layer_types")
@@ -480,6 +557,15 @@ def _sliding_window(c: Mapping[str, Any], model_type: str, source: str) -> tuple
             raise ValueError(f"{source}: layer_types with sliding_attention are not supported for model_type "
                              f"'llama'")
         return None, ()
+    if model_type == "gemma2":  # without layer_types, transformers alternates: layers 0, 2, 4, ... slide
+        if types is None:
+            types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers_n)]
+        layers = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+        if not layers:
+            return None, ()
+        if c.get("sliding_window", _GEMMA2_WINDOW) is None:
+            raise ValueError(f"{source}: layer_types marks sliding_attention layers but sliding_window is null")
+        return config_field(c, "sliding_window", int, source, _GEMMA2_WINDOW, positive=True), layers
     if model_type == "mistral":
         if types is not None and len(set(types)) > 1:
             raise ValueError(f"{source}: layer_types mixing full and sliding attention are not supported for "

@@ -10,6 +10,7 @@ row (padding) gives a uniform softmax instead of NaN. Every matmul states its pr
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -31,6 +32,7 @@ __all__ = [
     "causal_mask",
     "matmul_precision",
     "rope_inv_freq",
+    "soft_cap",
 ]
 
 # Finite stand-in for -inf in float32 scores. exp(NEG_INF - max) underflows to exactly 0 next to
@@ -53,18 +55,22 @@ def matmul_precision(dtype) -> jax.lax.Precision:
 
 
 class RMSNorm(nnx.Module):
-    """y = x / sqrt(mean(x^2) + eps) * scale over the last axis; statistics in float32."""
+    """y = x / sqrt(mean(x^2) + eps) * (offset + scale) over the last axis; statistics in float32.
 
-    def __init__(self, dim: int, *, eps: float, dtype, param_dtype, rngs: nnx.Rngs | None = None):
+    `offset` 1 is Gemma's norm, whose stored weights are centred on zero (and initialised so)."""
+
+    def __init__(self, dim: int, *, eps: float, dtype, param_dtype, rngs: nnx.Rngs | None = None,
+                 offset: float = 0.0):
         del rngs  # deterministic init; kept so every layer has the same constructor shape
         self.eps = float(eps)
+        self.offset = float(offset)
         self.dtype = jnp.dtype(dtype)  # unused by the math (output keeps the input dtype); recorded for introspection
-        self.scale = nnx.Param(jnp.ones((dim,), jnp.dtype(param_dtype)))
+        self.scale = nnx.Param(jnp.full((dim,), 1.0 - self.offset, jnp.dtype(param_dtype)))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         inv = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (x32 * inv * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+        return (x32 * inv * (self.offset + self.scale[...].astype(jnp.float32))).astype(x.dtype)
 
 
 class Rope(NamedTuple):
@@ -155,10 +161,16 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq, scale: float = 1.0)
     return out.astype(x.dtype)
 
 
-class SwiGLU(nnx.Module):
-    """down(silu(gate(x)) * up(x)); no biases (the MLP of every supported family)."""
+# The gated MLP's activations (`ModelConfig.hidden_act`): GELU's tanh form is transformers'
+# gelu_pytorch_tanh, jax's approximate GELU.
+ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True)}
 
-    def __init__(self, dim: int, hidden: int, *, dtype, param_dtype, rngs: nnx.Rngs):
+
+class SwiGLU(nnx.Module):
+    """down(act(gate(x)) * up(x)), act SiLU (GELU's tanh form for Gemma: GeGLU); no biases."""
+
+    def __init__(self, dim: int, hidden: int, *, dtype, param_dtype, rngs: nnx.Rngs, act: str = "silu"):
+        self.act = act
         kw = dict(use_bias=False, dtype=jnp.dtype(dtype), param_dtype=jnp.dtype(param_dtype),
                   precision=matmul_precision(dtype), rngs=rngs)
         self.gate_proj = nnx.Linear(dim, hidden, **kw)
@@ -166,15 +178,17 @@ class SwiGLU(nnx.Module):
         self.down_proj = nnx.Linear(hidden, dim, **kw)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(ACTIVATIONS[self.act](self.gate_proj(x)) * self.up_proj(x))
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, scale: float | None = None,
+              softcap: float | None = None) -> jax.Array:
     """Masked grouped-query dot-product attention.
 
     q: [B, T, H, Dh]; k, v: [B, K, S, Dh] (the cache's heads-major layout) with H % K == 0 (query
     head h reads kv head h // (H/K), the HF `repeat_kv` order); mask: [B, T, S] bool, True =
-    visible. Returns [B, T, H, Dh] in q's dtype. Scores (scale 1/sqrt(Dh)) and softmax are
+    visible. Returns [B, T, H, Dh] in q's dtype. Scores (times `scale`, default 1/sqrt(Dh); then
+    softcap * tanh(scores / softcap) where a `softcap` is given, Gemma 2's) and softmax are
     float32; masked scores are NEG_INF, so a row with nothing visible averages v uniformly
     instead of producing NaN.
     """
@@ -192,7 +206,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.
     qg = q.reshape(b, t, kh, g, dh).transpose(0, 2, 3, 1, 4).reshape(b, kh, g * t, dh)
     scores = jnp.einsum("bkmd,bksd->bkms", qg, k, preferred_element_type=jnp.float32,
                         precision=matmul_precision(q.dtype))
-    scores = scores.reshape(b, kh, g, t, s) * (1.0 / math.sqrt(dh))
+    scores = soft_cap(scores.reshape(b, kh, g, t, s) * (1.0 / math.sqrt(dh) if scale is None else scale), softcap)
     scores = jnp.where(mask[:, None, None, :, :], scores, NEG_INF)
     probs = jax.nn.softmax(scores, axis=-1).reshape(b, kh, g * t, s)
     out = jnp.einsum("bkms,bksd->bkmd", probs.astype(v.dtype), v,
@@ -200,8 +214,15 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.
     return out.reshape(b, kh, g, t, dh).transpose(0, 3, 1, 2, 4).reshape(b, t, h, dh).astype(q.dtype)
 
 
+def soft_cap(scores: jax.Array, softcap: float | None) -> jax.Array:
+    """softcap * tanh(scores / softcap) (None: scores as they are): Gemma 2's bound on attention
+    scores and on logits."""
+    return scores if softcap is None else jnp.tanh(scores / softcap) * softcap
+
+
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, first: jax.Array, *, key_block: int = 512,
-                     query_block: int = 512, window: jax.Array | int | None = None) -> jax.Array:
+                     query_block: int = 512, window: jax.Array | int | None = None, scale: float | None = None,
+                     softcap: float | None = None) -> jax.Array:
     """`attention` for a causal run of T new tokens, without a [T, S] mask or score matrix.
 
     q: [B, T, H, Dh]; k, v: [B, K, S, Dh], the whole cache with the run's own K/V already written
@@ -209,7 +230,7 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, first: jax.Array,
     (the committed prefix and the causal part of its run): what `attention` computes with the
     `full_mask` of a lower-triangular block mask, up to float rounding. With a `window` W (a scalar,
     traced or not; 0 means none) it sees only the slots > first[b] + t - W, a sliding window over
-    slots, which are positions in a causal run.
+    slots, which are positions in a causal run. `scale` and `softcap` are `attention`'s.
 
     Why a second path: prefill over a long prompt is a causal run, and a [T, S] score matrix per
     layer (plus the boolean mask) is what made an 8k-token prompt peak at 10 GB. Here the queries
@@ -254,7 +275,7 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, first: jax.Array,
     # S = 8192 (SmolLM2's 9/3 heads): 35-40% faster than per-head [T x kb] products.
     tiles = q.reshape(b, n, tq, kh, g, dh).transpose(1, 0, 3, 4, 2, 5).reshape(n, b, kh, g * tq, dh)
     first = jnp.asarray(first, jnp.int32)
-    scale = 1.0 / math.sqrt(dh)
+    scale = 1.0 / math.sqrt(dh) if scale is None else float(scale)
     if window is not None:  # 0 (a layer without a window): as wide as any cache
         window = jnp.asarray(window, jnp.int32)
         window = jnp.where(window > 0, window, jnp.int32(2**30))
@@ -281,8 +302,8 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, first: jax.Array,
             start = jnp.minimum(j * kb, s - kb)
             kj = jax.lax.dynamic_slice_in_dim(k, start, kb, axis=2)  # [B, K, kb, Dh]
             vj = jax.lax.dynamic_slice_in_dim(v, start, kb, axis=2)
-            scores = jnp.einsum("bkqd,bksd->bkqs", qi, kj, preferred_element_type=jnp.float32,
-                                precision=matmul_precision(q.dtype)) * scale
+            scores = soft_cap(jnp.einsum("bkqd,bksd->bkqs", qi, kj, preferred_element_type=jnp.float32,
+                                        precision=matmul_precision(q.dtype)) * scale, softcap)
             if masked:
                 slot = start + jnp.arange(kb, dtype=jnp.int32)
                 visible = (slot >= j * kb)[None, None, :] & (slot[None, None, :] <= row_slot[:, :, None])

@@ -1,4 +1,4 @@
-"""Decoder-only target model (Llama, Mistral, Qwen2 and Qwen3 families) with a per-row KV cache.
+"""Decoder-only target model (Llama, Mistral, Qwen2, Qwen3 and Gemma 2 families) with a per-row KV cache.
 
 One call handles prefill, single-token decode and the one-pass tree verification:
 
@@ -37,7 +37,8 @@ from flax import nnx
 
 from tevjax.models.cache import KVCache, write_layer
 from tevjax.models.config import ModelConfig
-from tevjax.models.layers import RMSNorm, Rope, SwiGLU, apply_rope, attention, causal_attention, matmul_precision
+from tevjax.models.layers import (RMSNorm, Rope, SwiGLU, apply_rope, attention, causal_attention, matmul_precision,
+                                  soft_cap)
 
 __all__ = [
     "Attention",
@@ -69,13 +70,14 @@ class Attention(nnx.Module):
         kw = dict(dtype=jnp.dtype(cfg.dtype), param_dtype=jnp.dtype(cfg.param_dtype), rngs=rngs)
         lin = dict(kw, precision=matmul_precision(cfg.dtype))
         self.num_heads, self.num_kv_heads, self.head_dim = h, k, dh
+        self.scale, self.softcap = cfg.attention_scale, cfg.attn_softcap
         self.q_proj = nnx.Linear(d, h * dh, use_bias=cfg.qkv_biased, **lin)
         self.k_proj = nnx.Linear(d, k * dh, use_bias=cfg.qkv_biased, **lin)
         self.v_proj = nnx.Linear(d, k * dh, use_bias=cfg.qkv_biased, **lin)
         self.o_proj = nnx.Linear(h * dh, d, use_bias=cfg.attention_bias, **lin)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(dh, eps=cfg.rms_norm_eps, **kw)
-            self.k_norm = RMSNorm(dh, eps=cfg.rms_norm_eps, **kw)
+            self.q_norm = RMSNorm(dh, eps=cfg.rms_norm_eps, offset=cfg.norm_offset, **kw)
+            self.k_norm = RMSNorm(dh, eps=cfg.rms_norm_eps, offset=cfg.norm_offset, **kw)
         else:
             self.q_norm = self.k_norm = None
 
@@ -96,14 +98,23 @@ class Attention(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(x))."""
+    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(x)). With `cfg.output_norms` (Gemma 2)
+    each branch's output is normed too: x + norm(attn(norm(x))), then + norm(mlp(norm(x)))."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         kw = dict(dtype=jnp.dtype(cfg.dtype), param_dtype=jnp.dtype(cfg.param_dtype), rngs=rngs)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, **kw)
+        norm = dict(eps=cfg.rms_norm_eps, offset=cfg.norm_offset, **kw)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, **norm)
         self.self_attn = Attention(cfg, rngs=rngs)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, **kw)
-        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, **kw)
+        # The norm before the MLP, whatever a checkpoint calls it (Llama's post_attention_layernorm;
+        # Gemma 2's pre_feedforward_layernorm, its post_attention_layernorm being attn_output_norm).
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, **norm)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, act=cfg.hidden_act, **kw)
+        if cfg.output_norms:
+            self.attn_output_norm = RMSNorm(cfg.hidden_size, **norm)
+            self.mlp_output_norm = RMSNorm(cfg.hidden_size, **norm)
+        else:
+            self.attn_output_norm = self.mlp_output_norm = None
 
     def __call__(self, x, *, positions, rope, mask, cache_k, cache_v, layer, write_idx, write_pos,
                  window=None, distance=None):
@@ -121,14 +132,17 @@ class DecoderLayer(nnx.Module):
         k_all = jax.lax.dynamic_index_in_dim(cache_k, layer, 0, keepdims=False)  # [B, K, S, Dh]
         v_all = jax.lax.dynamic_index_in_dim(cache_v, layer, 0, keepdims=False)
         k_all, v_all = k_all.astype(q.dtype), v_all.astype(q.dtype)
+        scores = dict(scale=self.self_attn.scale, softcap=self.self_attn.softcap)
         if mask is None:
-            a = causal_attention(q, k_all, v_all, write_pos, window=window)
+            a = causal_attention(q, k_all, v_all, write_pos, window=window, **scores)
         else:
             if window is not None:
                 mask = mask & ((window == 0) | (distance < window))
-            a = attention(q, k_all, v_all, mask)
-        x = x + self.self_attn.out(a)
-        x = x + self.mlp(self.post_attention_layernorm(x))
+            a = attention(q, k_all, v_all, mask, **scores)
+        a = self.self_attn.out(a)
+        x = x + (a if self.attn_output_norm is None else self.attn_output_norm(a))
+        m = self.mlp(self.post_attention_layernorm(x))
+        x = x + (m if self.mlp_output_norm is None else self.mlp_output_norm(m))
         return x, cache_k, cache_v
 
 
@@ -144,7 +158,8 @@ def full_mask(block_mask: jax.Array, write_pos: jax.Array, capacity: int) -> jax
 
 
 class Transformer(nnx.Module):
-    """Llama / Mistral / Qwen2 / Qwen3 decoder with stacked layers; see the module docstring for the call protocol."""
+    """Llama / Mistral / Qwen2 / Qwen3 / Gemma 2 decoder with stacked layers; see the module
+    docstring for the call protocol."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -159,7 +174,8 @@ class Transformer(nnx.Module):
             return DecoderLayer(cfg, rngs=r)
 
         self.layers = make_layers(rngs)
-        self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
+        self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype, param_dtype=param_dtype,
+                            offset=cfg.norm_offset)
         if cfg.tie_word_embeddings:
             self.lm_head = None
         else:
@@ -167,8 +183,12 @@ class Transformer(nnx.Module):
                                       param_dtype=param_dtype, precision=matmul_precision(dtype), rngs=rngs)
 
     def embed(self, tokens: jax.Array) -> jax.Array:
-        """tokens [...] int -> [..., D] in the compute dtype."""
-        return self.embed_tokens(tokens).astype(self.cfg.dtype)
+        """tokens [...] int -> [..., D] in the compute dtype (Gemma: times sqrt(D), rounded to the
+        weights' dtype first, as transformers rounds its scale to them)."""
+        x = self.embed_tokens(tokens).astype(self.cfg.dtype)
+        if self.cfg.embed_scale is not None:
+            x = x * jnp.asarray(self.cfg.embed_scale, self.cfg.param_dtype).astype(self.cfg.dtype)
+        return x
 
     def head_rows(self, rows: jax.Array) -> jax.Array:
         """[Vd, D] the LM-head rows (or tied embedding rows) of token ids `rows` [Vd], in the compute
@@ -188,8 +208,12 @@ class Transformer(nnx.Module):
         `head` [Vd, D] = `head_rows(rows)`, when given, is used instead of gathering them again
         (the gather of Vd x D weights costs a decoding round about a fifth of a target step).
         Inputs stay in the compute dtype (bf16 tensor cores on GPU) with float32 accumulation,
-        so no float32 copy of the V x D matrix is made.
+        so no float32 copy of the V x D matrix is made. Gemma 2 then caps them: final_softcap *
+        tanh(logits / final_softcap).
         """
+        return soft_cap(self._head(final_hidden, rows, head), self.cfg.final_softcap)
+
+    def _head(self, final_hidden: jax.Array, rows: jax.Array | None, head: jax.Array | None) -> jax.Array:
         dt = jnp.dtype(self.cfg.dtype)
         f32 = dict(preferred_element_type=jnp.float32, precision=matmul_precision(dt))
         if head is not None:
