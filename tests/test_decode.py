@@ -76,18 +76,19 @@ def test_greedy_speculative_equals_autoregressive(models, ar_greedy, verifier, l
     assert alone[0].tokens == ar_greedy[0]
 
 
-@pytest.mark.parametrize("architecture", ["mistral", "qwen2", "qwen3", "gemma2"])
+@pytest.mark.parametrize("architecture", ["mistral", "qwen2", "qwen3", "gemma2", "gemma3_text"])
 def test_every_target_family_decodes_exactly(architecture):
     """The engine knows no architecture: for each family besides the fixture's Llama (biases on
-    q/k/v only, q/k norms, tied or untied heads, Gemma 2's capped scores and logits), greedy TEV
-    over a fresh drafter gives AR's tokens, with multi-token rounds (tau > 1)."""
+    q/k/v only, q/k norms, tied or untied heads, Gemma's capped scores and logits and two ropes),
+    greedy TEV over a fresh drafter and the context chain gives AR's tokens, with multi-token
+    rounds (tau > 1)."""
     tcfg = tiny_config(architecture, vocab_size=24)
     target = random_model(tcfg, seed=4)
     drafter = DFlashDrafter(DFlashConfig.for_target(tcfg, num_layers=1, block_size=6, mask_token_id=23),
                             rngs=nnx.Rngs(1))
     kw = dict(max_new_tokens=24, budget=8, prompt_bucket=16, capacity=64)
     ar = Decoder(target, None, DecodeConfig(**kw)).generate(PROMPTS)
-    spec = Decoder(target, drafter, DecodeConfig(verifier="tev", **kw)).generate(PROMPTS)
+    spec = Decoder(target, drafter, DecodeConfig(verifier="tev", lookup=4, **kw)).generate(PROMPTS)
     assert [g.tokens for g in spec] == [g.tokens for g in ar]
     assert sum(len(g.tokens) for g in spec) > sum(g.rounds for g in spec)
 

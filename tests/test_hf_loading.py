@@ -25,7 +25,7 @@ from tevjax.convert import (
     save_hf_target,
     target_weight_rules,
 )
-from tevjax.models import PRESETS, KVCache, ModelConfig, Transformer, causal_mask
+from tevjax.models import PRESETS, KVCache, ModelConfig, RopeScaling, Transformer, causal_mask
 from tevjax.testing import random_model, tiny_config
 
 import torch  # noqa: E402  (test dependency, installed by the Makefile)
@@ -66,7 +66,8 @@ def _copy(saved, tmp_path):
     ("llama", dict(attention_bias=True)), ("mistral", {}), ("qwen2", {}), ("qwen3", {}),
     # windows: the 9-token logits below reach past them
     ("mistral", dict(sliding_window=3, sliding_layers=(0, 1))), ("qwen2", dict(sliding_window=3, sliding_layers=(1,))),
-    ("gemma2", dict(sliding_window=3, sliding_layers=(0,)))])
+    ("gemma2", dict(sliding_window=3, sliding_layers=(0,))),
+    ("gemma3_text", dict(rope_scaling=RopeScaling(rope_type="linear", factor=2.0)))])
 def test_save_load_roundtrip_and_transformers_reads_it(arch, overrides, tmp_path):
     model = random_model(tiny_config(arch, **overrides), seed=1)
     save_hf_target(model, tmp_path)
@@ -440,14 +441,49 @@ def test_gemma2_fields_read_as_transformers_reads_them_and_belong_to_gemma2_only
             ModelConfig.from_hf_config({**full, **patch})
     with pytest.raises(ValueError, match=r"hidden_act='gelu_pytorch_tanh' is not supported \(only silu\)"):
         ModelConfig.from_hf_config({**tiny_config("llama").to_hf_config(), "hidden_act": "gelu_pytorch_tanh"})
-    for arch, kw, match in [("llama", dict(attn_softcap=5.0), "attn_softcap=5.0 is Gemma 2's, not architecture "
+    for arch, kw, match in [("llama", dict(attn_softcap=5.0), "attn_softcap=5.0 is Gemma's, not architecture "
                                                               "'llama'"),
-                            ("qwen3", dict(hidden_act="gelu_tanh"), "hidden_act='gelu_tanh' is Gemma 2's"),
-                            ("gemma2", dict(qk_norm=True), "'gemma2' has no q/k norms"),
+                            ("qwen3", dict(hidden_act="gelu_tanh"), "hidden_act='gelu_tanh' is Gemma's"),
+                            ("qwen3", dict(local_rope_theta=1e4), "local_rope_theta=10000.0 is Gemma's"),
+                            ("gemma2", dict(local_rope_theta=1e4), "local_rope_theta is Gemma 3's, not 'gemma2'"),
+                            ("gemma2", dict(qk_norm=True), "qk_norm=True does not fit architecture 'gemma2'"),
+                            ("gemma3_text", dict(qk_norm=False), "qk_norm=False does not fit architecture "
+                                                                 "'gemma3_text'"),
+                            ("gemma3_text", dict(attention_bias=True), "'gemma3_text' has no attention biases"),
                             ("gemma2", dict(hidden_act="relu"), "hidden_act='relu' is not one of silu, gelu_tanh"),
                             ("gemma2", dict(final_softcap=0.0), "final_softcap must be a positive number")]:
         with pytest.raises(ValueError, match=match):
             tiny_config(arch, **kw)
+
+
+def test_gemma3_ropes_read_as_transformers_reads_them():
+    """Gemma 3's two ropes from either form: transformers 5's rope_parameters per layer type, or
+    the Hub's rope_theta, rope_scaling and rope_local_base_freq (absent: 10^6 and 10^4); sliding
+    layers from layer_types or sliding_window_pattern (absent: every sixth layer attends fully).
+    A sliding rope with a scaling of its own is refused by name."""
+    kw = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=7, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, sliding_window=4)
+    new = transformers.Gemma3TextConfig(**kw, rope_scaling=dict(rope_type="linear", factor=8.0)).to_dict()
+    cfg = ModelConfig.from_hf_config(new)
+    assert (cfg.rope_theta, cfg.local_rope_theta, cfg.rope_scaling.factor) == (1e6, 1e4, 8.0)
+    assert cfg.sliding_layers == (0, 1, 2, 3, 4, 6) and cfg.qk_norm and cfg.final_softcap is None
+    back = transformers.Gemma3TextConfig(**cfg.to_hf_config())
+    assert back.rope_parameters == new["rope_parameters"] and back.layer_types == new["layer_types"]
+    assert ModelConfig.from_hf_config(cfg.to_hf_config()) == cfg
+    hub = {k: v for k, v in new.items() if k not in ("rope_parameters", "layer_types")}
+    for extra, want in [({}, (1e6, 1e4, None, (0, 1, 2, 3, 4, 6))),
+                        (dict(rope_theta=5e5, rope_local_base_freq=2e3, sliding_window_pattern=3,
+                              rope_scaling=dict(rope_type="linear", factor=2.0)), (5e5, 2e3, 2.0, (0, 1, 3, 4, 6)))]:
+        cfg = ModelConfig.from_hf_config({**hub, **extra})
+        assert (cfg.rope_theta, cfg.local_rope_theta, cfg.rope_scaling and cfg.rope_scaling.factor,
+                cfg.sliding_layers) == want, extra
+        hf = transformers.Gemma3TextConfig(**{k: v for k, v in {**hub, **extra}.items() if k != "model_type"})
+        assert [t == "sliding_attention" for t in hf.layer_types] == [i in want[3] for i in range(7)]
+        assert hf.rope_parameters["sliding_attention"]["rope_theta"] == want[1]
+    scaled_local = {**new, "rope_parameters": {**new["rope_parameters"], "sliding_attention": {
+        "rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}}
+    with pytest.raises(ValueError, match="sliding_attention.rope_type 'linear' is not supported"):
+        ModelConfig.from_hf_config(scaled_local)
 
 
 def test_config_rejects_unsupported():

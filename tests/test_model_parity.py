@@ -79,11 +79,17 @@ VARIANTS = {
                dict(tie_word_embeddings=True, head_dim=16, query_pre_attn_scalar=24, sliding_window=4,
                     attn_logit_softcapping=2.0, final_logit_softcapping=3.0, rope_theta=10000.0,
                     attn_implementation="eager")),
+    # Gemma 3's text model: Gemma 2's layers without caps, q/k norms, and two ropes: layers 0 and 1
+    # slide (window 4, base 10^4), layer 2 attends fully with linearly scaled base-10^6 rope.
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM",
+               dict(tie_word_embeddings=True, head_dim=16, query_pre_attn_scalar=24, sliding_window=4,
+                    sliding_window_pattern=3, rope_scaling=dict(rope_type="linear", factor=4.0),
+                    attn_implementation="eager")),
 }
 
 HEAD_DIM = {"qwen3": 32, "qwen3-yarn": 32, "mistral": 8, "mistral-window": 8}
-WINDOWS = {"mistral-window": (5, (0, 1, 2)), "qwen2-window": (4, (1, 2)), "gemma2": (4, (0, 2))}
-ROPE_TYPE = {"llama3-rope": "llama3", "llama-linear-rope": "linear", "qwen3-yarn": "yarn"}
+WINDOWS = {"mistral-window": (5, (0, 1, 2)), "qwen2-window": (4, (1, 2)), "gemma2": (4, (0, 2)), "gemma3": (4, (0, 1))}
+ROPE_TYPE = {"llama3-rope": "llama3", "llama-linear-rope": "linear", "qwen3-yarn": "yarn", "gemma3": "linear"}
 
 
 def build_hf(variant: str, seed: int = 0):
@@ -111,10 +117,11 @@ def hf_pair(request, tmp_path_factory):
 
 def test_config_translation(hf_pair):
     variant, hf, cfg, _ = hf_pair
-    assert cfg.architecture == VARIANTS[variant][0].removesuffix("Config").lower()
+    assert cfg.architecture == VARIANTS[variant][0].removesuffix("Config").lower().replace("gemma3text",
+                                                                                           "gemma3_text")
     assert cfg.num_layers == 3 and cfg.num_kv_heads == 2 and cfg.vocab_size == 300
     assert cfg.head_dim == HEAD_DIM.get(variant, 16)
-    assert cfg.qk_norm == variant.startswith("qwen3")
+    assert cfg.qk_norm == variant.startswith(("qwen3", "gemma3"))
     assert cfg.tie_word_embeddings == variant.startswith(("qwen", "gemma"))
     assert cfg.attention_bias == (variant == "llama3-rope")
     assert cfg.qkv_biased == variant.startswith(("llama3-rope", "qwen2"))
@@ -124,10 +131,12 @@ def test_config_translation(hf_pair):
     assert (cfg.rope_scaling and cfg.rope_scaling.rope_type) == ROPE_TYPE.get(variant)
     assert cfg.eos_token_ids == (2,) and cfg.bos_token_id == 1
     assert (cfg.sliding_window, cfg.sliding_layers) == WINDOWS.get(variant, (None, ()))
-    gemma = variant == "gemma2"
-    assert (cfg.hidden_act, cfg.query_pre_attn_scalar, cfg.attn_softcap, cfg.final_softcap) == (
-        ("gelu_tanh", 24.0, 2.0, 3.0) if gemma else ("silu", None, None, None))
+    gemma = variant.startswith("gemma")
+    assert (cfg.hidden_act, cfg.query_pre_attn_scalar, cfg.attn_softcap, cfg.final_softcap) == {
+        "gemma2": ("gelu_tanh", 24.0, 2.0, 3.0), "gemma3": ("gelu_tanh", 24.0, None, None)}.get(
+        variant, ("silu", None, None, None))
     assert (cfg.norm_offset, cfg.output_norms, cfg.embed_scale) == ((1.0, True, 8.0) if gemma else (0.0, False, None))
+    assert (cfg.rope_theta, cfg.local_rope_theta) == ((1e6, 1e4) if variant == "gemma3" else (cfg.rope_theta, None))
     assert cfg.num_params == sum(p.numel() for p in hf.parameters())
 
 

@@ -29,6 +29,9 @@ def tiny_config(architecture: str = "llama", **overrides) -> ModelConfig:
     if architecture == "gemma2":  # GeGLU, scores scaled by 24^-1/2 and capped, capped logits, tied head
         fields.update(hidden_act="gelu_tanh", query_pre_attn_scalar=24.0, attn_softcap=5.0, final_softcap=3.0,
                       tie_word_embeddings=True)
+    if architecture == "gemma3_text":  # GeGLU, q/k norms, two ropes (layer 0 slides), tied head
+        fields.update(hidden_act="gelu_tanh", query_pre_attn_scalar=24.0, qk_norm=True, tie_word_embeddings=True,
+                      rope_theta=1_000_000.0, local_rope_theta=10_000.0, sliding_window=4, sliding_layers=(0,))
     fields.update(overrides)
     return ModelConfig(**fields)
 

@@ -107,7 +107,7 @@ _TRANSFORMS = {
 
 
 def target_weight_rules(cfg: ModelConfig) -> list[WeightRule]:
-    """The conversion table for a Llama / Mistral / Qwen2 / Qwen3 / Gemma 2 target with this config."""
+    """The conversion table for a Llama / Mistral / Qwen2 / Qwen3 / Gemma 2 / Gemma 3 (text) target with this config."""
     d, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     qd, kd, dh = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.head_dim
     pre = "model.layers.{i}."
@@ -142,7 +142,7 @@ def target_weight_rules(cfg: ModelConfig) -> list[WeightRule]:
             layer("self_attn.k_norm.weight", ("self_attn", "k_norm", "scale"), "identity", (dh,)),
         ]
     if cfg.output_norms:
-        # Gemma 2 names its four norms by place: its post_attention_layernorm norms the attention
+        # Gemma names its four norms by place: its post_attention_layernorm norms the attention
         # output, and its pre_feedforward_layernorm is the pre-MLP norm that Llama names
         # post_attention_layernorm (tevjax keeps Llama's name for that role).
         rules = [r for r in rules if r.hf_name != pre + "post_attention_layernorm.weight"] + [
@@ -304,7 +304,7 @@ def checkpoint_config_path(path: str | os.PathLike, what: str) -> tuple[str, str
 
 
 def load_hf_target(path: str | os.PathLike, *, dtype: str | None = None, mesh=None) -> tuple[ModelConfig, Transformer]:
-    """Loads an HF Llama / Mistral / Qwen2 / Qwen3 / Gemma 2 checkpoint directory into a `Transformer`.
+    """Loads an HF Llama / Mistral / Qwen2 / Qwen3 / Gemma 2 / Gemma 3 (text) checkpoint directory into a `Transformer`.
 
     `dtype` sets both compute and storage dtypes (default: the checkpoint's `torch_dtype`).
     The model skeleton is built with `nnx.eval_shape`, so no random weights are materialised;

@@ -1,4 +1,4 @@
-"""Target-model configuration: one frozen dataclass for the Llama, Mistral, Qwen2, Qwen3 and Gemma 2 families.
+"""Target-model configuration: one frozen dataclass for the Llama, Mistral, Qwen2, Qwen3 and Gemma families.
 
 Variants are made with `dataclasses.replace`; `from_hf_config` / `to_hf_config` translate to and
 from a Hugging Face `config.json` (both the legacy `rope_theta` + `rope_scaling` keys and the
@@ -18,10 +18,11 @@ from typing import Any
 __all__ = ["ModelConfig", "RopeScaling", "ROPE_TYPES", "PRESETS", "SUPPORTED_ARCHITECTURES", "read_config_json",
            "yarn_mscale"]
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text")
+GEMMA = ("gemma2", "gemma3_text")  # Gemma 2, and Gemma 3's text model (Gemma3ForCausalLM: the 1B model)
 _DTYPES = ("float32", "bfloat16", "float16")
 _HF_CLASS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-             "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM"}
+             "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 # The MLP activations: SiLU (every family but Gemma) and the tanh approximation of GELU (Gemma 2's
 # "gelu_pytorch_tanh", which transformers also calls "gelu_new" / "gelu_fast" up to rounding: only
 # the exact name is accepted).
@@ -229,7 +230,8 @@ class ModelConfig:
     uses true float32 matmuls on every backend (no TF32 on GPUs: `layers.matmul_precision`).
     """
 
-    architecture: str  # "llama" | "mistral" | "qwen2" | "qwen3" | "gemma2": one decoder; the fields below differ
+    # "llama" | "mistral" | "qwen2" | "qwen3" | "gemma2" | "gemma3_text": one decoder; the fields below differ
+    architecture: str
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -256,13 +258,16 @@ class ModelConfig:
     # changes what a layer reads, not what the cache holds.
     sliding_window: int | None = None
     sliding_layers: tuple[int, ...] = ()
-    # Gemma 2 (architecture "gemma2" only). Besides these fields it implies, as the properties
-    # below say: norms that scale by 1 + weight, embeddings times sqrt(hidden_size), and norms on
-    # the attention and MLP outputs before they join the residual stream.
+    # Gemma 2 and 3 (architectures in GEMMA only). Besides these fields they imply, as the
+    # properties below say: norms that scale by 1 + weight, embeddings times sqrt(hidden_size), and
+    # norms on the attention and MLP outputs before they join the residual stream.
     hidden_act: str = "silu"  # "silu" | "gelu_tanh"
     query_pre_attn_scalar: float | None = None  # scores scale by its -1/2 power (default head_dim's)
     attn_softcap: float | None = None  # scores -> cap * tanh(scores / cap), before the mask
     final_softcap: float | None = None  # logits -> cap * tanh(logits / cap)
+    # Gemma 3: the rope base of the sliding layers (unscaled); rope_theta and rope_scaling are the
+    # full-attention layers'. None: every layer rotates alike.
+    local_rope_theta: float | None = None
 
     def __post_init__(self):
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -308,35 +313,41 @@ class ModelConfig:
         if self.hidden_act not in HIDDEN_ACTS.values():
             raise ValueError(f"ModelConfig.hidden_act={self.hidden_act!r} is not one of "
                              f"{', '.join(HIDDEN_ACTS.values())}")
-        for name in ("query_pre_attn_scalar", "attn_softcap", "final_softcap"):
+        for name in ("query_pre_attn_scalar", "attn_softcap", "final_softcap", "local_rope_theta"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool)
                                           and math.isfinite(value) and value > 0):
                 raise ValueError(f"ModelConfig.{name} must be a positive number or None, got {value!r}")
-        if self.architecture != "gemma2":
+        if self.architecture not in GEMMA:
             gemma = [f"{n}={getattr(self, n)!r}" for n, default in (("hidden_act", "silu"), ("query_pre_attn_scalar",
-                     None), ("attn_softcap", None), ("final_softcap", None)) if getattr(self, n) != default]
+                     None), ("attn_softcap", None), ("final_softcap", None), ("local_rope_theta", None))
+                     if getattr(self, n) != default]
             if gemma:
-                raise ValueError(f"ModelConfig: {', '.join(gemma)} is Gemma 2's, not architecture "
+                raise ValueError(f"ModelConfig: {', '.join(gemma)} is Gemma's, not architecture "
                                  f"{self.architecture!r}'s (transformers would read the saved config without it)")
-        elif self.qk_norm or self.qkv_bias or self.attention_bias:
-            raise ValueError("ModelConfig: architecture 'gemma2' has no q/k norms and no attention biases")
+        elif self.qkv_bias or self.attention_bias:
+            raise ValueError(f"ModelConfig: architecture {self.architecture!r} has no attention biases")
+        elif self.qk_norm != (self.architecture == "gemma3_text"):
+            raise ValueError(f"ModelConfig: qk_norm={self.qk_norm} does not fit architecture {self.architecture!r} "
+                             f"(Gemma 3 has q/k norms, Gemma 2 none)")
+        elif self.local_rope_theta is not None and self.architecture != "gemma3_text":
+            raise ValueError(f"ModelConfig.local_rope_theta is Gemma 3's, not {self.architecture!r}'s")
 
     @property
     def norm_offset(self) -> float:
         """What every RMSNorm adds to its weight before scaling: 1 for Gemma (zero-centred weights)."""
-        return 1.0 if self.architecture == "gemma2" else 0.0
+        return 1.0 if self.architecture in GEMMA else 0.0
 
     @property
     def embed_scale(self) -> float | None:
         """What embeddings are multiplied by (Gemma: sqrt(hidden_size), rounded to the weights'
         dtype as transformers rounds it); None: nothing."""
-        return self.hidden_size ** 0.5 if self.architecture == "gemma2" else None
+        return self.hidden_size ** 0.5 if self.architecture in GEMMA else None
 
     @property
     def output_norms(self) -> bool:
-        """Whether the attention and MLP outputs are normed before the residual adds them (Gemma 2)."""
-        return self.architecture == "gemma2"
+        """Whether the attention and MLP outputs are normed before the residual adds them (Gemma)."""
+        return self.architecture in GEMMA
 
     @property
     def attention_scale(self) -> float:
@@ -389,11 +400,18 @@ class ModelConfig:
         def field(key, kind, default=_MISSING, **kw):
             return config_field(c, key, kind, source, default, **kw)
 
-        act_key = "hidden_activation" if model_type == "gemma2" else "hidden_act"
-        act = c.get(act_key) or ("gelu_pytorch_tanh" if model_type == "gemma2" else "silu")
-        if act not in HIDDEN_ACTS or (act == "silu") == (model_type == "gemma2"):
+        gemma = model_type in GEMMA
+        act_key = "hidden_activation" if gemma else "hidden_act"
+        act = c.get(act_key) or ("gelu_pytorch_tanh" if gemma else "silu")
+        if act not in HIDDEN_ACTS or (act == "silu") == gemma:
             raise ValueError(f"{source}: {act_key}={act!r} is not supported (only "
-                             f"{'gelu_pytorch_tanh' if model_type == 'gemma2' else 'silu'})")
+                             f"{'gelu_pytorch_tanh' if gemma else 'silu'})")
+        if gemma and c.get("use_bidirectional_attention"):
+            raise ValueError(f"{source}: use_bidirectional_attention=true is not supported (a decoder attends "
+                             f"causally)")
+        local_theta = None
+        if model_type == "gemma3_text":
+            c, local_theta = _gemma3_ropes(c, source)
         if c.get("mlp_bias", False):
             raise ValueError(f"{source}: mlp_bias=True is not supported")
         window, sliding_layers = _sliding_window(c, model_type, source)
@@ -438,8 +456,8 @@ class ModelConfig:
             rope_theta=theta,
             rope_scaling=scaling,
             # HF's default for both families is tie_word_embeddings=False when the key is absent.
-            tie_word_embeddings=field("tie_word_embeddings", bool, model_type == "gemma2"),
-            qk_norm=model_type == "qwen3",
+            tie_word_embeddings=field("tie_word_embeddings", bool, gemma),
+            qk_norm=model_type in ("qwen3", "gemma3_text"),
             # Qwen2 has q/k/v biases and no o bias, always; its config has no key for them.
             attention_bias=False if model_type == "qwen2" else field("attention_bias", bool, False),
             qkv_bias=model_type == "qwen2",
@@ -451,18 +469,19 @@ class ModelConfig:
             sliding_window=window,
             sliding_layers=sliding_layers,
         )
-        if model_type == "gemma2":  # transformers' Gemma2Config defaults where a key is absent
-            if c.get("use_bidirectional_attention"):
-                raise ValueError(f"{source}: use_bidirectional_attention=true is not supported (a decoder attends "
-                                 f"causally)")
+        if gemma:  # transformers' Gemma2Config / Gemma3TextConfig defaults where a key is absent
+            caps = (50.0, 30.0) if model_type == "gemma2" else (None, None)
+
+            def cap(key, default):  # null: no cap (absent: the default)
+                return None if key in c and c[key] is None else field(key, float, default, positive=True)
+
             fields.update(
                 hidden_act=HIDDEN_ACTS[act],
                 head_dim=field("head_dim", int, 256, positive=True),
                 query_pre_attn_scalar=field("query_pre_attn_scalar", float, 256.0, positive=True),
-                attn_softcap=field("attn_logit_softcapping", float, 50.0, positive=True)
-                if c.get("attn_logit_softcapping", 50.0) is not None else None,
-                final_softcap=field("final_logit_softcapping", float, 30.0, positive=True)
-                if c.get("final_logit_softcapping", 30.0) is not None else None,
+                attn_softcap=cap("attn_logit_softcapping", caps[0]),
+                final_softcap=cap("final_logit_softcapping", caps[1]),
+                local_rope_theta=local_theta,
             )
         try:
             return with_overrides(cls, fields, overrides)
@@ -512,7 +531,14 @@ class ModelConfig:
             out["layer_types"] = ["sliding_attention" if w else "full_attention" for w in self.layer_windows]
         if self.architecture == "mistral":
             out["sliding_window"] = self.sliding_window
-        if self.architecture == "gemma2":
+        if self.architecture == "gemma3_text":  # both ropes in transformers 5's per-layer-type form
+            full = {"rope_type": "default", "rope_theta": self.rope_theta}
+            if self.rope_scaling is not None:
+                full.update(self.rope_scaling.to_hf())
+            out["rope_parameters"] = {"full_attention": full, "sliding_attention": {
+                "rope_type": "default", "rope_theta": self.local_rope_theta or self.rope_theta}}
+            del out["rope_theta"], out["rope_scaling"]
+        if self.architecture in GEMMA:
             del out["hidden_act"]
             out.update(hidden_activation=next(k for k, v in HIDDEN_ACTS.items() if v == self.hidden_act),
                        # an int where it is one: transformers' Gemma2Config checks the type
@@ -532,6 +558,34 @@ _MISTRAL_WINDOW = 4096
 _QWEN_WINDOW = 4096
 _QWEN_MAX_WINDOW_LAYERS = 28
 _GEMMA2_WINDOW = 4096
+_GEMMA3_THETAS = (1_000_000.0, 10_000.0)  # Gemma3TextConfig.default_theta: global, local
+
+
+def _gemma3_ropes(c: Mapping[str, Any], source: str) -> tuple[dict, float]:
+    """Gemma 3's two ropes as transformers reads them: `rope_parameters` with a dict per layer type
+    (transformers 5), or the Hub's `rope_theta` (+ `rope_scaling`) for the full-attention layers
+    and `rope_local_base_freq` for the sliding ones. Returns the config with the full-attention
+    rope in the form every other family uses, and the sliding layers' base (their rope is never
+    scaled)."""
+    c = dict(c)
+    params = c.get("rope_parameters")
+    if isinstance(params, Mapping) and ("full_attention" in params or "sliding_attention" in params):
+        for key in ("full_attention", "sliding_attention"):
+            if params.get(key) is not None and not isinstance(params[key], Mapping):
+                raise ValueError(f"{source}: field 'rope_parameters.{key}' must be an object, got {params[key]!r}")
+        full, local = dict(params.get("full_attention") or {}), dict(params.get("sliding_attention") or {})
+        full.update(c.pop("rope_scaling", None) or {})  # transformers folds a legacy scaling into the full rope
+        full.setdefault("rope_theta", c.pop("rope_theta", None) or _GEMMA3_THETAS[0])
+        c["rope_parameters"] = full
+        if local.get("rope_type", local.get("type", "default")) != "default":
+            raise ValueError(f"{source}: rope_parameters.sliding_attention.rope_type {local.get('rope_type')!r} is "
+                             f"not supported (Gemma 3's sliding layers rotate unscaled)")
+        theta = config_field(local, "rope_theta", float, source, _GEMMA3_THETAS[1], positive=True,
+                             prefix="rope_parameters.sliding_attention.")
+    else:
+        c.setdefault("rope_theta", _GEMMA3_THETAS[0])
+        theta = config_field(c, "rope_local_base_freq", float, source, _GEMMA3_THETAS[1], positive=True)
+    return c, theta
 
 
 def _sliding_window(c: Mapping[str, Any], model_type: str, source: str) -> tuple[int | None, tuple[int, ...]]:
@@ -557,9 +611,13 @@ def _sliding_window(c: Mapping[str, Any], model_type: str, source: str) -> tuple
             raise ValueError(f"{source}: layer_types with sliding_attention are not supported for model_type "
                              f"'llama'")
         return None, ()
-    if model_type == "gemma2":  # without layer_types, transformers alternates: layers 0, 2, 4, ... slide
+    if model_type in GEMMA:
+        # Without layer_types, Gemma 2 alternates (layers 0, 2, 4, ... slide) and Gemma 3 makes
+        # every sliding_window_pattern-th layer full (default 6: layers 5, 11, ... attend fully).
         if types is None:
-            types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers_n)]
+            pattern = 2 if model_type == "gemma2" else config_field(c, "sliding_window_pattern", int, source, 6,
+                                                                     positive=True)
+            types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers_n)]
         layers = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
         if not layers:
             return None, ()

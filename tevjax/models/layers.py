@@ -77,10 +77,11 @@ class Rope(NamedTuple):
     """A model's rotary embedding as trace-time constants: `inv_freq` [Dh // 2] float32, and
     `scale`, what q and k are both multiplied by after rotation (YaRN's `attention_factor`; 1
     otherwise). transformers folds that factor into cos and sin, so its KV cache holds scaled
-    keys; so does tevjax's."""
+    keys; so does tevjax's. Inside the layer scan of a model with two ropes (Gemma 3) both can be
+    the layer's traced pick of the two."""
 
-    inv_freq: np.ndarray
-    scale: float
+    inv_freq: np.ndarray | jax.Array
+    scale: float | jax.Array
 
     @classmethod
     def of(cls, head_dim: int, theta: float, scaling: RopeScaling | None) -> "Rope":
@@ -144,8 +145,8 @@ def _rotate_half(x: jax.Array) -> jax.Array:
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq, scale: float = 1.0) -> jax.Array:
     """Rotary embedding, HF "rotate_half" layout (first and second half of Dh form the pairs).
 
-    x: [..., T, H, Dh]; positions: [..., T] int; inv_freq: [Dh // 2]; `scale` multiplies the
-    result (`Rope.scale`). Angles and the rotation are computed in float32; the result has x's
+    x: [..., T, H, Dh]; positions: [..., T] int; inv_freq: [Dh // 2] (constant or traced); `scale`
+    multiplies the result (`Rope.scale`). Angles and the rotation are computed in float32; the result has x's
     dtype.
     """
     inv_freq = jnp.asarray(inv_freq, jnp.float32)
@@ -155,7 +156,8 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq, scale: float = 1.0)
     angles = jnp.concatenate([angles, angles], axis=-1)[..., None, :]  # [..., T, 1, Dh]
     x32 = x.astype(jnp.float32)
     cos, sin = jnp.cos(angles), jnp.sin(angles)
-    if scale != 1.0:  # on cos and sin, where transformers puts it, for the same float32 rounding
+    if not isinstance(scale, (int, float)) or scale != 1.0:  # on cos and sin, where transformers puts it
+        # (for the same float32 rounding); a traced scale is a layer's pick of two ropes (Gemma 3)
         cos, sin = cos * scale, sin * scale
     out = x32 * cos + _rotate_half(x32) * sin
     return out.astype(x.dtype)

@@ -1,4 +1,4 @@
-"""Decoder-only target model (Llama, Mistral, Qwen2, Qwen3 and Gemma 2 families) with a per-row KV cache.
+"""Decoder-only target model (Llama, Mistral, Qwen2, Qwen3 and Gemma 2-3 families) with a per-row KV cache.
 
 One call handles prefill, single-token decode and the one-pass tree verification:
 
@@ -98,7 +98,7 @@ class Attention(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(x)). With `cfg.output_norms` (Gemma 2)
+    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(x)). With `cfg.output_norms` (Gemma)
     each branch's output is normed too: x + norm(attn(norm(x))), then + norm(mlp(norm(x)))."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
@@ -107,7 +107,7 @@ class DecoderLayer(nnx.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, **norm)
         self.self_attn = Attention(cfg, rngs=rngs)
         # The norm before the MLP, whatever a checkpoint calls it (Llama's post_attention_layernorm;
-        # Gemma 2's pre_feedforward_layernorm, its post_attention_layernorm being attn_output_norm).
+        # Gemma's pre_feedforward_layernorm, its post_attention_layernorm being attn_output_norm).
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, **norm)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, act=cfg.hidden_act, **kw)
         if cfg.output_norms:
@@ -158,7 +158,7 @@ def full_mask(block_mask: jax.Array, write_pos: jax.Array, capacity: int) -> jax
 
 
 class Transformer(nnx.Module):
-    """Llama / Mistral / Qwen2 / Qwen3 / Gemma 2 decoder with stacked layers; see the module
+    """Llama / Mistral / Qwen2 / Qwen3 / Gemma 2-3 decoder with stacked layers; see the module
     docstring for the call protocol."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
@@ -269,6 +269,9 @@ class Transformer(nnx.Module):
         write_idx = write_pos[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
         write_idx = jnp.where((write_idx >= 0) & (write_idx < s), write_idx, s)  # S: dropped
         rope = Rope.of(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        # Gemma 3: the sliding layers rotate with a rope of their own (another base, unscaled).
+        local_rope = Rope.of(cfg.head_dim, cfg.local_rope_theta, None) if cfg.local_rope_theta else None
+        sliding = np.asarray(cfg.layer_windows, np.int32) > 0  # [L] static
         wanted = np.asarray(hidden_layers, np.int32)  # [R] static
         windows = np.asarray(cfg.layer_windows, np.int32) if cfg.sliding_window else None  # [L] static
         distance = None
@@ -290,8 +293,14 @@ class Transformer(nnx.Module):
             x, ck, cv, buf = carry
             state, layer = xs
             window = None if windows is None else jnp.asarray(windows)[layer]
+            layer_rope = rope
+            if local_rope is not None:
+                local = jnp.asarray(sliding)[layer]
+                layer_rope = Rope(jnp.where(local, local_rope.inv_freq, rope.inv_freq),
+                                  rope.scale if rope.scale == local_rope.scale
+                                  else jnp.where(local, local_rope.scale, rope.scale))
             x, ck, cv = nnx.merge(graphdef, state)(
-                x, positions=positions, rope=rope, mask=mask, cache_k=ck, cache_v=cv,
+                x, positions=positions, rope=layer_rope, mask=mask, cache_k=ck, cache_v=cv,
                 layer=layer, write_idx=write_idx, write_pos=write_pos, window=window, distance=distance)
             if wanted.size:
                 # Buffer of R slots written only where the layer index matches: O(R), not O(L).
