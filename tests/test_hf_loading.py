@@ -435,7 +435,7 @@ def test_gemma2_fields_read_as_transformers_reads_them_and_belong_to_gemma2_only
     for patch, match in [({"hidden_activation": "silu"}, r"hidden_activation='silu' is not supported \(only "
                                                          r"gelu_pytorch_tanh\)"),
                          ({"use_bidirectional_attention": True}, "use_bidirectional_attention=true"),
-                         ({"sliding_window": None}, "sliding_window is null"),
+                         ({"sliding_window": None}, r"sliding_window is null, but layers \[0, 2\] slide"),
                          ({"attn_logit_softcapping": -1.0}, "attn_logit_softcapping")]:
         with pytest.raises(ValueError, match=match):
             ModelConfig.from_hf_config({**full, **patch})
@@ -488,8 +488,9 @@ def test_gemma3_ropes_read_as_transformers_reads_them():
 
 def test_config_rejects_unsupported():
     base = tiny_config("qwen3").to_hf_config()
-    for patch, match in [({"use_sliding_window": True, "sliding_window": None}, "use_sliding_window=true needs a "
-                                                                                 "sliding_window, got null"),
+    for patch, match in [({"use_sliding_window": True, "sliding_window": None, "max_window_layers": 1,
+                           "layer_types": None},
+                          r"sliding_window is null, but layers \[1\] slide"),
                          ({"hidden_act": "gelu"}, "hidden_act"),
                          ({"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}},
                           "rope_type 'dynamic' is not supported"),

@@ -360,6 +360,11 @@ class ModelConfig:
         return tuple(self.sliding_window if i in self.sliding_layers else 0 for i in range(self.num_layers))
 
     @property
+    def layer_types(self) -> list[str]:
+        """transformers' `layer_types`: "sliding_attention" or "full_attention" per layer."""
+        return ["sliding_attention" if w else "full_attention" for w in self.layer_windows]
+
+    @property
     def qkv_biased(self) -> bool:
         """Whether the q, k and v projections have biases."""
         return self.attention_bias or self.qkv_bias
@@ -522,15 +527,14 @@ class ModelConfig:
             out["rope_scaling"] = self.rope_scaling.to_hf()
         if self.architecture in ("llama", "qwen3", "mistral"):
             out["attention_bias"] = self.attention_bias
+        if self.architecture != "llama":
+            out["sliding_window"] = self.sliding_window
         if self.architecture in ("qwen2", "qwen3"):
             out["use_sliding_window"] = self.sliding_window is not None
-            out["sliding_window"] = self.sliding_window
             # transformers derives the layers from max_window_layers when layer_types is absent;
             # the explicit list says any set of layers (and is read back first).
             out["max_window_layers"] = self.sliding_layers[0] if self.sliding_layers else self.num_layers
-            out["layer_types"] = ["sliding_attention" if w else "full_attention" for w in self.layer_windows]
-        if self.architecture == "mistral":
-            out["sliding_window"] = self.sliding_window
+            out["layer_types"] = self.layer_types
         if self.architecture == "gemma3_text":  # both ropes in transformers 5's per-layer-type form
             full = {"rope_type": "default", "rope_theta": self.rope_theta}
             if self.rope_scaling is not None:
@@ -544,8 +548,7 @@ class ModelConfig:
                        # an int where it is one: transformers' Gemma2Config checks the type
                        query_pre_attn_scalar=_int_if_whole(self.query_pre_attn_scalar or self.head_dim),
                        attn_logit_softcapping=self.attn_softcap, final_logit_softcapping=self.final_softcap,
-                       attention_bias=False, sliding_window=self.sliding_window,
-                       layer_types=["sliding_attention" if w else "full_attention" for w in self.layer_windows])
+                       attention_bias=False, layer_types=self.layer_types)
         return out
 
 
@@ -553,11 +556,10 @@ def _int_if_whole(x: float) -> int | float:
     return int(x) if float(x).is_integer() else float(x)
 
 
-# transformers' defaults where a config.json leaves the keys out (MistralConfig, Qwen2Config, Qwen3Config).
-_MISTRAL_WINDOW = 4096
-_QWEN_WINDOW = 4096
+# transformers' defaults where a config.json leaves the keys out: the window of MistralConfig,
+# Qwen2Config, Qwen3Config, Gemma2Config and Gemma3TextConfig, and the Qwen configs' first windowed layer.
+_HF_WINDOW = 4096
 _QWEN_MAX_WINDOW_LAYERS = 28
-_GEMMA2_WINDOW = 4096
 _GEMMA3_THETAS = (1_000_000.0, 10_000.0)  # Gemma3TextConfig.default_theta: global, local
 
 
@@ -594,8 +596,9 @@ def _sliding_window(c: Mapping[str, Any], model_type: str, source: str) -> tuple
     Mistral: `sliding_window` applies to every layer; absent means transformers' 4096 and null
     means full attention (Mistral-7B-v0.1 and its fine-tunes: 4096; v0.2 onwards: null).
     Qwen2 / Qwen3: a window only with `use_sliding_window`, in the layers `layer_types` marks
-    "sliding_attention", or without that list in layers max_window_layers onwards. Gemma 2: the
-    layers layer_types marks, or without it every other one from layer 0. Llama: none.
+    "sliding_attention", or without that list in layers max_window_layers onwards. Gemma: the
+    layers layer_types marks, or without it every other one from layer 0 (Gemma 2) or all but
+    every sliding_window_pattern-th (Gemma 3). Llama: none.
     """
     layers_n = config_field(c, "num_hidden_layers", int, source, positive=True)
     types = c.get("layer_types")
@@ -611,40 +614,35 @@ def _sliding_window(c: Mapping[str, Any], model_type: str, source: str) -> tuple
             raise ValueError(f"{source}: layer_types with sliding_attention are not supported for model_type "
                              f"'llama'")
         return None, ()
-    if model_type in GEMMA:
-        # Without layer_types, Gemma 2 alternates (layers 0, 2, 4, ... slide) and Gemma 3 makes
-        # every sliding_window_pattern-th layer full (default 6: layers 5, 11, ... attend fully).
-        if types is None:
-            pattern = 2 if model_type == "gemma2" else config_field(c, "sliding_window_pattern", int, source, 6,
-                                                                     positive=True)
-            types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers_n)]
-        layers = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
-        if not layers:
-            return None, ()
-        if c.get("sliding_window", _GEMMA2_WINDOW) is None:
-            raise ValueError(f"{source}: layer_types marks sliding_attention layers but sliding_window is null")
-        return config_field(c, "sliding_window", int, source, _GEMMA2_WINDOW, positive=True), layers
     if model_type == "mistral":
         if types is not None and len(set(types)) > 1:
             raise ValueError(f"{source}: layer_types mixing full and sliding attention are not supported for "
                              f"model_type 'mistral' (transformers' MistralForCausalLM ignores them)")
         if "sliding_window" in c and c["sliding_window"] is None:
             return None, ()
-        return config_field(c, "sliding_window", int, source, _MISTRAL_WINDOW, positive=True), tuple(range(layers_n))
-    if not config_field(c, "use_sliding_window", bool, source, False):
-        if types is not None and "sliding_attention" in types:
-            raise ValueError(f"{source}: layer_types marks sliding_attention layers but use_sliding_window is "
-                             f"false, so transformers gives them no window")
+        return config_field(c, "sliding_window", int, source, _HF_WINDOW, positive=True), tuple(range(layers_n))
+    if model_type in ("qwen2", "qwen3"):
+        if not config_field(c, "use_sliding_window", bool, source, False):
+            if types is not None and "sliding_attention" in types:
+                raise ValueError(f"{source}: layer_types marks sliding_attention layers but use_sliding_window is "
+                                 f"false, so transformers gives them no window")
+            return None, ()
+        if types is None:
+            first = config_field(c, "max_window_layers", int, source, _QWEN_MAX_WINDOW_LAYERS)
+            types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers_n)]
+    elif types is None:
+        # Without layer_types, Gemma 2 alternates (layers 0, 2, 4, ... slide) and Gemma 3 makes
+        # every sliding_window_pattern-th layer full (default 6: layers 5, 11, ... attend fully).
+        pattern = 2 if model_type == "gemma2" else config_field(c, "sliding_window_pattern", int, source, 6,
+                                                                 positive=True)
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers_n)]
+    layers = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    if not layers:
         return None, ()
-    if c.get("sliding_window", _QWEN_WINDOW) is None:
-        raise ValueError(f"{source}: use_sliding_window=true needs a sliding_window, got null")
-    window = config_field(c, "sliding_window", int, source, _QWEN_WINDOW, positive=True)
-    if types is not None:
-        layers = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
-    else:
-        first = config_field(c, "max_window_layers", int, source, _QWEN_MAX_WINDOW_LAYERS)
-        layers = tuple(range(max(first, 0), layers_n))
-    return (window, layers) if layers else (None, ())
+    if c.get("sliding_window", _HF_WINDOW) is None:
+        raise ValueError(f"{source}: sliding_window is null, but layers {list(layers)} slide (layer_types, or "
+                         f"what transformers derives without it)")
+    return config_field(c, "sliding_window", int, source, _HF_WINDOW, positive=True), layers
 
 
 # Published numbers (Hugging Face config.json of each checkpoint). Large models store bf16.
