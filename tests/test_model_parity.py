@@ -372,7 +372,10 @@ def test_windowed_causal_runs_and_tree_passes_match_hf(variant, tmp_path):
     assert max(depth) + prefix + 1 > 2 * WINDOWS[variant][0]  # the deepest path reaches past two windows
 
 
-@pytest.mark.parametrize("variant", list(WINDOWS))
+# Every window kind decodes in the slow suite; the default one runs Mistral's (every layer) and Gemma
+# 3's (some layers, two ropes), ~8 s each on 2 cores.
+@pytest.mark.parametrize("variant", [v if v in ("mistral-window", "gemma3") else pytest.param(v, marks=pytest.mark.slow)
+                                     for v in WINDOWS])
 def test_windowed_decoding_equals_transformers_generate(variant, tmp_path):
     """Greedy decoding of a windowed target, autoregressive and speculative (TEV over a fresh
     drafter and the context chain: trees with several branches, and rounds of several tokens),
