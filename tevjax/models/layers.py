@@ -70,7 +70,10 @@ class RMSNorm(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         inv = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (x32 * inv * (self.offset + self.scale[...].astype(jnp.float32))).astype(x.dtype)
+        w = self.scale[...].astype(jnp.float32)
+        if self.offset:  # only where there is one, so other models run the same ops as before
+            w = w + self.offset
+        return (x32 * inv * w).astype(x.dtype)
 
 
 class Rope(NamedTuple):
