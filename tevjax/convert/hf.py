@@ -107,7 +107,8 @@ _TRANSFORMS = {
 
 
 def target_weight_rules(cfg: ModelConfig) -> list[WeightRule]:
-    """The conversion table for a Llama / Mistral / Qwen2 / Qwen3 / Gemma 2 / Gemma 3 (text) target with this config."""
+    """The conversion table for a Llama / Mistral / Qwen2 / Qwen3 / Gemma 2 / Gemma 3 (text) target
+    with this config."""
     d, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     qd, kd, dh = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.head_dim
     pre = "model.layers.{i}."
@@ -115,11 +116,16 @@ def target_weight_rules(cfg: ModelConfig) -> list[WeightRule]:
     def layer(hf, param, transform, shape):
         return WeightRule(pre + hf, ("layers",) + param, transform, shape, per_layer=True)
 
+    # Gemma names its four norms by place: its post_attention_layernorm norms the attention output,
+    # and its pre_feedforward_layernorm is the pre-MLP norm that Llama names post_attention_layernorm
+    # (tevjax keeps Llama's name for that role).
+    pre_mlp = "pre_feedforward_layernorm" if cfg.output_norms else "post_attention_layernorm"
+
     rules = [
         WeightRule("model.embed_tokens.weight", ("embed_tokens", "embedding"), "identity", (v, d)),
         WeightRule("model.norm.weight", ("norm", "scale"), "identity", (d,)),
         layer("input_layernorm.weight", ("input_layernorm", "scale"), "identity", (d,)),
-        layer("post_attention_layernorm.weight", ("post_attention_layernorm", "scale"), "identity", (d,)),
+        layer(pre_mlp + ".weight", ("post_attention_layernorm", "scale"), "identity", (d,)),
         layer("self_attn.q_proj.weight", ("self_attn", "q_proj", "kernel"), "transpose", (qd, d)),
         layer("self_attn.k_proj.weight", ("self_attn", "k_proj", "kernel"), "transpose", (kd, d)),
         layer("self_attn.v_proj.weight", ("self_attn", "v_proj", "kernel"), "transpose", (kd, d)),
@@ -142,12 +148,8 @@ def target_weight_rules(cfg: ModelConfig) -> list[WeightRule]:
             layer("self_attn.k_norm.weight", ("self_attn", "k_norm", "scale"), "identity", (dh,)),
         ]
     if cfg.output_norms:
-        # Gemma names its four norms by place: its post_attention_layernorm norms the attention
-        # output, and its pre_feedforward_layernorm is the pre-MLP norm that Llama names
-        # post_attention_layernorm (tevjax keeps Llama's name for that role).
-        rules = [r for r in rules if r.hf_name != pre + "post_attention_layernorm.weight"] + [
+        rules += [
             layer("post_attention_layernorm.weight", ("attn_output_norm", "scale"), "identity", (d,)),
-            layer("pre_feedforward_layernorm.weight", ("post_attention_layernorm", "scale"), "identity", (d,)),
             layer("post_feedforward_layernorm.weight", ("mlp_output_norm", "scale"), "identity", (d,)),
         ]
     if not cfg.tie_word_embeddings:
@@ -304,7 +306,8 @@ def checkpoint_config_path(path: str | os.PathLike, what: str) -> tuple[str, str
 
 
 def load_hf_target(path: str | os.PathLike, *, dtype: str | None = None, mesh=None) -> tuple[ModelConfig, Transformer]:
-    """Loads an HF Llama / Mistral / Qwen2 / Qwen3 / Gemma 2 / Gemma 3 (text) checkpoint directory into a `Transformer`.
+    """Loads an HF Llama / Mistral / Qwen2 / Qwen3 / Gemma 2 / Gemma 3 (text) checkpoint directory
+    into a `Transformer`.
 
     `dtype` sets both compute and storage dtypes (default: the checkpoint's `torch_dtype`).
     The model skeleton is built with `nnx.eval_shape`, so no random weights are materialised;

@@ -23,7 +23,7 @@ GEMMA = ("gemma2", "gemma3_text")  # Gemma 2, and Gemma 3's text model (Gemma3Fo
 _DTYPES = ("float32", "bfloat16", "float16")
 _HF_CLASS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
              "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
-# The MLP activations: SiLU (every family but Gemma) and the tanh approximation of GELU (Gemma 2's
+# The MLP activations: SiLU (every family but Gemma) and the tanh approximation of GELU (Gemma's
 # "gelu_pytorch_tanh", which transformers also calls "gelu_new" / "gelu_fast" up to rounding: only
 # the exact name is accepted).
 HIDDEN_ACTS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
@@ -252,7 +252,7 @@ class ModelConfig:
     dtype: str = "float32"
     param_dtype: str = "float32"
     # Sliding-window attention (Mistral-7B-v0.1 and its fine-tunes; Qwen2/Qwen3 with
-    # use_sliding_window): in the layers `sliding_layers`, the token at position p attends only to
+    # use_sliding_window; Gemma's local layers): in the layers `sliding_layers`, the token at position p attends only to
     # positions p - sliding_window + 1 .. p, transformers' `kv_idx > q_idx - sliding_window`.
     # None: every layer attends to the whole prefix. The cache still keeps every slot: a window
     # changes what a layer reads, not what the cache holds.
@@ -306,7 +306,7 @@ class ModelConfig:
                              f"[0, {self.num_layers})")
         if layers and self.architecture == "llama":
             raise ValueError("ModelConfig: architecture 'llama' has no sliding window (Llama checkpoints attend "
-                             "fully); use 'mistral', 'qwen2' or 'qwen3'")
+                             "fully); use 'mistral', 'qwen2', 'qwen3' or a Gemma")
         if self.architecture == "mistral" and layers and len(layers) != self.num_layers:
             raise ValueError(f"ModelConfig: a Mistral window applies to every layer, got sliding_layers={layers} "
                              f"of {self.num_layers}")
@@ -460,7 +460,7 @@ class ModelConfig:
             rms_norm_eps=field("rms_norm_eps", float, 1e-6),
             rope_theta=theta,
             rope_scaling=scaling,
-            # HF's default for both families is tie_word_embeddings=False when the key is absent.
+            # HF's default when the key is absent: tied for Gemma, untied for the others.
             tie_word_embeddings=field("tie_word_embeddings", bool, gemma),
             qk_norm=model_type in ("qwen3", "gemma3_text"),
             # Qwen2 has q/k/v biases and no o bias, always; its config has no key for them.

@@ -149,8 +149,8 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq, scale: float = 1.0)
     """Rotary embedding, HF "rotate_half" layout (first and second half of Dh form the pairs).
 
     x: [..., T, H, Dh]; positions: [..., T] int; inv_freq: [Dh // 2] (constant or traced); `scale`
-    multiplies the result (`Rope.scale`). Angles and the rotation are computed in float32; the result has x's
-    dtype.
+    multiplies the result (`Rope.scale`). Angles and the rotation are computed in float32; the
+    result has x's dtype.
     """
     inv_freq = jnp.asarray(inv_freq, jnp.float32)
     if x.shape[-1] != 2 * inv_freq.shape[-1]:
