@@ -67,7 +67,9 @@ def _copy(saved, tmp_path):
     # windows: the 9-token logits below reach past them
     ("mistral", dict(sliding_window=3, sliding_layers=(0, 1))), ("qwen2", dict(sliding_window=3, sliding_layers=(1,))),
     ("gemma2", dict(sliding_window=3, sliding_layers=(0,))),
-    ("gemma3_text", dict(rope_scaling=RopeScaling(rope_type="linear", factor=2.0)))])
+    ("gemma3_text", dict(rope_scaling=RopeScaling(rope_type="linear", factor=2.0))),
+    # Phi-3's fused q/k/v and gate/up tensors, split on loading and joined again on saving
+    ("phi3", dict(sliding_window=3, sliding_layers=(0, 1)))])
 def test_save_load_roundtrip_and_transformers_reads_it(arch, overrides, tmp_path):
     model = random_model(tiny_config(arch, **overrides), seed=1)
     save_hf_target(model, tmp_path)
@@ -484,6 +486,26 @@ def test_gemma3_ropes_read_as_transformers_reads_them():
         "rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}}
     with pytest.raises(ValueError, match="sliding_attention.rope_type 'linear' is not supported"):
         ModelConfig.from_hf_config(scaled_local)
+
+
+def test_phi3_ropes_other_than_plain_are_refused_by_name():
+    """transformers reads Phi-3's scaled ropes (su, yarn, longrope) as LongRoPE, and Phi-4-mini
+    rotates 3/4 of each head: both are refused by name, not read as something else."""
+    base = tiny_config("phi3").to_hf_config()
+    assert ModelConfig.from_hf_config(base) == tiny_config("phi3")
+    for patch, match in [({"rope_scaling": {"type": "yarn", "factor": 2.0}}, "rope_type 'yarn' is not supported for "
+                                                                            "model_type 'phi3'"),
+                         ({"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 8}}, "'longrope'"),
+                         ({"partial_rotary_factor": 0.75}, "partial_rotary_factor=0.75 is not supported"),
+                         ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
+                                               "partial_rotary_factor": 0.5}},
+                          "partial_rotary_factor=0.5"),
+                         ({"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]},
+                          "mixing full and sliding attention are not supported for model_type 'phi3'")]:
+        with pytest.raises(ValueError, match=match):
+            ModelConfig.from_hf_config({**base, **patch})
+    with pytest.raises(ValueError, match="'phi3' has no attention biases and no q/k norms"):
+        tiny_config("phi3", qk_norm=True)
 
 
 def test_config_rejects_unsupported():

@@ -85,10 +85,15 @@ VARIANTS = {
                dict(tie_word_embeddings=True, head_dim=16, query_pre_attn_scalar=24, sliding_window=4,
                     sliding_window_pattern=3, rope_scaling=dict(rope_type="linear", factor=4.0),
                     attn_implementation="eager")),
+    # Phi-3: Llama's layers with q/k/v and gate/up fused in the checkpoint, and Phi-3-mini-4k's
+    # window on every layer (2047 there, 5 here).
+    "phi3": ("Phi3Config", "Phi3ForCausalLM",
+             dict(tie_word_embeddings=False, rope_theta=10000.0, sliding_window=5, pad_token_id=0)),
 }
 
 HEAD_DIM = {"qwen3": 32, "qwen3-yarn": 32, "mistral": 8, "mistral-window": 8}
-WINDOWS = {"mistral-window": (5, (0, 1, 2)), "qwen2-window": (4, (1, 2)), "gemma2": (4, (0, 2)), "gemma3": (4, (0, 1))}
+WINDOWS = {"mistral-window": (5, (0, 1, 2)), "qwen2-window": (4, (1, 2)), "gemma2": (4, (0, 2)), "gemma3": (4, (0, 1)),
+           "phi3": (5, (0, 1, 2))}
 ROPE_TYPE = {"llama3-rope": "llama3", "llama-linear-rope": "linear", "qwen3-yarn": "yarn", "gemma3": "linear"}
 
 

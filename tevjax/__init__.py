@@ -26,7 +26,7 @@ The tree budget and the temperature are never letters: write "budget" and "tempe
 Layers of the package (each knows nothing of the ones after it):
   core      `DraftTree`, `exit_law`, `verify`, `build_ddtree`, `context_chain` / `corpus_chain` / `merge_chain`,
             `truncate_logits` (top-k / top-p / min-p target laws): model-free tree math
-  models    `Transformer` (Llama/Mistral/Qwen2/Qwen3/Gemma 2-3 target), `DFlashDrafter`: thin Flax NNX modules
+  models    `Transformer` (Llama/Mistral/Qwen2/Qwen3/Gemma 2-3/Phi-3 target), `DFlashDrafter`: thin Flax NNX modules
   convert   HF safetensors, GGUF, tokenizers, DFlash checkpoints, the embedded SmolLM2 default
   decode    `Decoder`: draft -> build -> one target tree pass -> verify -> commit, jitted
   train     `generate_data`, `Trainer` / `train`: token + exit losses, one optax step over a mesh

@@ -76,6 +76,9 @@ class WeightRule:
     transform: str  # "identity" | "transpose" (2-D [out, in] -> [in, out])
     hf_shape: tuple[int, ...]  # expected HF source shape, asserted before the transform
     per_layer: bool = False  # stacked over the L layers on a new leading axis
+    # Rows [start, stop) of a fused HF tensor (Phi-3's qkv_proj and gate_up_proj), sliced before
+    # the transform; the rules that share a tensor cover its rows, and saving joins them again.
+    rows: tuple[int, int] | None = None
 
     def names(self, num_layers: int) -> list[str]:
         """Concrete HF names this rule consumes, in layer order."""
@@ -89,14 +92,17 @@ class WeightRule:
             raise CheckpointError(
                 f"tensor {name!r}: expected shape {self.hf_shape}, got {tuple(x.shape)}"
             )
+        if self.rows is not None:
+            x = x[self.rows[0]:self.rows[1]]
         return _TRANSFORMS[self.transform][0](x)
 
     def to_hf(self, x: np.ndarray) -> np.ndarray:
-        """tevjax layout -> HF tensor (inverse transform), checking the result's shape."""
+        """tevjax layout -> HF tensor (inverse transform), or its rows for a fused tensor, checking
+        the result's shape."""
         y = _TRANSFORMS[self.transform][1](x)
-        if tuple(y.shape) != self.hf_shape:
-            raise CheckpointError(f"{self.hf_name}: would save shape {tuple(y.shape)}, "
-                                  f"expected {self.hf_shape}")
+        want = self.hf_shape if self.rows is None else (self.rows[1] - self.rows[0], *self.hf_shape[1:])
+        if tuple(y.shape) != want:
+            raise CheckpointError(f"{self.hf_name}: would save shape {tuple(y.shape)}, expected {want}")
         return y
 
 
@@ -106,8 +112,12 @@ _TRANSFORMS = {
 }
 
 
+_FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
+          "up_proj": "gate_up_proj"}
+
+
 def target_weight_rules(cfg: ModelConfig) -> list[WeightRule]:
-    """The conversion table for a Llama / Mistral / Qwen2 / Qwen3 / Gemma 2 / Gemma 3 (text) target
+    """The conversion table for a Llama / Mistral / Qwen2 / Qwen3 / Gemma 2 / Gemma 3 (text) / Phi-3 target
     with this config."""
     d, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     qd, kd, dh = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.head_dim
@@ -120,18 +130,26 @@ def target_weight_rules(cfg: ModelConfig) -> list[WeightRule]:
     # and its pre_feedforward_layernorm is the pre-MLP norm that Llama names post_attention_layernorm
     # (tevjax keeps Llama's name for that role).
     pre_mlp = "pre_feedforward_layernorm" if cfg.output_norms else "post_attention_layernorm"
+    # Phi-3 fuses q, k and v into one projection (rows in that order), and gate and up into another.
+    fused = cfg.architecture == "phi3"
+
+    def proj(hf, name, param, rows, shape):
+        if not fused:
+            return layer(f"{hf}.{name}.weight", param, "transpose", (rows[1] - rows[0], *shape[1:]))
+        return WeightRule(pre + f"{hf}.{_FUSED[name]}.weight", ("layers",) + param, "transpose", shape,
+                          per_layer=True, rows=rows)
 
     rules = [
         WeightRule("model.embed_tokens.weight", ("embed_tokens", "embedding"), "identity", (v, d)),
         WeightRule("model.norm.weight", ("norm", "scale"), "identity", (d,)),
         layer("input_layernorm.weight", ("input_layernorm", "scale"), "identity", (d,)),
         layer(pre_mlp + ".weight", ("post_attention_layernorm", "scale"), "identity", (d,)),
-        layer("self_attn.q_proj.weight", ("self_attn", "q_proj", "kernel"), "transpose", (qd, d)),
-        layer("self_attn.k_proj.weight", ("self_attn", "k_proj", "kernel"), "transpose", (kd, d)),
-        layer("self_attn.v_proj.weight", ("self_attn", "v_proj", "kernel"), "transpose", (kd, d)),
+        proj("self_attn", "q_proj", ("self_attn", "q_proj", "kernel"), (0, qd), (qd + 2 * kd, d)),
+        proj("self_attn", "k_proj", ("self_attn", "k_proj", "kernel"), (qd, qd + kd), (qd + 2 * kd, d)),
+        proj("self_attn", "v_proj", ("self_attn", "v_proj", "kernel"), (qd + kd, qd + 2 * kd), (qd + 2 * kd, d)),
         layer("self_attn.o_proj.weight", ("self_attn", "o_proj", "kernel"), "transpose", (d, qd)),
-        layer("mlp.gate_proj.weight", ("mlp", "gate_proj", "kernel"), "transpose", (f, d)),
-        layer("mlp.up_proj.weight", ("mlp", "up_proj", "kernel"), "transpose", (f, d)),
+        proj("mlp", "gate_proj", ("mlp", "gate_proj", "kernel"), (0, f), (2 * f, d)),
+        proj("mlp", "up_proj", ("mlp", "up_proj", "kernel"), (f, 2 * f), (2 * f, d)),
         layer("mlp.down_proj.weight", ("mlp", "down_proj", "kernel"), "transpose", (d, f)),
     ]
     if cfg.qkv_biased:
@@ -281,10 +299,17 @@ def load_target_params(model: Transformer, state: Mapping[str, np.ndarray], *, m
 
     dtype = jnp.dtype(cfg.param_dtype)
     shardings = shardings_by_path(model, mesh) if mesh is not None else {}
+    checked: dict[str, np.ndarray] = {}  # a fused tensor is checked once for the rules that share it
     for rule in rules:
         converted = []
         for name in rule.names(cfg.num_layers):
-            converted.append(rule.to_param(name, checked_tensor(name, state[name])))
+            if rule.rows is None:
+                x = checked_tensor(name, state[name])
+            else:
+                x = checked.get(name)
+                if x is None:
+                    x = checked[name] = checked_tensor(name, state[name])
+            converted.append(rule.to_param(name, x))
         value = np.stack(converted) if rule.per_layer else converted[0]
         var = _param(model, rule.param)
         want = tuple(var.get_value().shape)
@@ -306,7 +331,7 @@ def checkpoint_config_path(path: str | os.PathLike, what: str) -> tuple[str, str
 
 
 def load_hf_target(path: str | os.PathLike, *, dtype: str | None = None, mesh=None) -> tuple[ModelConfig, Transformer]:
-    """Loads an HF Llama / Mistral / Qwen2 / Qwen3 / Gemma 2 / Gemma 3 (text) checkpoint directory
+    """Loads an HF Llama / Mistral / Qwen2 / Qwen3 / Gemma 2 / Gemma 3 (text) / Phi-3 checkpoint
     into a `Transformer`.
 
     `dtype` sets both compute and storage dtypes (default: the checkpoint's `torch_dtype`).
@@ -336,12 +361,18 @@ def save_hf_target(model: Transformer, path: str | os.PathLike) -> None:
     os.makedirs(path, exist_ok=True)
     cfg: ModelConfig = model.cfg
     tensors: dict[str, np.ndarray] = {}
+    fused: dict[str, list[tuple[int, np.ndarray]]] = {}  # a fused tensor's rows, by first row
     for rule in target_weight_rules(cfg):
         value = np.asarray(jax.device_get(_param(model, rule.param).get_value()))
         names = rule.names(cfg.num_layers)
         slices = list(value) if rule.per_layer else [value]
         for name, x in zip(names, slices, strict=True):
-            tensors[name] = rule.to_hf(x)
+            if rule.rows is None:
+                tensors[name] = rule.to_hf(x)
+            else:
+                fused.setdefault(name, []).append((rule.rows[0], rule.to_hf(x)))
+    for name, parts in fused.items():
+        tensors[name] = np.ascontiguousarray(np.concatenate([y for _, y in sorted(parts, key=lambda p: p[0])]))
     with open(os.path.join(path, CONFIG_FILE), "w", encoding="utf-8") as f:
         json.dump(cfg.to_hf_config(), f, indent=2)
     save_file(tensors, os.path.join(path, SAFETENSORS_FILE), metadata={"format": "pt"})

@@ -1,4 +1,4 @@
-"""Target-model configuration: one frozen dataclass for the Llama, Mistral, Qwen2, Qwen3 and Gemma families.
+"""Target-model configuration: one frozen dataclass for the Llama, Mistral, Qwen2, Qwen3, Gemma and Phi-3 families.
 
 Variants are made with `dataclasses.replace`; `from_hf_config` / `to_hf_config` translate to and
 from a Hugging Face `config.json` (both the legacy `rope_theta` + `rope_scaling` keys and the
@@ -18,11 +18,12 @@ from typing import Any
 __all__ = ["ModelConfig", "RopeScaling", "ROPE_TYPES", "PRESETS", "SUPPORTED_ARCHITECTURES", "read_config_json",
            "yarn_mscale"]
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3")
 GEMMA = ("gemma2", "gemma3_text")  # Gemma 2, and Gemma 3's text model (Gemma3ForCausalLM: the 1B model)
 _DTYPES = ("float32", "bfloat16", "float16")
 _HF_CLASS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-             "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+             "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+             "phi3": "Phi3ForCausalLM"}
 # The MLP activations: SiLU (every family but Gemma) and the tanh approximation of GELU (Gemma's
 # "gelu_pytorch_tanh", which transformers also calls "gelu_new" / "gelu_fast" up to rounding: only
 # the exact name is accepted).
@@ -230,7 +231,8 @@ class ModelConfig:
     uses true float32 matmuls on every backend (no TF32 on GPUs: `layers.matmul_precision`).
     """
 
-    # "llama" | "mistral" | "qwen2" | "qwen3" | "gemma2" | "gemma3_text": one decoder; the fields below differ
+    # "llama" | "mistral" | "qwen2" | "qwen3" | "gemma2" | "gemma3_text" | "phi3": one decoder; the fields
+    # below differ (Phi-3 is Llama's layers with fused q/k/v and gate/up weights, a checkpoint matter)
     architecture: str
     vocab_size: int
     hidden_size: int
@@ -307,9 +309,11 @@ class ModelConfig:
         if layers and self.architecture == "llama":
             raise ValueError("ModelConfig: architecture 'llama' has no sliding window (Llama checkpoints attend "
                              "fully); use 'mistral', 'qwen2', 'qwen3' or a Gemma")
-        if self.architecture == "mistral" and layers and len(layers) != self.num_layers:
-            raise ValueError(f"ModelConfig: a Mistral window applies to every layer, got sliding_layers={layers} "
-                             f"of {self.num_layers}")
+        if self.architecture in ("mistral", "phi3") and layers and len(layers) != self.num_layers:
+            raise ValueError(f"ModelConfig: a {self.architecture} window applies to every layer, got "
+                             f"sliding_layers={layers} of {self.num_layers}")
+        if self.architecture == "phi3" and (self.qkv_biased or self.qk_norm):
+            raise ValueError("ModelConfig: architecture 'phi3' has no attention biases and no q/k norms")
         if self.hidden_act not in HIDDEN_ACTS.values():
             raise ValueError(f"ModelConfig.hidden_act={self.hidden_act!r} is not one of "
                              f"{', '.join(HIDDEN_ACTS.values())}")
@@ -419,6 +423,8 @@ class ModelConfig:
             c, local_theta = _gemma3_ropes(c, source)
         if c.get("mlp_bias", False):
             raise ValueError(f"{source}: mlp_bias=True is not supported")
+        if model_type == "phi3":
+            _check_phi3_rope(c, source)
         window, sliding_layers = _sliding_window(c, model_type, source)
         if c.get("pretraining_tp", 1) not in (1, None):
             raise ValueError(f"{source}: pretraining_tp={c['pretraining_tp']} is not supported")
@@ -527,6 +533,8 @@ class ModelConfig:
             out["rope_scaling"] = self.rope_scaling.to_hf()
         if self.architecture in ("llama", "qwen3", "mistral"):
             out["attention_bias"] = self.attention_bias
+        if self.architecture == "phi3":
+            out["pad_token_id"] = None  # else Phi3Config's default, 32000, which a smaller vocabulary lacks
         if self.architecture != "llama":
             out["sliding_window"] = self.sliding_window
         if self.architecture in ("qwen2", "qwen3"):
@@ -561,6 +569,21 @@ def _int_if_whole(x: float) -> int | float:
 _HF_WINDOW = 4096
 _QWEN_MAX_WINDOW_LAYERS = 28
 _GEMMA3_THETAS = (1_000_000.0, 10_000.0)  # Gemma3TextConfig.default_theta: global, local
+
+
+def _check_phi3_rope(c: Mapping[str, Any], source: str) -> None:
+    """Phi-3's ropes that tevjax refuses: a partial rotation (Phi-4-mini's 0.75), and any scaling,
+    since transformers reads Phi-3's scaled ropes ("su", "yarn", "longrope") all as LongRoPE."""
+    params = c.get("rope_parameters") if isinstance(c.get("rope_parameters"), Mapping) else {}
+    factor = c.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0))
+    if factor not in (None, 1, 1.0):
+        raise ValueError(f"{source}: partial_rotary_factor={factor!r} is not supported (only 1.0: every "
+                         f"dimension rotates)")
+    scaling = c.get("rope_scaling") or params
+    kind = scaling.get("rope_type", scaling.get("type", "default")) if isinstance(scaling, Mapping) else "default"
+    if kind != "default":
+        raise ValueError(f"{source}: rope_type {kind!r} is not supported for model_type 'phi3' (transformers reads "
+                         f"Phi-3's scaled ropes as LongRoPE)")
 
 
 def _gemma3_ropes(c: Mapping[str, Any], source: str) -> tuple[dict, float]:
@@ -614,13 +637,14 @@ def _sliding_window(c: Mapping[str, Any], model_type: str, source: str) -> tuple
             raise ValueError(f"{source}: layer_types with sliding_attention are not supported for model_type "
                              f"'llama'")
         return None, ()
-    if model_type == "mistral":
+    if model_type in ("mistral", "phi3"):  # one window for every layer; Phi3Config's default is none
         if types is not None and len(set(types)) > 1:
             raise ValueError(f"{source}: layer_types mixing full and sliding attention are not supported for "
-                             f"model_type 'mistral' (transformers' MistralForCausalLM ignores them)")
-        if "sliding_window" in c and c["sliding_window"] is None:
+                             f"model_type {model_type!r} (transformers' model ignores them)")
+        default = _HF_WINDOW if model_type == "mistral" else None
+        if c.get("sliding_window", default) is None:
             return None, ()
-        return config_field(c, "sliding_window", int, source, _HF_WINDOW, positive=True), tuple(range(layers_n))
+        return config_field(c, "sliding_window", int, source, default, positive=True), tuple(range(layers_n))
     if model_type in ("qwen2", "qwen3"):
         if not config_field(c, "use_sliding_window", bool, source, False):
             if types is not None and "sliding_attention" in types:

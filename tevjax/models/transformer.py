@@ -1,4 +1,4 @@
-"""Decoder-only target model (Llama, Mistral, Qwen2, Qwen3 and Gemma 2-3 families) with a per-row KV cache.
+"""Decoder-only target model (Llama, Mistral, Qwen2, Qwen3, Gemma 2-3 and Phi-3 families) with a per-row KV cache.
 
 One call handles prefill, single-token decode and the one-pass tree verification:
 
@@ -158,7 +158,7 @@ def full_mask(block_mask: jax.Array, write_pos: jax.Array, capacity: int) -> jax
 
 
 class Transformer(nnx.Module):
-    """Llama / Mistral / Qwen2 / Qwen3 / Gemma 2-3 decoder with stacked layers; see the module
+    """Llama / Mistral / Qwen2 / Qwen3 / Gemma 2-3 / Phi-3 decoder with stacked layers; see the module
     docstring for the call protocol."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
