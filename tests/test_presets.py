@@ -18,6 +18,8 @@ PUBLISHED = {
     "qwen2.5-7b": 7.61e9,  # Qwen/Qwen2.5-7B-Instruct: "Number of Parameters: 7.61B"
     "mistral-7b-v0.3": 7.25e9,  # mistralai/Mistral-7B-Instruct-v0.3: 7.25B (safetensors metadata)
     "smollm2-135m": 134.5e6,  # HuggingFaceTB/SmolLM2-135M: 134.5M (card rounds to 135M)
+    "gemma-2-9b": 9.24e9,  # google/gemma-2-9b: 9.24B (safetensors metadata)
+    "gemma-3-1b": 1.0e9,  # google/gemma-3-1b-it: "1B"
 }
 
 

@@ -722,4 +722,24 @@ PRESETS: dict[str, ModelConfig] = {
         max_position_embeddings=8192, eos_token_ids=(2,), bos_token_id=1,
         dtype="float32", param_dtype="float32",
     ),
+    # google/gemma-2-9b: 9.24B parameters (tied embeddings); a 4096-token window in the even layers.
+    "gemma-2-9b": ModelConfig(
+        architecture="gemma2", vocab_size=256000, hidden_size=3584, intermediate_size=14336,
+        num_layers=42, num_heads=16, num_kv_heads=8, head_dim=256, rms_norm_eps=1e-6,
+        rope_theta=10_000.0, tie_word_embeddings=True, qk_norm=False,
+        max_position_embeddings=8192, eos_token_ids=(1,), bos_token_id=2,
+        sliding_window=4096, sliding_layers=tuple(range(0, 42, 2)), hidden_act="gelu_tanh",
+        query_pre_attn_scalar=256.0, attn_softcap=50.0, final_softcap=30.0,
+        dtype="bfloat16", param_dtype="bfloat16",
+    ),
+    # google/gemma-3-1b-it: 1B parameters (tied embeddings); a 512-token window in five layers of
+    # six, which rotate with base 10^4, the others with 10^6.
+    "gemma-3-1b": ModelConfig(
+        architecture="gemma3_text", vocab_size=262144, hidden_size=1152, intermediate_size=6912,
+        num_layers=26, num_heads=4, num_kv_heads=1, head_dim=256, rms_norm_eps=1e-6,
+        rope_theta=1_000_000.0, local_rope_theta=10_000.0, tie_word_embeddings=True, qk_norm=True,
+        max_position_embeddings=32768, eos_token_ids=(1, 106), bos_token_id=2,
+        sliding_window=512, sliding_layers=tuple(i for i in range(26) if (i + 1) % 6), hidden_act="gelu_tanh",
+        query_pre_attn_scalar=256.0, dtype="bfloat16", param_dtype="bfloat16",
+    ),
 }
