@@ -117,8 +117,8 @@ _FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gat
 
 
 def target_weight_rules(cfg: ModelConfig) -> list[WeightRule]:
-    """The conversion table for a Llama / Mistral / Qwen2 / Qwen3 / Gemma 2 / Gemma 3 (text) / Phi-3 target
-    with this config."""
+    """The conversion table for a Llama / Mistral / Qwen2 / Qwen3 / Gemma 2 / Gemma 3 (text) /
+    Phi-3 target with this config."""
     d, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     qd, kd, dh = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.head_dim
     pre = "model.layers.{i}."
@@ -133,10 +133,11 @@ def target_weight_rules(cfg: ModelConfig) -> list[WeightRule]:
     # Phi-3 fuses q, k and v into one projection (rows in that order), and gate and up into another.
     fused = cfg.architecture == "phi3"
 
-    def proj(hf, name, param, rows, shape):
+    def proj(block, name, rows, shape):  # rows [start, stop) of the fused [out, in] shape
+        param = (block, name, "kernel")
         if not fused:
-            return layer(f"{hf}.{name}.weight", param, "transpose", (rows[1] - rows[0], *shape[1:]))
-        return WeightRule(pre + f"{hf}.{_FUSED[name]}.weight", ("layers",) + param, "transpose", shape,
+            return layer(f"{block}.{name}.weight", param, "transpose", (rows[1] - rows[0], *shape[1:]))
+        return WeightRule(pre + f"{block}.{_FUSED[name]}.weight", ("layers",) + param, "transpose", shape,
                           per_layer=True, rows=rows)
 
     rules = [
@@ -144,12 +145,12 @@ def target_weight_rules(cfg: ModelConfig) -> list[WeightRule]:
         WeightRule("model.norm.weight", ("norm", "scale"), "identity", (d,)),
         layer("input_layernorm.weight", ("input_layernorm", "scale"), "identity", (d,)),
         layer(pre_mlp + ".weight", ("post_attention_layernorm", "scale"), "identity", (d,)),
-        proj("self_attn", "q_proj", ("self_attn", "q_proj", "kernel"), (0, qd), (qd + 2 * kd, d)),
-        proj("self_attn", "k_proj", ("self_attn", "k_proj", "kernel"), (qd, qd + kd), (qd + 2 * kd, d)),
-        proj("self_attn", "v_proj", ("self_attn", "v_proj", "kernel"), (qd + kd, qd + 2 * kd), (qd + 2 * kd, d)),
+        proj("self_attn", "q_proj", (0, qd), (qd + 2 * kd, d)),
+        proj("self_attn", "k_proj", (qd, qd + kd), (qd + 2 * kd, d)),
+        proj("self_attn", "v_proj", (qd + kd, qd + 2 * kd), (qd + 2 * kd, d)),
         layer("self_attn.o_proj.weight", ("self_attn", "o_proj", "kernel"), "transpose", (d, qd)),
-        proj("mlp", "gate_proj", ("mlp", "gate_proj", "kernel"), (0, f), (2 * f, d)),
-        proj("mlp", "up_proj", ("mlp", "up_proj", "kernel"), (f, 2 * f), (2 * f, d)),
+        proj("mlp", "gate_proj", (0, f), (2 * f, d)),
+        proj("mlp", "up_proj", (f, 2 * f), (2 * f, d)),
         layer("mlp.down_proj.weight", ("mlp", "down_proj", "kernel"), "transpose", (d, f)),
     ]
     if cfg.qkv_biased:
