@@ -18,6 +18,7 @@ import exit_mass  # noqa: E402
 import exittrain_ablation  # noqa: E402
 import fallback  # noqa: E402
 import fixed_tree_equivalence  # noqa: E402
+import moe_dispatch  # noqa: E402
 import heldout_screen  # noqa: E402
 import round_blocks  # noqa: E402
 import round_stages  # noqa: E402
@@ -383,3 +384,21 @@ def test_adaptive_budget_simulates_greedy_rounds_exactly():
     assert adaptive_budget.simulate(trees, lambda reach: (1, 1.0)) == (5, 5, 5.0)
     # The root and 7: 2 tokens at position 0, 1 at position 2 (7 is not the 9 there), 2 at position 3.
     assert adaptive_budget.simulate(trees, lambda reach: (2, 1.5)) == (5, 3, 4.5)
+
+
+def test_moe_dispatch_checks_its_arguments_and_compares_equal_outputs(tmp_path, monkeypatch, capsys):
+    for argv, message in [(["--top-k", "9"], "--top-k 9 is more than --experts 8"),
+                          (["--tokens", "0"], "argument --tokens: must be positive, got 0"),
+                          (["--iters", "0"], "argument --iters: must be positive, got 0")]:
+        monkeypatch.setattr(sys, "argv", ["moe_dispatch.py", *argv])
+        with pytest.raises(SystemExit):
+            moe_dispatch.main()
+        assert message in capsys.readouterr().err
+    out = tmp_path / "moe.md"
+    monkeypatch.setattr(sys, "argv", ["moe_dispatch.py", "--tokens", "3", "5", "--hidden", "8", "--width", "4",
+                                      "--iters", "1", "--repeats", "2", "--out", str(out)])
+    moe_dispatch.main()
+    rows = [line for line in out.read_text().splitlines() if line.startswith(("| 3 ", "| 5 "))]
+    assert len(rows) == 2
+    assert all(float(row.split("|")[5]) < 1e-5 for row in rows)  # both dispatches gave the same outputs
+    assert json.loads(out.with_suffix(".json").read_text())["results"][1]["tokens"] == 5

@@ -69,7 +69,9 @@ def _copy(saved, tmp_path):
     ("gemma2", dict(sliding_window=3, sliding_layers=(0,))),
     ("gemma3_text", dict(rope_scaling=RopeScaling(rope_type="linear", factor=2.0))),
     # Phi-3's fused q/k/v and gate/up tensors, split on loading and joined again on saving
-    ("phi3", dict(sliding_window=3, sliding_layers=(0, 1)))])
+    ("phi3", dict(sliding_window=3, sliding_layers=(0, 1))),
+    # experts, one tensor each on disk, stacked on an expert axis on loading
+    ("mixtral", {}), ("qwen3_moe", dict(norm_topk_prob=False))])
 def test_save_load_roundtrip_and_transformers_reads_it(arch, overrides, tmp_path):
     model = random_model(tiny_config(arch, **overrides), seed=1)
     save_hf_target(model, tmp_path)
@@ -371,7 +373,8 @@ def test_config_roundtrip_and_v5_rope_parameters():
     qwen = PRESETS["qwen3-8b"]
     assert ModelConfig.from_hf_config(transformers.Qwen3Config(**qwen.to_hf_config()).to_dict()) == qwen
     for name, hf_class in (("qwen2.5-7b", transformers.Qwen2Config), ("mistral-7b-v0.3", transformers.MistralConfig),
-                           ("gemma-2-9b", transformers.Gemma2Config), ("gemma-3-1b", transformers.Gemma3TextConfig)):
+                           ("gemma-2-9b", transformers.Gemma2Config), ("gemma-3-1b", transformers.Gemma3TextConfig),
+                           ("mixtral-8x7b", transformers.MixtralConfig), ("qwen3-30b-a3b", transformers.Qwen3MoeConfig)):
         assert ModelConfig.from_hf_config(hf_class(**PRESETS[name].to_hf_config()).to_dict()) == PRESETS[name], name
     assert ModelConfig.from_hf_config(qwen.to_hf_config(), dtype="float32").dtype == "float32"
 
@@ -507,6 +510,48 @@ def test_phi3_ropes_other_than_plain_are_refused_by_name():
             ModelConfig.from_hf_config({**base, **patch})
     with pytest.raises(ValueError, match="'phi3' has no attention biases and no q/k norms"):
         tiny_config("phi3", qk_norm=True)
+
+
+def test_experts_read_as_transformers_reads_them_and_belong_to_moe_families_only():
+    """Mixtral and Qwen3-MoE configs, as written and as transformers' config classes read them:
+    either key for the expert count, Qwen3-MoE's moe_intermediate_size as the experts' width, its
+    window only with use_sliding_window; layers without experts and mismatched fields refused."""
+    for arch, cls in (("mixtral", transformers.MixtralConfig), ("qwen3_moe", transformers.Qwen3MoeConfig)):
+        for overrides in ({}, dict(sliding_window=3, sliding_layers=(0, 1)), dict(norm_topk_prob=False)):
+            if arch == "mixtral" and overrides.get("norm_topk_prob") is False:
+                continue
+            cfg = tiny_config(arch, **overrides)
+            out = cfg.to_hf_config()
+            assert ModelConfig.from_hf_config(out) == cfg
+            hf = cls(**{k: v for k, v in out.items() if k not in ("architectures", "model_type")})
+            assert (hf.num_local_experts, hf.num_experts_per_tok) == (4, 2)
+            assert getattr(hf, "moe_intermediate_size", hf.intermediate_size) == 32
+            assert hf.sliding_window == cfg.sliding_window
+            assert ModelConfig.from_hf_config({**hf.to_dict(), "model_type": arch}) == cfg
+    base = tiny_config("qwen3_moe").to_hf_config()
+    del base["num_experts"]
+    assert ModelConfig.from_hf_config({**base, "num_local_experts": 6}).num_experts == 6  # what save_pretrained writes
+    assert ModelConfig.from_hf_config(base).num_experts == 128  # Qwen3MoeConfig's default
+    assert ModelConfig.from_hf_config({**base, "sliding_window": 7}).sliding_window is None  # no use_sliding_window
+    mixtral = tiny_config("mixtral").to_hf_config()
+    del mixtral["sliding_window"]
+    assert ModelConfig.from_hf_config(mixtral).sliding_window is None  # MixtralConfig's default: none
+    qwen = tiny_config("qwen3_moe").to_hf_config()
+    for patch, match in [({"mlp_only_layers": [1]}, r"mlp_only_layers=\[1\] is not supported"),
+                         ({"decoder_sparse_step": 2}, "decoder_sparse_step=2 is not supported"),
+                         ({"num_experts_per_tok": 5}, "experts_per_token=5 is more than num_experts=4"),
+                         ({"num_experts": 0}, "'num_experts' must be positive")]:
+        with pytest.raises(ValueError, match=match):
+            ModelConfig.from_hf_config({**qwen, **patch})
+    for arch, fields, match in [("llama", dict(num_experts=4, experts_per_token=2), "need a mixture-of-experts"),
+                                ("mixtral", dict(num_experts=0, experts_per_token=0), "num_experts must be a positive"),
+                                ("mixtral", dict(norm_topk_prob=False), "Mixtral always renormalises"),
+                                ("mixtral", dict(qk_norm=True), "'mixtral' has no attention biases and no q/k norms"),
+                                ("qwen3_moe", dict(qk_norm=False), "'qwen3_moe' has q/k norms"),
+                                ("qwen3_moe", dict(sliding_window=3, sliding_layers=(1,)),
+                                 "a qwen3_moe window applies to every layer")]:
+        with pytest.raises(ValueError, match=match):
+            tiny_config(arch, **fields)
 
 
 def test_config_rejects_unsupported():

@@ -89,11 +89,23 @@ VARIANTS = {
     # window on every layer (2047 there, 5 here).
     "phi3": ("Phi3Config", "Phi3ForCausalLM",
              dict(tie_word_embeddings=False, rope_theta=10000.0, sliding_window=5, pad_token_id=0)),
+    # Mixtral: Mistral's layers with 4 experts of width 96, 2 per token, weights renormalised over
+    # them; a 5-wide window on every layer (MixtralConfig's default is none).
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                dict(tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2, rope_theta=1_000_000.0,
+                     sliding_window=5)),
+    # Qwen3-MoE: Qwen3's layers with 6 experts of width 24, 3 per token, weights not renormalised
+    # (norm_topk_prob false, Qwen3MoeConfig's default), tied head; use_sliding_window puts a
+    # 4-wide window on every layer.
+    "qwen3-moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(tie_word_embeddings=True, num_experts=6, num_experts_per_tok=3, moe_intermediate_size=24,
+                       norm_topk_prob=False, rope_theta=1_000_000.0, use_sliding_window=True, sliding_window=4)),
 }
+EXPERTS = {"mixtral": (4, 2, True, 96), "qwen3-moe": (6, 3, False, 24)}  # E, k, norm_topk_prob, width
 
 HEAD_DIM = {"qwen3": 32, "qwen3-yarn": 32, "mistral": 8, "mistral-window": 8}
 WINDOWS = {"mistral-window": (5, (0, 1, 2)), "qwen2-window": (4, (1, 2)), "gemma2": (4, (0, 2)), "gemma3": (4, (0, 1)),
-           "phi3": (5, (0, 1, 2))}
+           "phi3": (5, (0, 1, 2)), "mixtral": (5, (0, 1, 2)), "qwen3-moe": (4, (0, 1, 2))}
 ROPE_TYPE = {"llama3-rope": "llama3", "llama-linear-rope": "linear", "qwen3-yarn": "yarn", "gemma3": "linear"}
 
 
@@ -106,6 +118,8 @@ def build_hf(variant: str, seed: int = 0):
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif name.endswith("mlp.gate.weight"):  # a router: decisive picks (Qwen3-MoE's starts at zero)
+                p.copy_(torch.randn_like(p) / 4.0)
             elif name.endswith(".bias"):
                 p.copy_(0.1 * torch.randn_like(p))
     return model
@@ -122,8 +136,8 @@ def hf_pair(request, tmp_path_factory):
 
 def test_config_translation(hf_pair):
     variant, hf, cfg, _ = hf_pair
-    assert cfg.architecture == VARIANTS[variant][0].removesuffix("Config").lower().replace("gemma3text",
-                                                                                           "gemma3_text")
+    assert cfg.architecture == VARIANTS[variant][0].removesuffix("Config").lower().replace(
+        "gemma3text", "gemma3_text").replace("qwen3moe", "qwen3_moe")
     assert cfg.num_layers == 3 and cfg.num_kv_heads == 2 and cfg.vocab_size == 300
     assert cfg.head_dim == HEAD_DIM.get(variant, 16)
     assert cfg.qk_norm == variant.startswith(("qwen3", "gemma3"))
@@ -142,6 +156,8 @@ def test_config_translation(hf_pair):
         variant, ("silu", None, None, None))
     assert (cfg.norm_offset, cfg.output_norms, cfg.embed_scale) == ((1.0, True, 8.0) if gemma else (0.0, False, None))
     assert (cfg.rope_theta, cfg.local_rope_theta) == ((1e6, 1e4) if variant == "gemma3" else (cfg.rope_theta, None))
+    assert (cfg.num_experts, cfg.experts_per_token, cfg.norm_topk_prob, cfg.intermediate_size) == EXPERTS.get(
+        variant, (0, 0, True, 96))
     assert cfg.num_params == sum(p.numel() for p in hf.parameters())
 
 
@@ -191,6 +207,41 @@ def test_jit_matches_eager():
 
 
 # ------------------------------------------------------------------------- per-module, 1e-5
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+def test_experts_dispatches_equal_a_per_token_reference(norm_topk_prob):
+    """Both dispatches of `SparseMoE` (every expert on every token; tokens grouped by expert through
+    `ragged_dot`) equal a float64 per-token loop: the k most probable experts (ties: the lower
+    index), their softmax weights renormalised over the k or not, their SwiGLU outputs mixed. One
+    row's router is zeroed by its input, so all its experts tie."""
+    from tevjax.models.layers import SparseMoE
+
+    d, f, e, k = 16, 24, 5, 2
+    moe = SparseMoE(d, f, e, k, norm_topk_prob=norm_topk_prob, dtype="float32", param_dtype="float32",
+                    rngs=nnx.Rngs(3))
+    x = np.random.default_rng(4).standard_normal((2, 7, d)).astype(np.float32)
+    x[1, 3] = 0.0  # router logits all 0: a four-way tie past the first pick
+    w_r, gate, up, down = (np.asarray(a, np.float64) for a in (moe.router.kernel[...], moe.gate_proj[...],
+                                                              moe.up_proj[...], moe.down_proj[...]))
+    want = np.zeros(x.shape)
+    for idx in np.ndindex(*x.shape[:2]):
+        v = x[idx].astype(np.float64)
+        logits = v @ w_r
+        p = np.exp(logits - logits.max())
+        p /= p.sum()
+        picked = sorted(range(e), key=lambda j: (-p[j], j))[:k]
+        weights = p[picked] / (p[picked].sum() if norm_topk_prob else 1.0)
+        for j, wj in zip(picked, weights):
+            g = v @ gate[j]
+            want[idx] += wj * ((g / (1 + np.exp(-g))) * (v @ up[j])) @ down[j]
+    graphdef, state = nnx.split(moe)
+    for dispatch in ("dense", "ragged", "auto"):
+        got = jax.jit(lambda st, x: nnx.merge(graphdef, st)(x, dispatch=dispatch))(state, jnp.asarray(x))
+        assert got.shape == x.shape and got.dtype == jnp.float32
+        np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=0, err_msg=dispatch)
+    with pytest.raises(ValueError, match="dispatch='sparse' is not one of"):
+        moe(jnp.asarray(x), dispatch="sparse")
 
 
 def test_rmsnorm_matches_hf():
@@ -377,9 +428,10 @@ def test_windowed_causal_runs_and_tree_passes_match_hf(variant, tmp_path):
     assert max(depth) + prefix + 1 > 2 * WINDOWS[variant][0]  # the deepest path reaches past two windows
 
 
-# Every window kind decodes in the slow suite; the default one runs Mistral's (every layer) and Gemma
-# 3's (some layers, two ropes), ~8 s each on 2 cores.
-@pytest.mark.parametrize("variant", [v if v in ("mistral-window", "gemma3") else pytest.param(v, marks=pytest.mark.slow)
+# Every window kind decodes in the slow suite; the default one runs Mistral's (every layer), Gemma
+# 3's (some layers, two ropes) and Mixtral's (with experts), ~8 s each on 2 cores.
+@pytest.mark.parametrize("variant", [v if v in ("mistral-window", "gemma3", "mixtral") else
+                                     pytest.param(v, marks=pytest.mark.slow)
                                      for v in WINDOWS])
 def test_windowed_decoding_equals_transformers_generate(variant, tmp_path):
     """Greedy decoding of a windowed target, autoregressive and speculative (TEV over a fresh

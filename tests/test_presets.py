@@ -20,7 +20,11 @@ PUBLISHED = {
     "smollm2-135m": 134.5e6,  # HuggingFaceTB/SmolLM2-135M: 134.5M (card rounds to 135M)
     "gemma-2-9b": 9.24e9,  # google/gemma-2-9b: 9.24B (safetensors metadata)
     "gemma-3-1b": 1.0e9,  # google/gemma-3-1b-it: "1B"
+    "mixtral-8x7b": 46.7e9,  # mistralai/Mixtral-8x7B-Instruct-v0.1: 46.7B (safetensors metadata)
+    "qwen3-30b-a3b": 30.5e9,  # Qwen/Qwen3-30B-A3B: "30.5B in total"
 }
+# ... and what one token reads, for the mixture-of-experts presets (the others: the total).
+ACTIVE = {"mixtral-8x7b": 12.9e9, "qwen3-30b-a3b": 3.3e9}  # Mistral's "12.9B active"; Qwen's "3.3B activated"
 
 
 def test_presets_listed():
@@ -37,6 +41,8 @@ def test_preset_parameter_count(name):
     count = sum(x.size for x in leaves)
     assert count == cfg.num_params
     assert abs(count - PUBLISHED[name]) / PUBLISHED[name] < 0.01, (name, count)
+    active = ACTIVE.get(name, PUBLISHED[name])
+    assert abs(cfg.num_active_params - active) / active < 0.02, (name, cfg.num_active_params)
     if cfg.tie_word_embeddings:
         assert abstract.lm_head is None
     # Layers are stacked for the scan: one leading axis of size L on every layer parameter.
@@ -44,7 +50,8 @@ def test_preset_parameter_count(name):
         cfg.num_layers, cfg.hidden_size, cfg.num_heads * cfg.head_dim)
 
 
-@pytest.mark.parametrize("name,layers", [("qwen3-8b", (1, 9, 17, 25, 33)), ("llama-3.1-8b", (1, 8, 15, 22, 29))])
+@pytest.mark.parametrize("name,layers", [("qwen3-8b", (1, 9, 17, 25, 33)), ("llama-3.1-8b", (1, 8, 15, 22, 29)),
+                                         ("qwen3-30b-a3b", (1, 12, 23, 34, 45))])
 def test_preset_forward_traces(name, layers):
     """A 64-node tree pass over a 4096-slot cache, traced only (DFlash target layer ids)."""
     cfg = PRESETS[name]

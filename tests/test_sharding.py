@@ -38,7 +38,8 @@ def _specs(tree) -> dict[str, P]:
 
 
 @pytest.mark.parametrize("arch, overrides", [("llama", {}), ("qwen3", {}), ("llama", {"attention_bias": True}),
-                                             ("qwen2", {}), ("gemma2", {}), ("gemma3_text", {}), ("phi3", {})])
+                                             ("qwen2", {}), ("gemma2", {}), ("gemma3_text", {}), ("phi3", {}),
+                                             ("mixtral", {}), ("qwen3_moe", {})])
 def test_every_target_array_has_axes_and_heads_split_over_model(arch, overrides):
     target = nnx.eval_shape(lambda: random_model(tiny_config(arch, num_heads=8, num_kv_heads=4, head_dim=8,
                                                              **overrides)))
@@ -47,10 +48,15 @@ def test_every_target_array_has_axes_and_heads_split_over_model(arch, overrides)
     assert specs["layers.self_attn.q_proj.kernel"] == P(None, None, "model")
     assert specs["layers.self_attn.k_proj.kernel"] == P(None, None, "model")
     assert specs["layers.self_attn.o_proj.kernel"] == P(None, "model", None)
-    assert specs["layers.mlp.gate_proj.kernel"] == P(None, None, "model")
-    assert specs["layers.mlp.down_proj.kernel"] == P(None, "model", None)
-    assert specs["norm.scale"] == P(None)
     cfg = target.cfg
+    if cfg.moe:  # each expert's width over `model`, every expert on every device; the router whole
+        assert specs["layers.mlp.gate_proj"] == specs["layers.mlp.up_proj"] == P(None, None, None, "model")
+        assert specs["layers.mlp.down_proj"] == P(None, None, "model", None)
+        assert specs["layers.mlp.router.kernel"] == P(None, None, None)
+    else:
+        assert specs["layers.mlp.gate_proj.kernel"] == P(None, None, "model")
+        assert specs["layers.mlp.down_proj.kernel"] == P(None, "model", None)
+    assert specs["norm.scale"] == P(None)
     if cfg.tie_word_embeddings:
         assert "lm_head.kernel" not in specs
     else:

@@ -51,7 +51,11 @@ LOGICAL_RULES: Mapping[str, str | None] = {
     "embed": None,
     "heads": "model",  # query heads (H, or the fused H * Dh axis of a projection)
     "kv_heads": "model",  # key/value heads (K, or K * Dh)
-    "mlp": "model",  # the MLP width (intermediate_size)
+    "mlp": "model",  # the MLP width (intermediate_size; with experts, each expert's)
+    # Experts are not split across devices: every device holds its slice of each expert's width
+    # (`mlp`), so a routed MLP needs no token exchange and ends in the dense MLP's one all-reduce.
+    # Expert parallelism (experts over a mesh axis) needs an all-to-all dispatch of tokens.
+    "experts": None,
     "head_dim": None,
     "features": None,  # the drafter's concatenated tapped hidden states (F = n * D)
     # The ids of a reduced draft vocabulary: Vd int32s that every device reads whole to pick the
@@ -83,6 +87,10 @@ _LAYER_AXES: Mapping[str, tuple[str, ...]] = {
     "mlp.gate_proj.kernel": ("embed", "mlp"),
     "mlp.up_proj.kernel": ("embed", "mlp"),
     "mlp.down_proj.kernel": ("mlp", "embed"),
+    "mlp.router.kernel": ("embed", "experts"),
+    "mlp.gate_proj": ("experts", "embed", "mlp"),
+    "mlp.up_proj": ("experts", "embed", "mlp"),
+    "mlp.down_proj": ("experts", "mlp", "embed"),
 }
 
 # Parameter path (dots; `*` matches one list index) -> logical axes, for every parameter of
@@ -107,7 +115,7 @@ CACHE_AXES: tuple[str, ...] = ("layers", "batch", "kv_heads", "cache_slots", "he
 # What a sharded logical axis counts, for error messages: splitting must not cut one of these.
 _UNITS = {"heads": "query heads (num_heads)", "kv_heads": "key/value heads (num_kv_heads)",
           "mlp": "MLP width (intermediate_size)", "vocab": "vocabulary entries (vocab_size)",
-          "batch": "batch rows", "embed": "model width (hidden_size)"}
+          "batch": "batch rows", "embed": "model width (hidden_size)", "experts": "experts (num_experts)"}
 
 
 def logical_spec(*names: str | None) -> PartitionSpec:
@@ -153,7 +161,7 @@ def _dims(cfg) -> dict[str, tuple[int, int]]:
     same = lambda n: (n, n)  # noqa: E731
     dims = {"vocab": same(cfg.vocab_size), "embed": same(cfg.hidden_size), "heads": (h * dh, h),
             "kv_heads": (k * dh, k), "mlp": same(cfg.intermediate_size), "layers": same(cfg.num_layers),
-            "head_dim": same(dh)}
+            "head_dim": same(dh), "experts": same(getattr(cfg, "num_experts", 0))}
     if hasattr(cfg, "feature_dim"):  # a drafter
         dims["features"] = same(cfg.feature_dim)
         dims["draft_vocab"] = same(cfg.draft_vocab_dim)

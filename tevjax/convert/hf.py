@@ -79,12 +79,27 @@ class WeightRule:
     # Rows [start, stop) of a fused HF tensor (Phi-3's qkv_proj and gate_up_proj), sliced before
     # the transform; the rules that share a tensor cover its rows, and saving joins them again.
     rows: tuple[int, int] | None = None
+    # One tensor per expert ("{e}" in the name, Mixtral and Qwen3-MoE), stacked on an expert axis
+    # after the layer axis; 0: none.
+    experts: int = 0
 
     def names(self, num_layers: int) -> list[str]:
-        """Concrete HF names this rule consumes, in layer order."""
-        if self.per_layer:
-            return [self.hf_name.format(i=i) for i in range(num_layers)]
-        return [self.hf_name]
+        """Concrete HF names this rule consumes, in layer order (and expert order within a layer)."""
+        layers = range(num_layers) if self.per_layer else [None]
+        return [self.hf_name.format(i=i, e=e) for i in layers for e in (range(self.experts) or [None])]
+
+    def stack(self, converted: list[np.ndarray], num_layers: int) -> np.ndarray:
+        """The converted tensors of `names` as one parameter: [L, (E,) ...] or the one tensor."""
+        if not self.per_layer:
+            return converted[0]
+        value = np.stack(converted)
+        return value.reshape(num_layers, self.experts, *value.shape[1:]) if self.experts else value
+
+    def unstack(self, value: np.ndarray) -> list[np.ndarray]:
+        """A parameter as the tensors of `names`, in their order (the inverse of `stack`)."""
+        if not self.per_layer:
+            return [value]
+        return list(value.reshape(-1, *value.shape[2:]) if self.experts else value)
 
     def to_param(self, name: str, x: np.ndarray) -> np.ndarray:
         """HF tensor -> tevjax layout, after checking the source shape."""
@@ -118,7 +133,7 @@ _FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gat
 
 def target_weight_rules(cfg: ModelConfig) -> list[WeightRule]:
     """The conversion table for a Llama / Mistral / Qwen2 / Qwen3 / Gemma 2 / Gemma 3 (text) /
-    Phi-3 target with this config."""
+    Phi-3 / Mixtral / Qwen3-MoE target with this config."""
     d, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     qd, kd, dh = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.head_dim
     pre = "model.layers.{i}."
@@ -149,10 +164,15 @@ def target_weight_rules(cfg: ModelConfig) -> list[WeightRule]:
         proj("self_attn", "k_proj", (qd, qd + kd), (qd + 2 * kd, d)),
         proj("self_attn", "v_proj", (qd + kd, qd + 2 * kd), (qd + 2 * kd, d)),
         layer("self_attn.o_proj.weight", ("self_attn", "o_proj", "kernel"), "transpose", (d, qd)),
-        proj("mlp", "gate_proj", (0, f), (2 * f, d)),
-        proj("mlp", "up_proj", (f, 2 * f), (2 * f, d)),
-        layer("mlp.down_proj.weight", ("mlp", "down_proj", "kernel"), "transpose", (d, f)),
     ]
+    if cfg.moe:
+        rules += _expert_rules(cfg, pre)
+    else:
+        rules += [
+            proj("mlp", "gate_proj", (0, f), (2 * f, d)),
+            proj("mlp", "up_proj", (f, 2 * f), (2 * f, d)),
+            layer("mlp.down_proj.weight", ("mlp", "down_proj", "kernel"), "transpose", (d, f)),
+        ]
     if cfg.qkv_biased:
         rules += [
             layer("self_attn.q_proj.bias", ("self_attn", "q_proj", "bias"), "identity", (qd,)),
@@ -174,6 +194,23 @@ def target_weight_rules(cfg: ModelConfig) -> list[WeightRule]:
     if not cfg.tie_word_embeddings:
         rules.append(WeightRule("lm_head.weight", ("lm_head", "kernel"), "transpose", (v, d)))
     return rules
+
+
+def _expert_rules(cfg: ModelConfig, pre: str) -> list[WeightRule]:
+    """A mixture-of-experts MLP's rows: the router, and each expert's gate, up and down projections
+    (Mixtral's w1, w3 and w2, under `block_sparse_moe`), stacked on the expert axis."""
+    d, f, e = cfg.hidden_size, cfg.intermediate_size, cfg.num_experts
+    block, names = (("block_sparse_moe", ("w1", "w3", "w2")) if cfg.architecture == "mixtral"
+                    else ("mlp", ("gate_proj", "up_proj", "down_proj")))
+    expert = pre + block + ".experts.{e}.{name}.weight"
+    return [
+        WeightRule(pre + block + ".gate.weight", ("layers", "mlp", "router", "kernel"), "transpose", (e, d),
+                   per_layer=True),
+        *(WeightRule(expert.replace("{name}", hf), ("layers", "mlp", param), "transpose", shape, per_layer=True,
+                     experts=e)
+          for hf, param, shape in zip(names, ("gate_proj", "up_proj", "down_proj"), ((f, d), (f, d), (d, f)),
+                                      strict=True)),
+    ]
 
 
 # ----------------------------------------------------------------------------------- reading
@@ -311,7 +348,7 @@ def load_target_params(model: Transformer, state: Mapping[str, np.ndarray], *, m
                 if x is None:
                     x = checked[name] = checked_tensor(name, state[name])
             converted.append(rule.to_param(name, x))
-        value = np.stack(converted) if rule.per_layer else converted[0]
+        value = rule.stack(converted, cfg.num_layers)
         var = _param(model, rule.param)
         want = tuple(var.get_value().shape)
         if tuple(value.shape) != want:  # a table bug rather than a checkpoint bug
@@ -332,8 +369,8 @@ def checkpoint_config_path(path: str | os.PathLike, what: str) -> tuple[str, str
 
 
 def load_hf_target(path: str | os.PathLike, *, dtype: str | None = None, mesh=None) -> tuple[ModelConfig, Transformer]:
-    """Loads an HF Llama / Mistral / Qwen2 / Qwen3 / Gemma 2 / Gemma 3 (text) / Phi-3 checkpoint
-    into a `Transformer`.
+    """Loads an HF Llama / Mistral / Qwen2 / Qwen3 / Gemma 2 / Gemma 3 (text) / Phi-3 / Mixtral /
+    Qwen3-MoE checkpoint into a `Transformer`.
 
     `dtype` sets both compute and storage dtypes (default: the checkpoint's `torch_dtype`).
     The model skeleton is built with `nnx.eval_shape`, so no random weights are materialised;
@@ -366,8 +403,7 @@ def save_hf_target(model: Transformer, path: str | os.PathLike) -> None:
     for rule in target_weight_rules(cfg):
         value = np.asarray(jax.device_get(_param(model, rule.param).get_value()))
         names = rule.names(cfg.num_layers)
-        slices = list(value) if rule.per_layer else [value]
-        for name, x in zip(names, slices, strict=True):
+        for name, x in zip(names, rule.unstack(value), strict=True):
             if rule.rows is None:
                 tensors[name] = rule.to_hf(x)
             else:

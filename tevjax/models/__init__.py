@@ -1,8 +1,9 @@
-"""Target models (Llama, Qwen3) and the primitives the drafter shares with them."""
+"""Target models (Llama, Mistral, Qwen2/3, Gemma 2/3, Phi-3, Mixtral, Qwen3-MoE) and the primitives the drafter
+shares with them."""
 
 from tevjax.models.cache import KVCache
 from tevjax.models.config import PRESETS, ModelConfig, RopeScaling
-from tevjax.models.layers import (NEG_INF, RMSNorm, Rope, SwiGLU, apply_rope, attention, causal_mask,
+from tevjax.models.layers import (NEG_INF, RMSNorm, Rope, SparseMoE, SwiGLU, apply_rope, attention, causal_mask,
                                   matmul_precision, rope_inv_freq)
 from tevjax.models.transformer import (
     ForwardOutput,
@@ -20,6 +21,7 @@ __all__ = [
     "RMSNorm",
     "Rope",
     "RopeScaling",
+    "SparseMoE",
     "SwiGLU",
     "Transformer",
     "apply_rope",

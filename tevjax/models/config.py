@@ -18,12 +18,15 @@ from typing import Any
 __all__ = ["ModelConfig", "RopeScaling", "ROPE_TYPES", "PRESETS", "SUPPORTED_ARCHITECTURES", "read_config_json",
            "yarn_mscale"]
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "mixtral",
+                           "qwen3_moe")
 GEMMA = ("gemma2", "gemma3_text")  # Gemma 2, and Gemma 3's text model (Gemma3ForCausalLM: the 1B model)
+# Mixture-of-experts families: Mistral's and Qwen3's attention with a routed MLP in every layer.
+MOE = ("mixtral", "qwen3_moe")
 _DTYPES = ("float32", "bfloat16", "float16")
 _HF_CLASS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
              "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
-             "phi3": "Phi3ForCausalLM"}
+             "phi3": "Phi3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 # The MLP activations: SiLU (every family but Gemma) and the tanh approximation of GELU (Gemma's
 # "gelu_pytorch_tanh", which transformers also calls "gelu_new" / "gelu_fast" up to rounding: only
 # the exact name is accepted).
@@ -231,8 +234,9 @@ class ModelConfig:
     uses true float32 matmuls on every backend (no TF32 on GPUs: `layers.matmul_precision`).
     """
 
-    # "llama" | "mistral" | "qwen2" | "qwen3" | "gemma2" | "gemma3_text" | "phi3": one decoder; the fields
-    # below differ (Phi-3 is Llama's layers with fused q/k/v and gate/up weights, a checkpoint matter)
+    # "llama" | "mistral" | "qwen2" | "qwen3" | "gemma2" | "gemma3_text" | "phi3" | "mixtral" | "qwen3_moe":
+    # one decoder; the fields below differ (Phi-3 is Llama's layers with fused q/k/v and gate/up
+    # weights, a checkpoint matter; Mixtral and Qwen3-MoE are Mistral's and Qwen3's with experts)
     architecture: str
     vocab_size: int
     hidden_size: int
@@ -270,6 +274,13 @@ class ModelConfig:
     # Gemma 3: the rope base of the sliding layers (unscaled); rope_theta and rope_scaling are the
     # full-attention layers'. None: every layer rotates alike.
     local_rope_theta: float | None = None
+    # Mixture of experts (architectures in MOE only): each layer's MLP is `num_experts` gated MLPs
+    # of width intermediate_size, of which a router picks `experts_per_token` per token and mixes
+    # their outputs by its softmax probabilities, renormalised over the picked ones when
+    # `norm_topk_prob` (always for Mixtral; Qwen3-MoE's config says). 0: a dense MLP.
+    num_experts: int = 0
+    experts_per_token: int = 0
+    norm_topk_prob: bool = True
 
     def __post_init__(self):
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -309,7 +320,7 @@ class ModelConfig:
         if layers and self.architecture == "llama":
             raise ValueError("ModelConfig: architecture 'llama' has no sliding window (Llama checkpoints attend "
                              "fully); use 'mistral', 'qwen2', 'qwen3' or a Gemma")
-        if self.architecture in ("mistral", "phi3") and layers and len(layers) != self.num_layers:
+        if self.architecture in _WINDOW_EVERYWHERE and layers and len(layers) != self.num_layers:
             raise ValueError(f"ModelConfig: a {self.architecture} window applies to every layer, got "
                              f"sliding_layers={layers} of {self.num_layers}")
         if self.architecture == "phi3" and (self.qkv_biased or self.qk_norm):
@@ -336,6 +347,28 @@ class ModelConfig:
                              f"(Gemma 3 has q/k norms, Gemma 2 none)")
         elif self.local_rope_theta is not None and self.architecture != "gemma3_text":
             raise ValueError(f"ModelConfig.local_rope_theta is Gemma 3's, not {self.architecture!r}'s")
+        self._check_experts()
+
+    def _check_experts(self) -> None:
+        e, k = self.num_experts, self.experts_per_token
+        if self.architecture not in MOE:
+            if e or k:
+                raise ValueError(f"ModelConfig: num_experts={e}, experts_per_token={k} need a mixture-of-experts "
+                                 f"architecture ({', '.join(MOE)}), not {self.architecture!r}")
+            return
+        for name, value in (("num_experts", e), ("experts_per_token", k)):
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"ModelConfig.{name} must be a positive int for architecture "
+                                 f"{self.architecture!r}, got {value!r}")
+        if k > e:
+            raise ValueError(f"ModelConfig.experts_per_token={k} is more than num_experts={e}")
+        if self.architecture == "mixtral" and not self.norm_topk_prob:
+            raise ValueError("ModelConfig: Mixtral always renormalises its picked experts' weights "
+                             "(norm_topk_prob=False is Qwen3-MoE's option)")
+        if self.architecture == "mixtral" and (self.qkv_biased or self.qk_norm):
+            raise ValueError("ModelConfig: architecture 'mixtral' has no attention biases and no q/k norms")
+        if self.architecture == "qwen3_moe" and not self.qk_norm:
+            raise ValueError("ModelConfig: architecture 'qwen3_moe' has q/k norms (qk_norm=True)")
 
     @property
     def norm_offset(self) -> float:
@@ -369,6 +402,11 @@ class ModelConfig:
         return ["sliding_attention" if w else "full_attention" for w in self.layer_windows]
 
     @property
+    def moe(self) -> bool:
+        """Whether each layer's MLP is a routed mixture of experts."""
+        return self.num_experts > 0
+
+    @property
     def qkv_biased(self) -> bool:
         """Whether the q, k and v projections have biases."""
         return self.attention_bias or self.qkv_bias
@@ -376,6 +414,15 @@ class ModelConfig:
     @property
     def num_params(self) -> int:
         """Parameter count implied by the shapes (embedding counted once when tied)."""
+        return self._count(self.num_experts)
+
+    @property
+    def num_active_params(self) -> int:
+        """Parameters one token's forward pass reads: with experts, the router's and only the
+        picked experts' (Mixtral-8x7B: 12.9B of 46.7B); otherwise `num_params`."""
+        return self._count(self.experts_per_token)
+
+    def _count(self, experts: int) -> int:
         d, h, k, dh, f = (self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim,
                           self.intermediate_size)
         attn = d * h * dh + 2 * d * k * dh + h * dh * d
@@ -385,7 +432,8 @@ class ModelConfig:
             attn += d
         if self.qk_norm:
             attn += 2 * dh
-        layer = attn + 3 * d * f + (4 if self.output_norms else 2) * d
+        mlp = 3 * d * f if not self.moe else experts * 3 * d * f + self.num_experts * d  # experts, router rows
+        layer = attn + mlp + (4 if self.output_norms else 2) * d
         embed = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * layer + embed + d
 
@@ -425,6 +473,7 @@ class ModelConfig:
             raise ValueError(f"{source}: mlp_bias=True is not supported")
         if model_type == "phi3":
             _check_phi3_rope(c, source)
+        experts = _experts(c, model_type, source) if model_type in MOE else {}
         window, sliding_layers = _sliding_window(c, model_type, source)
         if c.get("pretraining_tp", 1) not in (1, None):
             raise ValueError(f"{source}: pretraining_tp={c['pretraining_tp']} is not supported")
@@ -457,7 +506,10 @@ class ModelConfig:
             architecture=model_type,
             vocab_size=field("vocab_size", int, positive=True),
             hidden_size=hidden,
-            intermediate_size=field("intermediate_size", int, positive=True),
+            # Qwen3-MoE's experts are moe_intermediate_size wide (its intermediate_size is for dense
+            # layers, which tevjax refuses); Mixtral's are intermediate_size wide.
+            intermediate_size=field("moe_intermediate_size" if model_type == "qwen3_moe" else "intermediate_size",
+                                    int, positive=True),
             num_layers=field("num_hidden_layers", int, positive=True),
             num_heads=heads,
             # null or 0 mean "no grouping" / "derive it", as in transformers
@@ -468,7 +520,7 @@ class ModelConfig:
             rope_scaling=scaling,
             # HF's default when the key is absent: tied for Gemma, untied for the others.
             tie_word_embeddings=field("tie_word_embeddings", bool, gemma),
-            qk_norm=model_type in ("qwen3", "gemma3_text"),
+            qk_norm=model_type in ("qwen3", "gemma3_text", "qwen3_moe"),
             # Qwen2 has q/k/v biases and no o bias, always; its config has no key for them.
             attention_bias=False if model_type == "qwen2" else field("attention_bias", bool, False),
             qkv_bias=model_type == "qwen2",
@@ -479,6 +531,7 @@ class ModelConfig:
             param_dtype=dtype,
             sliding_window=window,
             sliding_layers=sliding_layers,
+            **experts,
         )
         if gemma:  # transformers' Gemma2Config / Gemma3TextConfig defaults where a key is absent
             caps = (50.0, 30.0) if model_type == "gemma2" else (None, None)
@@ -531,12 +584,20 @@ class ModelConfig:
         }
         if self.rope_scaling is not None:
             out["rope_scaling"] = self.rope_scaling.to_hf()
-        if self.architecture in ("llama", "qwen3", "mistral"):
+        if self.architecture in ("llama", "qwen3", "mistral", "qwen3_moe"):
             out["attention_bias"] = self.attention_bias
         if self.architecture == "phi3":
             out["pad_token_id"] = None  # else Phi3Config's default, 32000, which a smaller vocabulary lacks
         if self.architecture != "llama":
             out["sliding_window"] = self.sliding_window
+        if self.architecture == "mixtral":
+            out.update(num_local_experts=self.num_experts, num_experts_per_tok=self.experts_per_token)
+        if self.architecture == "qwen3_moe":
+            out.update(num_experts=self.num_experts, num_experts_per_tok=self.experts_per_token,
+                       norm_topk_prob=self.norm_topk_prob, moe_intermediate_size=self.intermediate_size,
+                       decoder_sparse_step=1, mlp_only_layers=[], use_sliding_window=self.sliding_window is not None)
+            if self.sliding_window is None:
+                del out["sliding_window"]  # Qwen3MoeConfig's default (4096) is dropped without use_sliding_window
         if self.architecture in ("qwen2", "qwen3"):
             out["use_sliding_window"] = self.sliding_window is not None
             # transformers derives the layers from max_window_layers when layer_types is absent;
@@ -564,11 +625,38 @@ def _int_if_whole(x: float) -> int | float:
     return int(x) if float(x).is_integer() else float(x)
 
 
+# Families whose window, when they have one, applies to every layer.
+_WINDOW_EVERYWHERE = ("mistral", "phi3", "mixtral", "qwen3_moe")
 # transformers' defaults where a config.json leaves the keys out: the window of MistralConfig,
 # Qwen2Config, Qwen3Config, Gemma2Config and Gemma3TextConfig, and the Qwen configs' first windowed layer.
 _HF_WINDOW = 4096
 _QWEN_MAX_WINDOW_LAYERS = 28
 _GEMMA3_THETAS = (1_000_000.0, 10_000.0)  # Gemma3TextConfig.default_theta: global, local
+
+
+def _experts(c: Mapping[str, Any], model_type: str, source: str) -> dict[str, Any]:
+    """The mixture-of-experts fields of a Mixtral or Qwen3-MoE config, with transformers' defaults.
+
+    Qwen3-MoE layers without experts (`mlp_only_layers`, or a `decoder_sparse_step` above 1) are
+    refused: every layer of the scan has one shape. `router_jitter_noise` (Mixtral) acts only in
+    training and is ignored."""
+    mixtral = model_type == "mixtral"
+    # transformers maps num_experts and num_local_experts to one attribute; a saved config may hold either
+    key = next((k for k in ("num_local_experts", "num_experts") if c.get(k) is not None),
+               "num_local_experts" if mixtral else "num_experts")
+    fields = dict(num_experts=config_field(c, key, int, source, 8 if mixtral else 128, positive=True),
+                  experts_per_token=config_field(c, "num_experts_per_tok", int, source, 2 if mixtral else 8,
+                                                 positive=True),
+                  norm_topk_prob=True if mixtral else config_field(c, "norm_topk_prob", bool, source, False))
+    if not mixtral:
+        if c.get("mlp_only_layers"):
+            raise ValueError(f"{source}: mlp_only_layers={c['mlp_only_layers']!r} is not supported (every layer "
+                             f"must route to experts)")
+        step = config_field(c, "decoder_sparse_step", int, source, 1, positive=True)
+        if step != 1:
+            raise ValueError(f"{source}: decoder_sparse_step={step} is not supported (only 1: experts in every "
+                             f"layer)")
+    return fields
 
 
 def _check_phi3_rope(c: Mapping[str, Any], source: str) -> None:
@@ -617,7 +705,8 @@ def _sliding_window(c: Mapping[str, Any], model_type: str, source: str) -> tuple
     """(window, sliding layers) as transformers reads them from an HF config.
 
     Mistral: `sliding_window` applies to every layer; absent means transformers' 4096 and null
-    means full attention (Mistral-7B-v0.1 and its fine-tunes: 4096; v0.2 onwards: null).
+    means full attention (Mistral-7B-v0.1 and its fine-tunes: 4096; v0.2 onwards: null). Phi-3
+    and Mixtral likewise, absent meaning none; Qwen3-MoE likewise, only with `use_sliding_window`.
     Qwen2 / Qwen3: a window only with `use_sliding_window`, in the layers `layer_types` marks
     "sliding_attention", or without that list in layers max_window_layers onwards. Gemma: the
     layers layer_types marks, or without it every other one from layer 0 (Gemma 2) or all but
@@ -637,11 +726,14 @@ def _sliding_window(c: Mapping[str, Any], model_type: str, source: str) -> tuple
             raise ValueError(f"{source}: layer_types with sliding_attention are not supported for model_type "
                              f"'llama'")
         return None, ()
-    if model_type in ("mistral", "phi3"):  # one window for every layer; Phi3Config's default is none
+    if model_type in _WINDOW_EVERYWHERE:  # one window for every layer
         if types is not None and len(set(types)) > 1:
             raise ValueError(f"{source}: layer_types mixing full and sliding attention are not supported for "
                              f"model_type {model_type!r} (transformers' model ignores them)")
-        default = _HF_WINDOW if model_type == "mistral" else None
+        if model_type == "qwen3_moe" and not config_field(c, "use_sliding_window", bool, source, False):
+            return None, ()  # Qwen3MoeConfig drops the window unless use_sliding_window
+        # MistralConfig's and Qwen3MoeConfig's default window is 4096; Phi3Config's and MixtralConfig's none
+        default = _HF_WINDOW if model_type in ("mistral", "qwen3_moe") else None
         if c.get("sliding_window", default) is None:
             return None, ()
         return config_field(c, "sliding_window", int, source, default, positive=True), tuple(range(layers_n))
@@ -741,5 +833,21 @@ PRESETS: dict[str, ModelConfig] = {
         max_position_embeddings=32768, eos_token_ids=(1, 106), bos_token_id=2,
         sliding_window=512, sliding_layers=tuple(i for i in range(26) if (i + 1) % 6), hidden_act="gelu_tanh",
         query_pre_attn_scalar=256.0, dtype="bfloat16", param_dtype="bfloat16",
+    ),
+    # mistralai/Mixtral-8x7B-Instruct-v0.1: 46.7B parameters, 2 of 8 experts per token (12.9B active).
+    "mixtral-8x7b": ModelConfig(
+        architecture="mixtral", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+        num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5,
+        rope_theta=1_000_000.0, tie_word_embeddings=False, qk_norm=False,
+        max_position_embeddings=32768, eos_token_ids=(2,), bos_token_id=1,
+        num_experts=8, experts_per_token=2, dtype="bfloat16", param_dtype="bfloat16",
+    ),
+    # Qwen/Qwen3-30B-A3B: 30.5B parameters, 8 of 128 experts of width 768 per token (3.3B active).
+    "qwen3-30b-a3b": ModelConfig(
+        architecture="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=768,
+        num_layers=48, num_heads=32, num_kv_heads=4, head_dim=128, rms_norm_eps=1e-6,
+        rope_theta=1_000_000.0, tie_word_embeddings=False, qk_norm=True,
+        max_position_embeddings=40960, eos_token_ids=(151645,), bos_token_id=151643,
+        num_experts=128, experts_per_token=8, norm_topk_prob=True, dtype="bfloat16", param_dtype="bfloat16",
     ),
 }

@@ -1,4 +1,5 @@
-"""Decoder-only target model (Llama, Mistral, Qwen2, Qwen3, Gemma 2-3 and Phi-3 families) with a per-row KV cache.
+"""Decoder-only target model (Llama, Mistral, Qwen2, Qwen3, Gemma 2-3, Phi-3, Mixtral and Qwen3-MoE
+families) with a per-row KV cache.
 
 One call handles prefill, single-token decode and the one-pass tree verification:
 
@@ -37,8 +38,8 @@ from flax import nnx
 
 from tevjax.models.cache import KVCache, write_layer
 from tevjax.models.config import ModelConfig
-from tevjax.models.layers import (RMSNorm, Rope, SwiGLU, apply_rope, attention, causal_attention, matmul_precision,
-                                  soft_cap)
+from tevjax.models.layers import (RMSNorm, Rope, SparseMoE, SwiGLU, apply_rope, attention, causal_attention,
+                                  matmul_precision, soft_cap)
 
 __all__ = [
     "Attention",
@@ -109,7 +110,11 @@ class DecoderLayer(nnx.Module):
         # The norm before the MLP, whatever a checkpoint calls it (Llama's post_attention_layernorm;
         # Gemma's pre_feedforward_layernorm, its post_attention_layernorm being attn_output_norm).
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, **norm)
-        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, act=cfg.hidden_act, **kw)
+        if cfg.moe:  # Mixtral, Qwen3-MoE: a routed mixture of experts in every layer
+            self.mlp = SparseMoE(cfg.hidden_size, cfg.intermediate_size, cfg.num_experts, cfg.experts_per_token,
+                                 norm_topk_prob=cfg.norm_topk_prob, act=cfg.hidden_act, **kw)
+        else:
+            self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, act=cfg.hidden_act, **kw)
         if cfg.output_norms:
             self.attn_output_norm = RMSNorm(cfg.hidden_size, **norm)
             self.mlp_output_norm = RMSNorm(cfg.hidden_size, **norm)
@@ -158,8 +163,8 @@ def full_mask(block_mask: jax.Array, write_pos: jax.Array, capacity: int) -> jax
 
 
 class Transformer(nnx.Module):
-    """Llama / Mistral / Qwen2 / Qwen3 / Gemma 2-3 / Phi-3 decoder with stacked layers; see the module
-    docstring for the call protocol."""
+    """Llama / Mistral / Qwen2 / Qwen3 / Gemma 2-3 / Phi-3 / Mixtral / Qwen3-MoE decoder with stacked
+    layers; see the module docstring for the call protocol."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
