@@ -227,6 +227,8 @@ def test_public_config_parses_and_round_trips():
     for key in ("architectures", "auto_map", "block_size", "dflash_config", "num_target_layers", "layer_types"):
         assert hf[key] == QWEN3_4B_DFLASH_CONFIG[key], key
     cfg.check_target(PRESETS["qwen3-4b"])
+    # a mixture-of-experts target's drafter is dense, as wide as the experts one token runs
+    assert DFlashConfig.for_target(PRESETS["qwen3-30b-a3b"], mask_token_id=151669).intermediate_size == 6144
     # Drafting keys may also sit at the top level, as the reference's fallback reads them.
     flat = {k: v for k, v in QWEN3_4B_DFLASH_CONFIG.items() if k != "dflash_config"}
     flat.update(mask_token_id=151669, target_layer_ids=[1, 9, 17, 25, 33])

@@ -374,7 +374,8 @@ def test_config_roundtrip_and_v5_rope_parameters():
     assert ModelConfig.from_hf_config(transformers.Qwen3Config(**qwen.to_hf_config()).to_dict()) == qwen
     for name, hf_class in (("qwen2.5-7b", transformers.Qwen2Config), ("mistral-7b-v0.3", transformers.MistralConfig),
                            ("gemma-2-9b", transformers.Gemma2Config), ("gemma-3-1b", transformers.Gemma3TextConfig),
-                           ("mixtral-8x7b", transformers.MixtralConfig), ("qwen3-30b-a3b", transformers.Qwen3MoeConfig)):
+                           ("mixtral-8x7b", transformers.MixtralConfig),
+                           ("qwen3-30b-a3b", transformers.Qwen3MoeConfig)):
         assert ModelConfig.from_hf_config(hf_class(**PRESETS[name].to_hf_config()).to_dict()) == PRESETS[name], name
     assert ModelConfig.from_hf_config(qwen.to_hf_config(), dtype="float32").dtype == "float32"
 

@@ -231,15 +231,19 @@ class DFlashConfig:
           target's last embedding row is not such an id in general (SmolLM2's id 49151 is a real
           token); `tevjax.loading.mask_token_for` picks one from the tokenizer (`<empty_output>`
           for SmolLM2, the first spare row past the tokenizer for Qwen3: 151669, as released).
+        * `intermediate_size`: default the target's MLP width; the drafter's layers are dense, so
+          for a mixture-of-experts target it is the width of the experts one token runs
+          (experts_per_token x their width: 6144 for Qwen3-30B-A3B, its config's dense width).
         """
         if mask_token_id is None:
             raise ValueError("DFlashConfig.for_target needs mask_token_id: an id that text never contains "
                              "(tevjax.loading.mask_token_for picks one from the target's tokenizer)")
         ids = (default_target_layer_ids(target_cfg.num_layers, num_layers)
                if target_layer_ids is None else tuple(int(i) for i in target_layer_ids))
+        width = target_cfg.intermediate_size * max(target_cfg.experts_per_token, 1)
         return cls(
             hidden_size=target_cfg.hidden_size,
-            intermediate_size=intermediate_size or target_cfg.intermediate_size,
+            intermediate_size=intermediate_size or width,
             num_layers=num_layers,
             num_heads=target_cfg.num_heads,
             num_kv_heads=target_cfg.num_kv_heads,
