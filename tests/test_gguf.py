@@ -133,6 +133,7 @@ HF_TO_GGUF = {
     "self_attn.v_proj.bias": "attn_v.bias",
     "self_attn.q_norm.weight": "attn_q_norm.weight",
     "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate.weight": "ffn_gate_inp.weight",  # Qwen3-MoE's router
 }
 
 # Every supported storage type appears at least once; norms stay F32 as llama.cpp keeps them.
@@ -173,6 +174,108 @@ def encode_tensor(w: np.ndarray, t: Q) -> tuple[np.ndarray, Q | None]:
     if t in (Q.Q2_K, Q.Q3_K):  # all-zero blocks: the reader must refuse the type, not the data
         return np.zeros(gguf.quant_shape_to_byte_shape(w.shape, t), np.uint8), t
     return gguf.quants.quantize(w, t), t
+
+
+# ------------------------------------------------------------------------------ Qwen3-MoE
+
+# 4 experts, 2 per token, of width 768: transformers' GGUF reader does not read the experts' width
+# from the file and builds Qwen3MoeConfig's default, 768, so the independent check needs that width.
+MOE_SIZES = dict(TINY, head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=768)
+# Each stacked expert tensor in its own storage type (quantization blocks run along a row, so a
+# stacked tensor quantizes as its experts would one by one).
+MOE_TYPES = {"gate_proj": Q.Q8_0, "up_proj": Q.F16, "down_proj": Q.Q4_1}
+
+
+def moe_state(seed: int = 0) -> dict[str, np.ndarray]:
+    """A Qwen3-MoE model's HF tensors: Qwen3's attention, a router and one tensor per expert."""
+    rng = np.random.default_rng(seed)
+    c = MOE_SIZES
+    state = {k: v for k, v in tiny_state(seed, sizes=c, arch="qwen3").items() if ".mlp." not in k}
+    d, f, e = c["hidden_size"], c["moe_intermediate_size"], c["num_experts"]
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}.mlp."
+        state[p + "gate.weight"] = (rng.standard_normal((e, d)) * 0.3).astype(np.float32)
+        for j in range(e):
+            for name, shape in (("gate_proj", (f, d)), ("up_proj", (f, d)), ("down_proj", (d, f))):
+                state[p + f"experts.{j}.{name}.weight"] = (rng.standard_normal(shape) * 0.1).astype(np.float32)
+    return state
+
+
+def write_moe_gguf(path: Path, state: dict[str, np.ndarray], **kw) -> Path:
+    """`state` as llama.cpp writes a qwen3moe file: each projection of a layer's experts stacked
+    into one [E, out, in] tensor, `blk.N.ffn_{gate,up,down}_exps.weight`."""
+    c = MOE_SIZES
+    plain = {k: v for k, v in state.items() if ".experts." not in k}
+    stacked = {}
+    for i in range(c["num_hidden_layers"]):
+        for name, short in (("gate_proj", "gate"), ("up_proj", "up"), ("down_proj", "down")):
+            experts = [state[f"model.layers.{i}.mlp.experts.{j}.{name}.weight"] for j in range(c["num_experts"])]
+            stacked[f"blk.{i}.ffn_{short}_exps.weight"] = (np.stack(experts), MOE_TYPES[name])
+    return write_gguf(path, plain, arch="qwen3moe", meta_overrides=c, pre="qwen2", extra_tensors=stacked, **kw)
+
+
+@pytest.fixture(scope="module")
+def moe_file(tmp_path_factory) -> tuple[Path, dict[str, np.ndarray]]:
+    state = moe_state(seed=5)
+    return write_moe_gguf(tmp_path_factory.mktemp("moe") / "qwen3moe.gguf", state), state
+
+
+def test_qwen3moe_files_read_in_hf_layout_like_transformers(moe_file):
+    """A qwen3moe file reads as a Qwen3-MoE checkpoint: its expert fields (renormalised weights, as
+    llama.cpp runs it), the router, and each stacked expert tensor split into HF's one tensor per
+    expert, each exactly its storage type's rounding; transformers' own GGUF reader (which fuses
+    gate and up) holds the same numbers."""
+    import torch
+    import transformers
+
+    path, state = moe_file
+    cfg, got = read_gguf(path)
+    assert (cfg["model_type"], cfg["architectures"]) == ("qwen3_moe", ["Qwen3MoeForCausalLM"])
+    assert (cfg["num_experts"], cfg["num_experts_per_tok"], cfg["moe_intermediate_size"]) == (4, 2, 768)
+    assert cfg["norm_topk_prob"] is True and cfg["head_dim"] == 32
+    assert set(got) == set(state)
+    types = dict(TYPES, **{k: MOE_TYPES[k.split(".")[-2]] for k in state if ".experts." in k})
+    want = expected_values(state, types)
+    for name, value in got.items():
+        np.testing.assert_array_equal(value, want[name], err_msg=name)
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                              dtype=torch.float32)
+    theirs = {k: v.numpy() for k, v in model.state_dict().items()}
+    for i in range(MOE_SIZES["num_hidden_layers"]):
+        p = f"model.layers.{i}.mlp.experts."
+        ours = {n: np.stack([got[f"{p}{j}.{n}.weight"] for j in range(4)]) for n in ("gate_proj", "up_proj",
+                                                                                   "down_proj")}
+        np.testing.assert_array_equal(theirs.pop(p + "gate_up_proj"), np.concatenate([ours["gate_proj"],
+                                                                                     ours["up_proj"]], axis=1))
+        np.testing.assert_array_equal(theirs.pop(p + "down_proj"), ours["down_proj"])
+    assert set(theirs) == {k for k in got if ".experts." not in k}
+    for name, value in theirs.items():
+        np.testing.assert_array_equal(value, got[name], err_msg=name)
+
+
+def test_qwen3moe_conversion_runs_in_tevjax_like_transformers(moe_file, tmp_path):
+    """The converted directory loads as tevjax's Qwen3-MoE target and gives transformers' logits."""
+    cfg = assert_runs_like_transformers(gguf_to_hf_dir(moe_file[0], tmp_path / "hf"))
+    assert (cfg.architecture, cfg.num_experts, cfg.experts_per_token, cfg.intermediate_size) == ("qwen3_moe", 4, 2,
+                                                                                                 768)
+
+
+def test_expert_files_refused_by_name(tmp_path):
+    """A Mixtral GGUF (llama with an expert_count) is refused, as is a qwen3moe file without its
+    experts' width or with more experts per token than it has."""
+    path = write_gguf(tmp_path / "mixtral.gguf", tiny_state(), meta_overrides=dict(
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=96))
+    with pytest.raises(GGUFError, match=r"llama\.expert_count=8: mixture-of-experts llama files .* not supported"):
+        read_gguf(path)
+    state = moe_state()
+    path = write_moe_gguf(tmp_path / "nowidth.gguf", state, omit=("moe_intermediate_size",))
+    with pytest.raises(GGUFError, match=r"required metadata qwen3moe\.expert_feed_forward_length is missing"):
+        read_gguf(path)
+    del state["model.layers.1.mlp.gate.weight"]
+    path = write_moe_gguf(tmp_path / "norouter.gguf", state)
+    with pytest.raises(GGUFError, match=r"missing tensors for model\.layers\.1\.mlp\.gate\.weight"):
+        read_gguf(path)
 
 
 # ------------------------------------------------------------------------------ K-quant blocks
@@ -312,6 +415,11 @@ def write_gguf(path: Path, state: dict[str, np.ndarray], *, arch: str = "llama",
     if "head_dim" in c:
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
+    if "num_experts" in c:
+        w.add_expert_count(c["num_experts"])
+        w.add_expert_used_count(c["num_experts_per_tok"])
+        if "moe_intermediate_size" not in omit:
+            w.add_expert_feed_forward_length(c["moe_intermediate_size"])
     w.add_vocab_size(c["vocab_size"])
     if "rope_scaling_type" in c:
         w.add_string(f"{arch}.rope.scaling.type", c["rope_scaling_type"])
@@ -341,7 +449,11 @@ def write_gguf(path: Path, state: dict[str, np.ndarray], *, arch: str = "llama",
         data, raw = encode_tensor(value, types.get(hf, Q.F32))
         w.add_tensor(gguf_name(hf), data, raw_dtype=raw)
     for name, value in (extra_tensors or {}).items():
-        w.add_tensor(name, value)
+        if isinstance(value, tuple):  # (values, storage type)
+            data, raw = encode_tensor(*value)
+            w.add_tensor(name, data, raw_dtype=raw)
+        else:
+            w.add_tensor(name, value)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -515,6 +627,14 @@ def test_qwen_files_read_in_hf_layout(qwen_file):
 def test_qwen_conversion_runs_in_tevjax_like_transformers(qwen_file, tmp_path):
     """The converted directory is a checkpoint both tevjax and transformers load: the same logits
     over a token sequence (tevjax's causal run against transformers' forward)."""
+    arch, path, _ = qwen_file
+    cfg = assert_runs_like_transformers(gguf_to_hf_dir(path, tmp_path / "hf"))
+    assert cfg.architecture == arch and cfg.head_dim == QWEN_SIZES[arch].get("head_dim", HEAD_DIM)
+
+
+def assert_runs_like_transformers(out: Path):
+    """tevjax's target loaded from the converted directory `out` gives transformers' logits over a
+    token sequence (a causal run against transformers' forward); returns its config."""
     import jax.numpy as jnp
     import torch
     import transformers
@@ -522,10 +642,7 @@ def test_qwen_conversion_runs_in_tevjax_like_transformers(qwen_file, tmp_path):
     from tevjax.convert.hf import load_hf_target
     from tevjax.models import KVCache
 
-    arch, path, _ = qwen_file
-    out = gguf_to_hf_dir(path, tmp_path / "hf")
     _, target = load_hf_target(out)
-    assert target.cfg.architecture == arch and target.cfg.head_dim == QWEN_SIZES[arch].get("head_dim", HEAD_DIM)
     ids = np.array([[5, 17, 42, 99, 3, 250, 7, 64]], np.int32)
     ours = target(jnp.asarray(ids), jnp.arange(ids.shape[1])[None], KVCache.init(target.cfg, 1, 16),
                   jnp.zeros((1,), jnp.int32), None).logits
@@ -533,6 +650,7 @@ def test_qwen_conversion_runs_in_tevjax_like_transformers(qwen_file, tmp_path):
     with torch.no_grad():
         theirs = model(torch.as_tensor(ids, dtype=torch.long)).logits.numpy()
     np.testing.assert_allclose(np.asarray(ours), theirs, atol=2e-4, rtol=2e-4)
+    return target.cfg
 
 
 def test_qwen2_pre_tokenizer_splits_like_transformers(tmp_path):
@@ -799,7 +917,8 @@ def test_truncated_file(tiny_file, tmp_path, keep):
 
 def test_unsupported_architecture(tmp_path):
     path = write_gguf(tmp_path / "g.gguf", tiny_state(), arch="gemma2")
-    with pytest.raises(GGUFError, match=r"architecture 'gemma2' is not supported \(supported: llama, qwen2, qwen3\)"):
+    with pytest.raises(GGUFError, match=r"architecture 'gemma2' is not supported \(supported: llama, qwen2, qwen3, "
+                                       r"qwen3moe\)"):
         read_gguf(path)
 
 

@@ -3,12 +3,14 @@
 A GGUF file holds a llama.cpp model: hyper-parameters and the tokenizer as key/value metadata, and
 weights as tensors under llama.cpp names, often block-quantized. tevjax does not load GGUF directly:
 `gguf_to_hf_dir` turns one into an ordinary HF checkpoint directory (config.json, float32
-model.safetensors with standard `LlamaForCausalLM` / `Qwen2ForCausalLM` / `Qwen3ForCausalLM` names,
+model.safetensors with standard `LlamaForCausalLM` / `Qwen2ForCausalLM` / `Qwen3ForCausalLM` /
+`Qwen3MoeForCausalLM` names,
 tokenizer.json, tokenizer_config.json with the file's chat template, generation_config.json), so
 the HF loader -- and transformers itself, in the tests -- treat it like any other checkpoint.
 Architectures: `llama` (SmolLM2 among them; Llama 3.1 onwards with the rope scaling it stores as
 `rope_freqs.weight`, `_llama3_scaling`), `qwen2` (Qwen2 and Qwen2.5: q/k/v biases) and `qwen3`
-(per-head q/k norms, a head size of its own). `rope.scaling.type` linear and yarn become HF's
+(per-head q/k norms, a head size of its own) and `qwen3moe` (Qwen3's attention with routed experts,
+each projection of a layer's experts stacked in one tensor). `rope.scaling.type` linear and yarn become HF's
 `rope_scaling` of the same name (`_rope_scaling`).
 
 Two layout facts matter (both from llama.cpp's `convert_hf_to_gguf.py`):
@@ -65,7 +67,7 @@ __all__ = [
     "unpermute_rope_rows",
 ]
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe")
 # ggml type names accepted by `read_gguf`; each is covered by a round-trip test. Others (Q2_K,
 # Q3_K, Q5_0/Q5_1, IQ-quants, ...) are refused by name rather than dequantized untested.
 SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q8_K")
@@ -92,12 +94,21 @@ class _Arch:
     qkv_bias: bool  # Qwen2: biases on q, k and v (`blk.N.attn_{q,k,v}.bias`)
     qk_norm: bool  # Qwen3: per-head RMSNorm on q and k (`blk.N.attn_{q,k}_norm.weight`)
     extra_config: tuple[tuple[str, Any], ...] = ()  # HF config fields the architecture's class reads
+    model_type: str | None = None  # HF's model_type, where it is not the GGUF architecture's name
+    # Routed experts (Qwen3-MoE): a router `blk.N.ffn_gate_inp` and every expert's projections
+    # stacked in one tensor each, `blk.N.ffn_{gate,up,down}_exps` [E, out, in] (numpy order).
+    experts: bool = False
 
 
 _ARCHS: dict[str, _Arch] = {
     "llama": _Arch("LlamaForCausalLM", True, False, False, (("attention_bias", False), ("mlp_bias", False))),
     "qwen2": _Arch("Qwen2ForCausalLM", False, True, False, (("use_sliding_window", False),)),
     "qwen3": _Arch("Qwen3ForCausalLM", False, False, True, (("attention_bias", False),)),
+    # llama.cpp's qwen3moe graph always renormalises the picked experts' weights (Qwen3MoeConfig's
+    # norm_topk_prob, false by default there, true in every released Qwen3-MoE config).
+    "qwen3moe": _Arch("Qwen3MoeForCausalLM", False, False, True,
+                      (("attention_bias", False), ("norm_topk_prob", True), ("decoder_sparse_step", 1)),
+                      model_type="qwen3_moe", experts=True),
 }
 assert set(_ARCHS) == set(SUPPORTED_ARCHITECTURES)
 
@@ -161,7 +172,7 @@ def read_gguf_metadata(path: str | os.PathLike) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------------------------------
-# Config: GGUF metadata -> HF config dict (LlamaConfig, Qwen2Config, Qwen3Config)
+# Config: GGUF metadata -> HF config dict (LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig)
 # --------------------------------------------------------------------------------------------------
 
 # (GGUF key under "<arch>.", HF config field, value type, default or _REQUIRED)
@@ -202,7 +213,7 @@ def _config_from_metadata(path: Path, meta: Mapping[str, Any], tensor_names: set
     if arch not in SUPPORTED_ARCHITECTURES:
         raise GGUFError(f"{path}: architecture {arch!r} is not supported "
                         f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
-    cfg: dict[str, Any] = {"architectures": [_ARCHS[arch].hf_class], "model_type": arch}
+    cfg: dict[str, Any] = {"architectures": [_ARCHS[arch].hf_class], "model_type": _ARCHS[arch].model_type or arch}
     for key, field, kind, default in _LLAMA_CONFIG_TABLE:
         full = f"{arch}.{key}"
         if full in meta:
@@ -219,6 +230,7 @@ def _config_from_metadata(path: Path, meta: Mapping[str, Any], tensor_names: set
         cfg[field] = value
     if cfg["num_key_value_heads"] is None:
         cfg["num_key_value_heads"] = cfg["num_attention_heads"]
+    cfg.update(_expert_config(path, meta, arch))
     n_head, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     if n_head % n_kv:
         raise GGUFError(f"{path}: head_count {n_head} is not a multiple of head_count_kv {n_kv}")
@@ -262,6 +274,29 @@ def _config_from_metadata(path: Path, meta: Mapping[str, Any], tensor_names: set
         if key in meta:
             cfg[field] = int(meta[key])
     return cfg
+
+
+def _expert_config(path: Path, meta: Mapping[str, Any], arch: str) -> dict[str, Any]:
+    """The HF expert fields of a qwen3moe file (`{arch}.expert_count`, `.expert_used_count`,
+    `.expert_feed_forward_length`); a file of another architecture with experts (a Mixtral GGUF is
+    `llama` with an expert_count) is refused by name."""
+    count = meta.get(f"{arch}.expert_count", 0)
+    if not _ARCHS[arch].experts:
+        if count:
+            raise GGUFError(f"{path}: {arch}.expert_count={count}: mixture-of-experts {arch} files (such as "
+                            f"Mixtral's) are not supported; of MoE files only qwen3moe is (load Mixtral from its "
+                            f"HF checkpoint)")
+        return {}
+    out = {}
+    for key, field in (("expert_count", "num_experts"), ("expert_used_count", "num_experts_per_tok"),
+                       ("expert_feed_forward_length", "moe_intermediate_size")):
+        if f"{arch}.{key}" not in meta:
+            raise GGUFError(f"{path}: required metadata {arch}.{key} is missing")
+        out[field] = _uniform_int(path, f"{arch}.{key}", meta[f"{arch}.{key}"])
+    if not 0 < out["num_experts_per_tok"] <= out["num_experts"]:
+        raise GGUFError(f"{path}: {arch}.expert_used_count {out['num_experts_per_tok']} must be in "
+                        f"[1, expert_count {out['num_experts']}]")
+    return out
 
 
 # llama.cpp's `rope.scaling.*` keys and the values under which its rope equals transformers' (the
@@ -410,6 +445,14 @@ def _qk_norm(arch: _Arch) -> bool:
     return arch.qk_norm
 
 
+def _experts(arch: _Arch) -> bool:
+    return arch.experts
+
+
+def _dense(arch: _Arch) -> bool:
+    return not arch.experts
+
+
 _TENSOR_TABLE: tuple[_TensorRule, ...] = tuple(
     _TensorRule(re.compile(p), h, s, t, a)
     for p, h, s, t, a in (
@@ -430,11 +473,21 @@ _TENSOR_TABLE: tuple[_TensorRule, ...] = tuple(
         (r"blk\.(\d+)\.attn_output\.weight", "model.layers.{layer}.self_attn.o_proj.weight",
          lambda c: (c["hidden_size"], _q_dim(c)), None, None),
         (r"blk\.(\d+)\.ffn_gate\.weight", "model.layers.{layer}.mlp.gate_proj.weight",
-         lambda c: (c["intermediate_size"], c["hidden_size"]), None, None),
+         lambda c: (c["intermediate_size"], c["hidden_size"]), None, _dense),
         (r"blk\.(\d+)\.ffn_up\.weight", "model.layers.{layer}.mlp.up_proj.weight",
-         lambda c: (c["intermediate_size"], c["hidden_size"]), None, None),
+         lambda c: (c["intermediate_size"], c["hidden_size"]), None, _dense),
         (r"blk\.(\d+)\.ffn_down\.weight", "model.layers.{layer}.mlp.down_proj.weight",
-         lambda c: (c["hidden_size"], c["intermediate_size"]), None, None),
+         lambda c: (c["hidden_size"], c["intermediate_size"]), None, _dense),
+        # Qwen3-MoE: the router, and each projection of every expert in one [E, out, in] tensor,
+        # split into HF's one tensor per expert.
+        (r"blk\.(\d+)\.ffn_gate_inp\.weight", "model.layers.{layer}.mlp.gate.weight",
+         lambda c: (c["num_experts"], c["hidden_size"]), None, _experts),
+        (r"blk\.(\d+)\.ffn_gate_exps\.weight", "model.layers.{layer}.mlp.experts.{expert}.gate_proj.weight",
+         lambda c: (c["num_experts"], c["moe_intermediate_size"], c["hidden_size"]), None, _experts),
+        (r"blk\.(\d+)\.ffn_up_exps\.weight", "model.layers.{layer}.mlp.experts.{expert}.up_proj.weight",
+         lambda c: (c["num_experts"], c["moe_intermediate_size"], c["hidden_size"]), None, _experts),
+        (r"blk\.(\d+)\.ffn_down_exps\.weight", "model.layers.{layer}.mlp.experts.{expert}.down_proj.weight",
+         lambda c: (c["num_experts"], c["hidden_size"], c["moe_intermediate_size"]), None, _experts),
         # Qwen2: q/k/v biases. NEOX rope keeps HF's row order, so they need no permutation either.
         (r"blk\.(\d+)\.attn_q\.bias", "model.layers.{layer}.self_attn.q_proj.bias",
          lambda c: (_q_dim(c),), None, _bias),
@@ -457,7 +510,8 @@ def _expected_hf_names(cfg: dict, arch: _Arch) -> set[str]:
         names.add("lm_head.weight")
     for rule in _TENSOR_TABLE:
         if "{layer}" in rule.hf_name and rule.for_arch(arch):
-            names.update(rule.hf_name.format(layer=i) for i in range(cfg["num_hidden_layers"]))
+            names.update(rule.hf_name.format(layer=i, expert=e) for i in range(cfg["num_hidden_layers"])
+                         for e in (range(cfg["num_experts"]) if "{expert}" in rule.hf_name else [None]))
     return names
 
 
@@ -498,7 +552,7 @@ def _read(path: Path) -> tuple[dict[str, Any], dict[str, np.ndarray], dict[str, 
     embed = by_name.get("token_embd.weight")
     embed_rows = int(embed.shape[-1]) if embed is not None and len(embed.shape) == 2 else None
     cfg = _config_from_metadata(path, meta, set(by_name), embed_rows)
-    arch = _ARCHS[cfg["model_type"]]
+    arch = _ARCHS[meta["general.architecture"]]  # checked by _config_from_metadata
 
     if "rope_freqs.weight" in by_name:  # only a Llama file gets here with one
         cfg["rope_scaling"] = _llama3_scaling(path, _dequantize(path, by_name.pop("rope_freqs.weight")), cfg)
@@ -517,15 +571,20 @@ def _read(path: Path) -> tuple[dict[str, Any], dict[str, np.ndarray], dict[str, 
         if layer is not None and layer >= cfg["num_hidden_layers"]:
             raise GGUFError(f"{path}: tensor {name!r} belongs to layer {layer}, but block_count "
                             f"is {cfg['num_hidden_layers']}")
-        hf_name = rule.hf_name.format(layer=layer)
+        hf_name = rule.hf_name.format(layer=layer, expert="{expert}")
         values = _dequantize(path, tensor)
         want = rule.shape(cfg)
         if values.shape != want:
             raise GGUFError(f"{path}: tensor {name!r} ({hf_name}) has shape {values.shape}, "
                             f"expected {want} from the metadata")
-        state[hf_name] = rule.transform(values, cfg, arch) if rule.transform else values
+        values = rule.transform(values, cfg, arch) if rule.transform else values
+        if "{expert}" in hf_name:  # one HF tensor per expert
+            state.update((hf_name.format(expert=e), np.ascontiguousarray(v)) for e, v in enumerate(values))
+        else:
+            state[hf_name] = values
     if unmapped:
-        raise GGUFError(f"{path}: tensors with no {cfg['model_type']} mapping: {', '.join(sorted(unmapped))}")
+        raise GGUFError(f"{path}: tensors with no {meta['general.architecture']} mapping: "
+                        f"{', '.join(sorted(unmapped))}")
     missing = _expected_hf_names(cfg, arch) - set(state)
     if missing:
         raise GGUFError(f"{path}: missing tensors for {', '.join(sorted(missing))}")
@@ -533,13 +592,14 @@ def _read(path: Path) -> tuple[dict[str, Any], dict[str, np.ndarray], dict[str, 
 
 
 def read_gguf(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """Read a GGUF file of a supported architecture (Llama, Qwen2, Qwen3) as an HF config dict and
+    """Read a GGUF file of a supported architecture (Llama, Qwen2, Qwen3, Qwen3-MoE) as an HF config dict and
     float32 state dict.
 
     Returns `(config, state)`: `config` holds the HF config fields (sizes, head_dim, rope_theta,
     rms_norm_eps, tie_word_embeddings, bos/eos/pad ids, max_position_embeddings, vocab_size);
     `state` maps standard HF names (`model.layers.0.self_attn.q_proj.weight`, ...) to float32
-    arrays in HF layout (Llama's q/k rows un-permuted; Qwen2's biases, Qwen3's q/k norms). With
+    arrays in HF layout (Llama's q/k rows un-permuted; Qwen2's biases, Qwen3's q/k norms, Qwen3-MoE's
+    router and one tensor per expert). With
     tied embeddings there is no `lm_head.weight`.
     Raises `GGUFError` naming the file and the offending field or tensor.
     """
