@@ -210,7 +210,7 @@ def test_jit_matches_eager():
 
 
 @pytest.mark.parametrize("norm_topk_prob", [True, False])
-def test_experts_dispatches_equal_a_per_token_reference(norm_topk_prob):
+def test_experts_dispatches_equal_a_per_token_reference(norm_topk_prob, monkeypatch):
     """Both dispatches of `SparseMoE` (every expert on every token; tokens grouped by expert through
     `ragged_dot`) equal a float64 per-token loop: the k most probable experts (ties: the lower
     index), their softmax weights renormalised over the k or not, their SwiGLU outputs mixed. One
@@ -242,6 +242,9 @@ def test_experts_dispatches_equal_a_per_token_reference(norm_topk_prob):
         np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=0, err_msg=dispatch)
     with pytest.raises(ValueError, match="dispatch='sparse' is not one of"):
         moe(jnp.asarray(x), dispatch="sparse")
+    monkeypatch.setattr("tevjax.models.layers.MOE_DISPATCH", "grouped")  # what a call naming none reads
+    with pytest.raises(ValueError, match="dispatch='grouped' is not one of"):
+        moe(jnp.asarray(x))
 
 
 def test_rmsnorm_matches_hf():

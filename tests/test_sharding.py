@@ -428,6 +428,24 @@ CHECKS = {
         want = tokens(decoder(target, drafter, "tev"))
         assert tokens(decoder(target, drafter, "tev", mesh=make_mesh(2, 2))) == want
     """,
+    # A mixture-of-experts target (Qwen3-MoE: 4 experts of width 32, 2 per token) tensor parallel
+    # (1, 4), each expert's width split: greedy TEV equals unsharded, and the compiled loop moves
+    # no weight slice (the experts' partial sums meet in one [B, N, D] all-reduce per layer).
+    # The experts grouped by `ragged_dot` (the accelerators' dispatch) give the same tokens on it.
+    "moe_1x4": """
+        import tevjax.models.layers as layers
+        target, drafter = models("qwen3_moe")
+        mesh = make_mesh(1, 4)
+        want = tokens(decoder(target, drafter, "tev"))
+        dec = decoder(target, drafter, "tev", mesh=mesh)
+        assert tokens(dec) == want
+        check_loop_hlo(dec, mesh)
+        layers.MOE_DISPATCH = "ragged"
+        try:
+            assert tokens(Decoder(target, drafter, config("tev"), mesh=mesh)) == want
+        finally:
+            layers.MOE_DISPATCH = "auto"
+    """,
     # Temperature 1, tensor parallel (1, 4): o_proj, down_proj and the log-sum-exps sum over
     # devices, which rounds differently from one device (~1e-7 relative), so bitwise equality of
     # sampled tokens is not guaranteed; the law is. 2,000 rows of one prompt, first token (drawn by
@@ -555,8 +573,9 @@ CHECKS = {
 def test_sharded_decoding_on_forced_devices():
     """The fast subset: loading into (2, 2) shardings and greedy decoding there, (1, 4) greedy
     decoding and its compiled HLO, context and corpus lookup chains, fallback rounds, stop
-    strings and log-probabilities on (2, 2), and the errors of undivided meshes."""
-    _run("errors", "load_2x2", "hlo_1x4", "lookup_2x2")
+    strings and log-probabilities on (2, 2), routed experts on (1, 4), and the errors of undivided
+    meshes."""
+    _run("errors", "load_2x2", "hlo_1x4", "lookup_2x2", "moe_1x4")
 
 
 @pytest.mark.slow

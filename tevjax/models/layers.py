@@ -187,6 +187,10 @@ class SwiGLU(nnx.Module):
         return self.down_proj(ACTIVATIONS[self.act](self.gate_proj(x)) * self.up_proj(x))
 
 
+# `SparseMoE`'s dispatch where a call names none: "auto", "dense" or "ragged" (read at trace time).
+MOE_DISPATCH = "auto"
+
+
 class SparseMoE(nnx.Module):
     """A routed mixture of E SwiGLU experts (Mixtral, Qwen3-MoE): each token goes to the k experts
     with the highest router probabilities, and their outputs mix with those probabilities
@@ -205,8 +209,10 @@ class SparseMoE(nnx.Module):
       only its own rows (`jax.lax.ragged_dot`, a grouped matmul): the k / E of the FLOPs that
       routing promises, for accelerators with a grouped-matmul kernel.
 
-    "auto" (the default) takes "dense" on CPU and "ragged" elsewhere. Routing is per token, so a
-    tree pass routes each node as the causal pass of its own path would: verification stays exact.
+    "auto" takes "dense" on CPU and "ragged" elsewhere. A call's `dispatch` defaults to the
+    module's `MOE_DISPATCH` ("auto"), which a benchmark or test may set to time or check one path
+    inside a whole model. Routing is per token, so a tree pass routes each node as the causal pass
+    of its own path would: verification stays exact.
     """
 
     def __init__(self, dim: int, hidden: int, num_experts: int, experts_per_token: int, *, norm_topk_prob: bool,
@@ -230,8 +236,9 @@ class SparseMoE(nnx.Module):
             weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
         return weights, experts.astype(jnp.int32)
 
-    def __call__(self, x: jax.Array, *, dispatch: str = "auto") -> jax.Array:
+    def __call__(self, x: jax.Array, *, dispatch: str | None = None) -> jax.Array:
         """x [..., D] -> [..., D]."""
+        dispatch = MOE_DISPATCH if dispatch is None else dispatch
         if dispatch == "auto":
             dispatch = "dense" if jax.default_backend() == "cpu" else "ragged"
         if dispatch not in ("dense", "ragged"):
@@ -244,10 +251,13 @@ class SparseMoE(nnx.Module):
         prec = dict(precision=matmul_precision(self.dtype))
         if dispatch == "dense":
             h = act(jnp.einsum("nd,edi->eni", x, gate, **prec)) * jnp.einsum("nd,edi->eni", x, up, **prec)
-            y = jnp.einsum("eni,eid->end", h, down, **prec)  # [E, N, D]
-            mix = jnp.zeros((x.shape[0], gate.shape[0]), jnp.float32)
-            mix = mix.at[jnp.arange(x.shape[0])[:, None], experts].add(weights)  # [N, E], zero off the picked
-            out = jnp.einsum("end,ne->nd", y, mix.astype(y.dtype), preferred_element_type=jnp.float32, **prec)
+            mix = jnp.zeros((gate.shape[0], x.shape[0]), jnp.float32)
+            mix = mix.at[experts, jnp.arange(x.shape[0])[:, None]].add(weights)  # [E, N], zero off the picked
+            # Weighted before the down projection, which then sums over experts and width at once:
+            # no [E, N, D] intermediate, and with the width split over devices one all-reduce of
+            # [N, D] partial sums, as in a dense MLP.
+            h = (h * mix[:, :, None]).astype(h.dtype)
+            out = jnp.einsum("eni,eid->nd", h, down, preferred_element_type=jnp.float32, **prec)
         else:
             n, k = experts.shape
             pairs = experts.reshape(-1)  # [N * k], pair j is token j // k
