@@ -71,7 +71,9 @@ def _copy(saved, tmp_path):
     # Phi-3's fused q/k/v and gate/up tensors, split on loading and joined again on saving
     ("phi3", dict(sliding_window=3, sliding_layers=(0, 1))),
     # experts, one tensor each on disk, stacked on an expert axis on loading
-    ("mixtral", {}), ("qwen3_moe", dict(norm_topk_prob=False))])
+    ("mixtral", {}), ("qwen3_moe", dict(norm_topk_prob=False)),
+    # SmolLM3's unrotated layers, and a window in one of them
+    ("smollm3", dict(sliding_window=3, sliding_layers=(1,)))])
 def test_save_load_roundtrip_and_transformers_reads_it(arch, overrides, tmp_path):
     model = random_model(tiny_config(arch, **overrides), seed=1)
     save_hf_target(model, tmp_path)
@@ -553,6 +555,38 @@ def test_experts_read_as_transformers_reads_them_and_belong_to_moe_families_only
                                  "a qwen3_moe window applies to every layer")]:
         with pytest.raises(ValueError, match=match):
             tiny_config(arch, **fields)
+
+
+def test_smollm3_nope_layers_and_windows_read_as_transformers_reads_them():
+    """SmolLM3's layers without rotary embedding come from `no_rope_layers` (0 = unrotated) or
+    every `no_rope_layer_interval`-th layer; its windows need use_sliding_window and a window, and
+    sit in the NoPE layers unless layer_types says otherwise. Each config goes back to a dict that
+    transformers' SmolLM3Config reads as the same layers."""
+    base = tiny_config("smollm3", num_layers=8).to_hf_config()
+    assert base["no_rope_layers"] == [1, 0, 1, 1, 1, 1, 1, 1]
+    derived = {k: v for k, v in base.items() if k not in ("no_rope_layers", "layer_types")}
+    assert ModelConfig.from_hf_config(derived).nope_layers == (3, 7)  # the default interval, 4
+    assert ModelConfig.from_hf_config({**derived, "no_rope_layer_interval": 3}).nope_layers == (2, 5)
+    windowed = {**derived, "use_sliding_window": True, "sliding_window": 5}
+    cfg = ModelConfig.from_hf_config(windowed)
+    assert (cfg.sliding_window, cfg.sliding_layers) == (5, (3, 7))
+    assert ModelConfig.from_hf_config({**windowed, "sliding_window": None}).sliding_window is None
+    assert ModelConfig.from_hf_config({**windowed, "use_sliding_window": False}).sliding_window is None
+    for c in (base, derived, windowed, {**windowed, "layer_types": ["sliding_attention"] * 2 + ["full_attention"] * 6}):
+        ours = ModelConfig.from_hf_config(c)
+        hf = transformers.SmolLM3Config(**{k: v for k, v in c.items() if k not in ("architectures", "model_type")})
+        assert [i for i, f in enumerate(hf.no_rope_layers) if not f] == list(ours.nope_layers)
+        assert [i for i, t in enumerate(hf.layer_types) if t == "sliding_attention" and hf.use_sliding_window
+                and hf.sliding_window] == list(ours.sliding_layers)
+        assert ModelConfig.from_hf_config(ours.to_hf_config()) == ours
+    for patch, match in [({"no_rope_layers": [1, 0]}, "'no_rope_layers' must be a list of 8 flags"),
+                         ({"no_rope_layers": [2] * 8}, "'no_rope_layers' must be a list of 8 flags")]:
+        with pytest.raises(ValueError, match=match):
+            ModelConfig.from_hf_config({**base, **patch})
+    with pytest.raises(ValueError, match="layers without rotary embedding are SmolLM3's, not architecture 'llama'"):
+        tiny_config("llama", nope_layers=(1,))
+    with pytest.raises(ValueError, match=r"nope_layers=\(1, 1\) must be increasing"):
+        tiny_config("smollm3", nope_layers=(1, 1))
 
 
 def test_config_rejects_unsupported():

@@ -100,12 +100,17 @@ VARIANTS = {
     "qwen3-moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
                   dict(tie_word_embeddings=True, num_experts=6, num_experts_per_tok=3, moe_intermediate_size=24,
                        norm_topk_prob=False, rope_theta=1_000_000.0, use_sliding_window=True, sliding_window=4)),
+    # SmolLM3: Llama's layers, layer 1 of 3 without rotary embedding (NoPE: no_rope_layer_interval 2),
+    # and there a 4-wide window (use_sliding_window puts SmolLM3's windows in its NoPE layers); tied.
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM",
+                dict(tie_word_embeddings=True, rope_theta=1_000_000.0, no_rope_layer_interval=2,
+                     use_sliding_window=True, sliding_window=4, pad_token_id=0)),
 }
 EXPERTS = {"mixtral": (4, 2, True, 96), "qwen3-moe": (6, 3, False, 24)}  # E, k, norm_topk_prob, width
 
 HEAD_DIM = {"qwen3": 32, "qwen3-yarn": 32, "mistral": 8, "mistral-window": 8}
 WINDOWS = {"mistral-window": (5, (0, 1, 2)), "qwen2-window": (4, (1, 2)), "gemma2": (4, (0, 2)), "gemma3": (4, (0, 1)),
-           "phi3": (5, (0, 1, 2)), "mixtral": (5, (0, 1, 2)), "qwen3-moe": (4, (0, 1, 2))}
+           "phi3": (5, (0, 1, 2)), "mixtral": (5, (0, 1, 2)), "qwen3-moe": (4, (0, 1, 2)), "smollm3": (4, (1,))}
 ROPE_TYPE = {"llama3-rope": "llama3", "llama-linear-rope": "linear", "qwen3-yarn": "yarn", "gemma3": "linear"}
 
 
@@ -141,7 +146,8 @@ def test_config_translation(hf_pair):
     assert cfg.num_layers == 3 and cfg.num_kv_heads == 2 and cfg.vocab_size == 300
     assert cfg.head_dim == HEAD_DIM.get(variant, 16)
     assert cfg.qk_norm == variant.startswith(("qwen3", "gemma3"))
-    assert cfg.tie_word_embeddings == variant.startswith(("qwen", "gemma"))
+    assert cfg.tie_word_embeddings == variant.startswith(("qwen", "gemma", "smollm3"))
+    assert cfg.nope_layers == ((1,) if variant == "smollm3" else ())
     assert cfg.attention_bias == (variant == "llama3-rope")
     assert cfg.qkv_biased == variant.startswith(("llama3-rope", "qwen2"))
     biases = {k.split(".", 3)[-1] for k in hf.state_dict() if k.endswith(".bias")}

@@ -19,14 +19,15 @@ __all__ = ["ModelConfig", "RopeScaling", "ROPE_TYPES", "PRESETS", "SUPPORTED_ARC
            "yarn_mscale"]
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "mixtral",
-                           "qwen3_moe")
+                           "qwen3_moe", "smollm3")
 GEMMA = ("gemma2", "gemma3_text")  # Gemma 2, and Gemma 3's text model (Gemma3ForCausalLM: the 1B model)
 # Mixture-of-experts families: Mistral's and Qwen3's attention with a routed MLP in every layer.
 MOE = ("mixtral", "qwen3_moe")
 _DTYPES = ("float32", "bfloat16", "float16")
 _HF_CLASS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
              "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
-             "phi3": "Phi3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+             "phi3": "Phi3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+             "smollm3": "SmolLM3ForCausalLM"}
 # The MLP activations: SiLU (every family but Gemma) and the tanh approximation of GELU (Gemma's
 # "gelu_pytorch_tanh", which transformers also calls "gelu_new" / "gelu_fast" up to rounding: only
 # the exact name is accepted).
@@ -234,9 +235,10 @@ class ModelConfig:
     uses true float32 matmuls on every backend (no TF32 on GPUs: `layers.matmul_precision`).
     """
 
-    # "llama" | "mistral" | "qwen2" | "qwen3" | "gemma2" | "gemma3_text" | "phi3" | "mixtral" | "qwen3_moe":
-    # one decoder; the fields below differ (Phi-3 is Llama's layers with fused q/k/v and gate/up
-    # weights, a checkpoint matter; Mixtral and Qwen3-MoE are Mistral's and Qwen3's with experts)
+    # "llama" | "mistral" | "qwen2" | "qwen3" | "gemma2" | "gemma3_text" | "phi3" | "mixtral" | "qwen3_moe" |
+    # "smollm3": one decoder; the fields below differ (Phi-3 is Llama's layers with fused q/k/v and
+    # gate/up weights, a checkpoint matter; Mixtral and Qwen3-MoE are Mistral's and Qwen3's with
+    # experts; SmolLM3 is Llama's with layers that attend without rotary embedding)
     architecture: str
     vocab_size: int
     hidden_size: int
@@ -281,6 +283,9 @@ class ModelConfig:
     num_experts: int = 0
     experts_per_token: int = 0
     norm_topk_prob: bool = True
+    # SmolLM3: the layers whose queries and keys are not rotated (NoPE; every fourth layer in
+    # SmolLM3-3B), transformers' `no_rope_layers` entries that are 0.
+    nope_layers: tuple[int, ...] = ()
 
     def __post_init__(self):
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -308,6 +313,14 @@ class ModelConfig:
         # Tuples keep the config hashable (it is a static argument of jitted functions).
         object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
         object.__setattr__(self, "sliding_layers", tuple(int(i) for i in self.sliding_layers))
+        object.__setattr__(self, "nope_layers", tuple(int(i) for i in self.nope_layers))
+        nope = self.nope_layers
+        if sorted(set(nope)) != list(nope) or not all(0 <= i < self.num_layers for i in nope):
+            raise ValueError(f"ModelConfig.nope_layers={nope} must be increasing layer indices in "
+                             f"[0, {self.num_layers})")
+        if nope and self.architecture != "smollm3":
+            raise ValueError(f"ModelConfig.nope_layers={nope}: layers without rotary embedding are SmolLM3's, "
+                             f"not architecture {self.architecture!r}'s")
         window, layers = self.sliding_window, self.sliding_layers
         if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window <= 0):
             raise ValueError(f"ModelConfig.sliding_window must be a positive int or None, got {window!r}")
@@ -325,6 +338,8 @@ class ModelConfig:
                              f"sliding_layers={layers} of {self.num_layers}")
         if self.architecture == "phi3" and (self.qkv_biased or self.qk_norm):
             raise ValueError("ModelConfig: architecture 'phi3' has no attention biases and no q/k norms")
+        if self.architecture == "smollm3" and (self.qkv_bias or self.qk_norm):
+            raise ValueError("ModelConfig: architecture 'smollm3' has no q/k/v-only biases and no q/k norms")
         if self.hidden_act not in HIDDEN_ACTS.values():
             raise ValueError(f"ModelConfig.hidden_act={self.hidden_act!r} is not one of "
                              f"{', '.join(HIDDEN_ACTS.values())}")
@@ -474,6 +489,8 @@ class ModelConfig:
         if model_type == "phi3":
             _check_phi3_rope(c, source)
         experts = _experts(c, model_type, source) if model_type in MOE else {}
+        if model_type == "smollm3":
+            experts["nope_layers"] = _nope_layers(c, source)
         window, sliding_layers = _sliding_window(c, model_type, source)
         if c.get("pretraining_tp", 1) not in (1, None):
             raise ValueError(f"{source}: pretraining_tp={c['pretraining_tp']} is not supported")
@@ -584,10 +601,14 @@ class ModelConfig:
         }
         if self.rope_scaling is not None:
             out["rope_scaling"] = self.rope_scaling.to_hf()
-        if self.architecture in ("llama", "qwen3", "mistral", "qwen3_moe"):
+        if self.architecture in ("llama", "qwen3", "mistral", "qwen3_moe", "smollm3"):
             out["attention_bias"] = self.attention_bias
-        if self.architecture == "phi3":
-            out["pad_token_id"] = None  # else Phi3Config's default, 32000, which a smaller vocabulary lacks
+        if self.architecture == "smollm3":
+            out.update(no_rope_layers=[int(i not in self.nope_layers) for i in range(self.num_layers)],
+                       use_sliding_window=self.sliding_window is not None, layer_types=self.layer_types)
+        if self.architecture in ("phi3", "smollm3"):
+            # else Phi3Config's / SmolLM3Config's default (32000 / 128004), which a smaller vocabulary lacks
+            out["pad_token_id"] = None
         if self.architecture != "llama":
             out["sliding_window"] = self.sliding_window
         if self.architecture == "mixtral":
@@ -632,6 +653,22 @@ _WINDOW_EVERYWHERE = ("mistral", "phi3", "mixtral", "qwen3_moe")
 _HF_WINDOW = 4096
 _QWEN_MAX_WINDOW_LAYERS = 28
 _GEMMA3_THETAS = (1_000_000.0, 10_000.0)  # Gemma3TextConfig.default_theta: global, local
+
+
+def _nope_layers(c: Mapping[str, Any], source: str) -> tuple[int, ...]:
+    """SmolLM3's layers without rotary embedding: the 0 entries of `no_rope_layers`, or without that
+    list every `no_rope_layer_interval`-th layer (default 4: layers 3, 7, ...), as transformers
+    derives it."""
+    layers_n = config_field(c, "num_hidden_layers", int, source, positive=True)
+    flags = c.get("no_rope_layers")
+    if flags is None:
+        step = config_field(c, "no_rope_layer_interval", int, source, 4, positive=True)
+        flags = [int((i + 1) % step != 0) for i in range(layers_n)]
+    if not isinstance(flags, list) or len(flags) != layers_n or any(f not in (0, 1) or isinstance(f, float)
+                                                                   for f in flags):
+        raise ValueError(f"{source}: field 'no_rope_layers' must be a list of {layers_n} flags (1: the layer "
+                         f"rotates, 0: it does not), got {flags!r}")
+    return tuple(i for i, f in enumerate(flags) if not f)
 
 
 def _experts(c: Mapping[str, Any], model_type: str, source: str) -> dict[str, Any]:
@@ -707,6 +744,8 @@ def _sliding_window(c: Mapping[str, Any], model_type: str, source: str) -> tuple
     Mistral: `sliding_window` applies to every layer; absent means transformers' 4096 and null
     means full attention (Mistral-7B-v0.1 and its fine-tunes: 4096; v0.2 onwards: null). Phi-3
     and Mixtral likewise, absent meaning none; Qwen3-MoE likewise, only with `use_sliding_window`.
+    SmolLM3: a window only with `use_sliding_window` and a `sliding_window`, in the layers
+    `layer_types` marks or else its NoPE layers.
     Qwen2 / Qwen3: a window only with `use_sliding_window`, in the layers `layer_types` marks
     "sliding_attention", or without that list in layers max_window_layers onwards. Gemma: the
     layers layer_types marks, or without it every other one from layer 0 (Gemma 2) or all but
@@ -737,7 +776,15 @@ def _sliding_window(c: Mapping[str, Any], model_type: str, source: str) -> tuple
         if c.get("sliding_window", default) is None:
             return None, ()
         return config_field(c, "sliding_window", int, source, default, positive=True), tuple(range(layers_n))
-    if model_type in ("qwen2", "qwen3"):
+    if model_type == "smollm3":
+        # SmolLM3's attention has a window only with use_sliding_window and a sliding_window (its
+        # default is none); without layer_types, in the NoPE layers.
+        if not config_field(c, "use_sliding_window", bool, source, False) or c.get("sliding_window") is None:
+            return None, ()
+        if types is None:
+            nope = _nope_layers(c, source)
+            types = ["sliding_attention" if i in nope else "full_attention" for i in range(layers_n)]
+    elif model_type in ("qwen2", "qwen3"):
         if not config_field(c, "use_sliding_window", bool, source, False):
             if types is not None and "sliding_attention" in types:
                 raise ValueError(f"{source}: layer_types marks sliding_attention layers but use_sliding_window is "

@@ -1,5 +1,5 @@
-"""Decoder-only target model (Llama, Mistral, Qwen2, Qwen3, Gemma 2-3, Phi-3, Mixtral and Qwen3-MoE
-families) with a per-row KV cache.
+"""Decoder-only target model (Llama, Mistral, Qwen2, Qwen3, Gemma 2-3, Phi-3, Mixtral, Qwen3-MoE and
+SmolLM3 families) with a per-row KV cache.
 
 One call handles prefill, single-token decode and the one-pass tree verification:
 
@@ -163,8 +163,8 @@ def full_mask(block_mask: jax.Array, write_pos: jax.Array, capacity: int) -> jax
 
 
 class Transformer(nnx.Module):
-    """Llama / Mistral / Qwen2 / Qwen3 / Gemma 2-3 / Phi-3 / Mixtral / Qwen3-MoE decoder with stacked
-    layers; see the module docstring for the call protocol."""
+    """Llama / Mistral / Qwen2 / Qwen3 / Gemma 2-3 / Phi-3 / Mixtral / Qwen3-MoE / SmolLM3 decoder with
+    stacked layers; see the module docstring for the call protocol."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -277,6 +277,7 @@ class Transformer(nnx.Module):
         # Gemma 3: the sliding layers rotate with a rope of their own (another base, unscaled).
         local_rope = Rope.of(cfg.head_dim, cfg.local_rope_theta, None) if cfg.local_rope_theta else None
         sliding = np.asarray(cfg.layer_windows, np.int32) > 0  # [L] static
+        nope = np.isin(np.arange(cfg.num_layers), cfg.nope_layers)  # [L] static: SmolLM3's unrotated layers
         wanted = np.asarray(hidden_layers, np.int32)  # [R] static
         windows = np.asarray(cfg.layer_windows, np.int32) if cfg.sliding_window else None  # [L] static
         distance = None
@@ -304,6 +305,12 @@ class Transformer(nnx.Module):
                 layer_rope = Rope(jnp.where(local, local_rope.inv_freq, rope.inv_freq),
                                   rope.scale if rope.scale == local_rope.scale
                                   else jnp.where(local, local_rope.scale, rope.scale))
+            if nope.any():
+                # Frequencies 0 turn every angle to 0: cos 1 and sin 0 leave q and k exactly as they are.
+                unrotated = jnp.asarray(nope)[layer]
+                layer_rope = Rope(jnp.where(unrotated, 0.0, layer_rope.inv_freq),
+                                  layer_rope.scale if layer_rope.scale == 1.0 else jnp.where(unrotated, 1.0,
+                                                                                             layer_rope.scale))
             x, ck, cv = nnx.merge(graphdef, state)(
                 x, positions=positions, rope=layer_rope, mask=mask, cache_k=ck, cache_v=cv,
                 layer=layer, write_idx=write_idx, write_pos=write_pos, window=window, distance=distance)
