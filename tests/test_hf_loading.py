@@ -73,7 +73,8 @@ def _copy(saved, tmp_path):
     # experts, one tensor each on disk, stacked on an expert axis on loading
     ("mixtral", {}), ("qwen3_moe", dict(norm_topk_prob=False)),
     # SmolLM3's unrotated layers, and a window in one of them
-    ("smollm3", dict(sliding_window=3, sliding_layers=(1,)))])
+    ("smollm3", dict(sliding_window=3, sliding_layers=(1,))),
+    ("granite", {})])  # its four multipliers
 def test_save_load_roundtrip_and_transformers_reads_it(arch, overrides, tmp_path):
     model = random_model(tiny_config(arch, **overrides), seed=1)
     save_hf_target(model, tmp_path)
@@ -587,6 +588,32 @@ def test_smollm3_nope_layers_and_windows_read_as_transformers_reads_them():
         tiny_config("llama", nope_layers=(1,))
     with pytest.raises(ValueError, match=r"nope_layers=\(1, 1\) must be increasing"):
         tiny_config("smollm3", nope_layers=(1, 1))
+
+
+def test_granite_multipliers_read_as_transformers_reads_them_and_belong_to_granite_only():
+    """Granite's four factors from its config, GraniteConfig's 1.0 where a key is absent (scores
+    then scaled by 1, not head_dim ** -0.5); one form per model, so configs written either way
+    compare equal; the factors on another family are refused by name."""
+    cfg = tiny_config("granite")
+    out = cfg.to_hf_config()
+    assert {k: out[k] for k in ("embedding_multiplier", "attention_multiplier", "residual_multiplier",
+                                "logits_scaling")} == dict(embedding_multiplier=3.0, attention_multiplier=0.2,
+                                                           residual_multiplier=0.5, logits_scaling=2.0)
+    hf = transformers.GraniteConfig(**{k: v for k, v in out.items() if k not in ("architectures", "model_type")})
+    assert ModelConfig.from_hf_config({**hf.to_dict(), "model_type": "granite"}) == cfg
+    bare = {k: v for k, v in out.items() if k not in ("embedding_multiplier", "attention_multiplier",
+                                                       "residual_multiplier", "logits_scaling")}
+    plain = ModelConfig.from_hf_config(bare)
+    assert (plain.embed_scale, plain.attention_scale, plain.residual_multiplier, plain.logits_scaling) == (
+        None, 1.0, None, None)
+    assert tiny_config("granite", embedding_multiplier=1.0, attention_multiplier=None) == tiny_config(
+        "granite", embedding_multiplier=None, attention_multiplier=16 ** -0.5)
+    with pytest.raises(ValueError, match="'residual_multiplier' must be positive"):
+        ModelConfig.from_hf_config({**out, "residual_multiplier": 0})
+    with pytest.raises(ValueError, match="logits_scaling=2.0 is Granite's, not architecture 'llama'"):
+        tiny_config("llama", logits_scaling=2.0)
+    with pytest.raises(ValueError, match="'granite' has no sliding window"):
+        tiny_config("granite", sliding_window=4, sliding_layers=(0,))
 
 
 def test_config_rejects_unsupported():

@@ -105,6 +105,11 @@ VARIANTS = {
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM",
                 dict(tie_word_embeddings=True, rope_theta=1_000_000.0, no_rope_layer_interval=2,
                      use_sliding_window=True, sliding_window=4, pad_token_id=0)),
+    # Granite (3.x): Llama's layers with embeddings times 6, scores times 0.15 (not 16^-1/2), each
+    # branch times 0.4 before the residual adds it, logits divided by 3; untied head.
+    "granite": ("GraniteConfig", "GraniteForCausalLM",
+                dict(tie_word_embeddings=False, rope_theta=10000.0, embedding_multiplier=6.0,
+                     attention_multiplier=0.15, residual_multiplier=0.4, logits_scaling=3.0)),
 }
 EXPERTS = {"mixtral": (4, 2, True, 96), "qwen3-moe": (6, 3, False, 24)}  # E, k, norm_topk_prob, width
 
@@ -160,7 +165,10 @@ def test_config_translation(hf_pair):
     assert (cfg.hidden_act, cfg.query_pre_attn_scalar, cfg.attn_softcap, cfg.final_softcap) == {
         "gemma2": ("gelu_tanh", 24.0, 2.0, 3.0), "gemma3": ("gelu_tanh", 24.0, None, None)}.get(
         variant, ("silu", None, None, None))
-    assert (cfg.norm_offset, cfg.output_norms, cfg.embed_scale) == ((1.0, True, 8.0) if gemma else (0.0, False, None))
+    assert (cfg.norm_offset, cfg.output_norms, cfg.embed_scale) == (
+        (1.0, True, 8.0) if gemma else (0.0, False, 6.0 if variant == "granite" else None))
+    assert (cfg.attention_scale, cfg.residual_multiplier, cfg.logits_scaling) == {"granite": (0.15, 0.4, 3.0)}.get(
+        variant, (24 ** -0.5 if gemma else cfg.head_dim ** -0.5, None, None))
     assert (cfg.rope_theta, cfg.local_rope_theta) == ((1e6, 1e4) if variant == "gemma3" else (cfg.rope_theta, None))
     assert (cfg.num_experts, cfg.experts_per_token, cfg.norm_topk_prob, cfg.intermediate_size) == EXPERTS.get(
         variant, (0, 0, True, 96))

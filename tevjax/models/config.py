@@ -19,7 +19,7 @@ __all__ = ["ModelConfig", "RopeScaling", "ROPE_TYPES", "PRESETS", "SUPPORTED_ARC
            "yarn_mscale"]
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "mixtral",
-                           "qwen3_moe", "smollm3")
+                           "qwen3_moe", "smollm3", "granite")
 GEMMA = ("gemma2", "gemma3_text")  # Gemma 2, and Gemma 3's text model (Gemma3ForCausalLM: the 1B model)
 # Mixture-of-experts families: Mistral's and Qwen3's attention with a routed MLP in every layer.
 MOE = ("mixtral", "qwen3_moe")
@@ -27,7 +27,7 @@ _DTYPES = ("float32", "bfloat16", "float16")
 _HF_CLASS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
              "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
              "phi3": "Phi3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-             "smollm3": "SmolLM3ForCausalLM"}
+             "smollm3": "SmolLM3ForCausalLM", "granite": "GraniteForCausalLM"}
 # The MLP activations: SiLU (every family but Gemma) and the tanh approximation of GELU (Gemma's
 # "gelu_pytorch_tanh", which transformers also calls "gelu_new" / "gelu_fast" up to rounding: only
 # the exact name is accepted).
@@ -236,9 +236,10 @@ class ModelConfig:
     """
 
     # "llama" | "mistral" | "qwen2" | "qwen3" | "gemma2" | "gemma3_text" | "phi3" | "mixtral" | "qwen3_moe" |
-    # "smollm3": one decoder; the fields below differ (Phi-3 is Llama's layers with fused q/k/v and
-    # gate/up weights, a checkpoint matter; Mixtral and Qwen3-MoE are Mistral's and Qwen3's with
-    # experts; SmolLM3 is Llama's with layers that attend without rotary embedding)
+    # "smollm3" | "granite": one decoder; the fields below differ (Phi-3 is Llama's layers with fused
+    # q/k/v and gate/up weights, a checkpoint matter; Mixtral and Qwen3-MoE are Mistral's and Qwen3's
+    # with experts; SmolLM3 is Llama's with layers that attend without rotary embedding; Granite
+    # Llama's with four scalar multipliers)
     architecture: str
     vocab_size: int
     hidden_size: int
@@ -286,6 +287,14 @@ class ModelConfig:
     # SmolLM3: the layers whose queries and keys are not rotated (NoPE; every fourth layer in
     # SmolLM3-3B), transformers' `no_rope_layers` entries that are 0.
     nope_layers: tuple[int, ...] = ()
+    # Granite (IBM Granite 3.x): embeddings times embedding_multiplier, attention scores scaled by
+    # attention_multiplier (instead of head_dim ** -0.5), each branch's output times
+    # residual_multiplier before the residual adds it, and logits divided by logits_scaling.
+    # None: the factor is not there (1, or head_dim ** -0.5 for the scores).
+    embedding_multiplier: float | None = None
+    attention_multiplier: float | None = None
+    residual_multiplier: float | None = None
+    logits_scaling: float | None = None
 
     def __post_init__(self):
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -330,20 +339,34 @@ class ModelConfig:
         if sorted(set(layers)) != list(layers) or not all(0 <= i < self.num_layers for i in layers):
             raise ValueError(f"ModelConfig.sliding_layers={layers} must be increasing layer indices in "
                              f"[0, {self.num_layers})")
-        if layers and self.architecture == "llama":
-            raise ValueError("ModelConfig: architecture 'llama' has no sliding window (Llama checkpoints attend "
-                             "fully); use 'mistral', 'qwen2', 'qwen3' or a Gemma")
+        if layers and self.architecture in ("llama", "granite"):
+            raise ValueError(f"ModelConfig: architecture {self.architecture!r} has no sliding window (its "
+                             f"checkpoints attend fully); use 'mistral', 'qwen2', 'qwen3' or a Gemma")
         if self.architecture in _WINDOW_EVERYWHERE and layers and len(layers) != self.num_layers:
             raise ValueError(f"ModelConfig: a {self.architecture} window applies to every layer, got "
                              f"sliding_layers={layers} of {self.num_layers}")
         if self.architecture == "phi3" and (self.qkv_biased or self.qk_norm):
             raise ValueError("ModelConfig: architecture 'phi3' has no attention biases and no q/k norms")
+        granite = [f"{n}={getattr(self, n)!r}" for n in _GRANITE_FIELDS if getattr(self, n) is not None]
+        if granite and self.architecture != "granite":
+            raise ValueError(f"ModelConfig: {', '.join(granite)} is Granite's, not architecture "
+                             f"{self.architecture!r}'s")
+        if self.architecture == "granite":
+            if self.qkv_bias or self.qk_norm:
+                raise ValueError("ModelConfig: architecture 'granite' has no q/k/v-only biases and no q/k norms")
+            # One form per model, so that configs compare equal however they were written: a factor
+            # of 1 is no factor, and scores without a multiplier are scaled by head_dim ** -0.5.
+            for name in ("embedding_multiplier", "residual_multiplier", "logits_scaling"):
+                if getattr(self, name) == 1.0:
+                    object.__setattr__(self, name, None)
+            if self.attention_multiplier is None:
+                object.__setattr__(self, "attention_multiplier", self.head_dim ** -0.5)
         if self.architecture == "smollm3" and (self.qkv_bias or self.qk_norm):
             raise ValueError("ModelConfig: architecture 'smollm3' has no q/k/v-only biases and no q/k norms")
         if self.hidden_act not in HIDDEN_ACTS.values():
             raise ValueError(f"ModelConfig.hidden_act={self.hidden_act!r} is not one of "
                              f"{', '.join(HIDDEN_ACTS.values())}")
-        for name in ("query_pre_attn_scalar", "attn_softcap", "final_softcap", "local_rope_theta"):
+        for name in ("query_pre_attn_scalar", "attn_softcap", "final_softcap", "local_rope_theta", *_GRANITE_FIELDS):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool)
                                           and math.isfinite(value) and value > 0):
@@ -393,8 +416,8 @@ class ModelConfig:
     @property
     def embed_scale(self) -> float | None:
         """What embeddings are multiplied by (Gemma: sqrt(hidden_size), rounded to the weights'
-        dtype as transformers rounds it); None: nothing."""
-        return self.hidden_size ** 0.5 if self.architecture in GEMMA else None
+        dtype as transformers rounds it; Granite: embedding_multiplier); None: nothing."""
+        return self.hidden_size ** 0.5 if self.architecture in GEMMA else self.embedding_multiplier
 
     @property
     def output_norms(self) -> bool:
@@ -403,7 +426,10 @@ class ModelConfig:
 
     @property
     def attention_scale(self) -> float:
-        """The factor on q . k: query_pre_attn_scalar ** -0.5, or head_dim ** -0.5."""
+        """The factor on q . k: Granite's attention_multiplier, query_pre_attn_scalar ** -0.5 (Gemma),
+        or head_dim ** -0.5."""
+        if self.attention_multiplier is not None:
+            return self.attention_multiplier
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @property
@@ -488,9 +514,11 @@ class ModelConfig:
             raise ValueError(f"{source}: mlp_bias=True is not supported")
         if model_type == "phi3":
             _check_phi3_rope(c, source)
-        experts = _experts(c, model_type, source) if model_type in MOE else {}
+        family = _experts(c, model_type, source) if model_type in MOE else {}  # the family's own fields
         if model_type == "smollm3":
-            experts["nope_layers"] = _nope_layers(c, source)
+            family["nope_layers"] = _nope_layers(c, source)
+        if model_type == "granite":  # GraniteConfig's defaults (1.0) where a key is absent
+            family.update({k: field(k, float, 1.0, positive=True) for k in _GRANITE_FIELDS})
         window, sliding_layers = _sliding_window(c, model_type, source)
         if c.get("pretraining_tp", 1) not in (1, None):
             raise ValueError(f"{source}: pretraining_tp={c['pretraining_tp']} is not supported")
@@ -548,7 +576,7 @@ class ModelConfig:
             param_dtype=dtype,
             sliding_window=window,
             sliding_layers=sliding_layers,
-            **experts,
+            **family,
         )
         if gemma:  # transformers' Gemma2Config / Gemma3TextConfig defaults where a key is absent
             caps = (50.0, 30.0) if model_type == "gemma2" else (None, None)
@@ -601,8 +629,11 @@ class ModelConfig:
         }
         if self.rope_scaling is not None:
             out["rope_scaling"] = self.rope_scaling.to_hf()
-        if self.architecture in ("llama", "qwen3", "mistral", "qwen3_moe", "smollm3"):
+        if self.architecture in ("llama", "qwen3", "mistral", "qwen3_moe", "smollm3", "granite"):
             out["attention_bias"] = self.attention_bias
+        if self.architecture == "granite":
+            out.update({k: 1.0 if getattr(self, k) is None else getattr(self, k) for k in _GRANITE_FIELDS})
+            out["attention_multiplier"] = self.attention_scale  # GraniteConfig's default, 1.0, is no default here
         if self.architecture == "smollm3":
             out.update(no_rope_layers=[int(i not in self.nope_layers) for i in range(self.num_layers)],
                        use_sliding_window=self.sliding_window is not None, layer_types=self.layer_types)
@@ -646,6 +677,8 @@ def _int_if_whole(x: float) -> int | float:
     return int(x) if float(x).is_integer() else float(x)
 
 
+# Granite's scalar multipliers (`ModelConfig` fields, HF config keys of the same names).
+_GRANITE_FIELDS = ("embedding_multiplier", "attention_multiplier", "residual_multiplier", "logits_scaling")
 # Families whose window, when they have one, applies to every layer.
 _WINDOW_EVERYWHERE = ("mistral", "phi3", "mixtral", "qwen3_moe")
 # transformers' defaults where a config.json leaves the keys out: the window of MistralConfig,
@@ -760,10 +793,10 @@ def _sliding_window(c: Mapping[str, Any], model_type: str, source: str) -> tuple
         if odd:
             raise ValueError(f"{source}: layer_types {odd} are not supported (only full_attention and "
                              f"sliding_attention)")
-    if model_type == "llama":
+    if model_type in ("llama", "granite"):
         if types is not None and "sliding_attention" in types:
             raise ValueError(f"{source}: layer_types with sliding_attention are not supported for model_type "
-                             f"'llama'")
+                             f"{model_type!r}")
         return None, ()
     if model_type in _WINDOW_EVERYWHERE:  # one window for every layer
         if types is not None and len(set(types)) > 1:

@@ -1,5 +1,5 @@
-"""Decoder-only target model (Llama, Mistral, Qwen2, Qwen3, Gemma 2-3, Phi-3, Mixtral, Qwen3-MoE and
-SmolLM3 families) with a per-row KV cache.
+"""Decoder-only target model (Llama, Mistral, Qwen2, Qwen3, Gemma 2-3, Phi-3, Mixtral, Qwen3-MoE,
+SmolLM3 and Granite families) with a per-row KV cache.
 
 One call handles prefill, single-token decode and the one-pass tree verification:
 
@@ -100,7 +100,8 @@ class Attention(nnx.Module):
 
 class DecoderLayer(nnx.Module):
     """Pre-norm block: x + attn(norm(x)), then + mlp(norm(x)). With `cfg.output_norms` (Gemma)
-    each branch's output is normed too: x + norm(attn(norm(x))), then + norm(mlp(norm(x)))."""
+    each branch's output is normed too: x + norm(attn(norm(x))), then + norm(mlp(norm(x))); with
+    Granite's residual_multiplier m each is scaled: x + m * attn(norm(x)), then + m * mlp(norm(x))."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         kw = dict(dtype=jnp.dtype(cfg.dtype), param_dtype=jnp.dtype(cfg.param_dtype), rngs=rngs)
@@ -115,11 +116,18 @@ class DecoderLayer(nnx.Module):
                                  norm_topk_prob=cfg.norm_topk_prob, act=cfg.hidden_act, **kw)
         else:
             self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, act=cfg.hidden_act, **kw)
+        self.residual_multiplier = cfg.residual_multiplier
         if cfg.output_norms:
             self.attn_output_norm = RMSNorm(cfg.hidden_size, **norm)
             self.mlp_output_norm = RMSNorm(cfg.hidden_size, **norm)
         else:
             self.attn_output_norm = self.mlp_output_norm = None
+
+    def _branch(self, y: jax.Array) -> jax.Array:
+        """A branch's output as the residual adds it: times Granite's residual_multiplier."""
+        if self.residual_multiplier is None:
+            return y
+        return (y.astype(jnp.float32) * self.residual_multiplier).astype(y.dtype)  # a float32 factor, as torch's
 
     def __call__(self, x, *, positions, rope, mask, cache_k, cache_v, layer, write_idx, write_pos,
                  window=None, distance=None):
@@ -145,9 +153,9 @@ class DecoderLayer(nnx.Module):
                 mask = mask & ((window == 0) | (distance < window))
             a = attention(q, k_all, v_all, mask, **scores)
         a = self.self_attn.out(a)
-        x = x + (a if self.attn_output_norm is None else self.attn_output_norm(a))
+        x = x + self._branch(a if self.attn_output_norm is None else self.attn_output_norm(a))
         m = self.mlp(self.post_attention_layernorm(x))
-        x = x + (m if self.mlp_output_norm is None else self.mlp_output_norm(m))
+        x = x + self._branch(m if self.mlp_output_norm is None else self.mlp_output_norm(m))
         return x, cache_k, cache_v
 
 
@@ -163,8 +171,8 @@ def full_mask(block_mask: jax.Array, write_pos: jax.Array, capacity: int) -> jax
 
 
 class Transformer(nnx.Module):
-    """Llama / Mistral / Qwen2 / Qwen3 / Gemma 2-3 / Phi-3 / Mixtral / Qwen3-MoE / SmolLM3 decoder with
-    stacked layers; see the module docstring for the call protocol."""
+    """Llama / Mistral / Qwen2 / Qwen3 / Gemma 2-3 / Phi-3 / Mixtral / Qwen3-MoE / SmolLM3 / Granite
+    decoder with stacked layers; see the module docstring for the call protocol."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -192,7 +200,9 @@ class Transformer(nnx.Module):
         weights' dtype first, as transformers rounds its scale to them)."""
         x = self.embed_tokens(tokens).astype(self.cfg.dtype)
         if self.cfg.embed_scale is not None:
-            x = x * jnp.asarray(self.cfg.embed_scale, self.cfg.param_dtype).astype(self.cfg.dtype)
+            # Gemma's factor is a tensor of the weights' dtype in transformers, Granite's a Python float.
+            rounded = self.cfg.param_dtype if self.cfg.output_norms else jnp.float32
+            x = (x * jnp.asarray(self.cfg.embed_scale, rounded).astype(jnp.float32)).astype(self.cfg.dtype)
         return x
 
     def head_rows(self, rows: jax.Array) -> jax.Array:
@@ -213,10 +223,13 @@ class Transformer(nnx.Module):
         `head` [Vd, D] = `head_rows(rows)`, when given, is used instead of gathering them again
         (the gather of Vd x D weights costs a decoding round about a fifth of a target step).
         Inputs stay in the compute dtype (bf16 tensor cores on GPU) with float32 accumulation,
-        so no float32 copy of the V x D matrix is made. Gemma 2 then caps them: final_softcap *
-        tanh(logits / final_softcap).
+        so no float32 copy of the V x D matrix is made. Granite divides them by logits_scaling;
+        Gemma 2 caps them: final_softcap * tanh(logits / final_softcap).
         """
-        return soft_cap(self._head(final_hidden, rows, head), self.cfg.final_softcap)
+        logits = self._head(final_hidden, rows, head)
+        if self.cfg.logits_scaling is not None:
+            logits = logits / self.cfg.logits_scaling
+        return soft_cap(logits, self.cfg.final_softcap)
 
     def _head(self, final_hidden: jax.Array, rows: jax.Array | None, head: jax.Array | None) -> jax.Array:
         dt = jnp.dtype(self.cfg.dtype)
