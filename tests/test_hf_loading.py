@@ -74,7 +74,8 @@ def _copy(saved, tmp_path):
     ("mixtral", {}), ("qwen3_moe", dict(norm_topk_prob=False)),
     # SmolLM3's unrotated layers, and a window in one of them
     ("smollm3", dict(sliding_window=3, sliding_layers=(1,))),
-    ("granite", {})])  # its four multipliers
+    ("granite", {}),  # its four multipliers
+    ("olmo2", dict(attention_bias=True))])  # output norms only, q/k norms over each projection
 def test_save_load_roundtrip_and_transformers_reads_it(arch, overrides, tmp_path):
     model = random_model(tiny_config(arch, **overrides), seed=1)
     save_hf_target(model, tmp_path)
@@ -614,6 +615,23 @@ def test_granite_multipliers_read_as_transformers_reads_them_and_belong_to_grani
         tiny_config("llama", logits_scaling=2.0)
     with pytest.raises(ValueError, match="'granite' has no sliding window"):
         tiny_config("granite", sliding_window=4, sliding_layers=(0,))
+
+
+def test_olmo2_config_reads_as_transformers_reads_it_and_its_norms_are_its_own():
+    """OLMo 2 through Olmo2Config and back (attention biases on q/k/v/o when asked); it always has
+    q/k norms, over each whole projection, and no window."""
+    for overrides in ({}, dict(attention_bias=True)):
+        cfg = tiny_config("olmo2", **overrides)
+        out = cfg.to_hf_config()
+        hf = transformers.Olmo2Config(**{k: v for k, v in out.items() if k not in ("architectures", "model_type")})
+        assert ModelConfig.from_hf_config({**hf.to_dict(), "model_type": "olmo2"}) == cfg
+        assert (cfg.input_norms, cfg.output_norms, cfg.qk_norm_whole) == (False, True, True)
+    assert tiny_config("qwen3").qk_norm_whole is False and tiny_config("qwen3").input_norms is True
+    for fields, match in [(dict(qk_norm=False), "'olmo2' has q/k norms"),
+                          (dict(qkv_bias=True), "'olmo2' has q/k norms .* and no q/k/v-only biases"),
+                          (dict(sliding_window=4, sliding_layers=(0,)), "'olmo2' has no sliding window")]:
+        with pytest.raises(ValueError, match=match):
+            tiny_config("olmo2", **fields)
 
 
 def test_config_rejects_unsupported():

@@ -110,6 +110,10 @@ VARIANTS = {
     "granite": ("GraniteConfig", "GraniteForCausalLM",
                 dict(tie_word_embeddings=False, rope_theta=10000.0, embedding_multiplier=6.0,
                      attention_multiplier=0.15, residual_multiplier=0.4, logits_scaling=3.0)),
+    # OLMo 2: norms on the attention and MLP outputs and none on their inputs, q/k norms over each
+    # whole projection (64 and 32 wide), biases on q/k/v/o (attention_bias); untied head.
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM",
+              dict(tie_word_embeddings=False, rope_theta=500_000.0, attention_bias=True, pad_token_id=0)),
 }
 EXPERTS = {"mixtral": (4, 2, True, 96), "qwen3-moe": (6, 3, False, 24)}  # E, k, norm_topk_prob, width
 
@@ -150,11 +154,12 @@ def test_config_translation(hf_pair):
         "gemma3text", "gemma3_text").replace("qwen3moe", "qwen3_moe")
     assert cfg.num_layers == 3 and cfg.num_kv_heads == 2 and cfg.vocab_size == 300
     assert cfg.head_dim == HEAD_DIM.get(variant, 16)
-    assert cfg.qk_norm == variant.startswith(("qwen3", "gemma3"))
+    assert cfg.qk_norm == variant.startswith(("qwen3", "gemma3", "olmo2"))
+    assert (cfg.input_norms, cfg.qk_norm_whole) == ((False, True) if variant == "olmo2" else (True, False))
     assert cfg.tie_word_embeddings == variant.startswith(("qwen", "gemma", "smollm3"))
     assert cfg.nope_layers == ((1,) if variant == "smollm3" else ())
-    assert cfg.attention_bias == (variant == "llama3-rope")
-    assert cfg.qkv_biased == variant.startswith(("llama3-rope", "qwen2"))
+    assert cfg.attention_bias == (variant in ("llama3-rope", "olmo2"))
+    assert cfg.qkv_biased == variant.startswith(("llama3-rope", "qwen2", "olmo2"))
     biases = {k.split(".", 3)[-1] for k in hf.state_dict() if k.endswith(".bias")}
     assert biases == ({"self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"} if cfg.qkv_biased
                       else set()) | ({"self_attn.o_proj.bias"} if cfg.attention_bias else set()), biases
@@ -166,7 +171,7 @@ def test_config_translation(hf_pair):
         "gemma2": ("gelu_tanh", 24.0, 2.0, 3.0), "gemma3": ("gelu_tanh", 24.0, None, None)}.get(
         variant, ("silu", None, None, None))
     assert (cfg.norm_offset, cfg.output_norms, cfg.embed_scale) == (
-        (1.0, True, 8.0) if gemma else (0.0, False, 6.0 if variant == "granite" else None))
+        (1.0, True, 8.0) if gemma else (0.0, variant == "olmo2", 6.0 if variant == "granite" else None))
     assert (cfg.attention_scale, cfg.residual_multiplier, cfg.logits_scaling) == {"granite": (0.15, 0.4, 3.0)}.get(
         variant, (24 ** -0.5 if gemma else cfg.head_dim ** -0.5, None, None))
     assert (cfg.rope_theta, cfg.local_rope_theta) == ((1e6, 1e4) if variant == "gemma3" else (cfg.rope_theta, None))

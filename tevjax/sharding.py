@@ -84,6 +84,10 @@ _LAYER_AXES: Mapping[str, tuple[str, ...]] = {
     "self_attn.o_proj.bias": ("embed",),
     "self_attn.q_norm.scale": ("head_dim",),
     "self_attn.k_norm.scale": ("head_dim",),
+    # OLMo 2's q/k norms over the whole projection: split as the projection's output is (their
+    # statistics then sum over devices, which XLA inserts).
+    "self_attn.q_proj_norm.scale": ("heads",),
+    "self_attn.k_proj_norm.scale": ("kv_heads",),
     "mlp.gate_proj.kernel": ("embed", "mlp"),
     "mlp.up_proj.kernel": ("embed", "mlp"),
     "mlp.down_proj.kernel": ("mlp", "embed"),

@@ -133,7 +133,7 @@ _FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gat
 
 def target_weight_rules(cfg: ModelConfig) -> list[WeightRule]:
     """The conversion table for a Llama / Mistral / Qwen2 / Qwen3 / Gemma 2 / Gemma 3 (text) /
-    Phi-3 / Mixtral / Qwen3-MoE target with this config."""
+    Phi-3 / Mixtral / Qwen3-MoE / SmolLM3 / Granite / OLMo 2 target with this config."""
     d, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     qd, kd, dh = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.head_dim
     pre = "model.layers.{i}."
@@ -143,7 +143,7 @@ def target_weight_rules(cfg: ModelConfig) -> list[WeightRule]:
 
     # Gemma names its four norms by place: its post_attention_layernorm norms the attention output,
     # and its pre_feedforward_layernorm is the pre-MLP norm that Llama names post_attention_layernorm
-    # (tevjax keeps Llama's name for that role).
+    # (tevjax keeps Llama's name for that role). OLMo 2 has only the two output norms, named as Gemma's.
     pre_mlp = "pre_feedforward_layernorm" if cfg.output_norms else "post_attention_layernorm"
     # Phi-3 fuses q, k and v into one projection (rows in that order), and gate and up into another.
     fused = cfg.architecture == "phi3"
@@ -158,8 +158,6 @@ def target_weight_rules(cfg: ModelConfig) -> list[WeightRule]:
     rules = [
         WeightRule("model.embed_tokens.weight", ("embed_tokens", "embedding"), "identity", (v, d)),
         WeightRule("model.norm.weight", ("norm", "scale"), "identity", (d,)),
-        layer("input_layernorm.weight", ("input_layernorm", "scale"), "identity", (d,)),
-        layer(pre_mlp + ".weight", ("post_attention_layernorm", "scale"), "identity", (d,)),
         proj("self_attn", "q_proj", (0, qd), (qd + 2 * kd, d)),
         proj("self_attn", "k_proj", (qd, qd + kd), (qd + 2 * kd, d)),
         proj("self_attn", "v_proj", (qd + kd, qd + 2 * kd), (qd + 2 * kd, d)),
@@ -181,10 +179,17 @@ def target_weight_rules(cfg: ModelConfig) -> list[WeightRule]:
         ]
     if cfg.attention_bias:
         rules.append(layer("self_attn.o_proj.bias", ("self_attn", "o_proj", "bias"), "identity", (d,)))
-    if cfg.qk_norm:
+    if cfg.input_norms:
         rules += [
-            layer("self_attn.q_norm.weight", ("self_attn", "q_norm", "scale"), "identity", (dh,)),
-            layer("self_attn.k_norm.weight", ("self_attn", "k_norm", "scale"), "identity", (dh,)),
+            layer("input_layernorm.weight", ("input_layernorm", "scale"), "identity", (d,)),
+            layer(pre_mlp + ".weight", ("post_attention_layernorm", "scale"), "identity", (d,)),
+        ]
+    if cfg.qk_norm:  # per head, or (OLMo 2) over the whole projection
+        q, k, width = (("q_proj_norm", "k_proj_norm", (qd, kd)) if cfg.qk_norm_whole
+                       else ("q_norm", "k_norm", (dh, dh)))
+        rules += [
+            layer("self_attn.q_norm.weight", ("self_attn", q, "scale"), "identity", (width[0],)),
+            layer("self_attn.k_norm.weight", ("self_attn", k, "scale"), "identity", (width[1],)),
         ]
     if cfg.output_norms:
         rules += [
@@ -370,7 +375,7 @@ def checkpoint_config_path(path: str | os.PathLike, what: str) -> tuple[str, str
 
 def load_hf_target(path: str | os.PathLike, *, dtype: str | None = None, mesh=None) -> tuple[ModelConfig, Transformer]:
     """Loads an HF Llama / Mistral / Qwen2 / Qwen3 / Gemma 2 / Gemma 3 (text) / Phi-3 / Mixtral /
-    Qwen3-MoE checkpoint into a `Transformer`.
+    Qwen3-MoE / SmolLM3 / Granite / OLMo 2 checkpoint into a `Transformer`.
 
     `dtype` sets both compute and storage dtypes (default: the checkpoint's `torch_dtype`).
     The model skeleton is built with `nnx.eval_shape`, so no random weights are materialised;

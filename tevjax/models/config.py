@@ -19,15 +19,18 @@ __all__ = ["ModelConfig", "RopeScaling", "ROPE_TYPES", "PRESETS", "SUPPORTED_ARC
            "yarn_mscale"]
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "mixtral",
-                           "qwen3_moe", "smollm3", "granite")
+                           "qwen3_moe", "smollm3", "granite", "olmo2")
 GEMMA = ("gemma2", "gemma3_text")  # Gemma 2, and Gemma 3's text model (Gemma3ForCausalLM: the 1B model)
+# Families that norm each branch's output and not its input (OLMo 2), with q/k norms over the
+# whole projection rather than per head.
+OLMO = ("olmo2",)
 # Mixture-of-experts families: Mistral's and Qwen3's attention with a routed MLP in every layer.
 MOE = ("mixtral", "qwen3_moe")
 _DTYPES = ("float32", "bfloat16", "float16")
 _HF_CLASS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
              "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
              "phi3": "Phi3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-             "smollm3": "SmolLM3ForCausalLM", "granite": "GraniteForCausalLM"}
+             "smollm3": "SmolLM3ForCausalLM", "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM"}
 # The MLP activations: SiLU (every family but Gemma) and the tanh approximation of GELU (Gemma's
 # "gelu_pytorch_tanh", which transformers also calls "gelu_new" / "gelu_fast" up to rounding: only
 # the exact name is accepted).
@@ -236,10 +239,10 @@ class ModelConfig:
     """
 
     # "llama" | "mistral" | "qwen2" | "qwen3" | "gemma2" | "gemma3_text" | "phi3" | "mixtral" | "qwen3_moe" |
-    # "smollm3" | "granite": one decoder; the fields below differ (Phi-3 is Llama's layers with fused
-    # q/k/v and gate/up weights, a checkpoint matter; Mixtral and Qwen3-MoE are Mistral's and Qwen3's
-    # with experts; SmolLM3 is Llama's with layers that attend without rotary embedding; Granite
-    # Llama's with four scalar multipliers)
+    # "smollm3" | "granite" | "olmo2": one decoder; the fields below differ (Phi-3 is Llama's layers
+    # with fused q/k/v and gate/up weights, a checkpoint matter; Mixtral and Qwen3-MoE are Mistral's
+    # and Qwen3's with experts; SmolLM3 is Llama's with layers that attend without rotary embedding;
+    # Granite Llama's with four scalar multipliers; OLMo 2 norms branch outputs, not inputs)
     architecture: str
     vocab_size: int
     hidden_size: int
@@ -252,7 +255,7 @@ class ModelConfig:
     rope_theta: float
     rope_scaling: RopeScaling | None = None
     tie_word_embeddings: bool
-    qk_norm: bool  # qwen3: per-head RMSNorm on q and k (over head_dim) before RoPE
+    qk_norm: bool  # RMSNorm on q and k before RoPE: per head (Qwen3, Gemma 3), or over each projection (OLMo 2)
     attention_bias: bool = False  # biases on the q, k, v and o projections (Llama's `attention_bias`)
     qkv_bias: bool = False  # biases on q, k and v only (Qwen2); implied by attention_bias
     max_position_embeddings: int
@@ -339,7 +342,7 @@ class ModelConfig:
         if sorted(set(layers)) != list(layers) or not all(0 <= i < self.num_layers for i in layers):
             raise ValueError(f"ModelConfig.sliding_layers={layers} must be increasing layer indices in "
                              f"[0, {self.num_layers})")
-        if layers and self.architecture in ("llama", "granite"):
+        if layers and self.architecture in ("llama", "granite", "olmo2"):
             raise ValueError(f"ModelConfig: architecture {self.architecture!r} has no sliding window (its "
                              f"checkpoints attend fully); use 'mistral', 'qwen2', 'qwen3' or a Gemma")
         if self.architecture in _WINDOW_EVERYWHERE and layers and len(layers) != self.num_layers:
@@ -361,6 +364,9 @@ class ModelConfig:
                     object.__setattr__(self, name, None)
             if self.attention_multiplier is None:
                 object.__setattr__(self, "attention_multiplier", self.head_dim ** -0.5)
+        if self.architecture == "olmo2" and (self.qkv_bias or not self.qk_norm):
+            raise ValueError("ModelConfig: architecture 'olmo2' has q/k norms (qk_norm=True) and no q/k/v-only "
+                             "biases")
         if self.architecture == "smollm3" and (self.qkv_bias or self.qk_norm):
             raise ValueError("ModelConfig: architecture 'smollm3' has no q/k/v-only biases and no q/k norms")
         if self.hidden_act not in HIDDEN_ACTS.values():
@@ -420,9 +426,21 @@ class ModelConfig:
         return self.hidden_size ** 0.5 if self.architecture in GEMMA else self.embedding_multiplier
 
     @property
+    def input_norms(self) -> bool:
+        """Whether each branch norms its input (every family but OLMo 2, which norms only outputs)."""
+        return self.architecture not in OLMO
+
+    @property
+    def qk_norm_whole(self) -> bool:
+        """Whether the q/k norms run over the whole projection (OLMo 2: H * Dh and K * Dh wide)
+        rather than over each head's Dh."""
+        return self.qk_norm and self.architecture in OLMO
+
+    @property
     def output_norms(self) -> bool:
-        """Whether the attention and MLP outputs are normed before the residual adds them (Gemma)."""
-        return self.architecture in GEMMA
+        """Whether the attention and MLP outputs are normed before the residual adds them (Gemma,
+        OLMo 2)."""
+        return self.architecture in GEMMA + OLMO
 
     @property
     def attention_scale(self) -> float:
@@ -472,9 +490,9 @@ class ModelConfig:
         if self.attention_bias:
             attn += d
         if self.qk_norm:
-            attn += 2 * dh
+            attn += (h + k) * dh if self.qk_norm_whole else 2 * dh
         mlp = 3 * d * f if not self.moe else experts * 3 * d * f + self.num_experts * d  # experts, router rows
-        layer = attn + mlp + (4 if self.output_norms else 2) * d
+        layer = attn + mlp + (2 * self.input_norms + 2 * self.output_norms) * d
         embed = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * layer + embed + d
 
@@ -565,7 +583,7 @@ class ModelConfig:
             rope_scaling=scaling,
             # HF's default when the key is absent: tied for Gemma, untied for the others.
             tie_word_embeddings=field("tie_word_embeddings", bool, gemma),
-            qk_norm=model_type in ("qwen3", "gemma3_text", "qwen3_moe"),
+            qk_norm=model_type in ("qwen3", "gemma3_text", "qwen3_moe", "olmo2"),
             # Qwen2 has q/k/v biases and no o bias, always; its config has no key for them.
             attention_bias=False if model_type == "qwen2" else field("attention_bias", bool, False),
             qkv_bias=model_type == "qwen2",
@@ -629,7 +647,7 @@ class ModelConfig:
         }
         if self.rope_scaling is not None:
             out["rope_scaling"] = self.rope_scaling.to_hf()
-        if self.architecture in ("llama", "qwen3", "mistral", "qwen3_moe", "smollm3", "granite"):
+        if self.architecture in ("llama", "qwen3", "mistral", "qwen3_moe", "smollm3", "granite", "olmo2"):
             out["attention_bias"] = self.attention_bias
         if self.architecture == "granite":
             out.update({k: 1.0 if getattr(self, k) is None else getattr(self, k) for k in _GRANITE_FIELDS})
@@ -793,7 +811,7 @@ def _sliding_window(c: Mapping[str, Any], model_type: str, source: str) -> tuple
         if odd:
             raise ValueError(f"{source}: layer_types {odd} are not supported (only full_attention and "
                              f"sliding_attention)")
-    if model_type in ("llama", "granite"):
+    if model_type in ("llama", "granite", "olmo2"):
         if types is not None and "sliding_attention" in types:
             raise ValueError(f"{source}: layer_types with sliding_attention are not supported for model_type "
                              f"{model_type!r}")

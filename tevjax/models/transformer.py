@@ -1,5 +1,5 @@
 """Decoder-only target model (Llama, Mistral, Qwen2, Qwen3, Gemma 2-3, Phi-3, Mixtral, Qwen3-MoE,
-SmolLM3 and Granite families) with a per-row KV cache.
+SmolLM3, Granite and OLMo 2 families) with a per-row KV cache.
 
 One call handles prefill, single-token decode and the one-pass tree verification:
 
@@ -37,7 +37,7 @@ import numpy as np
 from flax import nnx
 
 from tevjax.models.cache import KVCache, write_layer
-from tevjax.models.config import ModelConfig
+from tevjax.models.config import GEMMA, ModelConfig
 from tevjax.models.layers import (RMSNorm, Rope, SparseMoE, SwiGLU, apply_rope, attention, causal_attention,
                                   matmul_precision, soft_cap)
 
@@ -63,8 +63,9 @@ class ForwardOutput:
 
 
 class Attention(nnx.Module):
-    """Grouped-query self-attention projections; Qwen3 adds per-head q/k RMSNorm before RoPE, and
-    Qwen2 (q/k/v) or Llama's `attention_bias` (q/k/v/o) add biases."""
+    """Grouped-query self-attention projections; Qwen3 adds per-head q/k RMSNorm before RoPE (OLMo 2
+    one over each whole projection), and Qwen2 (q/k/v) or Llama's `attention_bias` (q/k/v/o) add
+    biases."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         d, h, k, dh = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -76,17 +77,21 @@ class Attention(nnx.Module):
         self.k_proj = nnx.Linear(d, k * dh, use_bias=cfg.qkv_biased, **lin)
         self.v_proj = nnx.Linear(d, k * dh, use_bias=cfg.qkv_biased, **lin)
         self.o_proj = nnx.Linear(h * dh, d, use_bias=cfg.attention_bias, **lin)
-        if cfg.qk_norm:
-            self.q_norm = RMSNorm(dh, eps=cfg.rms_norm_eps, offset=cfg.norm_offset, **kw)
-            self.k_norm = RMSNorm(dh, eps=cfg.rms_norm_eps, offset=cfg.norm_offset, **kw)
-        else:
-            self.q_norm = self.k_norm = None
+        whole, per_head = cfg.qk_norm_whole, cfg.qk_norm and not cfg.qk_norm_whole
+        # OLMo 2's norm each projection's whole output, before it splits into heads; Qwen3's each head.
+        self.q_proj_norm = RMSNorm(h * dh, eps=cfg.rms_norm_eps, **kw) if whole else None
+        self.k_proj_norm = RMSNorm(k * dh, eps=cfg.rms_norm_eps, **kw) if whole else None
+        self.q_norm = RMSNorm(dh, eps=cfg.rms_norm_eps, offset=cfg.norm_offset, **kw) if per_head else None
+        self.k_norm = RMSNorm(dh, eps=cfg.rms_norm_eps, offset=cfg.norm_offset, **kw) if per_head else None
 
     def qkv(self, x: jax.Array, positions: jax.Array, rope: Rope) -> tuple[jax.Array, jax.Array, jax.Array]:
         """x [B, T, D] -> q [B, T, H, Dh], k and v [B, T, K, Dh]; q and k rotated."""
         b, t, _ = x.shape
-        q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+        q, k = self.q_proj(x), self.k_proj(x)
+        if self.q_proj_norm is not None:
+            q, k = self.q_proj_norm(q), self.k_proj_norm(k)
+        q = q.reshape(b, t, self.num_heads, self.head_dim)
+        k = k.reshape(b, t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
@@ -100,17 +105,21 @@ class Attention(nnx.Module):
 
 class DecoderLayer(nnx.Module):
     """Pre-norm block: x + attn(norm(x)), then + mlp(norm(x)). With `cfg.output_norms` (Gemma)
-    each branch's output is normed too: x + norm(attn(norm(x))), then + norm(mlp(norm(x))); with
+    each branch's output is normed too: x + norm(attn(norm(x))), then + norm(mlp(norm(x))); OLMo 2
+    norms only the outputs: x + norm(attn(x)), then + norm(mlp(x)); with
     Granite's residual_multiplier m each is scaled: x + m * attn(norm(x)), then + m * mlp(norm(x))."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         kw = dict(dtype=jnp.dtype(cfg.dtype), param_dtype=jnp.dtype(cfg.param_dtype), rngs=rngs)
         norm = dict(eps=cfg.rms_norm_eps, offset=cfg.norm_offset, **kw)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, **norm)
+        if cfg.input_norms:
+            self.input_layernorm = RMSNorm(cfg.hidden_size, **norm)
+            # The norm before the MLP, whatever a checkpoint calls it (Llama's post_attention_layernorm;
+            # Gemma's pre_feedforward_layernorm, its post_attention_layernorm being attn_output_norm).
+            self.post_attention_layernorm = RMSNorm(cfg.hidden_size, **norm)
+        else:  # OLMo 2 norms no branch input
+            self.input_layernorm = self.post_attention_layernorm = None
         self.self_attn = Attention(cfg, rngs=rngs)
-        # The norm before the MLP, whatever a checkpoint calls it (Llama's post_attention_layernorm;
-        # Gemma's pre_feedforward_layernorm, its post_attention_layernorm being attn_output_norm).
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, **norm)
         if cfg.moe:  # Mixtral, Qwen3-MoE: a routed mixture of experts in every layer
             self.mlp = SparseMoE(cfg.hidden_size, cfg.intermediate_size, cfg.num_experts, cfg.experts_per_token,
                                  norm_topk_prob=cfg.norm_topk_prob, act=cfg.hidden_act, **kw)
@@ -140,7 +149,8 @@ class DecoderLayer(nnx.Module):
         passes window, the layer's (traced scalar, 0 = none), and distance [B, T, S], each query's
         position minus each slot's (for a mask; a causal run compares slots).
         """
-        q, k, v = self.self_attn.qkv(self.input_layernorm(x), positions, rope)
+        h = x if self.input_layernorm is None else self.input_layernorm(x)
+        q, k, v = self.self_attn.qkv(h, positions, rope)
         cache_k, cache_v = write_layer(cache_k, layer, write_idx, k), write_layer(cache_v, layer, write_idx, v)
         k_all = jax.lax.dynamic_index_in_dim(cache_k, layer, 0, keepdims=False)  # [B, K, S, Dh]
         v_all = jax.lax.dynamic_index_in_dim(cache_v, layer, 0, keepdims=False)
@@ -154,7 +164,7 @@ class DecoderLayer(nnx.Module):
             a = attention(q, k_all, v_all, mask, **scores)
         a = self.self_attn.out(a)
         x = x + self._branch(a if self.attn_output_norm is None else self.attn_output_norm(a))
-        m = self.mlp(self.post_attention_layernorm(x))
+        m = self.mlp(x if self.post_attention_layernorm is None else self.post_attention_layernorm(x))
         x = x + self._branch(m if self.mlp_output_norm is None else self.mlp_output_norm(m))
         return x, cache_k, cache_v
 
@@ -171,8 +181,8 @@ def full_mask(block_mask: jax.Array, write_pos: jax.Array, capacity: int) -> jax
 
 
 class Transformer(nnx.Module):
-    """Llama / Mistral / Qwen2 / Qwen3 / Gemma 2-3 / Phi-3 / Mixtral / Qwen3-MoE / SmolLM3 / Granite
-    decoder with stacked layers; see the module docstring for the call protocol."""
+    """Llama / Mistral / Qwen2 / Qwen3 / Gemma 2-3 / Phi-3 / Mixtral / Qwen3-MoE / SmolLM3 / Granite /
+    OLMo 2 decoder with stacked layers; see the module docstring for the call protocol."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -201,7 +211,7 @@ class Transformer(nnx.Module):
         x = self.embed_tokens(tokens).astype(self.cfg.dtype)
         if self.cfg.embed_scale is not None:
             # Gemma's factor is a tensor of the weights' dtype in transformers, Granite's a Python float.
-            rounded = self.cfg.param_dtype if self.cfg.output_norms else jnp.float32
+            rounded = self.cfg.param_dtype if self.cfg.architecture in GEMMA else jnp.float32
             x = (x * jnp.asarray(self.cfg.embed_scale, rounded).astype(jnp.float32)).astype(self.cfg.dtype)
         return x
 
