@@ -75,7 +75,8 @@ def _copy(saved, tmp_path):
     # SmolLM3's unrotated layers, and a window in one of them
     ("smollm3", dict(sliding_window=3, sliding_layers=(1,))),
     ("granite", {}),  # its four multipliers
-    ("olmo2", dict(attention_bias=True))])  # output norms only, q/k norms over each projection
+    ("olmo2", dict(attention_bias=True)),  # output norms only, q/k norms over each projection
+    ("olmo3", dict(rope_scaling=RopeScaling(rope_type="linear", factor=2.0)))])  # and two ropes, windows
 def test_save_load_roundtrip_and_transformers_reads_it(arch, overrides, tmp_path):
     model = random_model(tiny_config(arch, **overrides), seed=1)
     save_hf_target(model, tmp_path)
@@ -632,6 +633,31 @@ def test_olmo2_config_reads_as_transformers_reads_it_and_its_norms_are_its_own()
                           (dict(sliding_window=4, sliding_layers=(0,)), "'olmo2' has no sliding window")]:
         with pytest.raises(ValueError, match=match):
             tiny_config("olmo2", **fields)
+
+
+def test_olmo3_ropes_and_windows_read_as_transformers_reads_them():
+    """OLMo 3's windows (layer_types, else three layers of four; 4096 wide unless given) and two
+    ropes (per layer type, or the Hub's rope_theta and rope_scaling, which transformers applies to
+    the full-attention layers, giving the sliding ones Olmo3Config's default base), each as
+    transformers' Olmo3Config reads them."""
+    cfg = tiny_config("olmo3", num_layers=8, sliding_layers=(0, 1, 2, 4, 5, 6))
+    legacy = {k: v for k, v in cfg.to_hf_config().items() if k not in ("rope_parameters", "layer_types",
+                                                                        "sliding_window")}
+    legacy.update(rope_theta=200_000.0, rope_scaling={"rope_type": "linear", "factor": 2.0})
+    for c in (cfg.to_hf_config(), legacy):
+        ours = ModelConfig.from_hf_config(c)
+        hf = transformers.Olmo3Config(**{k: v for k, v in c.items() if k not in ("architectures", "model_type")})
+        full, local = hf.rope_parameters["full_attention"], hf.rope_parameters["sliding_attention"]
+        assert (ours.rope_theta, ours.local_rope_theta) == (full["rope_theta"], local["rope_theta"])
+        assert (ours.rope_scaling and ours.rope_scaling.rope_type) == (full["rope_type"] if full["rope_type"] !=
+                                                                       "default" else None)
+        assert ours.sliding_window == hf.sliding_window
+        assert list(ours.sliding_layers) == [i for i, t in enumerate(hf.layer_types) if t == "sliding_attention"]
+        assert ModelConfig.from_hf_config({**hf.to_dict(), "model_type": "olmo3"}) == ours
+    assert ModelConfig.from_hf_config(legacy).local_rope_theta == 500_000.0  # not the legacy rope_theta
+    assert ModelConfig.from_hf_config(legacy).sliding_window == 4096
+    with pytest.raises(ValueError, match="local_rope_theta=10000.0 is Gemma's, not architecture 'olmo2'"):
+        tiny_config("olmo2", local_rope_theta=10_000.0)
 
 
 def test_config_rejects_unsupported():

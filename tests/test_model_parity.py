@@ -114,13 +114,26 @@ VARIANTS = {
     # whole projection (64 and 32 wide), biases on q/k/v/o (attention_bias); untied head.
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM",
               dict(tie_word_embeddings=False, rope_theta=500_000.0, attention_bias=True, pad_token_id=0)),
+    # OLMo 3: OLMo 2's layers with a 4-wide window in layers 0 and 1 (layer 2 attends fully), which
+    # rotate unscaled with base 10^4 while layer 2 rotates with YaRN-scaled base 5 x 10^5.
+    "olmo3": ("Olmo3Config", "Olmo3ForCausalLM",
+              dict(tie_word_embeddings=False, pad_token_id=0, sliding_window=4,
+                   layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                   rope_parameters={"full_attention": dict(rope_type="yarn", rope_theta=500_000.0, factor=4.0,
+                                                           original_max_position_embeddings=64),
+                                    "sliding_attention": dict(rope_type="default", rope_theta=10_000.0)})),
 }
 EXPERTS = {"mixtral": (4, 2, True, 96), "qwen3-moe": (6, 3, False, 24)}  # E, k, norm_topk_prob, width
 
 HEAD_DIM = {"qwen3": 32, "qwen3-yarn": 32, "mistral": 8, "mistral-window": 8}
 WINDOWS = {"mistral-window": (5, (0, 1, 2)), "qwen2-window": (4, (1, 2)), "gemma2": (4, (0, 2)), "gemma3": (4, (0, 1)),
-           "phi3": (5, (0, 1, 2)), "mixtral": (5, (0, 1, 2)), "qwen3-moe": (4, (0, 1, 2)), "smollm3": (4, (1,))}
-ROPE_TYPE = {"llama3-rope": "llama3", "llama-linear-rope": "linear", "qwen3-yarn": "yarn", "gemma3": "linear"}
+           "phi3": (5, (0, 1, 2)), "mixtral": (5, (0, 1, 2)), "qwen3-moe": (4, (0, 1, 2)), "smollm3": (4, (1,)),
+           "olmo3": (4, (0, 1))}
+# The generation test's weights: seed 0 unless its answers never repeat (then no round would take
+# more than one token, and tree nodes below the root would go unchecked).
+GENERATE_SEED = {"olmo3": 3}
+ROPE_TYPE = {"llama3-rope": "llama3", "llama-linear-rope": "linear", "qwen3-yarn": "yarn", "gemma3": "linear",
+             "olmo3": "yarn"}
 
 
 def build_hf(variant: str, seed: int = 0):
@@ -154,8 +167,8 @@ def test_config_translation(hf_pair):
         "gemma3text", "gemma3_text").replace("qwen3moe", "qwen3_moe")
     assert cfg.num_layers == 3 and cfg.num_kv_heads == 2 and cfg.vocab_size == 300
     assert cfg.head_dim == HEAD_DIM.get(variant, 16)
-    assert cfg.qk_norm == variant.startswith(("qwen3", "gemma3", "olmo2"))
-    assert (cfg.input_norms, cfg.qk_norm_whole) == ((False, True) if variant == "olmo2" else (True, False))
+    assert cfg.qk_norm == variant.startswith(("qwen3", "gemma3", "olmo"))
+    assert (cfg.input_norms, cfg.qk_norm_whole) == ((False, True) if variant.startswith("olmo") else (True, False))
     assert cfg.tie_word_embeddings == variant.startswith(("qwen", "gemma", "smollm3"))
     assert cfg.nope_layers == ((1,) if variant == "smollm3" else ())
     assert cfg.attention_bias == (variant in ("llama3-rope", "olmo2"))
@@ -171,10 +184,11 @@ def test_config_translation(hf_pair):
         "gemma2": ("gelu_tanh", 24.0, 2.0, 3.0), "gemma3": ("gelu_tanh", 24.0, None, None)}.get(
         variant, ("silu", None, None, None))
     assert (cfg.norm_offset, cfg.output_norms, cfg.embed_scale) == (
-        (1.0, True, 8.0) if gemma else (0.0, variant == "olmo2", 6.0 if variant == "granite" else None))
+        (1.0, True, 8.0) if gemma else (0.0, variant.startswith("olmo"), 6.0 if variant == "granite" else None))
     assert (cfg.attention_scale, cfg.residual_multiplier, cfg.logits_scaling) == {"granite": (0.15, 0.4, 3.0)}.get(
         variant, (24 ** -0.5 if gemma else cfg.head_dim ** -0.5, None, None))
-    assert (cfg.rope_theta, cfg.local_rope_theta) == ((1e6, 1e4) if variant == "gemma3" else (cfg.rope_theta, None))
+    assert (cfg.rope_theta, cfg.local_rope_theta) == {"gemma3": (1e6, 1e4), "olmo3": (5e5, 1e4)}.get(
+        variant, (cfg.rope_theta, None))
     assert (cfg.num_experts, cfg.experts_per_token, cfg.norm_topk_prob, cfg.intermediate_size) == EXPERTS.get(
         variant, (0, 0, True, 96))
     assert cfg.num_params == sum(p.numel() for p in hf.parameters())
@@ -463,7 +477,7 @@ def test_windowed_decoding_equals_transformers_generate(variant, tmp_path):
     from tevjax.decode import DecodeConfig, Decoder
     from tevjax.models.dflash import DFlashConfig, DFlashDrafter
 
-    hf = build_hf(variant)
+    hf = build_hf(variant, GENERATE_SEED.get(variant, 0))
     hf.save_pretrained(tmp_path, safe_serialization=True)
     cfg, model = load_hf_target(tmp_path)
     prompts = [[5, 17, 42, 8, 99, 23, 61, 7, 150], [3, 250, 14, 77]]

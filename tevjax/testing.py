@@ -32,8 +32,10 @@ def tiny_config(architecture: str = "llama", **overrides) -> ModelConfig:
     if architecture == "gemma3_text":  # GeGLU, q/k norms, two ropes (layer 0 slides), tied head
         fields.update(hidden_act="gelu_tanh", query_pre_attn_scalar=24.0, qk_norm=True, tie_word_embeddings=True,
                       rope_theta=1_000_000.0, local_rope_theta=10_000.0, sliding_window=4, sliding_layers=(0,))
-    if architecture == "olmo2":  # output norms only, q/k norms over each projection
+    if architecture in ("olmo2", "olmo3"):  # output norms only, q/k norms over each projection
         fields.update(qk_norm=True)
+    if architecture == "olmo3":  # layer 0 slides and rotates with a rope of its own
+        fields.update(sliding_window=4, sliding_layers=(0,), local_rope_theta=10_000.0, rope_theta=500_000.0)
     if architecture == "granite":  # its four multipliers, none of them 1
         fields.update(embedding_multiplier=3.0, attention_multiplier=0.2, residual_multiplier=0.5, logits_scaling=2.0)
     if architecture == "smollm3":  # layer 1 without rotary embedding (NoPE), tied head

@@ -133,7 +133,7 @@ _FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gat
 
 def target_weight_rules(cfg: ModelConfig) -> list[WeightRule]:
     """The conversion table for a Llama / Mistral / Qwen2 / Qwen3 / Gemma 2 / Gemma 3 (text) /
-    Phi-3 / Mixtral / Qwen3-MoE / SmolLM3 / Granite / OLMo 2 target with this config."""
+    Phi-3 / Mixtral / Qwen3-MoE / SmolLM3 / Granite / OLMo 2-3 target with this config."""
     d, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     qd, kd, dh = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.head_dim
     pre = "model.layers.{i}."
@@ -375,7 +375,7 @@ def checkpoint_config_path(path: str | os.PathLike, what: str) -> tuple[str, str
 
 def load_hf_target(path: str | os.PathLike, *, dtype: str | None = None, mesh=None) -> tuple[ModelConfig, Transformer]:
     """Loads an HF Llama / Mistral / Qwen2 / Qwen3 / Gemma 2 / Gemma 3 (text) / Phi-3 / Mixtral /
-    Qwen3-MoE / SmolLM3 / Granite / OLMo 2 checkpoint into a `Transformer`.
+    Qwen3-MoE / SmolLM3 / Granite / OLMo 2-3 checkpoint into a `Transformer`.
 
     `dtype` sets both compute and storage dtypes (default: the checkpoint's `torch_dtype`).
     The model skeleton is built with `nnx.eval_shape`, so no random weights are materialised;

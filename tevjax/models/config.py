@@ -19,18 +19,21 @@ __all__ = ["ModelConfig", "RopeScaling", "ROPE_TYPES", "PRESETS", "SUPPORTED_ARC
            "yarn_mscale"]
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "mixtral",
-                           "qwen3_moe", "smollm3", "granite", "olmo2")
+                           "qwen3_moe", "smollm3", "granite", "olmo2", "olmo3")
 GEMMA = ("gemma2", "gemma3_text")  # Gemma 2, and Gemma 3's text model (Gemma3ForCausalLM: the 1B model)
-# Families that norm each branch's output and not its input (OLMo 2), with q/k norms over the
-# whole projection rather than per head.
-OLMO = ("olmo2",)
+# Families that norm each branch's output and not its input (OLMo 2 and 3), with q/k norms over
+# the whole projection rather than per head.
+OLMO = ("olmo2", "olmo3")
+# Families whose sliding layers rotate with a rope of their own (`ModelConfig.local_rope_theta`).
+TWO_ROPES = ("gemma3_text", "olmo3")
 # Mixture-of-experts families: Mistral's and Qwen3's attention with a routed MLP in every layer.
 MOE = ("mixtral", "qwen3_moe")
 _DTYPES = ("float32", "bfloat16", "float16")
 _HF_CLASS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
              "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
              "phi3": "Phi3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-             "smollm3": "SmolLM3ForCausalLM", "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM"}
+             "smollm3": "SmolLM3ForCausalLM", "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM",
+             "olmo3": "Olmo3ForCausalLM"}
 # The MLP activations: SiLU (every family but Gemma) and the tanh approximation of GELU (Gemma's
 # "gelu_pytorch_tanh", which transformers also calls "gelu_new" / "gelu_fast" up to rounding: only
 # the exact name is accepted).
@@ -242,7 +245,8 @@ class ModelConfig:
     # "smollm3" | "granite" | "olmo2": one decoder; the fields below differ (Phi-3 is Llama's layers
     # with fused q/k/v and gate/up weights, a checkpoint matter; Mixtral and Qwen3-MoE are Mistral's
     # and Qwen3's with experts; SmolLM3 is Llama's with layers that attend without rotary embedding;
-    # Granite Llama's with four scalar multipliers; OLMo 2 norms branch outputs, not inputs)
+    # Granite Llama's with four scalar multipliers; OLMo 2 norms branch outputs, not inputs; OLMo 3
+    # adds windows in three layers of four, with a rope of their own)
     architecture: str
     vocab_size: int
     hidden_size: int
@@ -277,8 +281,8 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None  # scores scale by its -1/2 power (default head_dim's)
     attn_softcap: float | None = None  # scores -> cap * tanh(scores / cap), before the mask
     final_softcap: float | None = None  # logits -> cap * tanh(logits / cap)
-    # Gemma 3: the rope base of the sliding layers (unscaled); rope_theta and rope_scaling are the
-    # full-attention layers'. None: every layer rotates alike.
+    # Gemma 3 and OLMo 3: the rope base of the sliding layers (unscaled); rope_theta and
+    # rope_scaling are the full-attention layers'. None: every layer rotates alike.
     local_rope_theta: float | None = None
     # Mixture of experts (architectures in MOE only): each layer's MLP is `num_experts` gated MLPs
     # of width intermediate_size, of which a router picks `experts_per_token` per token and mixes
@@ -364,9 +368,9 @@ class ModelConfig:
                     object.__setattr__(self, name, None)
             if self.attention_multiplier is None:
                 object.__setattr__(self, "attention_multiplier", self.head_dim ** -0.5)
-        if self.architecture == "olmo2" and (self.qkv_bias or not self.qk_norm):
-            raise ValueError("ModelConfig: architecture 'olmo2' has q/k norms (qk_norm=True) and no q/k/v-only "
-                             "biases")
+        if self.architecture in OLMO and (self.qkv_bias or not self.qk_norm):
+            raise ValueError(f"ModelConfig: architecture {self.architecture!r} has q/k norms (qk_norm=True) and no "
+                             f"q/k/v-only biases")
         if self.architecture == "smollm3" and (self.qkv_bias or self.qk_norm):
             raise ValueError("ModelConfig: architecture 'smollm3' has no q/k/v-only biases and no q/k norms")
         if self.hidden_act not in HIDDEN_ACTS.values():
@@ -378,9 +382,10 @@ class ModelConfig:
                                           and math.isfinite(value) and value > 0):
                 raise ValueError(f"ModelConfig.{name} must be a positive number or None, got {value!r}")
         if self.architecture not in GEMMA:
-            gemma = [f"{n}={getattr(self, n)!r}" for n, default in (("hidden_act", "silu"), ("query_pre_attn_scalar",
-                     None), ("attn_softcap", None), ("final_softcap", None), ("local_rope_theta", None))
-                     if getattr(self, n) != default]
+            own = {"hidden_act": "silu", "query_pre_attn_scalar": None, "attn_softcap": None, "final_softcap": None}
+            if self.architecture not in TWO_ROPES:  # OLMo 3 has a second rope too
+                own["local_rope_theta"] = None
+            gemma = [f"{n}={getattr(self, n)!r}" for n, default in own.items() if getattr(self, n) != default]
             if gemma:
                 raise ValueError(f"ModelConfig: {', '.join(gemma)} is Gemma's, not architecture "
                                  f"{self.architecture!r}'s (transformers would read the saved config without it)")
@@ -526,8 +531,8 @@ class ModelConfig:
             raise ValueError(f"{source}: use_bidirectional_attention=true is not supported (a decoder attends "
                              f"causally)")
         local_theta = None
-        if model_type == "gemma3_text":
-            c, local_theta = _gemma3_ropes(c, source)
+        if model_type in TWO_ROPES:
+            c, local_theta = _two_ropes(c, model_type, source)
         if c.get("mlp_bias", False):
             raise ValueError(f"{source}: mlp_bias=True is not supported")
         if model_type == "phi3":
@@ -583,7 +588,7 @@ class ModelConfig:
             rope_scaling=scaling,
             # HF's default when the key is absent: tied for Gemma, untied for the others.
             tie_word_embeddings=field("tie_word_embeddings", bool, gemma),
-            qk_norm=model_type in ("qwen3", "gemma3_text", "qwen3_moe", "olmo2"),
+            qk_norm=model_type in ("qwen3", "gemma3_text", "qwen3_moe", *OLMO),
             # Qwen2 has q/k/v biases and no o bias, always; its config has no key for them.
             attention_bias=False if model_type == "qwen2" else field("attention_bias", bool, False),
             qkv_bias=model_type == "qwen2",
@@ -596,6 +601,8 @@ class ModelConfig:
             sliding_layers=sliding_layers,
             **family,
         )
+        if model_type == "olmo3":
+            fields["local_rope_theta"] = local_theta
         if gemma:  # transformers' Gemma2Config / Gemma3TextConfig defaults where a key is absent
             caps = (50.0, 30.0) if model_type == "gemma2" else (None, None)
 
@@ -647,7 +654,7 @@ class ModelConfig:
         }
         if self.rope_scaling is not None:
             out["rope_scaling"] = self.rope_scaling.to_hf()
-        if self.architecture in ("llama", "qwen3", "mistral", "qwen3_moe", "smollm3", "granite", "olmo2"):
+        if self.architecture in ("llama", "qwen3", "mistral", "qwen3_moe", "smollm3", "granite", *OLMO):
             out["attention_bias"] = self.attention_bias
         if self.architecture == "granite":
             out.update({k: 1.0 if getattr(self, k) is None else getattr(self, k) for k in _GRANITE_FIELDS})
@@ -674,7 +681,9 @@ class ModelConfig:
             # the explicit list says any set of layers (and is read back first).
             out["max_window_layers"] = self.sliding_layers[0] if self.sliding_layers else self.num_layers
             out["layer_types"] = self.layer_types
-        if self.architecture == "gemma3_text":  # both ropes in transformers 5's per-layer-type form
+        if self.architecture == "olmo3":
+            out["layer_types"] = self.layer_types
+        if self.architecture in TWO_ROPES:  # both ropes in transformers 5's per-layer-type form
             full = {"rope_type": "default", "rope_theta": self.rope_theta}
             if self.rope_scaling is not None:
                 full.update(self.rope_scaling.to_hf())
@@ -704,6 +713,7 @@ _WINDOW_EVERYWHERE = ("mistral", "phi3", "mixtral", "qwen3_moe")
 _HF_WINDOW = 4096
 _QWEN_MAX_WINDOW_LAYERS = 28
 _GEMMA3_THETAS = (1_000_000.0, 10_000.0)  # Gemma3TextConfig.default_theta: global, local
+_OLMO3_THETA = 500_000.0  # Olmo3Config.default_theta
 
 
 def _nope_layers(c: Mapping[str, Any], source: str) -> tuple[int, ...]:
@@ -762,13 +772,15 @@ def _check_phi3_rope(c: Mapping[str, Any], source: str) -> None:
                          f"Phi-3's scaled ropes as LongRoPE)")
 
 
-def _gemma3_ropes(c: Mapping[str, Any], source: str) -> tuple[dict, float]:
-    """Gemma 3's two ropes as transformers reads them: `rope_parameters` with a dict per layer type
-    (transformers 5), or the Hub's `rope_theta` (+ `rope_scaling`) for the full-attention layers
-    and `rope_local_base_freq` for the sliding ones. Returns the config with the full-attention
-    rope in the form every other family uses, and the sliding layers' base (their rope is never
-    scaled)."""
+def _two_ropes(c: Mapping[str, Any], model_type: str, source: str) -> tuple[dict, float]:
+    """Gemma 3's and OLMo 3's two ropes as transformers reads them: `rope_parameters` with a dict per
+    layer type (transformers 5), or the Hub's `rope_theta` (+ `rope_scaling`) for the
+    full-attention layers and, for the sliding ones, Gemma 3's `rope_local_base_freq` or OLMo 3's
+    default base (Olmo3Config gives them its default_theta, not rope_theta). Returns the config with
+    the full-attention rope in the form every other family uses, and the sliding layers' base
+    (their rope is never scaled)."""
     c = dict(c)
+    full_default, local_default = _GEMMA3_THETAS if model_type == "gemma3_text" else (_OLMO3_THETA, _OLMO3_THETA)
     params = c.get("rope_parameters")
     if isinstance(params, Mapping) and ("full_attention" in params or "sliding_attention" in params):
         for key in ("full_attention", "sliding_attention"):
@@ -776,16 +788,17 @@ def _gemma3_ropes(c: Mapping[str, Any], source: str) -> tuple[dict, float]:
                 raise ValueError(f"{source}: field 'rope_parameters.{key}' must be an object, got {params[key]!r}")
         full, local = dict(params.get("full_attention") or {}), dict(params.get("sliding_attention") or {})
         full.update(c.pop("rope_scaling", None) or {})  # transformers folds a legacy scaling into the full rope
-        full.setdefault("rope_theta", c.pop("rope_theta", None) or _GEMMA3_THETAS[0])
+        full.setdefault("rope_theta", c.pop("rope_theta", None) or full_default)
         c["rope_parameters"] = full
         if local.get("rope_type", local.get("type", "default")) != "default":
             raise ValueError(f"{source}: rope_parameters.sliding_attention.rope_type {local.get('rope_type')!r} is "
-                             f"not supported (Gemma 3's sliding layers rotate unscaled)")
-        theta = config_field(local, "rope_theta", float, source, _GEMMA3_THETAS[1], positive=True,
+                             f"not supported (the sliding layers rotate unscaled)")
+        theta = config_field(local, "rope_theta", float, source, local_default, positive=True,
                              prefix="rope_parameters.sliding_attention.")
     else:
-        c.setdefault("rope_theta", _GEMMA3_THETAS[0])
-        theta = config_field(c, "rope_local_base_freq", float, source, _GEMMA3_THETAS[1], positive=True)
+        c.setdefault("rope_theta", full_default)
+        theta = (config_field(c, "rope_local_base_freq", float, source, local_default, positive=True)
+                 if model_type == "gemma3_text" else local_default)
     return c, theta
 
 
@@ -845,10 +858,10 @@ def _sliding_window(c: Mapping[str, Any], model_type: str, source: str) -> tuple
             first = config_field(c, "max_window_layers", int, source, _QWEN_MAX_WINDOW_LAYERS)
             types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers_n)]
     elif types is None:
-        # Without layer_types, Gemma 2 alternates (layers 0, 2, 4, ... slide) and Gemma 3 makes
-        # every sliding_window_pattern-th layer full (default 6: layers 5, 11, ... attend fully).
-        pattern = 2 if model_type == "gemma2" else config_field(c, "sliding_window_pattern", int, source, 6,
-                                                                 positive=True)
+        # Without layer_types, Gemma 2 alternates (layers 0, 2, 4, ... slide), OLMo 3 makes every
+        # fourth layer full and Gemma 3 every sliding_window_pattern-th (default 6: layers 5, 11, ...).
+        pattern = ({"gemma2": 2, "olmo3": 4}.get(model_type)
+                   or config_field(c, "sliding_window_pattern", int, source, 6, positive=True))
         types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers_n)]
     layers = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
     if not layers:

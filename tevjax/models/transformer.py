@@ -1,5 +1,5 @@
 """Decoder-only target model (Llama, Mistral, Qwen2, Qwen3, Gemma 2-3, Phi-3, Mixtral, Qwen3-MoE,
-SmolLM3, Granite and OLMo 2 families) with a per-row KV cache.
+SmolLM3, Granite and OLMo 2-3 families) with a per-row KV cache.
 
 One call handles prefill, single-token decode and the one-pass tree verification:
 
@@ -182,7 +182,7 @@ def full_mask(block_mask: jax.Array, write_pos: jax.Array, capacity: int) -> jax
 
 class Transformer(nnx.Module):
     """Llama / Mistral / Qwen2 / Qwen3 / Gemma 2-3 / Phi-3 / Mixtral / Qwen3-MoE / SmolLM3 / Granite /
-    OLMo 2 decoder with stacked layers; see the module docstring for the call protocol."""
+    OLMo 2-3 decoder with stacked layers; see the module docstring for the call protocol."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -297,7 +297,7 @@ class Transformer(nnx.Module):
         write_idx = write_pos[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
         write_idx = jnp.where((write_idx >= 0) & (write_idx < s), write_idx, s)  # S: dropped
         rope = Rope.of(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-        # Gemma 3: the sliding layers rotate with a rope of their own (another base, unscaled).
+        # Gemma 3, OLMo 3: the sliding layers rotate with a rope of their own (another base, unscaled).
         local_rope = Rope.of(cfg.head_dim, cfg.local_rope_theta, None) if cfg.local_rope_theta else None
         sliding = np.asarray(cfg.layer_windows, np.int32) > 0  # [L] static
         nope = np.isin(np.arange(cfg.num_layers), cfg.nope_layers)  # [L] static: SmolLM3's unrotated layers
