@@ -71,7 +71,7 @@ def _copy(saved, tmp_path):
     # Phi-3's fused q/k/v and gate/up tensors, split on loading and joined again on saving
     ("phi3", dict(sliding_window=3, sliding_layers=(0, 1))),
     # experts, one tensor each on disk, stacked on an expert axis on loading
-    ("mixtral", {}), ("qwen3_moe", dict(norm_topk_prob=False)),
+    ("mixtral", {}), ("qwen3_moe", dict(norm_topk_prob=False)), ("qwen2_moe", {}),  # and a shared expert
     # SmolLM3's unrotated layers, and a window in one of them
     ("smollm3", dict(sliding_window=3, sliding_layers=(1,))),
     ("granite", {}),  # its four multipliers
@@ -522,17 +522,19 @@ def test_experts_read_as_transformers_reads_them_and_belong_to_moe_families_only
     """Mixtral and Qwen3-MoE configs, as written and as transformers' config classes read them:
     either key for the expert count, Qwen3-MoE's moe_intermediate_size as the experts' width, its
     window only with use_sliding_window; layers without experts and mismatched fields refused."""
-    for arch, cls in (("mixtral", transformers.MixtralConfig), ("qwen3_moe", transformers.Qwen3MoeConfig)):
-        for overrides in ({}, dict(sliding_window=3, sliding_layers=(0, 1)), dict(norm_topk_prob=False)):
+    for arch, cls in (("mixtral", transformers.MixtralConfig), ("qwen3_moe", transformers.Qwen3MoeConfig),
+                      ("qwen2_moe", transformers.Qwen2MoeConfig)):
+        for overrides in ({}, dict(sliding_window=3, sliding_layers=(0,) if arch == "qwen2_moe" else (0, 1)),
+                          dict(norm_topk_prob=False)):
             if arch == "mixtral" and overrides.get("norm_topk_prob") is False:
                 continue
             cfg = tiny_config(arch, **overrides)
             out = cfg.to_hf_config()
             assert ModelConfig.from_hf_config(out) == cfg
             hf = cls(**{k: v for k, v in out.items() if k not in ("architectures", "model_type")})
-            assert (hf.num_local_experts, hf.num_experts_per_tok) == (4, 2)
+            assert (getattr(hf, "num_local_experts", None) or hf.num_experts, hf.num_experts_per_tok) == (4, 2)
             assert getattr(hf, "moe_intermediate_size", hf.intermediate_size) == 32
-            assert hf.sliding_window == cfg.sliding_window
+            assert (hf.sliding_window or None) == cfg.sliding_window  # Qwen2MoeConfig: 0 without a window
             assert ModelConfig.from_hf_config({**hf.to_dict(), "model_type": arch}) == cfg
     base = tiny_config("qwen3_moe").to_hf_config()
     del base["num_experts"]
@@ -549,7 +551,10 @@ def test_experts_read_as_transformers_reads_them_and_belong_to_moe_families_only
                          ({"num_experts": 0}, "'num_experts' must be positive")]:
         with pytest.raises(ValueError, match=match):
             ModelConfig.from_hf_config({**qwen, **patch})
+    assert ModelConfig.from_hf_config({**tiny_config("qwen2_moe").to_hf_config(), "qkv_bias": False}).qkv_bias is False
     for arch, fields, match in [("llama", dict(num_experts=4, experts_per_token=2), "need a mixture-of-experts"),
+                                ("qwen3_moe", dict(shared_expert_size=8), "a shared expert is Qwen2-MoE's"),
+                                ("qwen2_moe", dict(attention_bias=True), "'qwen2_moe' has no q/k norms and no o_proj"),
                                 ("mixtral", dict(num_experts=0, experts_per_token=0), "num_experts must be a positive"),
                                 ("mixtral", dict(norm_topk_prob=False), "Mixtral always renormalises"),
                                 ("mixtral", dict(qk_norm=True), "'mixtral' has no attention biases and no q/k norms"),

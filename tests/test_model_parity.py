@@ -100,6 +100,13 @@ VARIANTS = {
     "qwen3-moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
                   dict(tie_word_embeddings=True, num_experts=6, num_experts_per_tok=3, moe_intermediate_size=24,
                        norm_topk_prob=False, rope_theta=1_000_000.0, use_sliding_window=True, sliding_window=4)),
+    # Qwen2-MoE: Qwen2's layers (q/k/v biases) with 4 experts of width 24, 2 per token, weights not
+    # renormalised, and a shared expert of width 40 gated by a sigmoid; even layers below
+    # max_window_layers 2 slide (use_sliding_window: layer 0, window 4); tied head.
+    "qwen2-moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  dict(tie_word_embeddings=True, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+                       shared_expert_intermediate_size=40, rope_theta=1_000_000.0, use_sliding_window=True,
+                       sliding_window=4, max_window_layers=2)),
     # SmolLM3: Llama's layers, layer 1 of 3 without rotary embedding (NoPE: no_rope_layer_interval 2),
     # and there a 4-wide window (use_sliding_window puts SmolLM3's windows in its NoPE layers); tied.
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM",
@@ -123,11 +130,13 @@ VARIANTS = {
                                                            original_max_position_embeddings=64),
                                     "sliding_attention": dict(rope_type="default", rope_theta=10_000.0)})),
 }
-EXPERTS = {"mixtral": (4, 2, True, 96), "qwen3-moe": (6, 3, False, 24)}  # E, k, norm_topk_prob, width
+EXPERTS = {"mixtral": (4, 2, True, 96), "qwen3-moe": (6, 3, False, 24),  # E, k, norm_topk_prob, width
+           "qwen2-moe": (4, 2, False, 24)}
 
 HEAD_DIM = {"qwen3": 32, "qwen3-yarn": 32, "mistral": 8, "mistral-window": 8}
 WINDOWS = {"mistral-window": (5, (0, 1, 2)), "qwen2-window": (4, (1, 2)), "gemma2": (4, (0, 2)), "gemma3": (4, (0, 1)),
            "phi3": (5, (0, 1, 2)), "mixtral": (5, (0, 1, 2)), "qwen3-moe": (4, (0, 1, 2)), "smollm3": (4, (1,)),
+           "qwen2-moe": (4, (0,)),
            "olmo3": (4, (0, 1))}
 # The generation test's weights: seed 0 unless its answers never repeat (then no round would take
 # more than one token, and tree nodes below the root would go unchecked).
@@ -164,7 +173,7 @@ def hf_pair(request, tmp_path_factory):
 def test_config_translation(hf_pair):
     variant, hf, cfg, _ = hf_pair
     assert cfg.architecture == VARIANTS[variant][0].removesuffix("Config").lower().replace(
-        "gemma3text", "gemma3_text").replace("qwen3moe", "qwen3_moe")
+        "gemma3text", "gemma3_text").replace("qwen3moe", "qwen3_moe").replace("qwen2moe", "qwen2_moe")
     assert cfg.num_layers == 3 and cfg.num_kv_heads == 2 and cfg.vocab_size == 300
     assert cfg.head_dim == HEAD_DIM.get(variant, 16)
     assert cfg.qk_norm == variant.startswith(("qwen3", "gemma3", "olmo"))
@@ -173,6 +182,7 @@ def test_config_translation(hf_pair):
     assert cfg.nope_layers == ((1,) if variant == "smollm3" else ())
     assert cfg.attention_bias == (variant in ("llama3-rope", "olmo2"))
     assert cfg.qkv_biased == variant.startswith(("llama3-rope", "qwen2", "olmo2"))
+    assert cfg.shared_expert_size == (40 if variant == "qwen2-moe" else 0)
     biases = {k.split(".", 3)[-1] for k in hf.state_dict() if k.endswith(".bias")}
     assert biases == ({"self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"} if cfg.qkv_biased
                       else set()) | ({"self_attn.o_proj.bias"} if cfg.attention_bias else set()), biases

@@ -39,7 +39,7 @@ def _specs(tree) -> dict[str, P]:
 
 @pytest.mark.parametrize("arch, overrides", [("llama", {}), ("qwen3", {}), ("llama", {"attention_bias": True}),
                                              ("qwen2", {}), ("gemma2", {}), ("gemma3_text", {}), ("phi3", {}),
-                                             ("mixtral", {}), ("qwen3_moe", {}), ("smollm3", {}),
+                                             ("mixtral", {}), ("qwen3_moe", {}), ("qwen2_moe", {}), ("smollm3", {}),
                                              ("granite", {}), ("olmo2", {}), ("olmo3", {})])
 def test_every_target_array_has_axes_and_heads_split_over_model(arch, overrides):
     target = nnx.eval_shape(lambda: random_model(tiny_config(arch, num_heads=8, num_kv_heads=4, head_dim=8,
@@ -54,6 +54,10 @@ def test_every_target_array_has_axes_and_heads_split_over_model(arch, overrides)
         assert specs["layers.mlp.gate_proj"] == specs["layers.mlp.up_proj"] == P(None, None, None, "model")
         assert specs["layers.mlp.down_proj"] == P(None, None, "model", None)
         assert specs["layers.mlp.router.kernel"] == P(None, None, None)
+        if cfg.shared_expert_size:  # Qwen2-MoE's shared expert: split as a dense MLP, its gate whole
+            assert specs["layers.mlp.shared_expert.gate_proj.kernel"] == P(None, None, "model")
+            assert specs["layers.mlp.shared_expert.down_proj.kernel"] == P(None, "model", None)
+            assert specs["layers.mlp.shared_expert_gate.kernel"] == P(None, None, None)
     else:
         assert specs["layers.mlp.gate_proj.kernel"] == P(None, None, "model")
         assert specs["layers.mlp.down_proj.kernel"] == P(None, "model", None)
@@ -74,7 +78,7 @@ def test_every_target_array_has_axes_and_heads_split_over_model(arch, overrides)
         assert specs["layers.self_attn.q_proj.bias"] == P(None, "model")
         assert specs["layers.self_attn.v_proj.bias"] == P(None, "model")
     assert ("layers.self_attn.o_proj.bias" in specs) == cfg.attention_bias  # Qwen2 has none
-    assert ("layers.self_attn.q_proj.bias" in specs) == (arch == "qwen2" or bool(overrides))
+    assert ("layers.self_attn.q_proj.bias" in specs) == (arch in ("qwen2", "qwen2_moe") or bool(overrides))
 
 
 def test_drafter_arrays_and_optimizer_moments_share_the_table():

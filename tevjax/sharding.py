@@ -56,6 +56,8 @@ LOGICAL_RULES: Mapping[str, str | None] = {
     # (`mlp`), so a routed MLP needs no token exchange and ends in the dense MLP's one all-reduce.
     # Expert parallelism (experts over a mesh axis) needs an all-to-all dispatch of tokens.
     "experts": None,
+    "shared_mlp": "model",  # the width of Qwen2-MoE's shared expert, split as a dense MLP's
+    "gate": None,  # the one output of the shared expert's gate
     "head_dim": None,
     "features": None,  # the drafter's concatenated tapped hidden states (F = n * D)
     # The ids of a reduced draft vocabulary: Vd int32s that every device reads whole to pick the
@@ -95,6 +97,10 @@ _LAYER_AXES: Mapping[str, tuple[str, ...]] = {
     "mlp.gate_proj": ("experts", "embed", "mlp"),
     "mlp.up_proj": ("experts", "embed", "mlp"),
     "mlp.down_proj": ("experts", "mlp", "embed"),
+    "mlp.shared_expert.gate_proj.kernel": ("embed", "shared_mlp"),
+    "mlp.shared_expert.up_proj.kernel": ("embed", "shared_mlp"),
+    "mlp.shared_expert.down_proj.kernel": ("shared_mlp", "embed"),
+    "mlp.shared_expert_gate.kernel": ("embed", "gate"),
 }
 
 # Parameter path (dots; `*` matches one list index) -> logical axes, for every parameter of
@@ -119,7 +125,8 @@ CACHE_AXES: tuple[str, ...] = ("layers", "batch", "kv_heads", "cache_slots", "he
 # What a sharded logical axis counts, for error messages: splitting must not cut one of these.
 _UNITS = {"heads": "query heads (num_heads)", "kv_heads": "key/value heads (num_kv_heads)",
           "mlp": "MLP width (intermediate_size)", "vocab": "vocabulary entries (vocab_size)",
-          "batch": "batch rows", "embed": "model width (hidden_size)", "experts": "experts (num_experts)"}
+          "batch": "batch rows", "embed": "model width (hidden_size)", "experts": "experts (num_experts)",
+          "shared_mlp": "shared expert width (shared_expert_size)"}
 
 
 def logical_spec(*names: str | None) -> PartitionSpec:
@@ -165,7 +172,8 @@ def _dims(cfg) -> dict[str, tuple[int, int]]:
     same = lambda n: (n, n)  # noqa: E731
     dims = {"vocab": same(cfg.vocab_size), "embed": same(cfg.hidden_size), "heads": (h * dh, h),
             "kv_heads": (k * dh, k), "mlp": same(cfg.intermediate_size), "layers": same(cfg.num_layers),
-            "head_dim": same(dh), "experts": same(getattr(cfg, "num_experts", 0))}
+            "head_dim": same(dh), "experts": same(getattr(cfg, "num_experts", 0)),
+            "shared_mlp": same(getattr(cfg, "shared_expert_size", 0)), "gate": same(1)}
     if hasattr(cfg, "feature_dim"):  # a drafter
         dims["features"] = same(cfg.feature_dim)
         dims["draft_vocab"] = same(cfg.draft_vocab_dim)

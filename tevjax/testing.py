@@ -40,8 +40,10 @@ def tiny_config(architecture: str = "llama", **overrides) -> ModelConfig:
         fields.update(embedding_multiplier=3.0, attention_multiplier=0.2, residual_multiplier=0.5, logits_scaling=2.0)
     if architecture == "smollm3":  # layer 1 without rotary embedding (NoPE), tied head
         fields.update(nope_layers=(1,), tie_word_embeddings=True)
-    if architecture in ("mixtral", "qwen3_moe"):  # 4 experts of width 32, 2 per token; Qwen3's q/k norms
+    if architecture in ("mixtral", "qwen3_moe", "qwen2_moe"):  # 4 experts of width 32, 2 per token
         fields.update(intermediate_size=32, num_experts=4, experts_per_token=2, qk_norm=architecture == "qwen3_moe")
+    if architecture == "qwen2_moe":  # Qwen2's q/k/v biases and a shared expert of width 48
+        fields.update(qkv_bias=True, shared_expert_size=48)
     fields.update(overrides)
     return ModelConfig(**fields)
 

@@ -203,12 +203,20 @@ def target_weight_rules(cfg: ModelConfig) -> list[WeightRule]:
 
 def _expert_rules(cfg: ModelConfig, pre: str) -> list[WeightRule]:
     """A mixture-of-experts MLP's rows: the router, and each expert's gate, up and down projections
-    (Mixtral's w1, w3 and w2, under `block_sparse_moe`), stacked on the expert axis."""
+    (Mixtral's w1, w3 and w2, under `block_sparse_moe`), stacked on the expert axis; Qwen2-MoE's
+    shared expert and its gate."""
     d, f, e = cfg.hidden_size, cfg.intermediate_size, cfg.num_experts
     block, names = (("block_sparse_moe", ("w1", "w3", "w2")) if cfg.architecture == "mixtral"
                     else ("mlp", ("gate_proj", "up_proj", "down_proj")))
     expert = pre + block + ".experts.{e}.{name}.weight"
-    return [
+    shared = []
+    if cfg.shared_expert_size:  # Qwen2-MoE's shared expert and its gate
+        g = cfg.shared_expert_size
+        shared = [WeightRule(pre + f"mlp.{module}.weight", ("layers", "mlp", *module.split("."), "kernel"),
+                             "transpose", shape, per_layer=True)
+                  for module, shape in (("shared_expert.gate_proj", (g, d)), ("shared_expert.up_proj", (g, d)),
+                                        ("shared_expert.down_proj", (d, g)), ("shared_expert_gate", (1, d)))]
+    return shared + [
         WeightRule(pre + block + ".gate.weight", ("layers", "mlp", "router", "kernel"), "transpose", (e, d),
                    per_layer=True),
         *(WeightRule(expert.replace("{name}", hf), ("layers", "mlp", param), "transpose", shape, per_layer=True,

@@ -1,4 +1,4 @@
-"""Target models (Llama, Mistral, Qwen2/3, Gemma 2/3, Phi-3, SmolLM3, Granite, OLMo 2-3, Mixtral, Qwen3-MoE) and
+"""Target models (Llama, Mistral, Qwen2/3, Gemma 2/3, Phi-3, SmolLM3, Granite, OLMo 2-3, Mixtral, Qwen2/3-MoE) and
 the primitives the drafter shares with them."""
 
 from tevjax.models.cache import KVCache

@@ -19,19 +19,21 @@ __all__ = ["ModelConfig", "RopeScaling", "ROPE_TYPES", "PRESETS", "SUPPORTED_ARC
            "yarn_mscale"]
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "mixtral",
-                           "qwen3_moe", "smollm3", "granite", "olmo2", "olmo3")
+                           "qwen3_moe", "qwen2_moe", "smollm3", "granite", "olmo2", "olmo3")
 GEMMA = ("gemma2", "gemma3_text")  # Gemma 2, and Gemma 3's text model (Gemma3ForCausalLM: the 1B model)
 # Families that norm each branch's output and not its input (OLMo 2 and 3), with q/k norms over
 # the whole projection rather than per head.
 OLMO = ("olmo2", "olmo3")
 # Families whose sliding layers rotate with a rope of their own (`ModelConfig.local_rope_theta`).
 TWO_ROPES = ("gemma3_text", "olmo3")
-# Mixture-of-experts families: Mistral's and Qwen3's attention with a routed MLP in every layer.
-MOE = ("mixtral", "qwen3_moe")
+# Mixture-of-experts families: Mistral's, Qwen3's and Qwen2's attention with a routed MLP in every
+# layer (Qwen2-MoE's with a shared expert beside the routed ones).
+MOE = ("mixtral", "qwen3_moe", "qwen2_moe")
 _DTYPES = ("float32", "bfloat16", "float16")
 _HF_CLASS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
              "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
              "phi3": "Phi3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+             "qwen2_moe": "Qwen2MoeForCausalLM",
              "smollm3": "SmolLM3ForCausalLM", "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM",
              "olmo3": "Olmo3ForCausalLM"}
 # The MLP activations: SiLU (every family but Gemma) and the tanh approximation of GELU (Gemma's
@@ -291,6 +293,9 @@ class ModelConfig:
     num_experts: int = 0
     experts_per_token: int = 0
     norm_topk_prob: bool = True
+    # Qwen2-MoE: the width of a shared expert that every token runs besides the routed ones, its
+    # output scaled by sigmoid(shared_expert_gate(x)); 0: none.
+    shared_expert_size: int = 0
     # SmolLM3: the layers whose queries and keys are not rotated (NoPE; every fourth layer in
     # SmolLM3-3B), transformers' `no_rope_layers` entries that are 0.
     nope_layers: tuple[int, ...] = ()
@@ -418,6 +423,14 @@ class ModelConfig:
             raise ValueError("ModelConfig: architecture 'mixtral' has no attention biases and no q/k norms")
         if self.architecture == "qwen3_moe" and not self.qk_norm:
             raise ValueError("ModelConfig: architecture 'qwen3_moe' has q/k norms (qk_norm=True)")
+        if self.architecture == "qwen2_moe" and (self.qk_norm or self.attention_bias):
+            raise ValueError("ModelConfig: architecture 'qwen2_moe' has no q/k norms and no o_proj bias")
+        shared = self.shared_expert_size
+        if not isinstance(shared, int) or isinstance(shared, bool) or shared < 0:
+            raise ValueError(f"ModelConfig.shared_expert_size must be an int >= 0, got {shared!r}")
+        if shared and self.architecture != "qwen2_moe":
+            raise ValueError(f"ModelConfig.shared_expert_size={shared}: a shared expert is Qwen2-MoE's, not "
+                             f"architecture {self.architecture!r}'s")
 
     @property
     def norm_offset(self) -> float:
@@ -497,6 +510,8 @@ class ModelConfig:
         if self.qk_norm:
             attn += (h + k) * dh if self.qk_norm_whole else 2 * dh
         mlp = 3 * d * f if not self.moe else experts * 3 * d * f + self.num_experts * d  # experts, router rows
+        if self.shared_expert_size:  # Qwen2-MoE's shared expert and its gate
+            mlp += 3 * d * self.shared_expert_size + d
         layer = attn + mlp + (2 * self.input_norms + 2 * self.output_norms) * d
         embed = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * layer + embed + d
@@ -576,8 +591,8 @@ class ModelConfig:
             hidden_size=hidden,
             # Qwen3-MoE's experts are moe_intermediate_size wide (its intermediate_size is for dense
             # layers, which tevjax refuses); Mixtral's are intermediate_size wide.
-            intermediate_size=field("moe_intermediate_size" if model_type == "qwen3_moe" else "intermediate_size",
-                                    int, positive=True),
+            intermediate_size=field("moe_intermediate_size" if model_type in ("qwen3_moe", "qwen2_moe")
+                                    else "intermediate_size", int, positive=True),
             num_layers=field("num_hidden_layers", int, positive=True),
             num_heads=heads,
             # null or 0 mean "no grouping" / "derive it", as in transformers
@@ -590,8 +605,9 @@ class ModelConfig:
             tie_word_embeddings=field("tie_word_embeddings", bool, gemma),
             qk_norm=model_type in ("qwen3", "gemma3_text", "qwen3_moe", *OLMO),
             # Qwen2 has q/k/v biases and no o bias, always; its config has no key for them.
-            attention_bias=False if model_type == "qwen2" else field("attention_bias", bool, False),
-            qkv_bias=model_type == "qwen2",
+            # Qwen2-MoE's say so in qkv_bias (default true).
+            attention_bias=False if model_type in ("qwen2", "qwen2_moe") else field("attention_bias", bool, False),
+            qkv_bias=model_type == "qwen2" or (model_type == "qwen2_moe" and field("qkv_bias", bool, True)),
             max_position_embeddings=max_positions,
             eos_token_ids=_token_ids(c, "eos_token_id", source),
             bos_token_id=bos[0] if bos else None,
@@ -669,12 +685,15 @@ class ModelConfig:
             out["sliding_window"] = self.sliding_window
         if self.architecture == "mixtral":
             out.update(num_local_experts=self.num_experts, num_experts_per_tok=self.experts_per_token)
-        if self.architecture == "qwen3_moe":
+        if self.architecture in ("qwen3_moe", "qwen2_moe"):
             out.update(num_experts=self.num_experts, num_experts_per_tok=self.experts_per_token,
                        norm_topk_prob=self.norm_topk_prob, moe_intermediate_size=self.intermediate_size,
                        decoder_sparse_step=1, mlp_only_layers=[], use_sliding_window=self.sliding_window is not None)
             if self.sliding_window is None:
-                del out["sliding_window"]  # Qwen3MoeConfig's default (4096) is dropped without use_sliding_window
+                del out["sliding_window"]  # the configs' default (4096) is dropped without use_sliding_window
+        if self.architecture == "qwen2_moe":
+            out.update(shared_expert_intermediate_size=self.shared_expert_size, qkv_bias=self.qkv_bias,
+                       layer_types=self.layer_types)
         if self.architecture in ("qwen2", "qwen3"):
             out["use_sliding_window"] = self.sliding_window is not None
             # transformers derives the layers from max_window_layers when layer_types is absent;
@@ -733,19 +752,22 @@ def _nope_layers(c: Mapping[str, Any], source: str) -> tuple[int, ...]:
 
 
 def _experts(c: Mapping[str, Any], model_type: str, source: str) -> dict[str, Any]:
-    """The mixture-of-experts fields of a Mixtral or Qwen3-MoE config, with transformers' defaults.
+    """The mixture-of-experts fields of a Mixtral, Qwen3-MoE or Qwen2-MoE config, with transformers'
+    defaults.
 
-    Qwen3-MoE layers without experts (`mlp_only_layers`, or a `decoder_sparse_step` above 1) are
+    Qwen3-MoE and Qwen2-MoE layers without experts (`mlp_only_layers`, or a `decoder_sparse_step` above 1) are
     refused: every layer of the scan has one shape. `router_jitter_noise` (Mixtral) acts only in
     training and is ignored."""
-    mixtral = model_type == "mixtral"
+    mixtral, qwen2 = model_type == "mixtral", model_type == "qwen2_moe"
     # transformers maps num_experts and num_local_experts to one attribute; a saved config may hold either
     key = next((k for k in ("num_local_experts", "num_experts") if c.get(k) is not None),
                "num_local_experts" if mixtral else "num_experts")
-    fields = dict(num_experts=config_field(c, key, int, source, 8 if mixtral else 128, positive=True),
-                  experts_per_token=config_field(c, "num_experts_per_tok", int, source, 2 if mixtral else 8,
-                                                 positive=True),
+    experts, per_token = {"mixtral": (8, 2), "qwen3_moe": (128, 8), "qwen2_moe": (60, 4)}[model_type]
+    fields = dict(num_experts=config_field(c, key, int, source, experts, positive=True),
+                  experts_per_token=config_field(c, "num_experts_per_tok", int, source, per_token, positive=True),
                   norm_topk_prob=True if mixtral else config_field(c, "norm_topk_prob", bool, source, False))
+    if qwen2:  # Qwen2MoeConfig's shared expert (default 5632 wide; 0 would mean none)
+        fields["shared_expert_size"] = config_field(c, "shared_expert_intermediate_size", int, source, 5632)
     if not mixtral:
         if c.get("mlp_only_layers"):
             raise ValueError(f"{source}: mlp_only_layers={c['mlp_only_layers']!r} is not supported (every layer "
@@ -848,13 +870,16 @@ def _sliding_window(c: Mapping[str, Any], model_type: str, source: str) -> tuple
         if types is None:
             nope = _nope_layers(c, source)
             types = ["sliding_attention" if i in nope else "full_attention" for i in range(layers_n)]
-    elif model_type in ("qwen2", "qwen3"):
+    elif model_type in ("qwen2", "qwen3", "qwen2_moe"):
         if not config_field(c, "use_sliding_window", bool, source, False):
             if types is not None and "sliding_attention" in types:
                 raise ValueError(f"{source}: layer_types marks sliding_attention layers but use_sliding_window is "
                                  f"false, so transformers gives them no window")
             return None, ()
-        if types is None:
+        if types is None and model_type == "qwen2_moe":  # Qwen2MoeConfig: even layers below max_window_layers
+            last = config_field(c, "max_window_layers", int, source, _QWEN_MAX_WINDOW_LAYERS)
+            types = ["sliding_attention" if i % 2 == 0 and i < last else "full_attention" for i in range(layers_n)]
+        elif types is None:
             first = config_field(c, "max_window_layers", int, source, _QWEN_MAX_WINDOW_LAYERS)
             types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers_n)]
     elif types is None:

@@ -197,7 +197,8 @@ class SparseMoE(nnx.Module):
     (renormalised over the k when `norm_topk_prob`). Router softmax and mixing weights are float32.
 
     Parameters: `router` (kernel [D, E]) and the experts' stacked `gate_proj` / `up_proj` [E, D, I]
-    and `down_proj` [E, I, D].
+    and `down_proj` [E, I, D]. With `shared_size` (Qwen2-MoE) a `shared_expert` SwiGLU of that
+    width runs on every token too, its output scaled by sigmoid(`shared_expert_gate`(x)).
 
     Two dispatches compute the same sum (up to float rounding), chosen per call:
 
@@ -216,7 +217,7 @@ class SparseMoE(nnx.Module):
     """
 
     def __init__(self, dim: int, hidden: int, num_experts: int, experts_per_token: int, *, norm_topk_prob: bool,
-                 dtype, param_dtype, rngs: nnx.Rngs, act: str = "silu"):
+                 dtype, param_dtype, rngs: nnx.Rngs, act: str = "silu", shared_size: int = 0):
         self.act, self.k, self.norm_topk_prob = act, int(experts_per_token), bool(norm_topk_prob)
         self.dtype = jnp.dtype(dtype)
         self.router = nnx.Linear(dim, num_experts, use_bias=False, dtype=self.dtype,
@@ -226,6 +227,10 @@ class SparseMoE(nnx.Module):
         self.gate_proj = nnx.Param(init(rngs.params(), (num_experts, dim, hidden), pd))
         self.up_proj = nnx.Param(init(rngs.params(), (num_experts, dim, hidden), pd))
         self.down_proj = nnx.Param(init(rngs.params(), (num_experts, hidden, dim), pd))
+        shared = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.shared_expert = SwiGLU(dim, shared_size, act=act, **shared) if shared_size else None
+        self.shared_expert_gate = (nnx.Linear(dim, 1, use_bias=False, precision=matmul_precision(dtype), **shared)
+                                   if shared_size else None)
 
     def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """x [N, D] -> (weights [N, k] float32, experts [N, k] int32), highest probability first
@@ -268,6 +273,9 @@ class SparseMoE(nnx.Module):
             y = jax.lax.ragged_dot(h, down, sizes, **prec)  # [N * k, D]
             y = jnp.zeros_like(y).at[order].set(y).reshape(n, k, -1)  # back to pair order
             out = jnp.einsum("nkd,nk->nd", y, weights.astype(y.dtype), preferred_element_type=jnp.float32, **prec)
+        if self.shared_expert is not None:
+            gate = jax.nn.sigmoid(self.shared_expert_gate(x).astype(jnp.float32))  # [N, 1]
+            out = out + gate * self.shared_expert(x).astype(jnp.float32)
         return out.astype(self.dtype).reshape(shape)
 
 

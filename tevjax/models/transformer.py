@@ -1,5 +1,5 @@
-"""Decoder-only target model (Llama, Mistral, Qwen2, Qwen3, Gemma 2-3, Phi-3, Mixtral, Qwen3-MoE,
-SmolLM3, Granite and OLMo 2-3 families) with a per-row KV cache.
+"""Decoder-only target model (Llama, Mistral, Qwen2, Qwen3, Gemma 2-3, Phi-3, Mixtral, Qwen2-MoE,
+Qwen3-MoE, SmolLM3, Granite and OLMo 2-3 families) with a per-row KV cache.
 
 One call handles prefill, single-token decode and the one-pass tree verification:
 
@@ -122,7 +122,8 @@ class DecoderLayer(nnx.Module):
         self.self_attn = Attention(cfg, rngs=rngs)
         if cfg.moe:  # Mixtral, Qwen3-MoE: a routed mixture of experts in every layer
             self.mlp = SparseMoE(cfg.hidden_size, cfg.intermediate_size, cfg.num_experts, cfg.experts_per_token,
-                                 norm_topk_prob=cfg.norm_topk_prob, act=cfg.hidden_act, **kw)
+                                 norm_topk_prob=cfg.norm_topk_prob, act=cfg.hidden_act,
+                                 shared_size=cfg.shared_expert_size, **kw)
         else:
             self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, act=cfg.hidden_act, **kw)
         self.residual_multiplier = cfg.residual_multiplier
@@ -181,7 +182,7 @@ def full_mask(block_mask: jax.Array, write_pos: jax.Array, capacity: int) -> jax
 
 
 class Transformer(nnx.Module):
-    """Llama / Mistral / Qwen2 / Qwen3 / Gemma 2-3 / Phi-3 / Mixtral / Qwen3-MoE / SmolLM3 / Granite /
+    """Llama / Mistral / Qwen2 / Qwen3 / Gemma 2-3 / Phi-3 / Mixtral / Qwen2-3 MoE / SmolLM3 / Granite /
     OLMo 2-3 decoder with stacked layers; see the module docstring for the call protocol."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
