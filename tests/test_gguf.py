@@ -176,21 +176,28 @@ def encode_tensor(w: np.ndarray, t: Q) -> tuple[np.ndarray, Q | None]:
     return gguf.quants.quantize(w, t), t
 
 
-# ------------------------------------------------------------------------------ Qwen3-MoE
+# ------------------------------------------------------------------------------ Qwen3-MoE and Qwen2-MoE
 
-# 4 experts, 2 per token, of width 768: transformers' GGUF reader does not read the experts' width
-# from the file and builds Qwen3MoeConfig's default, 768, so the independent check needs that width.
-MOE_SIZES = dict(TINY, head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=768)
+# 4 experts, 2 per token. transformers' GGUF reader does not read the experts' widths from a file
+# and builds its config's defaults (Qwen3-MoE: 768; Qwen2-MoE: 1408, and 5632 for the shared
+# expert), so the independent check needs those widths.
+MOE_SIZES = {
+    "qwen3moe": dict(TINY, head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=768),
+    "qwen2moe": dict(TINY, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=1408,
+                     shared_expert_intermediate_size=5632),
+}
 # Each stacked expert tensor in its own storage type (quantization blocks run along a row, so a
 # stacked tensor quantizes as its experts would one by one).
 MOE_TYPES = {"gate_proj": Q.Q8_0, "up_proj": Q.F16, "down_proj": Q.Q4_1}
 
 
-def moe_state(seed: int = 0) -> dict[str, np.ndarray]:
-    """A Qwen3-MoE model's HF tensors: Qwen3's attention, a router and one tensor per expert."""
+def moe_state(seed: int = 0, arch: str = "qwen3moe") -> dict[str, np.ndarray]:
+    """A Qwen3-MoE (or Qwen2-MoE) model's HF tensors: Qwen3's (Qwen2's) attention, a router, one
+    tensor per expert, and Qwen2-MoE's shared expert and its gate."""
     rng = np.random.default_rng(seed)
-    c = MOE_SIZES
-    state = {k: v for k, v in tiny_state(seed, sizes=c, arch="qwen3").items() if ".mlp." not in k}
+    c = MOE_SIZES[arch]
+    attention = "qwen3" if arch == "qwen3moe" else "qwen2"
+    state = {k: v for k, v in tiny_state(seed, sizes=c, arch=attention).items() if ".mlp." not in k}
     d, f, e = c["hidden_size"], c["moe_intermediate_size"], c["num_experts"]
     for i in range(c["num_hidden_layers"]):
         p = f"model.layers.{i}.mlp."
@@ -198,43 +205,62 @@ def moe_state(seed: int = 0) -> dict[str, np.ndarray]:
         for j in range(e):
             for name, shape in (("gate_proj", (f, d)), ("up_proj", (f, d)), ("down_proj", (d, f))):
                 state[p + f"experts.{j}.{name}.weight"] = (rng.standard_normal(shape) * 0.1).astype(np.float32)
+        if arch == "qwen2moe":
+            g = c["shared_expert_intermediate_size"]
+            for name, shape in (("gate_proj", (g, d)), ("up_proj", (g, d)), ("down_proj", (d, g))):
+                state[p + f"shared_expert.{name}.weight"] = (rng.standard_normal(shape) * 0.05).astype(np.float32)
+            state[p + "shared_expert_gate.weight"] = (rng.standard_normal((1, d)) * 0.3).astype(np.float32)
     return state
 
 
-def write_moe_gguf(path: Path, state: dict[str, np.ndarray], **kw) -> Path:
-    """`state` as llama.cpp writes a qwen3moe file: each projection of a layer's experts stacked
-    into one [E, out, in] tensor, `blk.N.ffn_{gate,up,down}_exps.weight`."""
-    c = MOE_SIZES
-    plain = {k: v for k, v in state.items() if ".experts." not in k}
-    stacked = {}
+def write_moe_gguf(path: Path, state: dict[str, np.ndarray], arch: str = "qwen3moe", **kw) -> Path:
+    """`state` as llama.cpp writes a qwen3moe or qwen2moe file: each projection of a layer's experts
+    stacked into one [E, out, in] tensor, `blk.N.ffn_{gate,up,down}_exps.weight`; Qwen2-MoE's shared
+    expert as `blk.N.ffn_{gate,up,down}_shexp.weight` and its gate's row as the vector
+    `blk.N.ffn_gate_inp_shexp.weight`."""
+    c = MOE_SIZES[arch]
+    plain = {k: v for k, v in state.items() if ".experts." not in k and ".shared_expert" not in k}
+    extra = {}
     for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}.mlp."
         for name, short in (("gate_proj", "gate"), ("up_proj", "up"), ("down_proj", "down")):
-            experts = [state[f"model.layers.{i}.mlp.experts.{j}.{name}.weight"] for j in range(c["num_experts"])]
-            stacked[f"blk.{i}.ffn_{short}_exps.weight"] = (np.stack(experts), MOE_TYPES[name])
-    return write_gguf(path, plain, arch="qwen3moe", meta_overrides=c, pre="qwen2", extra_tensors=stacked, **kw)
+            experts = [state[f"{p}experts.{j}.{name}.weight"] for j in range(c["num_experts"])]
+            extra[f"blk.{i}.ffn_{short}_exps.weight"] = (np.stack(experts), MOE_TYPES[name])
+            if p + f"shared_expert.{name}.weight" in state:
+                extra[f"blk.{i}.ffn_{short}_shexp.weight"] = (state[p + f"shared_expert.{name}.weight"], Q.Q8_0)
+        if p + "shared_expert_gate.weight" in state:
+            extra[f"blk.{i}.ffn_gate_inp_shexp.weight"] = state[p + "shared_expert_gate.weight"][0]
+    return write_gguf(path, plain, arch=arch, meta_overrides=c, pre="qwen2", extra_tensors=extra, **kw)
 
 
-@pytest.fixture(scope="module")
-def moe_file(tmp_path_factory) -> tuple[Path, dict[str, np.ndarray]]:
-    state = moe_state(seed=5)
-    return write_moe_gguf(tmp_path_factory.mktemp("moe") / "qwen3moe.gguf", state), state
+@pytest.fixture(scope="module", params=["qwen3moe", "qwen2moe"])
+def moe_file(request, tmp_path_factory) -> tuple[str, Path, dict[str, np.ndarray]]:
+    arch = request.param
+    state = moe_state(seed=5, arch=arch)
+    return arch, write_moe_gguf(tmp_path_factory.mktemp("moe") / f"{arch}.gguf", state, arch=arch), state
 
 
-def test_qwen3moe_files_read_in_hf_layout_like_transformers(moe_file):
-    """A qwen3moe file reads as a Qwen3-MoE checkpoint: its expert fields (renormalised weights, as
-    llama.cpp runs it), the router, and each stacked expert tensor split into HF's one tensor per
-    expert, each exactly its storage type's rounding; transformers' own GGUF reader (which fuses
-    gate and up) holds the same numbers."""
+def test_moe_files_read_in_hf_layout_like_transformers(moe_file):
+    """A qwen3moe (qwen2moe) file reads as a Qwen3-MoE (Qwen2-MoE) checkpoint: its expert fields
+    (weights renormalised or not, as llama.cpp runs each), the router, each stacked expert tensor
+    split into HF's one tensor per expert, and Qwen2-MoE's shared expert and gate row, each exactly
+    its storage type's rounding; transformers' own GGUF reader (which fuses gate and up) holds the
+    same numbers."""
     import torch
     import transformers
 
-    path, state = moe_file
+    arch, path, state = moe_file
+    c = MOE_SIZES[arch]
     cfg, got = read_gguf(path)
-    assert (cfg["model_type"], cfg["architectures"]) == ("qwen3_moe", ["Qwen3MoeForCausalLM"])
-    assert (cfg["num_experts"], cfg["num_experts_per_tok"], cfg["moe_intermediate_size"]) == (4, 2, 768)
-    assert cfg["norm_topk_prob"] is True and cfg["head_dim"] == 32
+    assert (cfg["model_type"], cfg["architectures"]) == {"qwen3moe": ("qwen3_moe", ["Qwen3MoeForCausalLM"]),
+                                                         "qwen2moe": ("qwen2_moe", ["Qwen2MoeForCausalLM"])}[arch]
+    assert (cfg["num_experts"], cfg["num_experts_per_tok"], cfg["moe_intermediate_size"]) == (
+        4, 2, c["moe_intermediate_size"])
+    assert cfg["norm_topk_prob"] is (arch == "qwen3moe")
+    assert cfg.get("shared_expert_intermediate_size") == c.get("shared_expert_intermediate_size")
     assert set(got) == set(state)
-    types = dict(TYPES, **{k: MOE_TYPES[k.split(".")[-2]] for k in state if ".experts." in k})
+    types = dict(TYPES, **{k: MOE_TYPES[k.split(".")[-2]] for k in state if ".experts." in k},
+                 **{k: Q.Q8_0 for k in state if ".shared_expert." in k})
     want = expected_values(state, types)
     for name, value in got.items():
         np.testing.assert_array_equal(value, want[name], err_msg=name)
@@ -242,7 +268,7 @@ def test_qwen3moe_files_read_in_hf_layout_like_transformers(moe_file):
     model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                                               dtype=torch.float32)
     theirs = {k: v.numpy() for k, v in model.state_dict().items()}
-    for i in range(MOE_SIZES["num_hidden_layers"]):
+    for i in range(c["num_hidden_layers"]):
         p = f"model.layers.{i}.mlp.experts."
         ours = {n: np.stack([got[f"{p}{j}.{n}.weight"] for j in range(4)]) for n in ("gate_proj", "up_proj",
                                                                                    "down_proj")}
@@ -254,11 +280,14 @@ def test_qwen3moe_files_read_in_hf_layout_like_transformers(moe_file):
         np.testing.assert_array_equal(value, got[name], err_msg=name)
 
 
-def test_qwen3moe_conversion_runs_in_tevjax_like_transformers(moe_file, tmp_path):
-    """The converted directory loads as tevjax's Qwen3-MoE target and gives transformers' logits."""
-    cfg = assert_runs_like_transformers(gguf_to_hf_dir(moe_file[0], tmp_path / "hf"))
-    assert (cfg.architecture, cfg.num_experts, cfg.experts_per_token, cfg.intermediate_size) == ("qwen3_moe", 4, 2,
-                                                                                                 768)
+def test_moe_conversion_runs_in_tevjax_like_transformers(moe_file, tmp_path):
+    """The converted directory loads as tevjax's Qwen3-MoE (Qwen2-MoE) target and gives
+    transformers' logits."""
+    arch, path, _ = moe_file
+    cfg = assert_runs_like_transformers(gguf_to_hf_dir(path, tmp_path / "hf"))
+    assert (cfg.architecture, cfg.num_experts, cfg.experts_per_token, cfg.intermediate_size) == (
+        {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe"}[arch], 4, 2, MOE_SIZES[arch]["moe_intermediate_size"])
+    assert cfg.shared_expert_size == MOE_SIZES[arch].get("shared_expert_intermediate_size", 0)
 
 
 def test_expert_files_refused_by_name(tmp_path):
@@ -420,6 +449,8 @@ def write_gguf(path: Path, state: dict[str, np.ndarray], *, arch: str = "llama",
         w.add_expert_used_count(c["num_experts_per_tok"])
         if "moe_intermediate_size" not in omit:
             w.add_expert_feed_forward_length(c["moe_intermediate_size"])
+        if "shared_expert_intermediate_size" in c:
+            w.add_expert_shared_feed_forward_length(c["shared_expert_intermediate_size"])
     w.add_vocab_size(c["vocab_size"])
     if "rope_scaling_type" in c:
         w.add_string(f"{arch}.rope.scaling.type", c["rope_scaling_type"])
@@ -918,7 +949,7 @@ def test_truncated_file(tiny_file, tmp_path, keep):
 def test_unsupported_architecture(tmp_path):
     path = write_gguf(tmp_path / "g.gguf", tiny_state(), arch="gemma2")
     with pytest.raises(GGUFError, match=r"architecture 'gemma2' is not supported \(supported: llama, qwen2, qwen3, "
-                                       r"qwen3moe\)"):
+                                       r"qwen3moe, qwen2moe\)"):
         read_gguf(path)
 
 

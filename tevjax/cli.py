@@ -292,7 +292,7 @@ def _add_mesh_args(parser, default: str) -> None:
 
 
 TARGET_HELP = ("'smollm2' (embedded default), a Hugging Face model directory or a .gguf file (llama, qwen2, qwen3, "
-               "qwen3moe)")
+               "qwen2moe, qwen3moe)")
 
 
 def _add_decoding_args(parser, *, max_new_tokens: int, seed_help: str, max_new_help: str | None = None) -> None:

@@ -4,13 +4,14 @@ A GGUF file holds a llama.cpp model: hyper-parameters and the tokenizer as key/v
 weights as tensors under llama.cpp names, often block-quantized. tevjax does not load GGUF directly:
 `gguf_to_hf_dir` turns one into an ordinary HF checkpoint directory (config.json, float32
 model.safetensors with standard `LlamaForCausalLM` / `Qwen2ForCausalLM` / `Qwen3ForCausalLM` /
-`Qwen3MoeForCausalLM` names,
+`Qwen3MoeForCausalLM` / `Qwen2MoeForCausalLM` names,
 tokenizer.json, tokenizer_config.json with the file's chat template, generation_config.json), so
 the HF loader -- and transformers itself, in the tests -- treat it like any other checkpoint.
 Architectures: `llama` (SmolLM2 among them; Llama 3.1 onwards with the rope scaling it stores as
 `rope_freqs.weight`, `_llama3_scaling`), `qwen2` (Qwen2 and Qwen2.5: q/k/v biases) and `qwen3`
-(per-head q/k norms, a head size of its own) and `qwen3moe` (Qwen3's attention with routed experts,
-each projection of a layer's experts stacked in one tensor). `rope.scaling.type` linear and yarn become HF's
+(per-head q/k norms, a head size of its own), `qwen3moe` (Qwen3's attention with routed experts,
+each projection of a layer's experts stacked in one tensor) and `qwen2moe` (Qwen2's attention,
+routed experts and a shared expert). `rope.scaling.type` linear and yarn become HF's
 `rope_scaling` of the same name (`_rope_scaling`).
 
 Two layout facts matter (both from llama.cpp's `convert_hf_to_gguf.py`):
@@ -67,7 +68,7 @@ __all__ = [
     "unpermute_rope_rows",
 ]
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "qwen2moe")
 # ggml type names accepted by `read_gguf`; each is covered by a round-trip test. Others (Q2_K,
 # Q3_K, Q5_0/Q5_1, IQ-quants, ...) are refused by name rather than dequantized untested.
 SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q8_K")
@@ -98,6 +99,8 @@ class _Arch:
     # Routed experts (Qwen3-MoE): a router `blk.N.ffn_gate_inp` and every expert's projections
     # stacked in one tensor each, `blk.N.ffn_{gate,up,down}_exps` [E, out, in] (numpy order).
     experts: bool = False
+    # Qwen2-MoE: a shared expert `blk.N.ffn_{gate,up,down}_shexp` and its gate `blk.N.ffn_gate_inp_shexp` [D].
+    shared_expert: bool = False
 
 
 _ARCHS: dict[str, _Arch] = {
@@ -109,6 +112,11 @@ _ARCHS: dict[str, _Arch] = {
     "qwen3moe": _Arch("Qwen3MoeForCausalLM", False, False, True,
                       (("attention_bias", False), ("norm_topk_prob", True), ("decoder_sparse_step", 1)),
                       model_type="qwen3_moe", experts=True),
+    # Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): Qwen2's biases, weights not renormalised (llama.cpp's
+    # qwen2moe graph, as Qwen2MoeConfig's default), a shared expert.
+    "qwen2moe": _Arch("Qwen2MoeForCausalLM", False, True, False,
+                      (("use_sliding_window", False), ("norm_topk_prob", False), ("decoder_sparse_step", 1)),
+                      model_type="qwen2_moe", experts=True, shared_expert=True),
 }
 assert set(_ARCHS) == set(SUPPORTED_ARCHITECTURES)
 
@@ -172,7 +180,7 @@ def read_gguf_metadata(path: str | os.PathLike) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------------------------------
-# Config: GGUF metadata -> HF config dict (LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig)
+# Config: GGUF metadata -> HF config dict (LlamaConfig, Qwen2Config, Qwen3Config, Qwen2/3MoeConfig)
 # --------------------------------------------------------------------------------------------------
 
 # (GGUF key under "<arch>.", HF config field, value type, default or _REQUIRED)
@@ -277,19 +285,23 @@ def _config_from_metadata(path: Path, meta: Mapping[str, Any], tensor_names: set
 
 
 def _expert_config(path: Path, meta: Mapping[str, Any], arch: str) -> dict[str, Any]:
-    """The HF expert fields of a qwen3moe file (`{arch}.expert_count`, `.expert_used_count`,
-    `.expert_feed_forward_length`); a file of another architecture with experts (a Mixtral GGUF is
-    `llama` with an expert_count) is refused by name."""
+    """The HF expert fields of a qwen3moe or qwen2moe file (`{arch}.expert_count`,
+    `.expert_used_count`, `.expert_feed_forward_length`, and Qwen2-MoE's
+    `.expert_shared_feed_forward_length`); a file of another architecture with experts (a Mixtral
+    GGUF is `llama` with an expert_count) is refused by name."""
     count = meta.get(f"{arch}.expert_count", 0)
     if not _ARCHS[arch].experts:
         if count:
             raise GGUFError(f"{path}: {arch}.expert_count={count}: mixture-of-experts {arch} files (such as "
-                            f"Mixtral's) are not supported; of MoE files only qwen3moe is (load Mixtral from its "
-                            f"HF checkpoint)")
+                            f"Mixtral's) are not supported; of MoE files qwen3moe and qwen2moe are (load Mixtral "
+                            f"from its HF checkpoint)")
         return {}
     out = {}
-    for key, field in (("expert_count", "num_experts"), ("expert_used_count", "num_experts_per_tok"),
-                       ("expert_feed_forward_length", "moe_intermediate_size")):
+    keys = [("expert_count", "num_experts"), ("expert_used_count", "num_experts_per_tok"),
+            ("expert_feed_forward_length", "moe_intermediate_size")]
+    if _ARCHS[arch].shared_expert:
+        keys.append(("expert_shared_feed_forward_length", "shared_expert_intermediate_size"))
+    for key, field in keys:
         if f"{arch}.{key}" not in meta:
             raise GGUFError(f"{path}: required metadata {arch}.{key} is missing")
         out[field] = _uniform_int(path, f"{arch}.{key}", meta[f"{arch}.{key}"])
@@ -453,6 +465,10 @@ def _dense(arch: _Arch) -> bool:
     return not arch.experts
 
 
+def _shared(arch: _Arch) -> bool:
+    return arch.shared_expert
+
+
 _TENSOR_TABLE: tuple[_TensorRule, ...] = tuple(
     _TensorRule(re.compile(p), h, s, t, a)
     for p, h, s, t, a in (
@@ -488,6 +504,15 @@ _TENSOR_TABLE: tuple[_TensorRule, ...] = tuple(
          lambda c: (c["num_experts"], c["moe_intermediate_size"], c["hidden_size"]), None, _experts),
         (r"blk\.(\d+)\.ffn_down_exps\.weight", "model.layers.{layer}.mlp.experts.{expert}.down_proj.weight",
          lambda c: (c["num_experts"], c["hidden_size"], c["moe_intermediate_size"]), None, _experts),
+        # Qwen2-MoE's shared expert, and its gate's one row, stored as a vector.
+        (r"blk\.(\d+)\.ffn_gate_shexp\.weight", "model.layers.{layer}.mlp.shared_expert.gate_proj.weight",
+         lambda c: (c["shared_expert_intermediate_size"], c["hidden_size"]), None, _shared),
+        (r"blk\.(\d+)\.ffn_up_shexp\.weight", "model.layers.{layer}.mlp.shared_expert.up_proj.weight",
+         lambda c: (c["shared_expert_intermediate_size"], c["hidden_size"]), None, _shared),
+        (r"blk\.(\d+)\.ffn_down_shexp\.weight", "model.layers.{layer}.mlp.shared_expert.down_proj.weight",
+         lambda c: (c["hidden_size"], c["shared_expert_intermediate_size"]), None, _shared),
+        (r"blk\.(\d+)\.ffn_gate_inp_shexp\.weight", "model.layers.{layer}.mlp.shared_expert_gate.weight",
+         lambda c: (c["hidden_size"],), lambda w, c, arch: w[None, :], _shared),
         # Qwen2: q/k/v biases. NEOX rope keeps HF's row order, so they need no permutation either.
         (r"blk\.(\d+)\.attn_q\.bias", "model.layers.{layer}.self_attn.q_proj.bias",
          lambda c: (_q_dim(c),), None, _bias),
@@ -592,7 +617,7 @@ def _read(path: Path) -> tuple[dict[str, Any], dict[str, np.ndarray], dict[str, 
 
 
 def read_gguf(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """Read a GGUF file of a supported architecture (Llama, Qwen2, Qwen3, Qwen3-MoE) as an HF config dict and
+    """Read a GGUF file of a supported architecture (Llama, Qwen2, Qwen3, Qwen2/3-MoE) as an HF config dict and
     float32 state dict.
 
     Returns `(config, state)`: `config` holds the HF config fields (sizes, head_dim, rope_theta,
