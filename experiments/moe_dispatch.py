@@ -40,6 +40,48 @@ def positive(text: str) -> int:
     return value
 
 
+def measure(experts: int, top_k: int, hidden: int, width: int, dtype: str, tokens, iters: int, repeats: int,
+            on_row=None) -> list[dict]:
+    """For each token count: both dispatches' times per call (the median of `iters` calls, for each
+    of `repeats` interleaved rounds) and their outputs' largest difference; raises SystemExit when
+    the outputs disagree. `on_row(row)` sees each row as it is done."""
+    moe = SparseMoE(hidden, width, experts, top_k, norm_topk_prob=True, dtype=dtype, param_dtype=dtype,
+                    rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(moe)
+    calls = {d: jax.jit(lambda st, x, d=d: nnx.merge(graphdef, st)(x, dispatch=d)) for d in ("dense", "ragged")}
+    rows = []
+    for n in tokens:
+        x = jax.random.normal(jax.random.key(n), (n, hidden), jnp.dtype(dtype))
+        outs = {d: np.asarray(jax.block_until_ready(f(state, x)), np.float32) for d, f in calls.items()}  # compiles
+        err = float(np.max(np.abs(outs["dense"] - outs["ragged"])))
+        tol = 1e-4 if dtype == "float32" else 5e-2
+        if not err <= tol * max(1.0, float(np.max(np.abs(outs["dense"])))):
+            raise SystemExit(f"dispatches disagree at N={n}: max |dense - ragged| = {err:.3g}")
+        per = {d: [] for d in calls}
+        for _ in range(repeats):
+            for d, f in calls.items():
+                times = []
+                for _ in range(iters):
+                    t0 = time.perf_counter()
+                    jax.block_until_ready(f(state, x))
+                    times.append(time.perf_counter() - t0)
+                per[d].append(float(np.median(times)))
+        rows.append(dict(tokens=n, dense_s=per["dense"], ragged_s=per["ragged"], max_abs_diff=err))
+        if on_row is not None:
+            on_row(rows[-1])
+    return rows
+
+
+TABLE_HEAD = ("| tokens | dense ms | ragged ms | ragged / dense | max abs diff |", "|---:|---:|---:|---:|---:|")
+
+
+def table_row(r: dict, prefix: str = "") -> str:
+    """One `measure` row as a line of the table under TABLE_HEAD (after `prefix` cells)."""
+    ratio = np.asarray(r["ragged_s"]) / np.asarray(r["dense_s"])
+    return (f"| {prefix}{r['tokens']} | {np.median(r['dense_s']) * 1e3:.3f} | {np.median(r['ragged_s']) * 1e3:.3f} | "
+            f"{np.median(ratio):.2f}x [{ratio.min():.2f}, {ratio.max():.2f}] | {r['max_abs_diff']:.1e} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=positive, nargs="+", default=[16, 64, 512])
@@ -53,31 +95,11 @@ def main() -> None:
     if args.top_k > args.experts:
         ap.error(f"--top-k {args.top_k} is more than --experts {args.experts}")
 
-    moe = SparseMoE(args.hidden, args.width, args.experts, args.top_k, norm_topk_prob=True, dtype=args.dtype,
-                    param_dtype=args.dtype, rngs=nnx.Rngs(0))
-    graphdef, state = nnx.split(moe)
-    calls = {d: jax.jit(lambda st, x, d=d: nnx.merge(graphdef, st)(x, dispatch=d)) for d in ("dense", "ragged")}
     rows, payload = [], dict(vars(args), backend=jax.default_backend(), device=str(jax.devices()[0]), results=[])
-    for n in args.tokens:
-        x = jax.random.normal(jax.random.key(n), (n, args.hidden), jnp.dtype(args.dtype))
-        outs = {d: np.asarray(jax.block_until_ready(f(state, x)), np.float32) for d, f in calls.items()}  # compiles
-        err = float(np.max(np.abs(outs["dense"] - outs["ragged"])))
-        tol = 1e-4 if args.dtype == "float32" else 5e-2
-        if not err <= tol * max(1.0, float(np.max(np.abs(outs["dense"])))):
-            raise SystemExit(f"dispatches disagree at N={n}: max |dense - ragged| = {err:.3g}")
-        per = {d: [] for d in calls}
-        for _ in range(args.repeats):
-            for d, f in calls.items():
-                times = []
-                for _ in range(args.iters):
-                    t0 = time.perf_counter()
-                    jax.block_until_ready(f(state, x))
-                    times.append(time.perf_counter() - t0)
-                per[d].append(float(np.median(times)))
-        ratio = np.asarray(per["ragged"]) / np.asarray(per["dense"])
-        rows.append(f"| {n} | {np.median(per['dense']) * 1e3:.2f} | {np.median(per['ragged']) * 1e3:.2f} | "
-                    f"{np.median(ratio):.2f}x [{ratio.min():.2f}, {ratio.max():.2f}] | {err:.1e} |")
-        payload["results"].append(dict(tokens=n, dense_s=per["dense"], ragged_s=per["ragged"], max_abs_diff=err))
+    for r in measure(args.experts, args.top_k, args.hidden, args.width, args.dtype, args.tokens, args.iters,
+                     args.repeats):
+        rows.append(table_row(r))
+        payload["results"].append(r)
 
     lines = [
         "# Mixture-of-experts dispatch: every expert on every token vs grouped by expert",
@@ -91,8 +113,7 @@ def main() -> None:
         f"of each round, median over {args.repeats} interleaved rounds of {args.iters} calls; the ratio is per "
         f"round, its range in brackets.",
         "",
-        "| tokens | dense ms | ragged ms | ragged / dense | max abs diff |",
-        "|---:|---:|---:|---:|---:|",
+        *TABLE_HEAD,
         *rows,
     ]
     save(lines, args.out, payload)

@@ -1,6 +1,6 @@
 """What the GPU stages share: the results stamp, a soft deadline, models drawn on the device, shapes.
 
-Every stage (`correctness`, `verifier_stage`, `engine_costs`, `train_stage`) is a script run by
+Every stage (`correctness`, `verifier_stage`, `engine_costs`, `train_stage`, `moe_stage`) is a script run by
 `experiments/gpu/run.sh` with `--out FILE.md --budget-s SECONDS [--tiny]`. It rewrites its markdown
 file after every finished cell, so a stage stopped by run.sh's hard timeout still leaves the cells
 it finished; its soft `Deadline` skips the cells that no longer fit.
@@ -8,6 +8,7 @@ it finished; its soft `Deadline` skips the cells that no longer fit.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import datetime
 import os
@@ -80,6 +81,25 @@ def stamp(title: str, argv: list[str], notes: list[str] = ()) -> list[str]:
         *notes,
         "",
     ]
+
+
+def stage_parser(doc: str, budget_s: float, *, budget_help: str = "soft time budget of the whole stage",
+                 tiny_help: str = "tiny shapes (the CPU dry run)") -> argparse.ArgumentParser:
+    """The command line every stage shares (`--out`, `--budget-s`, `--tiny`); a stage adds its own."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--budget-s", type=float, default=budget_s, help=budget_help)
+    ap.add_argument("--tiny", action="store_true", help=tiny_help)
+    return ap
+
+
+def finish(path: str | os.PathLike, lines: list[str], skipped: list[str]) -> int:
+    """Writes a stage's final results, naming the cells its time budget left out, and prints them."""
+    if skipped:
+        lines = lines + ["", "Not run (the stage's time budget ran out): " + "; ".join(skipped) + "."]
+    write(path, lines)
+    print("\n".join(lines))
+    return 0
 
 
 def write(path: str | os.PathLike, lines: list[str]) -> None:

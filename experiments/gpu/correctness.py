@@ -15,7 +15,6 @@ has exited, so the two never hold the device at the same time.
 
 from __future__ import annotations
 
-import argparse
 import ast
 import collections
 import importlib.util
@@ -26,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import ROOT, stamp, write
+from common import ROOT, stage_parser, stamp, write
 
 HERE = Path(__file__).resolve().parent
 # (file, what it checks), in priority order: a run out of time loses the last ones.
@@ -115,10 +114,8 @@ def summarise(stream: Path) -> tuple[dict, list[dict], int]:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--budget-s", type=float, default=100.0, help="time budget of the pytest run")
-    ap.add_argument("--tiny", action="store_true", help="one quick test per kind (the CPU dry run)")
+    ap = stage_parser(__doc__, 100.0, budget_help="time budget of the pytest run",
+                      tiny_help="one quick test per kind (the CPU dry run)")
     args = ap.parse_args(argv)
     out = Path(args.out)
     stream = out.with_suffix(".jsonl")

@@ -28,7 +28,6 @@ measured whole round at N = 65.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import sys
@@ -39,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from common import Deadline, device_init, drafter_config, ms_cell, stamp, targets, write
+from common import Deadline, device_init, drafter_config, ms_cell, stage_parser, stamp, targets, write
 from tevjax.decode import engine
 from tevjax.models.dflash import DFlashDrafter
 from tevjax.models.transformer import ForwardOutput, Transformer
@@ -225,10 +224,7 @@ def report(header, results, nodes, round_n, block_size, notes) -> list[str]:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--budget-s", type=float, default=175.0, help="soft time budget of the whole stage")
-    ap.add_argument("--tiny", action="store_true", help="tiny shapes (the CPU dry run)")
+    ap = stage_parser(__doc__, 175.0)
     ap.add_argument("--iters", type=int, default=None, help="timed round-robin rounds")
     args = ap.parse_args(argv)
     deadline = Deadline(args.budget_s)

@@ -13,7 +13,6 @@ left, the same step without the exit loss (token-only, exit_lambda = 0) shows wh
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 
@@ -21,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from common import Deadline, device_init, drafter_config, stamp, targets, write
+from common import Deadline, device_init, drafter_config, stage_parser, stamp, targets, write
 from tevjax.models.dflash import DFlashDrafter
 from tevjax.models.transformer import Transformer
 from tevjax.sharding import make_mesh
@@ -88,10 +87,7 @@ def report(header, rows, notes) -> list[str]:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--budget-s", type=float, default=100.0, help="soft time budget of the whole stage")
-    ap.add_argument("--tiny", action="store_true", help="tiny shapes (the CPU dry run)")
+    ap = stage_parser(__doc__, 100.0)
     ap.add_argument("--steps", type=int, default=None, help="timed steps per configuration")
     args = ap.parse_args(argv)
     deadline = Deadline(args.budget_s)

@@ -24,14 +24,13 @@ measured interval leaves to the drafter.
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from common import Deadline, ms_cell, stamp, targets, write
+from common import Deadline, finish, ms_cell, stage_parser, stamp, targets, write
 from tevjax.law import exit_law
 from tevjax.models.cache import KVCache
 from verifier_latency import STAGE_METHODS as METHODS, make_inputs, time_stage
@@ -80,10 +79,7 @@ def report(rows, header, tiny) -> list[str]:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--budget-s", type=float, default=75.0, help="soft time budget of the whole stage")
-    ap.add_argument("--tiny", action="store_true", help="tiny shapes (the CPU dry run)")
+    ap = stage_parser(__doc__, 75.0)
     ap.add_argument("--calls", type=int, default=None, help="timed calls per method and cell")
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     args = ap.parse_args(argv)
@@ -113,12 +109,7 @@ def main(argv=None) -> int:
             print(f"budget {budget} temperature {temperature}: " + ", ".join(
                 f"{m} {np.median(t):.3f} ms" for m, t in r["ms"].items()), flush=True)
             write(args.out, report(rows, header, args.tiny))
-    lines = report(rows, header, args.tiny)
-    if skipped:
-        lines += ["", "Not run (the stage's time budget ran out): " + "; ".join(skipped) + "."]
-    write(args.out, lines)
-    print("\n".join(lines))
-    return 0
+    return finish(args.out, report(rows, header, args.tiny), skipped)
 
 
 if __name__ == "__main__":
