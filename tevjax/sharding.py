@@ -86,7 +86,7 @@ _LAYER_AXES: Mapping[str, tuple[str, ...]] = {
     "self_attn.o_proj.bias": ("embed",),
     "self_attn.q_norm.scale": ("head_dim",),
     "self_attn.k_norm.scale": ("head_dim",),
-    # OLMo 2's q/k norms over the whole projection: split as the projection's output is (their
+    # OLMo's q/k norms over the whole projection: split as the projection's output is (their
     # statistics then sum over devices, which XLA inserts).
     "self_attn.q_proj_norm.scale": ("heads",),
     "self_attn.k_proj_norm.scale": ("kv_heads",),

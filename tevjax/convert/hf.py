@@ -79,7 +79,7 @@ class WeightRule:
     # Rows [start, stop) of a fused HF tensor (Phi-3's qkv_proj and gate_up_proj), sliced before
     # the transform; the rules that share a tensor cover its rows, and saving joins them again.
     rows: tuple[int, int] | None = None
-    # One tensor per expert ("{e}" in the name, Mixtral and Qwen3-MoE), stacked on an expert axis
+    # One tensor per expert ("{e}" in the name; the MoE families), stacked on an expert axis
     # after the layer axis; 0: none.
     experts: int = 0
 
@@ -133,7 +133,7 @@ _FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gat
 
 def target_weight_rules(cfg: ModelConfig) -> list[WeightRule]:
     """The conversion table for a Llama / Mistral / Qwen2 / Qwen3 / Gemma 2 / Gemma 3 (text) /
-    Phi-3 / Mixtral / Qwen3-MoE / SmolLM3 / Granite / OLMo 2-3 target with this config."""
+    Phi-3 / Mixtral / Qwen2-3 MoE / SmolLM3 / Granite / OLMo 2-3 target with this config."""
     d, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     qd, kd, dh = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.head_dim
     pre = "model.layers.{i}."
@@ -143,7 +143,7 @@ def target_weight_rules(cfg: ModelConfig) -> list[WeightRule]:
 
     # Gemma names its four norms by place: its post_attention_layernorm norms the attention output,
     # and its pre_feedforward_layernorm is the pre-MLP norm that Llama names post_attention_layernorm
-    # (tevjax keeps Llama's name for that role). OLMo 2 has only the two output norms, named as Gemma's.
+    # (tevjax keeps Llama's name for that role). OLMo has only the two output norms, named as Gemma's.
     pre_mlp = "pre_feedforward_layernorm" if cfg.output_norms else "post_attention_layernorm"
     # Phi-3 fuses q, k and v into one projection (rows in that order), and gate and up into another.
     fused = cfg.architecture == "phi3"
@@ -184,7 +184,7 @@ def target_weight_rules(cfg: ModelConfig) -> list[WeightRule]:
             layer("input_layernorm.weight", ("input_layernorm", "scale"), "identity", (d,)),
             layer(pre_mlp + ".weight", ("post_attention_layernorm", "scale"), "identity", (d,)),
         ]
-    if cfg.qk_norm:  # per head, or (OLMo 2) over the whole projection
+    if cfg.qk_norm:  # per head, or (OLMo) over the whole projection
         q, k, width = (("q_proj_norm", "k_proj_norm", (qd, kd)) if cfg.qk_norm_whole
                        else ("q_norm", "k_norm", (dh, dh)))
         rules += [
@@ -383,7 +383,7 @@ def checkpoint_config_path(path: str | os.PathLike, what: str) -> tuple[str, str
 
 def load_hf_target(path: str | os.PathLike, *, dtype: str | None = None, mesh=None) -> tuple[ModelConfig, Transformer]:
     """Loads an HF Llama / Mistral / Qwen2 / Qwen3 / Gemma 2 / Gemma 3 (text) / Phi-3 / Mixtral /
-    Qwen3-MoE / SmolLM3 / Granite / OLMo 2-3 checkpoint into a `Transformer`.
+    Qwen2-3 MoE / SmolLM3 / Granite / OLMo 2-3 checkpoint into a `Transformer`.
 
     `dtype` sets both compute and storage dtypes (default: the checkpoint's `torch_dtype`).
     The model skeleton is built with `nnx.eval_shape`, so no random weights are materialised;

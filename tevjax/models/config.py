@@ -261,7 +261,7 @@ class ModelConfig:
     rope_theta: float
     rope_scaling: RopeScaling | None = None
     tie_word_embeddings: bool
-    qk_norm: bool  # RMSNorm on q and k before RoPE: per head (Qwen3, Gemma 3), or over each projection (OLMo 2)
+    qk_norm: bool  # RMSNorm on q and k before RoPE: per head (Qwen3, Gemma 3), or over each projection (OLMo)
     attention_bias: bool = False  # biases on the q, k, v and o projections (Llama's `attention_bias`)
     qkv_bias: bool = False  # biases on q, k and v only (Qwen2); implied by attention_bias
     max_position_embeddings: int
@@ -445,19 +445,19 @@ class ModelConfig:
 
     @property
     def input_norms(self) -> bool:
-        """Whether each branch norms its input (every family but OLMo 2, which norms only outputs)."""
+        """Whether each branch norms its input (every family but OLMo, which norms only outputs)."""
         return self.architecture not in OLMO
 
     @property
     def qk_norm_whole(self) -> bool:
-        """Whether the q/k norms run over the whole projection (OLMo 2: H * Dh and K * Dh wide)
+        """Whether the q/k norms run over the whole projection (OLMo: H * Dh and K * Dh wide)
         rather than over each head's Dh."""
         return self.qk_norm and self.architecture in OLMO
 
     @property
     def output_norms(self) -> bool:
         """Whether the attention and MLP outputs are normed before the residual adds them (Gemma,
-        OLMo 2)."""
+        OLMo)."""
         return self.architecture in GEMMA + OLMO
 
     @property

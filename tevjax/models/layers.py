@@ -192,7 +192,7 @@ MOE_DISPATCH = "auto"
 
 
 class SparseMoE(nnx.Module):
-    """A routed mixture of E SwiGLU experts (Mixtral, Qwen3-MoE): each token goes to the k experts
+    """A routed mixture of E SwiGLU experts (Mixtral, Qwen2/3-MoE): each token goes to the k experts
     with the highest router probabilities, and their outputs mix with those probabilities
     (renormalised over the k when `norm_topk_prob`). Router softmax and mixing weights are float32.
 
@@ -274,8 +274,8 @@ class SparseMoE(nnx.Module):
             y = jnp.zeros_like(y).at[order].set(y).reshape(n, k, -1)  # back to pair order
             out = jnp.einsum("nkd,nk->nd", y, weights.astype(y.dtype), preferred_element_type=jnp.float32, **prec)
         if self.shared_expert is not None:
-            gate = jax.nn.sigmoid(self.shared_expert_gate(x).astype(jnp.float32))  # [N, 1]
-            out = out + gate * self.shared_expert(x).astype(jnp.float32)
+            shared_gate = jax.nn.sigmoid(self.shared_expert_gate(x).astype(jnp.float32))  # [N, 1]
+            out = out + shared_gate * self.shared_expert(x).astype(jnp.float32)
         return out.astype(self.dtype).reshape(shape)
 
 

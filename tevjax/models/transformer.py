@@ -63,7 +63,7 @@ class ForwardOutput:
 
 
 class Attention(nnx.Module):
-    """Grouped-query self-attention projections; Qwen3 adds per-head q/k RMSNorm before RoPE (OLMo 2
+    """Grouped-query self-attention projections; Qwen3 adds per-head q/k RMSNorm before RoPE (OLMo
     one over each whole projection), and Qwen2 (q/k/v) or Llama's `attention_bias` (q/k/v/o) add
     biases."""
 
@@ -78,7 +78,7 @@ class Attention(nnx.Module):
         self.v_proj = nnx.Linear(d, k * dh, use_bias=cfg.qkv_biased, **lin)
         self.o_proj = nnx.Linear(h * dh, d, use_bias=cfg.attention_bias, **lin)
         whole, per_head = cfg.qk_norm_whole, cfg.qk_norm and not cfg.qk_norm_whole
-        # OLMo 2's norm each projection's whole output, before it splits into heads; Qwen3's each head.
+        # OLMo's norm each projection's whole output, before it splits into heads; Qwen3's each head.
         self.q_proj_norm = RMSNorm(h * dh, eps=cfg.rms_norm_eps, **kw) if whole else None
         self.k_proj_norm = RMSNorm(k * dh, eps=cfg.rms_norm_eps, **kw) if whole else None
         self.q_norm = RMSNorm(dh, eps=cfg.rms_norm_eps, offset=cfg.norm_offset, **kw) if per_head else None
@@ -105,7 +105,7 @@ class Attention(nnx.Module):
 
 class DecoderLayer(nnx.Module):
     """Pre-norm block: x + attn(norm(x)), then + mlp(norm(x)). With `cfg.output_norms` (Gemma)
-    each branch's output is normed too: x + norm(attn(norm(x))), then + norm(mlp(norm(x))); OLMo 2
+    each branch's output is normed too: x + norm(attn(norm(x))), then + norm(mlp(norm(x))); OLMo
     norms only the outputs: x + norm(attn(x)), then + norm(mlp(x)); with
     Granite's residual_multiplier m each is scaled: x + m * attn(norm(x)), then + m * mlp(norm(x))."""
 
@@ -117,10 +117,10 @@ class DecoderLayer(nnx.Module):
             # The norm before the MLP, whatever a checkpoint calls it (Llama's post_attention_layernorm;
             # Gemma's pre_feedforward_layernorm, its post_attention_layernorm being attn_output_norm).
             self.post_attention_layernorm = RMSNorm(cfg.hidden_size, **norm)
-        else:  # OLMo 2 norms no branch input
+        else:  # OLMo 2 and 3 norm no branch input
             self.input_layernorm = self.post_attention_layernorm = None
         self.self_attn = Attention(cfg, rngs=rngs)
-        if cfg.moe:  # Mixtral, Qwen3-MoE: a routed mixture of experts in every layer
+        if cfg.moe:  # Mixtral, Qwen2/3-MoE: a routed mixture of experts in every layer
             self.mlp = SparseMoE(cfg.hidden_size, cfg.intermediate_size, cfg.num_experts, cfg.experts_per_token,
                                  norm_topk_prob=cfg.norm_topk_prob, act=cfg.hidden_act,
                                  shared_size=cfg.shared_expert_size, **kw)
