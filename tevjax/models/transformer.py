@@ -297,11 +297,7 @@ class Transformer(nnx.Module):
         mask = full_mask(block_mask.astype(bool), write_pos, s) if block_mask is not None else None
         write_idx = write_pos[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
         write_idx = jnp.where((write_idx >= 0) & (write_idx < s), write_idx, s)  # S: dropped
-        rope = Rope.of(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-        # Gemma 3, OLMo 3: the sliding layers rotate with a rope of their own (another base, unscaled).
-        local_rope = Rope.of(cfg.head_dim, cfg.local_rope_theta, None) if cfg.local_rope_theta else None
-        sliding = np.asarray(cfg.layer_windows, np.int32) > 0  # [L] static
-        nope = np.isin(np.arange(cfg.num_layers), cfg.nope_layers)  # [L] static: SmolLM3's unrotated layers
+        ropes = _layer_ropes(cfg)
         wanted = np.asarray(hidden_layers, np.int32)  # [R] static
         windows = np.asarray(cfg.layer_windows, np.int32) if cfg.sliding_window else None  # [L] static
         distance = None
@@ -323,18 +319,11 @@ class Transformer(nnx.Module):
             x, ck, cv, buf = carry
             state, layer = xs
             window = None if windows is None else jnp.asarray(windows)[layer]
-            layer_rope = rope
-            if local_rope is not None:
-                local = jnp.asarray(sliding)[layer]
-                layer_rope = Rope(jnp.where(local, local_rope.inv_freq, rope.inv_freq),
-                                  rope.scale if rope.scale == local_rope.scale
-                                  else jnp.where(local, local_rope.scale, rope.scale))
-            if nope.any():
-                # Frequencies 0 turn every angle to 0: cos 1 and sin 0 leave q and k exactly as they are.
-                unrotated = jnp.asarray(nope)[layer]
-                layer_rope = Rope(jnp.where(unrotated, 0.0, layer_rope.inv_freq),
-                                  layer_rope.scale if layer_rope.scale == 1.0 else jnp.where(unrotated, 1.0,
-                                                                                             layer_rope.scale))
+            layer_rope = ropes
+            if not isinstance(ropes, Rope):  # this layer's row of the tables (a shared scale stays a constant)
+                inv_freq, scale = ropes
+                layer_rope = Rope(jnp.asarray(inv_freq)[layer],
+                                  scale if isinstance(scale, float) else jnp.asarray(scale)[layer])
             x, ck, cv = nnx.merge(graphdef, state)(
                 x, positions=positions, rope=layer_rope, mask=mask, cache_k=ck, cache_v=cv,
                 layer=layer, write_idx=write_idx, write_pos=write_pos, window=window, distance=distance)
@@ -354,6 +343,24 @@ class Transformer(nnx.Module):
             final_hidden=final_hidden,
             cache=KVCache(k=ck, v=cv),
         )
+
+
+def _layer_ropes(cfg: ModelConfig) -> Rope | tuple[np.ndarray, float | np.ndarray]:
+    """The rope every layer rotates with: one `Rope` of static constants when the layers agree (as
+    in most families, whose layers then run the ops they always ran), else static per-layer tables
+    inv_freq [L, Dh / 2] and scale [L] (one float where the layers share it) that the layer scan
+    indexes. Gemma 3's and OLMo 3's sliding layers have a base of their own (unscaled); SmolLM3's
+    NoPE layers rotate by frequency 0, whose cos 1 and sin 0 leave q and k exactly as they are."""
+    full = Rope.of(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    local = Rope.of(cfg.head_dim, cfg.local_rope_theta, None) if cfg.local_rope_theta else full
+    unrotated = Rope(np.zeros_like(full.inv_freq), 1.0)
+    per_layer = [unrotated if i in cfg.nope_layers else local if i in cfg.sliding_layers else full
+                 for i in range(cfg.num_layers)]
+    if all(r is per_layer[0] for r in per_layer):
+        return per_layer[0]
+    inv_freq = np.stack([np.asarray(r.inv_freq, np.float32) for r in per_layer])
+    scales = [r.scale for r in per_layer]
+    return inv_freq, scales[0] if len(set(scales)) == 1 else np.asarray(scales, np.float32)
 
 
 def forward(graphdef, state, tokens, positions, cache, write_pos, block_mask, *,
