@@ -444,6 +444,12 @@ class ModelConfig:
         return self.hidden_size ** 0.5 if self.architecture in GEMMA else self.embedding_multiplier
 
     @property
+    def embed_scale_dtype(self) -> str:
+        """The dtype `embed_scale` is rounded to before it multiplies: the weights' for Gemma (a
+        tensor of that dtype in transformers), float32 for Granite's (a Python float there)."""
+        return self.param_dtype if self.architecture in GEMMA else "float32"
+
+    @property
     def input_norms(self) -> bool:
         """Whether each branch norms its input (every family but OLMo, which norms only outputs)."""
         return self.architecture not in OLMO

@@ -37,7 +37,7 @@ import numpy as np
 from flax import nnx
 
 from tevjax.models.cache import KVCache, write_layer
-from tevjax.models.config import GEMMA, ModelConfig
+from tevjax.models.config import ModelConfig
 from tevjax.models.layers import (RMSNorm, Rope, SparseMoE, SwiGLU, apply_rope, attention, causal_attention,
                                   matmul_precision, soft_cap)
 
@@ -211,9 +211,8 @@ class Transformer(nnx.Module):
         weights' dtype first, as transformers rounds its scale to them)."""
         x = self.embed_tokens(tokens).astype(self.cfg.dtype)
         if self.cfg.embed_scale is not None:
-            # Gemma's factor is a tensor of the weights' dtype in transformers, Granite's a Python float.
-            rounded = self.cfg.param_dtype if self.cfg.architecture in GEMMA else jnp.float32
-            x = (x * jnp.asarray(self.cfg.embed_scale, rounded).astype(jnp.float32)).astype(self.cfg.dtype)
+            scale = jnp.asarray(self.cfg.embed_scale, self.cfg.embed_scale_dtype).astype(jnp.float32)
+            x = (x * scale).astype(self.cfg.dtype)
         return x
 
     def head_rows(self, rows: jax.Array) -> jax.Array:
