@@ -253,12 +253,12 @@ def test_jit_matches_eager():
 
 
 @pytest.mark.parametrize("norm_topk_prob", [True, False])
-def test_experts_dispatches_equal_a_per_token_reference(norm_topk_prob, monkeypatch):
+def test_experts_dispatches_equal_a_per_token_reference(norm_topk_prob):
     """Both dispatches of `SparseMoE` (every expert on every token; tokens grouped by expert through
     `ragged_dot`) equal a float64 per-token loop: the k most probable experts (ties: the lower
     index), their softmax weights renormalised over the k or not, their SwiGLU outputs mixed. One
     row's router is zeroed by its input, so all its experts tie."""
-    from tevjax.models.layers import SparseMoE
+    from tevjax.models.layers import SparseMoE, set_moe_dispatch
 
     d, f, e, k = 16, 24, 5, 2
     moe = SparseMoE(d, f, e, k, norm_topk_prob=norm_topk_prob, dtype="float32", param_dtype="float32",
@@ -285,7 +285,15 @@ def test_experts_dispatches_equal_a_per_token_reference(norm_topk_prob, monkeypa
         np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=0, err_msg=dispatch)
     with pytest.raises(ValueError, match="dispatch='sparse' is not one of"):
         moe(jnp.asarray(x), dispatch="sparse")
-    monkeypatch.setattr("tevjax.models.layers.MOE_DISPATCH", "grouped")  # what a call naming none reads
+    with pytest.raises(ValueError, match="dispatch='grouped' is not one of"):
+        set_moe_dispatch(moe, "grouped")
+    assert moe.dispatch == "auto"  # a refused name changes nothing
+    # A call naming none runs the module's own dispatch, which is part of the graph definition (so
+    # a program traced for one is never reused for the other).
+    assert set_moe_dispatch(moe, "ragged") == 1 and moe.dispatch == "ragged"
+    assert nnx.graphdef(moe) != graphdef
+    np.testing.assert_allclose(np.asarray(moe(jnp.asarray(x))), want, atol=1e-5, rtol=0)
+    moe.dispatch = "grouped"  # set past the check: the call names it
     with pytest.raises(ValueError, match="dispatch='grouped' is not one of"):
         moe(jnp.asarray(x))
 

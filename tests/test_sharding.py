@@ -99,6 +99,44 @@ def test_drafter_arrays_and_optimizer_moments_share_the_table():
     assert opt_specs["opt_state.0.count"] == P()
 
 
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "qwen2_moe", "llama"])
+def test_an_expert_axis_splits_experts_whole_and_the_rest_over_expert_and_model(arch):
+    """Expert parallelism: on a (data, expert, model) mesh a routed MLP's experts are split over
+    `expert` (each device holds E / n of them, each expert's width split over `model`); attention,
+    dense MLPs, the vocabulary and the cache over `expert` x `model` together; the router whole."""
+    target = nnx.eval_shape(lambda: random_model(tiny_config(arch, num_heads=8, num_kv_heads=4, head_dim=8)))
+    mesh = AbstractMesh((1, 2, 2), ("data", "expert", "model"))
+    specs = _specs(param_shardings(target, mesh))
+    both = ("expert", "model")
+    assert specs["embed_tokens.embedding"] == P(both, None)
+    assert specs["layers.self_attn.q_proj.kernel"] == specs["layers.self_attn.k_proj.kernel"] == P(None, None, both)
+    assert specs["layers.self_attn.o_proj.kernel"] == P(None, both, None)
+    assert logical_sharding(mesh, CACHE_AXES, (2, 4, 4, 16, 8)).spec == P(None, "data", both, None, None)
+    if target.cfg.moe:
+        assert specs["layers.mlp.gate_proj"] == specs["layers.mlp.up_proj"] == P(None, "expert", None, "model")
+        assert specs["layers.mlp.down_proj"] == P(None, "expert", "model", None)
+        assert specs["layers.mlp.router.kernel"] == P(None, None, None)
+        if target.cfg.shared_expert_size:  # every token runs it: split as a dense MLP
+            assert specs["layers.mlp.shared_expert.gate_proj.kernel"] == P(None, None, both)
+    else:
+        assert specs["layers.mlp.gate_proj.kernel"] == P(None, None, both)
+        assert specs["layers.mlp.down_proj.kernel"] == P(None, both, None)
+    # Whole experts per device with the width unsplit: (data, expert=4, model=1).
+    if target.cfg.moe:
+        specs = _specs(param_shardings(target, AbstractMesh((1, 4, 1), ("data", "expert", "model"))))
+        assert specs["layers.mlp.gate_proj"] == P(None, "expert", None, "model")  # `model` of size 1
+    # An expert axis that does not divide the experts, or the vocabulary split over both, is named.
+    if arch == "qwen3_moe":
+        wide = nnx.eval_shape(lambda: random_model(tiny_config(arch, vocab_size=96, num_heads=8, num_kv_heads=8,
+                                                               head_dim=8)))
+        with pytest.raises(ValueError, match=r"mesh axis 'expert' of size 8 does not divide the 4 experts"):
+            param_shardings(wide, AbstractMesh((1, 8, 1), ("data", "expert", "model")))
+        odd = nnx.eval_shape(lambda: random_model(tiny_config(arch, vocab_size=302, num_heads=8, num_kv_heads=4,
+                                                              head_dim=8)))
+        with pytest.raises(ValueError, match=r"mesh axes expert x model of size 4 does not divide the 302 vocabulary"):
+            param_shardings(odd, mesh)
+
+
 def test_draft_logits_selected_after_equal_columns_first():
     """The mesh path of a reduced draft vocabulary (score every token, then take the draft ids'
     columns) gives the same draft logits as reading those columns of the head first."""
@@ -156,6 +194,10 @@ def test_batch_and_shape_checks():
 
 def test_mesh_parsing_and_device_count_errors():
     assert parse_mesh("data=2, model=1") == {"data": 2, "model": 1}
+    assert parse_mesh("data=1,expert=4") == {"data": 1, "expert": 4}
+    one = jax.devices()[:1]
+    assert make_mesh(1, 1, one).axis_names == ("data", "model")  # no `expert` axis unless asked
+    assert dict(make_mesh(1, 1, one, expert=1).shape) == {"data": 1, "model": 1}
     with pytest.raises(ValueError, match="expected entries like data=2,model=1"):
         parse_mesh("data=two")
     n = len(jax.devices())
@@ -163,12 +205,16 @@ def test_mesh_parsing_and_device_count_errors():
         make_mesh(4 * n, 1)
     with pytest.raises(ValueError, match=f"model={2 * n} needs at least {2 * n} devices"):
         make_mesh(None, 2 * n)
+    with pytest.raises(ValueError, match=f"mesh expert={2 * n} x model=1 needs at least {2 * n} devices"):
+        make_mesh(None, 1, expert=2 * n)
 
 
 @pytest.mark.parametrize("argv, message", [
     (["generate", "--prompt-ids", "1,2", "--mesh", "data=64,model=2"], "needs 128 devices"),
     (["generate", "--prompt-ids", "1,2", "--mesh", "data=x"], "expected entries like data=2,model=1"),
     (["eval", "--mesh", "model=64"], "model=64 needs at least 64 devices"),
+    (["eval", "--mesh", "expert=32,model=2"], "expert=32 x model=2 needs at least 64 devices"),
+    (["eval", "--mesh", "experts=2"], "expected entries like data=2,model=1 (or expert=2)"),
     (["data", "--num-prompts", "8", "--out", "/nonexistent/d", "--mesh", "data=64"], "needs 64 devices"),
     (["data", "--num-prompts", "8", "--out", "/nonexistent/d", "--coordinator", "localhost:1"],
      "--coordinator needs --num-processes"),
@@ -258,9 +304,10 @@ def check_loop_hlo(dec, mesh):
     # and the [B, G, Vd] draft logits.
     split = [x for x in jax.tree.leaves((dec.tstate, dec.dstate)) if any(x.sharding.spec)]
     assert split, "no weight is split"
+    group = mesh.size // mesh.shape["data"]  # model, or expert x model: every split weight spans it
     for x in split:
         shard = x.addressable_shards[0].data.shape
-        assert np.prod(shard) * mesh.shape["model"] == np.prod(x.shape), (x.shape, shard, x.sharding)
+        assert np.prod(shard) * group == np.prod(x.shape), (x.shape, shard, x.sharding)
     state = dec.prefill(PROMPTS)
     hlo = dec.compiled_loop(state).as_text()
     layers = dec.target_cfg.num_layers
@@ -274,6 +321,7 @@ def check_loop_hlo(dec, mesh):
     assert max(sizes) < min(weight, logits), (sorted(sizes)[-5:], weight, logits)
     print(f"loop collectives: {len(sizes)}, largest {max(sizes)} elements < weight slice {weight}, "
           f"logits {logits}")
+    return len(sizes)
 """
 
 CHECKS = {
@@ -441,19 +489,52 @@ CHECKS = {
     # (1, 4), each expert's width split: greedy TEV equals unsharded, and the compiled loop moves
     # no weight slice (the experts' partial sums meet in one [B, N, D] all-reduce per layer).
     # The experts grouped by `ragged_dot` (the accelerators' dispatch) give the same tokens on it.
-    "moe_1x4": """
-        import tevjax.models.layers as layers
+    # Expert parallel, (1, expert=4, 1): one whole expert per device; (2, expert=2, 1) with rows
+    # split too; (1, expert=2, 2) with each expert's width split as well: the same tokens with
+    # either dispatch, and the loop moves no weight slice and no [N * k, D] rows of expert outputs
+    # (each layer's experts meet in one all-reduce of [N, D] partial sums, so the grouped
+    # dispatch needs no more collectives than the dense one).
+    "moe_meshes": """
+        import jax.numpy as jnp
+        from tevjax.models import set_moe_dispatch
+        from tevjax.sharding import traced_on
         target, drafter = models("qwen3_moe")
-        mesh = make_mesh(1, 4)
         want = tokens(decoder(target, drafter, "tev"))
-        dec = decoder(target, drafter, "tev", mesh=mesh)
-        assert tokens(dec) == want
-        check_loop_hlo(dec, mesh)
-        layers.MOE_DISPATCH = "ragged"
-        try:
-            assert tokens(Decoder(target, drafter, config("tev"), mesh=mesh)) == want
-        finally:
-            layers.MOE_DISPATCH = "auto"
+        for shape, expert in (((1, 4), 1), ((1, 1), 4), ((2, 1), 2), ((1, 2), 2)):
+            mesh = make_mesh(*shape, expert=expert)
+            counts = {}
+            for dispatch in ("dense", "ragged"):
+                assert set_moe_dispatch(target, dispatch) == 1  # one module: the layers are stacked
+                dec = Decoder(target, drafter, config("tev"), mesh=mesh)
+                assert tokens(dec) == want, (dict(mesh.shape), dispatch)
+                gate = dec.tstate["layers"]["mlp"]["gate_proj"][...]
+                assert gate.addressable_shards[0].data.shape[1] * expert == gate.shape[1], gate.sharding
+                counts[dispatch] = check_loop_hlo(dec, mesh)
+            assert counts["ragged"] <= counts["dense"], (dict(mesh.shape), counts)
+        set_moe_dispatch(target, "auto")
+        # One routed layer on (1, expert=4, 1), grouped: traced on the mesh, it runs per device and
+        # ends in one all-reduce; left to XLA's partitioner, in three ([N * k, I] twice, then
+        # [N * k, D]). The same output either way.
+        from tevjax.models.layers import SparseMoE
+        from tevjax.sharding import logical_sharding
+        moe = SparseMoE(16, 32, 4, 2, norm_topk_prob=True, dtype="float32", param_dtype="float32",
+                        rngs=nnx.Rngs(3), dispatch="ragged")
+        graphdef, state = nnx.split(moe)
+        mesh = make_mesh(1, 1, expert=4)
+        axes = {"router": ("embed", "router"), "gate_proj": ("experts", "embed", "mlp"),
+                "up_proj": ("experts", "embed", "mlp"), "down_proj": ("experts", "mlp", "embed")}
+        placed = jax.tree_util.tree_map_with_path(
+            lambda path, v: jax.device_put(v, logical_sharding(mesh, axes[str(path[0].key)], v.shape)), state)
+        x = jnp.asarray(np.random.default_rng(0).standard_normal((12, 16)), jnp.float32)
+        call = lambda st, x: nnx.merge(graphdef, st)(x)
+        ref = np.asarray(call(state, x))
+        for name, fn in (("on the mesh", traced_on(call, mesh)), ("partitioner", call)):
+            compiled = jax.jit(fn).lower(placed, x).compile()
+            np.testing.assert_allclose(np.asarray(compiled(placed, x)), ref, rtol=1e-5, atol=1e-5)
+            moved = [m.group(1) for m in COLLECTIVE.finditer(compiled.as_text()) if m.group(2) == "all-reduce"]
+            print(f"one routed layer, {name}: all-reduces of {moved}")
+            if name == "on the mesh":
+                assert moved == ["f32[12,16]{1,0}"], moved
     """,
     # Temperature 1, tensor parallel (1, 4): o_proj, down_proj and the log-sum-exps sum over
     # devices, which rounds differently from one device (~1e-7 relative), so bitwise equality of
@@ -552,6 +633,45 @@ CHECKS = {
         with pytest.raises(ValueError, match=r"size 4 does not divide the 2 batch rows of the exit loss's sequences"):
             Trainer(_drafter(target), target, few, make_mesh(4, 1))
     """,
+    # Expert parallel training: a Qwen3-MoE target (4 experts, grouped dispatch, so each device
+    # runs its own experts under shard_map inside the step's exit loss) on (1, expert=2, 1) and
+    # (2, expert=2, 1): two steps equal the single-device steps within the "train" check's stated
+    # tolerances, for the same reasons.
+    "train_ep": """
+        import jax.numpy as jnp
+        from tevjax.models import set_moe_dispatch
+        from tevjax.train.dataset import Batch
+        from tevjax.train.step import Trainer
+        from test_train import CFG, _drafter
+
+        target = random_model(tiny_config("qwen3_moe", num_layers=4), seed=0)
+        assert set_moe_dispatch(target, "ragged") == 1
+        rng = np.random.default_rng(0)
+        b, t = CFG.batch_size, CFG.seq_len
+        batch = Batch(tokens=jnp.asarray(rng.integers(3, 300, (b, t)), jnp.int32),
+                      loss_mask=jnp.asarray(np.arange(t)[None, :] >= 8).repeat(b, 0),
+                      features=jnp.asarray(rng.standard_normal((b, t, 2 * target.cfg.hidden_size)), jnp.float32),
+                      length=jnp.full((b,), t, jnp.int32))
+        out = {}
+        for data, expert in ((1, 1), (1, 2), (2, 2)):
+            mesh = make_mesh(data, 1, devices=jax.devices()[: data * expert], expert=expert)
+            trainer = Trainer(_drafter(target), target, CFG, mesh)
+            state = trainer.init_state()
+            for _ in range(2):
+                state, metrics = trainer.step(state, batch)
+            out[data, expert] = (np.concatenate([np.asarray(x).ravel() for x in jax.tree.leaves(state.params)]),
+                                 {k: float(v) for k, v in metrics.items()})
+        one, metrics = out[1, 1]
+        for shape in ((1, 2), (2, 2)):
+            split, got = out[shape]
+            loose = int(np.sum(np.abs(one - split) > 2e-5 + 1e-5 * np.abs(one)))
+            diff = float(np.max(np.abs(one - split)))
+            print(f"train_ep {shape}: largest parameter difference after 2 steps {diff:.2e}; {loose} of {one.size} "
+                  f"beyond 2e-5 + 1e-5 relative; exit loss {got['loss_exit']:.6f} vs {metrics['loss_exit']:.6f}")
+            assert loose <= max(1, one.size // 10_000) and diff < CFG.lr / 30, (shape, loose, diff)
+            for k, v in metrics.items():
+                np.testing.assert_allclose(v, got[k], rtol=1e-5, atol=1e-6, err_msg=f"{shape} {k}")
+    """,
     # The SmolLM2-135M target (embedded weights) with its shipped drafter (16k-id draft
     # vocabulary), float32. Its 3 key/value heads do not divide by 2, so a (2, 2) mesh is refused
     # with the dimension named; greedy decoding on (4, 1) (data parallel) and on 3 devices as
@@ -582,9 +702,9 @@ CHECKS = {
 def test_sharded_decoding_on_forced_devices():
     """The fast subset: loading into (2, 2) shardings and greedy decoding there, (1, 4) greedy
     decoding and its compiled HLO, context and corpus lookup chains, fallback rounds, stop
-    strings and log-probabilities on (2, 2), routed experts on (1, 4), and the errors of undivided
-    meshes."""
-    _run("errors", "load_2x2", "hlo_1x4", "lookup_2x2", "moe_1x4")
+    strings and log-probabilities on (2, 2), routed experts on (1, 4) and on expert-parallel
+    meshes, and the errors of undivided meshes."""
+    _run("errors", "load_2x2", "hlo_1x4", "lookup_2x2", "moe_meshes")
 
 
 @pytest.mark.slow
@@ -604,7 +724,7 @@ def test_tensor_parallel_sampling_keeps_the_law():
 
 @pytest.mark.slow
 def test_training_step_on_meshes_equals_one_device():
-    _run("train")
+    _run("train", "train_ep")
 
 
 @pytest.mark.slow

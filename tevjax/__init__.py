@@ -57,6 +57,7 @@ _LAZY = {
     "DFlashDrafter": "tevjax.models.dflash",
     "DrafterCache": "tevjax.models.dflash",
     "features_from_output": "tevjax.models.dflash",
+    "set_moe_dispatch": "tevjax.models.layers",
     # conversion
     "CheckpointError": "tevjax.convert.hf",
     "load_hf_target": "tevjax.convert.hf",

@@ -277,8 +277,9 @@ def _stop_string(text):
 def _add_mesh_args(parser, default: str) -> None:
     """--mesh and the multi-host flags (generate, eval, data and train share them)."""
     parser.add_argument("--mesh", default=None,
-                        help=f"device mesh data=D,model=M: rows over D devices, heads/MLP/vocabulary over M "
-                             f"(default: {default})")
+                        help=f"device mesh data=D,model=M[,expert=X]: rows over D devices, heads/MLP/vocabulary "
+                             f"over M (over X x M with expert=X, which also splits a mixture-of-experts target's "
+                             f"experts over X) (default: {default})")
     parser.add_argument("--coordinator", default=None, help="multi-host: coordinator address host:port")
     parser.add_argument("--num-processes", type=_positive_int("--num-processes"), default=None)
     parser.add_argument("--process-id", type=_nonnegative_int("--process-id"), default=None)
@@ -967,7 +968,7 @@ def _mesh(args, *, default_all: bool):
         return None
     try:
         sizes = parse_mesh(args.mesh) if args.mesh else {}
-        return make_mesh(sizes.get("data"), sizes.get("model", 1))
+        return make_mesh(sizes.get("data"), sizes.get("model", 1), expert=sizes.get("expert", 1))
     except ValueError as e:
         raise CliError(str(e) if str(e).startswith("--mesh") else f"--mesh {args.mesh or ''}: {e}") from None
 

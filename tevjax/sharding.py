@@ -13,8 +13,13 @@ to the axes of a (`data`, `model`) device mesh here, and only here:
 Data parallelism splits the batch over `data`; tensor parallelism (Megatron style) splits the
 attention heads, the key/value heads, the MLP width and the vocabulary over `model`, so every
 matmul runs on its own slice of the weights and XLA inserts one all-reduce of the [B, T, D]
-activations after `o_proj` and `down_proj`. One jit over a mesh is the modern form of "pmapped
-across GPUs" (`pmap` is legacy and implemented on jit + shard_map).
+activations after `o_proj` and `down_proj`. A mesh may add an `expert` axis
+(`make_mesh(expert=n)`, `--mesh data=1,expert=4`) for expert parallelism: a routed MLP's experts
+are split over it, whole (each device holds E / n experts, and each expert's width is split over
+`model` where that is larger than 1), and every other split axis is split over `expert` x `model`
+together, so attention and the vocabulary stay tensor parallel over all of those devices. One jit
+over a mesh is the modern form of "pmapped across GPUs" (`pmap` is legacy and implemented on
+jit + shard_map).
 
 Multi-host: join the job first (`tevjax.multihost.initialize_distributed`); the mesh then spans
 every process's devices and each process feeds its own slice of the global batch
@@ -23,6 +28,7 @@ every process's devices and each process feeds its own slice of the global batch
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -30,11 +36,17 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+# What tensor parallelism splits: `model`, with `expert` in front where the mesh has it.
+_TENSOR = ("expert", "model")
+
 __all__ = ["CACHE_AXES", "DRAFTER_AXES", "LOGICAL_RULES", "TARGET_AXES", "batch_sharding", "cache_shardings",
            "check_batch", "global_batch_array", "host_array", "logical_sharding", "logical_spec", "make_mesh",
-           "param_shardings", "parse_mesh", "place", "put", "replicated", "shard_model", "shardings_by_path"]
+           "mesh_axes", "param_shardings", "parse_mesh", "place", "put", "replicated", "shard_model",
+           "shardings_by_path", "traced_on"]
 
-# Logical axis name -> mesh axis (None: replicated). The one table every sharded array reads.
+# Logical axis name -> mesh axis, or mesh axes split together (None: replicated). The one table
+# every sharded array reads. A mesh axis the mesh does not have is left out (a (data, model) mesh
+# splits `heads` over `model` alone), and so is one that an earlier axis of the same array took.
 #
 # The LM head and the embedding are split over the vocabulary, not over the model width. Measured
 # on 4 forced CPU devices (experiments/lm_head_sharding.py, results/lm_head_sharding.md): with
@@ -44,19 +56,23 @@ __all__ = ["CACHE_AXES", "DRAFTER_AXES", "LOGICAL_RULES", "TARGET_AXES", "batch_
 # the sampler's Gumbel-max) combines only [B, N] partial results (SmolLM2 shapes, B = 4, N = 17:
 # 33 KiB moved per tree pass + verify against 13,056 KiB). The embedding lookup of a vocab-sharded
 # table costs one all-reduce of the [B, T, D] embeddings, as much as the width split's all-gather.
-LOGICAL_RULES: Mapping[str, str | None] = {
+LOGICAL_RULES: Mapping[str, str | tuple[str, ...] | None] = {
     "batch": "data",
     "sequence": None,
-    "vocab": "model",
+    "vocab": _TENSOR,
     "embed": None,
-    "heads": "model",  # query heads (H, or the fused H * Dh axis of a projection)
-    "kv_heads": "model",  # key/value heads (K, or K * Dh)
-    "mlp": "model",  # the MLP width (intermediate_size; with experts, each expert's)
-    # Experts are not split across devices: every device holds its slice of each expert's width
-    # (`mlp`), so a routed MLP needs no token exchange and ends in the dense MLP's one all-reduce.
-    # Expert parallelism (experts over a mesh axis) needs an all-to-all dispatch of tokens.
-    "experts": None,
-    "shared_mlp": "model",  # the width of Qwen2-MoE's shared expert, split as a dense MLP's
+    "heads": _TENSOR,  # query heads (H, or the fused H * Dh axis of a projection)
+    "kv_heads": _TENSOR,  # key/value heads (K, or K * Dh)
+    "mlp": _TENSOR,  # the MLP width (intermediate_size; with experts, each expert's: over `model` alone)
+    # The experts of a routed MLP, over `expert` when the mesh has one (expert parallelism), else
+    # whole on every device with their widths split. Either way the activations are the same on
+    # every device of the group, so each device runs its own experts (or width slices) on every
+    # token and the routed MLP ends in the dense MLP's one all-reduce of [B, T, D] partial sums: no
+    # all-to-all token exchange, which pays when tokens are few (decoding) and costs E / n of the
+    # experts' memory per device.
+    "experts": "expert",
+    "router": None,  # the router's E outputs: every device routes every token itself
+    "shared_mlp": _TENSOR,  # the width of Qwen2-MoE's shared expert, split as a dense MLP's
     "gate": None,  # the one output of the shared expert's gate
     "head_dim": None,
     "features": None,  # the drafter's concatenated tapped hidden states (F = n * D)
@@ -93,7 +109,7 @@ _LAYER_AXES: Mapping[str, tuple[str, ...]] = {
     "mlp.gate_proj.kernel": ("embed", "mlp"),
     "mlp.up_proj.kernel": ("embed", "mlp"),
     "mlp.down_proj.kernel": ("mlp", "embed"),
-    "mlp.router.kernel": ("embed", "experts"),
+    "mlp.router.kernel": ("embed", "router"),
     "mlp.gate_proj": ("experts", "embed", "mlp"),
     "mlp.up_proj": ("experts", "embed", "mlp"),
     "mlp.down_proj": ("experts", "mlp", "embed"),
@@ -126,11 +142,13 @@ CACHE_AXES: tuple[str, ...] = ("layers", "batch", "kv_heads", "cache_slots", "he
 _UNITS = {"heads": "query heads (num_heads)", "kv_heads": "key/value heads (num_kv_heads)",
           "mlp": "MLP width (intermediate_size)", "vocab": "vocabulary entries (vocab_size)",
           "batch": "batch rows", "embed": "model width (hidden_size)", "experts": "experts (num_experts)",
+          "router": "router outputs (num_experts)",
           "shared_mlp": "shared expert width (shared_expert_size)"}
 
 
 def logical_spec(*names: str | None) -> PartitionSpec:
-    """PartitionSpec for an array whose axes carry these logical names (None: not sharded)."""
+    """PartitionSpec for an array whose axes carry these logical names (None: not sharded), with
+    the table's entries as they are; `logical_sharding` fits them to a mesh."""
     unknown = [n for n in names if n is not None and n not in LOGICAL_RULES]
     if unknown:
         raise ValueError(f"unknown logical axis {unknown[0]!r}; known: {sorted(LOGICAL_RULES)}")
@@ -150,20 +168,32 @@ def logical_sharding(mesh: Mesh, axes: Sequence[str | None], shape: Sequence[int
         shape = [0] * len(axes)  # 0 is divisible by every size
     if len(axes) != len(shape):
         raise ValueError(f"{what}: {len(axes)} logical axes {tuple(axes)} for an array of shape {tuple(shape)}")
+    logical_spec(*axes)  # unknown names raise
     spec, taken = [], set()
-    for logical, mesh_axis, size in zip(axes, logical_spec(*axes), shape):
-        if mesh_axis is None or mesh_axis not in mesh.shape or mesh_axis in taken:
-            # A mesh axis can split only one axis of an array; a second use stays replicated.
+    for logical, size in zip(axes, shape):
+        # A mesh axis can split only one axis of an array; a second use stays replicated.
+        use = tuple(a for a in mesh_axes(mesh, logical) if a not in taken)
+        if not use:
             spec.append(None)
             continue
-        n = mesh.shape[mesh_axis]
+        n = int(np.prod([mesh.shape[a] for a in use]))
         count = (units or {}).get(logical, size)
         if count % n or size % n:
-            raise ValueError(f"mesh axis {mesh_axis!r} of size {n} does not divide the {count} "
+            name = f"axis {use[0]!r}" if len(use) == 1 else "axes " + " x ".join(use)
+            raise ValueError(f"mesh {name} of size {n} does not divide the {count} "
                              f"{_UNITS.get(logical, logical)} of {what}")
-        spec.append(mesh_axis)
-        taken.add(mesh_axis)
+        spec.append(use[0] if len(use) == 1 else use)
+        taken.update(use)
     return NamedSharding(mesh, PartitionSpec(*spec))
+
+
+def mesh_axes(mesh: Mesh, logical: str | None) -> tuple[str, ...]:
+    """The axes of `mesh` that split the logical axis `logical` (its `LOGICAL_RULES` entry, less
+    the axes this mesh lacks), major first: () when nothing splits it. Inside `shard_map` the tuple
+    is the axis name of a collective over the split (`psum(x, axes)`), in the order of the slices."""
+    rule = None if logical is None else LOGICAL_RULES[logical]
+    rule = () if rule is None else (rule,) if isinstance(rule, str) else rule
+    return tuple(a for a in rule if a in mesh.shape)
 
 
 def _dims(cfg) -> dict[str, tuple[int, int]]:
@@ -173,6 +203,7 @@ def _dims(cfg) -> dict[str, tuple[int, int]]:
     dims = {"vocab": same(cfg.vocab_size), "embed": same(cfg.hidden_size), "heads": (h * dh, h),
             "kv_heads": (k * dh, k), "mlp": same(cfg.intermediate_size), "layers": same(cfg.num_layers),
             "head_dim": same(dh), "experts": same(getattr(cfg, "num_experts", 0)),
+            "router": same(getattr(cfg, "num_experts", 0)),
             "shared_mlp": same(getattr(cfg, "shared_expert_size", 0)), "gate": same(1)}
     if hasattr(cfg, "feature_dim"):  # a drafter
         dims["features"] = same(cfg.feature_dim)
@@ -304,31 +335,53 @@ def host_array(x: jax.Array) -> np.ndarray:
 
 
 def parse_mesh(text: str) -> dict[str, int]:
-    """'data=2,model=1' -> {"data": 2, "model": 1}, with one-line errors."""
+    """'data=2,model=1' -> {"data": 2, "model": 1} (and `expert`), with one-line errors."""
     out: dict[str, int] = {}
     for part in text.replace(" ", "").split(","):
         if not part:
             continue
         name, _, size = part.partition("=")
-        if name not in ("data", "model") or not size.isdigit() or int(size) < 1:
-            raise ValueError(f"--mesh {text!r}: expected entries like data=2,model=1 with positive sizes")
+        if name not in ("data", "expert", "model") or not size.isdigit() or int(size) < 1:
+            raise ValueError(f"--mesh {text!r}: expected entries like data=2,model=1 (or expert=2) with "
+                             "positive sizes")
         out[name] = int(size)
     return out
 
 
-def make_mesh(data: int | None = None, model: int = 1, devices=None) -> Mesh:
-    """A (data, model) mesh over `devices` (default: all devices of all processes); `data` None
-    takes every device not used by `model`."""
+def make_mesh(data: int | None = None, model: int = 1, devices=None, *, expert: int = 1) -> Mesh:
+    """A (data, model) mesh over `devices` (default: all devices of all processes), or with
+    `expert` > 1 a (data, expert, model) mesh for expert parallelism (`LOGICAL_RULES`); `data`
+    None takes every device not used by the others."""
     devices = list(jax.devices() if devices is None else devices)
+    group = model * expert  # the devices that share one row of the batch
+    named = f"model={model}" if expert == 1 else f"expert={expert} x model={model}"
     if data is None:
-        if model > len(devices):
-            raise ValueError(f"mesh model={model} needs at least {model} devices, {len(devices)} are present")
-        if len(devices) % model:
-            raise ValueError(f"model={model} does not divide the {len(devices)} devices")
-        data = len(devices) // model
-    if data * model != len(devices):
-        raise ValueError(f"mesh data={data} x model={model} needs {data * model} devices, {len(devices)} are present")
-    return Mesh(np.asarray(devices).reshape(data, model), ("data", "model"))
+        if group > len(devices):
+            raise ValueError(f"mesh {named} needs at least {group} devices, {len(devices)} are present")
+        if len(devices) % group:
+            raise ValueError(f"{named} does not divide the {len(devices)} devices")
+        data = len(devices) // group
+    if data * group != len(devices):
+        raise ValueError(f"mesh data={data} x {named} needs {data * group} devices, {len(devices)} are present")
+    if expert == 1:  # the plain mesh keeps two axes, as every mesh did before `expert`
+        return Mesh(np.asarray(devices).reshape(data, model), ("data", "model"))
+    return Mesh(np.asarray(devices).reshape(data, expert, model), ("data", "expert", "model"))
+
+
+def traced_on(fn, mesh: Mesh | None):
+    """`fn`, traced with `mesh` as the abstract mesh in context (`jax.sharding.use_abstract_mesh`):
+    what tevjax's decoder and trainer jit. A module may then run a part of itself per device under
+    `shard_map` (`SparseMoE`'s grouped dispatch: one all-reduce per layer instead of three);
+    without the context it leaves the split to XLA, with the same results."""
+    if mesh is None:
+        return fn
+
+    @functools.wraps(fn)
+    def traced(*args, **kwargs):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return fn(*args, **kwargs)
+
+    return traced
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

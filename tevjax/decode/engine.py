@@ -85,8 +85,8 @@ from tevjax.multihost import every_process
 from tevjax.sampling import check_truncation, truncate_logits
 from tevjax.decode.stops import StopTable, advance, check_stops, stop_table
 from tevjax.seeding import seed_key
-from tevjax.sharding import (CACHE_AXES, LOGICAL_RULES, check_batch, frozen, host_array, logical_sharding,
-                             param_shardings, put, thawed)
+from tevjax.sharding import (CACHE_AXES, check_batch, frozen, host_array, logical_sharding, mesh_axes,
+                             param_shardings, put, thawed, traced_on)
 from tevjax.tree import DraftTree
 from tevjax.verifiers import VERIFIERS, verify
 
@@ -376,7 +376,7 @@ def _bucket(n: int, size: int) -> int:
 def _vocab_split(mesh) -> bool:
     """Whether `mesh` splits the vocabulary axis (then a reduced draft vocabulary selects its
     columns after the head: `draft`)."""
-    return mesh is not None and dict(mesh.shape).get(LOGICAL_RULES["vocab"], 1) > 1
+    return mesh is not None and math.prod(mesh.shape[a] for a in mesh_axes(mesh, "vocab")) > 1
 
 
 def _empty_state(tstate, dstate, roots, lengths, limits, sampling, stop_masks, key_data, *, tgd, dgd,
@@ -569,7 +569,7 @@ def draft(drafter: DFlashDrafter, target: Transformer, root: jax.Array, cache_le
     return drafter.logits(target, hidden, head, select_after=_vocab_split(mesh))
 
 
-def _top_marginals(draft_logits: jax.Array, budget: int, vocab_axis: str | None = None):
+def _top_marginals(draft_logits: jax.Array, budget: int, vocab_axis: str | tuple[str, ...] | None = None):
     """The top k = min(budget, Vd) draft log-probabilities [B, G, k] of every depth and their
     indices, from draft logits [B, G, Vd].
 
@@ -613,8 +613,8 @@ def draft_trees(draft_logits: jax.Array, root: jax.Array, budget: int, vocab: ja
         vals, ids = _top_marginals(draft_logits, budget)
         trees, scores = jax.vmap(build_ddtree_from_top, in_axes=(0, 0, 0, None))(vals, ids, root, budget)
     else:
-        vocab_axis = LOGICAL_RULES["vocab"]
-        devices = dict(mesh.shape).get(vocab_axis, 1)
+        vocab_axis = mesh_axes(mesh, "vocab")  # (model,), or (expert, model) under expert parallelism
+        devices = math.prod(mesh.shape[a] for a in vocab_axis)
         split = devices > 1 and draft_logits.shape[-1] % devices == 0
 
         def local(logits, roots):
@@ -981,7 +981,8 @@ def _program(fn, statics: tuple, donate: tuple[int, ...], shardings: tuple | Non
     Decoder for the same models and config (a new request, an evaluation's repeat, a test) compiles
     nothing. Graph definitions compare by structure, not identity."""
     shard = {} if shardings is None else dict(zip(("in_shardings", "out_shardings"), thawed(shardings)))
-    return jax.jit(functools.partial(fn, **dict(statics)), donate_argnums=donate, **shard)
+    mesh = next((s.mesh for s in jax.tree.leaves(shard) if isinstance(s, jax.sharding.NamedSharding)), None)
+    return jax.jit(traced_on(functools.partial(fn, **dict(statics)), mesh), donate_argnums=donate, **shard)
 
 
 def _jit(fn, statics: dict, donate: tuple[int, ...] = (), shardings: dict | None = None):

@@ -4,7 +4,7 @@ the primitives the drafter shares with them."""
 from tevjax.models.cache import KVCache
 from tevjax.models.config import PRESETS, ModelConfig, RopeScaling
 from tevjax.models.layers import (NEG_INF, RMSNorm, Rope, SparseMoE, SwiGLU, apply_rope, attention, causal_mask,
-                                  matmul_precision, rope_inv_freq)
+                                  matmul_precision, rope_inv_freq, set_moe_dispatch)
 from tevjax.models.transformer import (
     ForwardOutput,
     Transformer,
@@ -31,4 +31,5 @@ __all__ = [
     "full_mask",
     "matmul_precision",
     "rope_inv_freq",
+    "set_moe_dispatch",
 ]

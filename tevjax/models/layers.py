@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from tevjax.models.config import RopeScaling
 
@@ -33,6 +34,7 @@ __all__ = [
     "causal_mask",
     "matmul_precision",
     "rope_inv_freq",
+    "set_moe_dispatch",
     "soft_cap",
 ]
 
@@ -187,8 +189,7 @@ class SwiGLU(nnx.Module):
         return self.down_proj(ACTIVATIONS[self.act](self.gate_proj(x)) * self.up_proj(x))
 
 
-# `SparseMoE`'s dispatch where a call names none: "auto", "dense" or "ragged" (read at trace time).
-MOE_DISPATCH = "auto"
+MOE_DISPATCHES = ("auto", "dense", "ragged")
 
 
 class SparseMoE(nnx.Module):
@@ -208,17 +209,25 @@ class SparseMoE(nnx.Module):
       XLA:CPU expands a ragged product into a masked dense one, and the sort is extra).
     - "ragged": the N * k (token, expert) pairs are sorted by expert and each expert multiplies
       only its own rows (`jax.lax.ragged_dot`, a grouped matmul): the k / E of the FLOPs that
-      routing promises, for accelerators with a grouped-matmul kernel.
+      routing promises, for accelerators with a grouped-matmul kernel. Traced under a mesh
+      (`jax.sharding.use_abstract_mesh`, as tevjax's decoder and trainer trace) whose devices
+      split the experts or their widths (`tevjax.sharding`), it runs per device under `shard_map`
+      (`_ragged_local`): each device groups the pairs of its own experts first, multiplies its
+      slices, and the devices sum one [N, D] result. Left to XLA's partitioner, each of the three
+      grouped products would end in an all-reduce of [N * k, I] or [N * k, D] partial rows.
 
     "auto" takes "dense" on CPU and "ragged" elsewhere. A call's `dispatch` defaults to the
-    module's `MOE_DISPATCH` ("auto"), which a benchmark or test may set to time or check one path
-    inside a whole model. Routing is per token, so a tree pass routes each node as the causal pass
-    of its own path would: verification stays exact.
+    module's own (`dispatch`, "auto" unless `set_moe_dispatch` chose one for a whole model). It is
+    a static attribute, so it is part of the model's graph definition: programs traced for one
+    dispatch are never reused for the other. Routing is per token, so a tree pass routes each node
+    as the causal pass of its own path would: verification stays exact.
     """
 
     def __init__(self, dim: int, hidden: int, num_experts: int, experts_per_token: int, *, norm_topk_prob: bool,
-                 dtype, param_dtype, rngs: nnx.Rngs, act: str = "silu", shared_size: int = 0):
+                 dtype, param_dtype, rngs: nnx.Rngs, act: str = "silu", shared_size: int = 0,
+                 dispatch: str = "auto"):
         self.act, self.k, self.norm_topk_prob = act, int(experts_per_token), bool(norm_topk_prob)
+        self.dispatch = _check_dispatch(dispatch)
         self.dtype = jnp.dtype(dtype)
         self.router = nnx.Linear(dim, num_experts, use_bias=False, dtype=self.dtype,
                                  param_dtype=jnp.dtype(param_dtype), precision=matmul_precision(dtype), rngs=rngs)
@@ -243,11 +252,9 @@ class SparseMoE(nnx.Module):
 
     def __call__(self, x: jax.Array, *, dispatch: str | None = None) -> jax.Array:
         """x [..., D] -> [..., D]."""
-        dispatch = MOE_DISPATCH if dispatch is None else dispatch
+        dispatch = _check_dispatch(self.dispatch if dispatch is None else dispatch)
         if dispatch == "auto":
             dispatch = "dense" if jax.default_backend() == "cpu" else "ragged"
-        if dispatch not in ("dense", "ragged"):
-            raise ValueError(f"SparseMoE: dispatch={dispatch!r} is not one of 'auto', 'dense', 'ragged'")
         shape = x.shape
         x = x.reshape(-1, shape[-1]).astype(self.dtype)  # [N, D]
         weights, experts = self.route(x)
@@ -264,19 +271,80 @@ class SparseMoE(nnx.Module):
             h = (h * mix[:, :, None]).astype(h.dtype)
             out = jnp.einsum("eni,eid->nd", h, down, preferred_element_type=jnp.float32, **prec)
         else:
-            n, k = experts.shape
-            pairs = experts.reshape(-1)  # [N * k], pair j is token j // k
-            order = jnp.argsort(pairs, stable=True)
-            sizes = jnp.bincount(pairs, length=gate.shape[0]).astype(jnp.int32)  # rows per expert, in order
-            rows = x[order // k]  # [N * k, D], grouped by expert
-            h = act(jax.lax.ragged_dot(rows, gate, sizes, **prec)) * jax.lax.ragged_dot(rows, up, sizes, **prec)
-            y = jax.lax.ragged_dot(h, down, sizes, **prec)  # [N * k, D]
-            y = jnp.zeros_like(y).at[order].set(y).reshape(n, k, -1)  # back to pair order
-            out = jnp.einsum("nkd,nk->nd", y, weights.astype(y.dtype), preferred_element_type=jnp.float32, **prec)
+            local = functools.partial(_ragged_local, act=act, num_experts=gate.shape[0])
+            mesh = jax.sharding.get_abstract_mesh()
+            split = _expert_split(mesh, gate.shape, down.shape, x.shape[0]) if mesh.axis_names else None
+            if split is None:
+                out = local(x, weights, experts, gate, up, down)
+            else:
+                rows, wspec, dspec, expert_axes, width_axes = split
+                local = functools.partial(local, expert_axes=expert_axes, sum_axes=expert_axes + width_axes)
+                out = jax.shard_map(local, mesh=mesh, in_specs=(rows, rows, rows, wspec, wspec, dspec),
+                                    out_specs=rows)(x, weights, experts, gate, up, down)
         if self.shared_expert is not None:
             shared_gate = jax.nn.sigmoid(self.shared_expert_gate(x).astype(jnp.float32))  # [N, 1]
             out = out + shared_gate * self.shared_expert(x).astype(jnp.float32)
         return out.astype(self.dtype).reshape(shape)
+
+
+def _ragged_local(x, weights, experts, gate, up, down, *, act, num_experts: int,
+                  expert_axes: tuple[str, ...] = (), sum_axes: tuple[str, ...] = ()):
+    """The "ragged" dispatch over one device's experts: x [N, D], the routing's weights and
+    experts [N, k]; gate, up [El, D, Il] and down [El, Il, D] hold El consecutive experts (all E,
+    or a device's E / n when `expert_axes` split them, inside `shard_map`) and a slice Il of their
+    widths. Returns [N, D] float32, summed over `sum_axes` (the axes that split experts or widths).
+
+    The pairs are sorted by expert counted from this device's first, so its own experts' rows come
+    first; `ragged_dot` leaves the rows past its groups zero, so each device's product holds
+    exactly the pairs whose expert it holds."""
+    prec = dict(precision=matmul_precision(x.dtype))
+    n, k = experts.shape
+    own = gate.shape[0]
+    start = jax.lax.axis_index(expert_axes) * own if expert_axes else 0  # this device's first expert
+    pairs = (experts.reshape(-1) - start) % num_experts  # [N * k], pair j is token j // k
+    order = jnp.argsort(pairs, stable=True)
+    sizes = jnp.bincount(pairs, length=num_experts)[:own].astype(jnp.int32)  # rows of each own expert
+    rows = x[order // k]  # [N * k, D], own experts' rows first, grouped
+    h = act(jax.lax.ragged_dot(rows, gate, sizes, **prec)) * jax.lax.ragged_dot(rows, up, sizes, **prec)
+    y = jax.lax.ragged_dot(h, down, sizes, preferred_element_type=jnp.float32, **prec)  # [N * k, D]
+    y = jnp.zeros_like(y).at[order].set(y).reshape(n, k, -1)  # back to pair order
+    out = jnp.einsum("nkd,nk->nd", y, weights, preferred_element_type=jnp.float32, **prec)
+    return jax.lax.psum(out, sum_axes) if sum_axes else out
+
+
+def _expert_split(mesh, gate_shape, down_shape, tokens: int):
+    """How `mesh` (the abstract mesh a model is traced under) splits a routed MLP, from the
+    sharding table (`tevjax.sharding`): (rows spec, gate/up spec, down spec, the mesh axes that
+    split the experts, those that split their widths), or None when no device holds less than all
+    of them. Rows are split as the batch is where that divides the N tokens."""
+    from tevjax.sharding import logical_sharding, mesh_axes
+
+    wspec = logical_sharding(mesh, ("experts", "embed", "mlp"), gate_shape, what="the experts").spec
+    dspec = logical_sharding(mesh, ("experts", "mlp", "embed"), down_shape, what="the experts").spec
+    names = lambda entry: () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)  # noqa: E731
+    expert_axes, width_axes = names(wspec[0]), names(wspec[2])
+    if math.prod(mesh.shape[a] for a in expert_axes + width_axes) == 1:
+        return None
+    batch = mesh_axes(mesh, "batch")
+    rows = P(batch if batch and tokens % math.prod(mesh.shape[a] for a in batch) == 0 else None, None)
+    return rows, wspec, dspec, expert_axes, width_axes
+
+
+def _check_dispatch(dispatch: str) -> str:
+    if dispatch not in MOE_DISPATCHES:
+        raise ValueError(f"SparseMoE: dispatch={dispatch!r} is not one of 'auto', 'dense', 'ragged'")
+    return dispatch
+
+
+def set_moe_dispatch(model: nnx.Module, dispatch: str) -> int:
+    """Sets the dispatch ("auto", "dense" or "ragged") of every `SparseMoE` in `model`, in place;
+    returns how many it set (0 for a dense model). Set it before a `Decoder` or `Trainer` splits
+    the model: the dispatch is part of the graph definition they trace."""
+    _check_dispatch(dispatch)
+    found = [m for _, m in nnx.iter_graph(model) if isinstance(m, SparseMoE)]
+    for m in found:
+        m.dispatch = dispatch
+    return len(found)
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, scale: float | None = None,

@@ -48,7 +48,8 @@ from tevjax.models.cache import KVCache
 from tevjax.models.dflash import DFlashDrafter
 from tevjax.models.transformer import Transformer
 from tevjax.sampling import check_truncation, truncate_logits
-from tevjax.sharding import batch_sharding, check_batch, frozen, host_array, param_shardings, replicated, thawed
+from tevjax.sharding import (batch_sharding, check_batch, frozen, host_array, param_shardings, replicated, thawed,
+                             traced_on)
 from tevjax.train.dataset import Batch
 from tevjax.train.objectives import (EXIT_WEIGHTS, distill_loss_terms, exit_loss_terms, exit_weights, ratio,
                                      sample_anchors, token_loss_terms)
@@ -306,7 +307,7 @@ def _jitted_step(dgd, ogd, tgd, cfg: TrainConfig, mesh, shardings: tuple):
     state_s, tstate_s, dconst_s = (thawed(key) for key in shardings)
     batch_shard = Batch(tokens=batch_sharding(mesh, 2), loss_mask=batch_sharding(mesh, 2),
                         features=batch_sharding(mesh, 3), length=batch_sharding(mesh, 1))
-    step = functools.partial(_train_step, dgd=dgd, ogd=ogd, tgd=tgd, cfg=cfg, mesh=mesh)
+    step = traced_on(functools.partial(_train_step, dgd=dgd, ogd=ogd, tgd=tgd, cfg=cfg, mesh=mesh), mesh)
     return jax.jit(step, in_shardings=(state_s, tstate_s, dconst_s, batch_shard),
                    out_shardings=(state_s, replicated(mesh)), donate_argnums=(0,))
 
