@@ -2,11 +2,14 @@
 
 import json
 import math
+import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+from tevjax.testing import forced_devices_env
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
 import adaptive_budget  # noqa: E402
@@ -384,6 +387,34 @@ def test_adaptive_budget_simulates_greedy_rounds_exactly():
     assert adaptive_budget.simulate(trees, lambda reach: (1, 1.0)) == (5, 5, 5.0)
     # The root and 7: 2 tokens at position 0, 1 at position 2 (7 is not the 9 there), 2 at position 3.
     assert adaptive_budget.simulate(trees, lambda reach: (2, 1.5)) == (5, 3, 4.5)
+
+
+def test_moe_sharding_moves_one_partial_sum_per_layer_on_every_layout(tmp_path):
+    """`moe_sharding.py` on 4 forced devices with a small layer: its arguments are checked, and
+    every layout moves exactly one float32 [N, D] all-reduce per layer with either dispatch as
+    tevjax traces it (the table's "x [N, D]" column is 1.0), the claim its results file rests on."""
+    script = Path(moe_dispatch.__file__).with_name("moe_sharding.py")
+    env = forced_devices_env(4)
+
+    def run(*argv):
+        return subprocess.run([sys.executable, str(script), *argv], capture_output=True, text=True, env=env,
+                              cwd=script.parent, timeout=600)
+
+    for argv, message in [(["--per-token", "9", "--experts", "8"], "--per-token 9 is more than --experts 8"),
+                          (["--experts", "6", "--per-token", "2"], "--experts 6 does not split over 4 devices"),
+                          (["--tokens", "0"], "argument --tokens: must be positive, got 0")]:
+        res = run(*argv)
+        assert res.returncode == 2 and message in res.stderr, res.stderr[-500:]
+    out = tmp_path / "moe_sharding.md"
+    res = run("--experts", "8", "--per-token", "2", "--width", "16", "--expert-width", "8", "--tokens", "6",
+              "--out", str(out))
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = [line.split("|") for line in out.read_text().splitlines() if line.startswith("| width") or
+            line.startswith("| experts") or line.startswith("| both")]
+    assert len(rows) == 12, rows
+    mesh_rows = [r for r in rows if "on the mesh" in r[2]]
+    assert len(mesh_rows) == 6 and all(float(r[5]) == 1.0 for r in mesh_rows), mesh_rows
+    assert all(r[7].strip() == "1/4" for r in rows), rows  # each device holds a quarter of the experts
 
 
 def test_moe_dispatch_checks_its_arguments_and_compares_equal_outputs(tmp_path, monkeypatch, capsys):

@@ -493,7 +493,7 @@ CHECKS = {
     # split too; (1, expert=2, 2) with each expert's width split as well: the same tokens with
     # either dispatch, and the loop moves no weight slice and no [N * k, D] rows of expert outputs
     # (each layer's experts meet in one all-reduce of [N, D] partial sums, so the grouped
-    # dispatch needs no more collectives than the dense one).
+    # dispatch needs as many collectives as the dense one).
     "moe_meshes": """
         import jax.numpy as jnp
         from tevjax.models import set_moe_dispatch
@@ -510,31 +510,35 @@ CHECKS = {
                 gate = dec.tstate["layers"]["mlp"]["gate_proj"][...]
                 assert gate.addressable_shards[0].data.shape[1] * expert == gate.shape[1], gate.sharding
                 counts[dispatch] = check_loop_hlo(dec, mesh)
-            assert counts["ragged"] <= counts["dense"], (dict(mesh.shape), counts)
+            assert counts["ragged"] == counts["dense"], (dict(mesh.shape), counts)
         set_moe_dispatch(target, "auto")
-        # One routed layer on (1, expert=4, 1), grouped: traced on the mesh, it runs per device and
-        # ends in one all-reduce; left to XLA's partitioner, in three ([N * k, I] twice, then
-        # [N * k, D]). The same output either way.
+        # One routed layer on (1, expert=2, 2), either dispatch: traced on the mesh (as the decoder
+        # and the trainer trace), it runs per device and ends in one all-reduce of [N, D]. Left to
+        # XLA's partitioner (a jit without the mesh in context) it gives the same output; what that
+        # moves is printed, not asserted (on 2026-12-06, grouped: [N * k, I] twice, then
+        # [N * k, D]; dense: [N, D] twice, over `expert` and over `model`).
         from tevjax.models.layers import SparseMoE
         from tevjax.sharding import logical_sharding
         moe = SparseMoE(16, 32, 4, 2, norm_topk_prob=True, dtype="float32", param_dtype="float32",
-                        rngs=nnx.Rngs(3), dispatch="ragged")
-        graphdef, state = nnx.split(moe)
-        mesh = make_mesh(1, 1, expert=4)
+                        rngs=nnx.Rngs(3))
+        mesh = make_mesh(1, 2, expert=2)
         axes = {"router": ("embed", "router"), "gate_proj": ("experts", "embed", "mlp"),
                 "up_proj": ("experts", "embed", "mlp"), "down_proj": ("experts", "mlp", "embed")}
-        placed = jax.tree_util.tree_map_with_path(
-            lambda path, v: jax.device_put(v, logical_sharding(mesh, axes[str(path[0].key)], v.shape)), state)
         x = jnp.asarray(np.random.default_rng(0).standard_normal((12, 16)), jnp.float32)
-        call = lambda st, x: nnx.merge(graphdef, st)(x)
-        ref = np.asarray(call(state, x))
-        for name, fn in (("on the mesh", traced_on(call, mesh)), ("partitioner", call)):
-            compiled = jax.jit(fn).lower(placed, x).compile()
-            np.testing.assert_allclose(np.asarray(compiled(placed, x)), ref, rtol=1e-5, atol=1e-5)
-            moved = [m.group(1) for m in COLLECTIVE.finditer(compiled.as_text()) if m.group(2) == "all-reduce"]
-            print(f"one routed layer, {name}: all-reduces of {moved}")
-            if name == "on the mesh":
-                assert moved == ["f32[12,16]{1,0}"], moved
+        for dispatch in ("dense", "ragged"):
+            set_moe_dispatch(moe, dispatch)
+            graphdef, state = nnx.split(moe)
+            placed = jax.tree_util.tree_map_with_path(
+                lambda path, v: jax.device_put(v, logical_sharding(mesh, axes[str(path[0].key)], v.shape)), state)
+            call = lambda st, x: nnx.merge(graphdef, st)(x)
+            ref = np.asarray(call(state, x))
+            for name, fn in (("on the mesh", traced_on(call, mesh)), ("partitioner", call)):
+                compiled = jax.jit(fn).lower(placed, x).compile()
+                np.testing.assert_allclose(np.asarray(compiled(placed, x)), ref, rtol=1e-5, atol=1e-5)
+                moved = [m.group(1) for m in COLLECTIVE.finditer(compiled.as_text()) if m.group(2) == "all-reduce"]
+                print(f"one routed layer, {dispatch}, {name}: all-reduces of {moved}")
+                if name == "on the mesh":
+                    assert moved == ["f32[12,16]{1,0}"], (dispatch, moved)
     """,
     # Temperature 1, tensor parallel (1, 4): o_proj, down_proj and the log-sum-exps sum over
     # devices, which rounds differently from one device (~1e-7 relative), so bitwise equality of

@@ -371,8 +371,8 @@ def make_mesh(data: int | None = None, model: int = 1, devices=None, *, expert: 
 def traced_on(fn, mesh: Mesh | None):
     """`fn`, traced with `mesh` as the abstract mesh in context (`jax.sharding.use_abstract_mesh`):
     what tevjax's decoder and trainer jit. A module may then run a part of itself per device under
-    `shard_map` (`SparseMoE`'s grouped dispatch: one all-reduce per layer instead of three);
-    without the context it leaves the split to XLA, with the same results."""
+    `shard_map` (`SparseMoE`: each device's experts on its tokens, then one all-reduce per layer);
+    without the context it leaves the split to XLA's partitioner, with the same results."""
     if mesh is None:
         return fn
 

@@ -209,12 +209,15 @@ class SparseMoE(nnx.Module):
       XLA:CPU expands a ragged product into a masked dense one, and the sort is extra).
     - "ragged": the N * k (token, expert) pairs are sorted by expert and each expert multiplies
       only its own rows (`jax.lax.ragged_dot`, a grouped matmul): the k / E of the FLOPs that
-      routing promises, for accelerators with a grouped-matmul kernel. Traced under a mesh
-      (`jax.sharding.use_abstract_mesh`, as tevjax's decoder and trainer trace) whose devices
-      split the experts or their widths (`tevjax.sharding`), it runs per device under `shard_map`
-      (`_ragged_local`): each device groups the pairs of its own experts first, multiplies its
-      slices, and the devices sum one [N, D] result. Left to XLA's partitioner, each of the three
-      grouped products would end in an all-reduce of [N * k, I] or [N * k, D] partial rows.
+      routing promises, for accelerators with a grouped-matmul kernel.
+
+    Traced under a mesh (`jax.sharding.use_abstract_mesh`, as tevjax's decoder and trainer trace)
+    whose devices split the experts or their widths (`tevjax.sharding`), either dispatch runs per
+    device under `shard_map`: each device runs its own experts (or width slices) on its rows of
+    tokens, and the devices sum one float32 [N, D] result. Left to XLA's partitioner, each of the
+    ragged dispatch's three grouped products ended in an all-reduce of [N * k, I] or [N * k, D]
+    partial rows, and the dense one reduced over experts and widths in two steps
+    (`experiments/results/moe_sharding.md`).
 
     "auto" takes "dense" on CPU and "ragged" elsewhere. A call's `dispatch` defaults to the
     module's own (`dispatch`, "auto" unless `set_moe_dispatch` chose one for a whole model). It is
@@ -260,31 +263,39 @@ class SparseMoE(nnx.Module):
         weights, experts = self.route(x)
         act = ACTIVATIONS[self.act]
         gate, up, down = (p[...].astype(self.dtype) for p in (self.gate_proj, self.up_proj, self.down_proj))
-        prec = dict(precision=matmul_precision(self.dtype))
-        if dispatch == "dense":
-            h = act(jnp.einsum("nd,edi->eni", x, gate, **prec)) * jnp.einsum("nd,edi->eni", x, up, **prec)
-            mix = jnp.zeros((gate.shape[0], x.shape[0]), jnp.float32)
-            mix = mix.at[experts, jnp.arange(x.shape[0])[:, None]].add(weights)  # [E, N], zero off the picked
-            # Weighted before the down projection, which then sums over experts and width at once:
-            # no [E, N, D] intermediate, and with the width split over devices one all-reduce of
-            # [N, D] partial sums, as in a dense MLP.
-            h = (h * mix[:, :, None]).astype(h.dtype)
-            out = jnp.einsum("eni,eid->nd", h, down, preferred_element_type=jnp.float32, **prec)
+        local = functools.partial(_dense_local if dispatch == "dense" else _ragged_local, act=act,
+                                  num_experts=gate.shape[0])
+        mesh = jax.sharding.get_abstract_mesh()
+        split = _expert_split(mesh, gate.shape, down.shape, x.shape[0]) if mesh.axis_names else None
+        if split is None:
+            out = local(x, weights, experts, gate, up, down)
         else:
-            local = functools.partial(_ragged_local, act=act, num_experts=gate.shape[0])
-            mesh = jax.sharding.get_abstract_mesh()
-            split = _expert_split(mesh, gate.shape, down.shape, x.shape[0]) if mesh.axis_names else None
-            if split is None:
-                out = local(x, weights, experts, gate, up, down)
-            else:
-                rows, wspec, dspec, expert_axes, width_axes = split
-                local = functools.partial(local, expert_axes=expert_axes, sum_axes=expert_axes + width_axes)
-                out = jax.shard_map(local, mesh=mesh, in_specs=(rows, rows, rows, wspec, wspec, dspec),
-                                    out_specs=rows)(x, weights, experts, gate, up, down)
+            rows, wspec, dspec, expert_axes, width_axes = split
+            local = functools.partial(local, expert_axes=expert_axes, sum_axes=expert_axes + width_axes)
+            out = jax.shard_map(local, mesh=mesh, in_specs=(rows, rows, rows, wspec, wspec, dspec),
+                                out_specs=rows)(x, weights, experts, gate, up, down)
         if self.shared_expert is not None:
             shared_gate = jax.nn.sigmoid(self.shared_expert_gate(x).astype(jnp.float32))  # [N, 1]
             out = out + shared_gate * self.shared_expert(x).astype(jnp.float32)
         return out.astype(self.dtype).reshape(shape)
+
+
+def _dense_local(x, weights, experts, gate, up, down, *, act, num_experts: int,
+                 expert_axes: tuple[str, ...] = (), sum_axes: tuple[str, ...] = ()):
+    """The "dense" dispatch over one device's experts (arguments and result as `_ragged_local`):
+    each of its experts runs on every token, weighted zero where the routing did not pick it."""
+    prec = dict(precision=matmul_precision(x.dtype))
+    own, n = gate.shape[0], x.shape[0]
+    start = jax.lax.axis_index(expert_axes) * own if expert_axes else 0  # this device's first expert
+    mine = experts - start
+    mine = jnp.where((mine >= 0) & (mine < own), mine, own)  # another device's expert: out of range, dropped
+    mix = jnp.zeros((own, n), jnp.float32).at[mine, jnp.arange(n)[:, None]].add(weights, mode="drop")  # [El, N]
+    h = act(jnp.einsum("nd,edi->eni", x, gate, **prec)) * jnp.einsum("nd,edi->eni", x, up, **prec)
+    # Weighted before the down projection, which then sums over experts and width at once: no
+    # [E, N, D] intermediate.
+    h = (h * mix[:, :, None]).astype(h.dtype)
+    out = jnp.einsum("eni,eid->nd", h, down, preferred_element_type=jnp.float32, **prec)
+    return jax.lax.psum(out, sum_axes) if sum_axes else out
 
 
 def _ragged_local(x, weights, experts, gate, up, down, *, act, num_experts: int,
