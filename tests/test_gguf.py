@@ -423,10 +423,12 @@ def k_error_bound(w: np.ndarray, t: Q) -> np.ndarray:
 def write_gguf(path: Path, state: dict[str, np.ndarray], *, arch: str = "llama",
                types: dict[str, Q] | None = None, meta_overrides: dict | None = None,
                extra_tensors: dict[str, np.ndarray] | None = None, tokenizer: bool = True,
-               pre: str = "smollm", omit: tuple[str, ...] = (), add_bos: bool | None = None) -> Path:
+               pre: str = "smollm", omit: tuple[str, ...] = (), add_bos: bool | None = None,
+               spm: dict | None = None) -> Path:
     """Writes `state` (HF layout and names) as llama.cpp would: renamed, q/k permuted (for its
     Llama rope; Qwen2/Qwen3 run its NEOX rope and keep HF's rows), quantized. A `head_dim` in
-    `meta_overrides` is written as the attention key/value length (Qwen3's)."""
+    `meta_overrides` is written as the attention key/value length (Qwen3's). `spm`: a
+    SentencePiece tokenizer's metadata (`test_tokenizer.spm_meta`) instead of the byte-level one."""
     types = TYPES if types is None else types
     c = dict(TINY, **(meta_overrides or {}))
     head_dim = c.get("head_dim", c["hidden_size"] // c["num_attention_heads"])
@@ -456,18 +458,21 @@ def write_gguf(path: Path, state: dict[str, np.ndarray], *, arch: str = "llama",
         w.add_string(f"{arch}.rope.scaling.type", c["rope_scaling_type"])
     for key, value in c.get("rope_scaling_meta", {}).items():  # "<arch>.rope.scaling.<key>", as llama.cpp types it
         (w.add_uint32 if key == "original_context_length" else w.add_float32)(f"{arch}.rope.scaling.{key}", value)
-    if tokenizer:
-        tokens = tiny_vocab()
-        w.add_tokenizer_model("gpt2")
-        w.add_tokenizer_pre(pre)
+    if spm is not None or tokenizer:
+        tokens = spm["tokenizer.ggml.tokens"] if spm else tiny_vocab()
+        w.add_tokenizer_model("llama" if spm else "gpt2")
         w.add_token_list(tokens)
-        w.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
-        w.add_token_merges(MERGES)
+        w.add_token_types(spm["tokenizer.ggml.token_type"] if spm else [3 if t in SPECIALS else 1 for t in tokens])
+        if spm:  # SentencePiece: scores, no merges (both vocabularies put <unk>/<s>/</s> or theirs at 0-2)
+            w.add_token_scores(spm["tokenizer.ggml.scores"])
+        else:
+            w.add_tokenizer_pre(pre)
+            w.add_token_merges(MERGES)
+            w.add_pad_token_id(2)
+            w.add_chat_template(CHAT_TEMPLATE)
         w.add_bos_token_id(1)
         w.add_eos_token_id(2)
         w.add_unk_token_id(0)
-        w.add_pad_token_id(2)
-        w.add_chat_template(CHAT_TEMPLATE)
         if add_bos is not None:
             w.add_add_bos_token(add_bos)
     for hf, value in state.items():
@@ -814,6 +819,34 @@ def test_a_gguf_file_is_a_cli_target(qwen_file, tmp_path, monkeypatch, capsys):
     code = main(["generate", "--target", str(tmp_path / "none.gguf"), "--prompt-ids", "1"])
     err = capsys.readouterr().err
     assert code == 2 and "--target" in err and "no such GGUF file" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_sentencepiece_gguf_is_a_cli_target(tmp_path, monkeypatch, capsys):
+    """A Llama-2-style file (`tokenizer.ggml.model` "llama": SentencePiece BPE) converts and runs:
+    `generate --prompt` tokenizes as llama.cpp does (BOS, then the pieces), and its greedy tokens
+    equal autoregressive decoding of the converted directory."""
+    import json
+
+    from test_tokenizer import llamacpp_spm, spm_meta
+    from tevjax.cli import main
+    from tevjax.decode import DecodeConfig, Decoder
+    from tevjax.loading import load_models
+
+    meta = spm_meta()
+    sizes = dict(TINY, vocab_size=len(meta["tokenizer.ggml.tokens"]))
+    path = write_gguf(tmp_path / "spm.gguf", tiny_state(seed=3, sizes=sizes), meta_overrides=sizes, spm=meta)
+    monkeypatch.setenv("TEVJAX_CACHE", str(tmp_path / "cache"))
+    code = main(["generate", "--target", str(path), "--prompt", "hello world", "--no-chat", "--max-new-tokens", "5",
+                 "--budget", "3", "--json"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    entry, = (tmp_path / "cache").glob("spm-v*")
+    models = load_models(str(entry), with_drafter=False)
+    prompt = llamacpp_spm(meta, "hello world")
+    assert models.tokenizer.encode("hello world") == prompt and prompt[0] == 1
+    want = Decoder(models.target, None, DecodeConfig(max_new_tokens=5, eos_ids=models.eos_ids)).generate([prompt])
+    got = json.loads(out.strip().splitlines()[-1])
+    assert got["tokens"] == want[0].tokens, (got, want[0].tokens)
 
 
 # ------------------------------------------------------------------------------ K-quants

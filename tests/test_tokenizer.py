@@ -23,6 +23,7 @@ from tevjax.convert.tokenizer import (
     build_tokenizer,
     chat_prompt_ids,
     load_tokenizer,
+    token_bytes,
     tokenizer_files_from_gguf,
 )
 
@@ -135,8 +136,8 @@ def test_chat_prompt_ids_bad_messages(tmp_path):
 
 
 def test_unsupported_tokenizers():
-    with pytest.raises(TokenizerConversionError, match="tokenizer.ggml.model='llama'"):
-        build_tokenizer(dict(tiny_meta(), **{"tokenizer.ggml.model": "llama"}), source="x.gguf")
+    with pytest.raises(TokenizerConversionError, match="tokenizer.ggml.model='t5'"):
+        build_tokenizer(dict(tiny_meta(), **{"tokenizer.ggml.model": "t5"}), source="x.gguf")
     with pytest.raises(TokenizerConversionError, match="x.gguf: tokenizer.ggml.pre='gpt-4o' is not supported"):
         build_tokenizer(tiny_meta("gpt-4o"), source="x.gguf")
     meta = tiny_meta()
@@ -443,3 +444,160 @@ def test_bos_and_eos_are_added_where_the_file_says_llama_cpp_adds_them():
 
     for tok, want in ((bos, [1, *text]), (plain, text)):
         assert _encode(types.SimpleNamespace(tokenizer=Wrapped(tok)), ["hello world"], chat=False) == [want]
+
+
+# ------------------------------------------------------------- SentencePiece vocabularies ("llama")
+
+# A small Llama-2-style vocabulary: <unk>, <s>, </s>, the 256 byte tokens, then pieces whose
+# scores fall with their rank (merges of several characters first; single characters last, as
+# SentencePiece scores them), one user-defined token.
+SPM_MERGED = ["▁t", "he", "▁the", "▁a", "in", "▁in", "er", "▁w", "or", "ld", "▁wor", "▁world", "ll", "▁he",
+              "▁hel", "▁hell", "▁hello", "lo", "an", "▁an", "▁and", "▁▁", "▁▁▁▁", "▁th", "at", "▁that",
+              "is", "▁is", "it", "▁it", "▁s", "▁st", "▁str", "ing", "▁string", "re", "ed", "▁red"]
+SPM_CHARS = ["▁", *"etaoinshrdlcumwfgypbvkxjqz", *"HTW.,!?'-()[]"]
+SPM_USER = "<|tool|>"
+
+
+def spm_meta(**overrides) -> dict:
+    pieces = SPM_MERGED + SPM_CHARS
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *pieces, SPM_USER]
+    types = [2, 3, 3, *[6] * 256, *[1] * len(pieces), 4]
+    scores = [0.0] * 259 + [-float(k) for k in range(len(SPM_MERGED))] + [-1000.0 - k for k in range(len(SPM_CHARS))]
+    meta = {
+        "general.architecture": "llama",
+        "llama.context_length": 128,
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.scores": scores + [0.0],
+        "tokenizer.ggml.bos_token_id": 1,
+        "tokenizer.ggml.eos_token_id": 2,
+        "tokenizer.ggml.unknown_token_id": 0,
+    }
+    return {**meta, **overrides}
+
+
+def llamacpp_spm(meta: dict, text: str, add_special: bool = True) -> list[int]:
+    """llama.cpp's SPM tokenizer (`llama_tokenize_impl` and `llm_tokenizer_spm`), written from its
+    description as a reference: special tokens are cut out of the text first; each run of text
+    between them gets a leading space when `add_space_prefix` (default) says so, its spaces
+    become "▁", and of the adjacent pieces whose concatenation is a token the pair with the
+    highest score merges first (ties: the leftmost) until none is; a character no token spells
+    becomes its UTF-8 bytes' tokens."""
+    import re as _re
+
+    tokens, types, scores = (meta[f"tokenizer.ggml.{k}"] for k in ("tokens", "token_type", "scores"))
+    ids = {t: i for i, t in enumerate(tokens)}
+    special = sorted((t for t, ty in zip(tokens, types) if ty in (3, 4)), key=len, reverse=True)
+    bos = add_special and meta.get("tokenizer.ggml.add_bos_token", True)
+    out = [meta["tokenizer.ggml.bos_token_id"]] if bos else []
+    for part in _re.split("(" + "|".join(_re.escape(s) for s in special) + ")", text):
+        if part in special:
+            out.append(ids[part])
+            continue
+        if not part:
+            continue  # (an empty run between two special tokens tokenizes to nothing)
+        run = (" " if meta.get("tokenizer.ggml.add_space_prefix", True) else "") + part
+        symbols = list(run.replace(" ", "▁"))
+        while True:
+            best = None
+            for j in range(len(symbols) - 1):
+                merged = symbols[j] + symbols[j + 1]
+                if merged in ids and (best is None or scores[ids[merged]] > scores[ids[best[1]]]):
+                    best = (j, merged)
+            if best is None:
+                break
+            symbols[best[0]:best[0] + 2] = [best[1]]
+        for sym in symbols:
+            if sym in ids:
+                out.append(ids[sym])
+            else:
+                out.extend(ids.get(f"<0x{b:02X}>", meta["tokenizer.ggml.unknown_token_id"]) for b in sym.encode())
+    return out
+
+
+SPM_STRINGS = ["hello world", "Hello World!", "the string is red", " hello", "  hello", "hello  world",
+               "a\nb", "tab\there", "café 12 ok", "emoji 😀 at end", "", " ", "<s>hello</s>",
+               "x<s> the", "<|tool|>call(it)", "[the, that, it's]", "thethethe", "▁literal"]
+
+
+@pytest.mark.parametrize("overrides", [{}, {"tokenizer.ggml.add_space_prefix": False},
+                                       {"tokenizer.ggml.add_bos_token": False}])
+def test_sentencepiece_vocabularies_tokenize_as_llama_cpp(overrides):
+    """A "llama" tokenizer equals llama.cpp's SPM algorithm (the reference above) on plain text,
+    spaces, byte fallback, special and user-defined tokens in the text; decoding gives the text
+    back, and each token spells the bytes it adds (what stop strings read)."""
+    meta = spm_meta(**overrides)
+    tok = build_tokenizer(meta)
+    assert tok.get_vocab_size(with_added_tokens=True) == len(meta["tokenizer.ggml.tokens"])
+    spelled = token_bytes(tok)
+    for text in SPM_STRINGS:
+        want = llamacpp_spm(meta, text)
+        assert tok.encode(text).ids == want, (text, tok.encode(text).tokens, pieces_of(meta, want))
+        assert tok.encode(text, add_special_tokens=False).ids == llamacpp_spm(meta, text, add_special=False)
+        if "<" not in text and "▁" not in text:  # (a "▁" in the text reads back as a space, in llama.cpp too)
+            ids = tok.encode(text, add_special_tokens=False).ids
+            assert tok.decode(ids) == text, text
+            prefix = " " if overrides.get("tokenizer.ggml.add_space_prefix", True) and text else ""
+            assert b"".join(spelled[i] for i in ids) == (prefix + text).encode(), text
+    if overrides.get("tokenizer.ggml.add_space_prefix", True):
+        assert tok.encode("hello world").tokens[-2:] == ["▁hello", "▁world"]
+
+
+@given(st.lists(st.sampled_from([*"the world isa", " ", "  ", "\n", "é", "😀", "<s>", "</s>", SPM_USER]),
+                max_size=30).map("".join))
+@settings(max_examples=200, deadline=None, derandomize=True)
+def test_sentencepiece_equals_llama_cpp_on_random_text(text):
+    meta = spm_meta()
+    assert build_tokenizer(meta).encode(text).ids == llamacpp_spm(meta, text), text
+
+
+def pieces_of(meta, ids):
+    return [meta["tokenizer.ggml.tokens"][i] for i in ids]
+
+
+def test_sentencepiece_errors_name_the_field():
+    with pytest.raises(TokenizerConversionError, match="x.gguf: tokenizer metadata tokenizer.ggml.scores is missing"):
+        build_tokenizer({k: v for k, v in spm_meta().items() if k != "tokenizer.ggml.scores"}, source="x.gguf")
+    with pytest.raises(TokenizerConversionError, match="tokenizer.ggml.scores has 3 entries for 338 tokens"):
+        build_tokenizer(spm_meta(**{"tokenizer.ggml.scores": [0.0, 1.0, 2.0]}))
+    with pytest.raises(TokenizerConversionError, match="tokenizer.ggml.model='bert' is not supported"):
+        build_tokenizer(spm_meta(**{"tokenizer.ggml.model": "bert"}))
+
+
+def test_sentencepiece_gguf_matches_transformers_and_makes_a_tokenizer_dir(tmp_path):
+    """Written to a GGUF file: transformers' own GGUF tokenizer gives the same ids on text without
+    special tokens and not starting with a space or a "▁" (where it adds no second "▁" and no
+    space after a special token, while llama.cpp adds both), and the converted directory loads with
+    `load_tokenizer`, BOS first."""
+    import gguf
+    import transformers
+
+    meta = spm_meta()
+    path = tmp_path / "spm.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    for name, value in ((w.add_block_count, 1), (w.add_context_length, 128), (w.add_embedding_length, 16),
+                        (w.add_feed_forward_length, 32), (w.add_head_count, 2), (w.add_head_count_kv, 2)):
+        name(value)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_vocab_size(len(meta["tokenizer.ggml.tokens"]))
+    w.add_tokenizer_model("llama")
+    w.add_token_list(meta["tokenizer.ggml.tokens"])
+    w.add_token_types(meta["tokenizer.ggml.token_type"])
+    w.add_token_scores(meta["tokenizer.ggml.scores"])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    ours = load_tokenizer(write_tok_dir(meta, tmp_path / "dir"))
+    for text in SPM_STRINGS:
+        if "<" in text or text.startswith((" ", "▁")):
+            continue
+        a, b = ours.encode(text), theirs.encode(text)
+        assert a == b == llamacpp_spm(meta, text), (text, pieces_of(meta, a), pieces_of(meta, b))
+        assert ours.decode(a, skip_special_tokens=True) == text
+    assert ours.bos_token_id == 1 and ours.encode("hi")[0] == 1

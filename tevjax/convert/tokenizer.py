@@ -6,9 +6,11 @@ name (`tokenizer.ggml.pre`) and the chat template. `tokenizer_files_from_gguf` r
 the `tokenizer.json` / `tokenizer_config.json` pair of an HF directory, so `load_tokenizer` can open
 it with transformers' `PreTrainedTokenizerFast` (no torch needed).
 
-Only byte-level BPE (`tokenizer.ggml.model == "gpt2"`: the GPT-2, StarCoder, SmolLM, Qwen and
-Llama 3 families) is supported. Its token strings are already spelled in the GPT-2 byte alphabet
-("Ġt" for " t").
+Two kinds are supported: byte-level BPE (`tokenizer.ggml.model == "gpt2"`: the GPT-2, StarCoder,
+SmolLM, Qwen and Llama 3 families), whose token strings are already spelled in the GPT-2 byte
+alphabet ("Ġt" for " t"), and SentencePiece BPE (`"llama"`: Llama 2, Mistral, TinyLlama), whose
+pieces spell spaces as "\u2581" and carry scores instead of merges (`_sentencepiece`). What follows
+about pre-tokenizers is byte-level BPE's.
 
 The pre-tokenizer decides where BPE may not merge across. llama.cpp names it in
 `tokenizer.ggml.pre` and implements each name as a list of split regexes (`llama-vocab.cpp`):
@@ -107,7 +109,7 @@ def build_tokenizer(meta: Mapping[str, Any], *, source: str = "GGUF metadata"):
 
     `source` only names the origin in error messages (e.g. the GGUF path).
     """
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from tokenizers import AddedToken, processors
 
     def need(key):
         if key not in meta:
@@ -115,20 +117,61 @@ def build_tokenizer(meta: Mapping[str, Any], *, source: str = "GGUF metadata"):
         return meta[key]
 
     kind = need("tokenizer.ggml.model")
-    if kind != "gpt2":
+    if kind not in ("gpt2", "llama"):
         raise TokenizerConversionError(
-            f"{source}: tokenizer.ggml.model={kind!r} is not supported (only byte-level BPE, 'gpt2')")
-    pre = meta.get("tokenizer.ggml.pre", "gpt-2")
-    if pre not in SUPPORTED_PRE_TOKENIZERS:
-        raise TokenizerConversionError(
-            f"{source}: tokenizer.ggml.pre={pre!r} is not supported "
-            f"(supported: {', '.join(sorted(SUPPORTED_PRE_TOKENIZERS))})")
+            f"{source}: tokenizer.ggml.model={kind!r} is not supported (only byte-level BPE, 'gpt2', and "
+            "SentencePiece BPE, 'llama')")
     tokens: list[str] = list(need("tokenizer.ggml.tokens"))
     types: list[int] = list(meta.get("tokenizer.ggml.token_type", [_NORMAL] * len(tokens)))
     if len(types) != len(tokens):
         raise TokenizerConversionError(f"{source}: tokenizer.ggml.token_type has {len(types)} "
                                        f"entries for {len(tokens)} tokens")
-    merges_raw: list[str] = list(need("tokenizer.ggml.merges"))
+    if kind == "llama":
+        tok = _sentencepiece(meta, tokens, need("tokenizer.ggml.scores"), source)
+    else:
+        tok = _byte_level(meta, tokens, types, list(need("tokenizer.ggml.merges")), source)
+
+    def added(kind):  # the id llama.cpp adds to any text when the file says so (`add_bos_token`), else None
+        i = meta.get(f"tokenizer.ggml.{kind}_token_id")
+        # A SentencePiece vocabulary that does not say gets BOS, as llama.cpp gives it.
+        default = kind == "bos" and meta["tokenizer.ggml.model"] == "llama"
+        wanted = meta.get(f"tokenizer.ggml.add_{kind}_token", default) and i is not None and 0 <= int(i) < len(tokens)
+        return int(i) if wanted else None
+
+    bos, eos = added("bos"), added("eos")
+    if bos is not None or eos is not None:
+        head = [tokens[bos]] if bos is not None else []
+        tail = [tokens[eos]] if eos is not None else []
+        single = [*head, "$A", *tail]
+        pair = [*single, *(f"{t}:1" for t in head), "$B:1", *(f"{t}:1" for t in tail)]
+        template = processors.TemplateProcessing(single=" ".join(single), pair=" ".join(pair),
+                                                 special_tokens=[(tokens[i], i) for i in (bos, eos) if i is not None])
+        tok.post_processor = (template if tok.post_processor is None
+                              else processors.Sequence([tok.post_processor, template]))
+    # Control tokens (<|im_start|>, <s>, ...) are matched whole in raw text and skipped when decoding
+    # with skip_special_tokens; user-defined ones are matched whole but kept. Both reuse their ids.
+    special = [AddedToken(t, special=True, normalized=False)
+               for t, ty in zip(tokens, types) if ty == _CONTROL]
+    user = [AddedToken(t, special=False, normalized=False)
+            for t, ty in zip(tokens, types) if ty == _USER_DEFINED]
+    tok.add_special_tokens(special)
+    tok.add_tokens(user)
+    if tok.get_vocab_size(with_added_tokens=True) != len(tokens):
+        raise TokenizerConversionError(f"{source}: rebuilt vocabulary has "
+                                       f"{tok.get_vocab_size(with_added_tokens=True)} entries, "
+                                       f"expected {len(tokens)}")
+    return tok
+
+
+def _byte_level(meta: Mapping[str, Any], tokens: list[str], types: list[int], merges_raw: list[str], source: str):
+    """Byte-level BPE (`tokenizer.ggml.model` "gpt2"), with the split `tokenizer.ggml.pre` names."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+
+    pre = meta.get("tokenizer.ggml.pre", "gpt-2")
+    if pre not in SUPPORTED_PRE_TOKENIZERS:
+        raise TokenizerConversionError(
+            f"{source}: tokenizer.ggml.pre={pre!r} is not supported "
+            f"(supported: {', '.join(sorted(SUPPORTED_PRE_TOKENIZERS))})")
 
     alphabet = set(_byte_alphabet().values())
     spell = _byte_alphabet()
@@ -166,34 +209,45 @@ def build_tokenizer(meta: Mapping[str, Any], *, source: str = "GGUF metadata"):
     # ByteLevel only fixes offsets; BOS / EOS are added where the file says llama.cpp adds them
     # (see module docstring).
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    return tok
 
-    def added(kind):  # the id llama.cpp adds to any text when the file says so (`add_bos_token`), else None
-        i = meta.get(f"tokenizer.ggml.{kind}_token_id")
-        wanted = meta.get(f"tokenizer.ggml.add_{kind}_token") and i is not None and 0 <= int(i) < len(tokens)
-        return int(i) if wanted else None
 
-    bos, eos = added("bos"), added("eos")
-    if bos is not None or eos is not None:
-        head = [tokens[bos]] if bos is not None else []
-        tail = [tokens[eos]] if eos is not None else []
-        single = [*head, "$A", *tail]
-        pair = [*single, *(f"{t}:1" for t in head), "$B:1", *(f"{t}:1" for t in tail)]
-        tok.post_processor = processors.Sequence([
-            processors.ByteLevel(trim_offsets=False),
-            processors.TemplateProcessing(single=" ".join(single), pair=" ".join(pair),
-                                          special_tokens=[(tokens[i], i) for i in (bos, eos) if i is not None])])
-    # Control tokens (<|im_start|>, ...) are matched whole in raw text and skipped when decoding
-    # with skip_special_tokens; user-defined ones are matched whole but kept. Both reuse their ids.
-    special = [AddedToken(t, special=True, normalized=False)
-               for t, ty in zip(tokens, types) if ty == _CONTROL]
-    user = [AddedToken(t, special=False, normalized=False)
-            for t, ty in zip(tokens, types) if ty == _USER_DEFINED]
-    tok.add_special_tokens(special)
-    tok.add_tokens(user)
-    if tok.get_vocab_size(with_added_tokens=True) != len(tokens):
-        raise TokenizerConversionError(f"{source}: rebuilt vocabulary has "
-                                       f"{tok.get_vocab_size(with_added_tokens=True)} entries, "
-                                       f"expected {len(tokens)}")
+def _sentencepiece(meta: Mapping[str, Any], tokens: list[str], scores, source: str):
+    """SentencePiece BPE (`tokenizer.ggml.model` "llama": Llama 2, Mistral, TinyLlama), as
+    llama.cpp's SPM tokenizer runs it (`llm_tokenizer_spm`): spaces become "\u2581", with one in
+    front of every run of text between special tokens when `tokenizer.ggml.add_space_prefix`
+    says so (its default); then, of the adjacent pieces whose concatenation is a token, the pair
+    with the highest score merges first, until none is; a character no token spells is spelled
+    by its UTF-8 bytes' tokens ("<0x0A>").
+
+    That is BPE with one merge per way of cutting a token into two tokens, ranked by the token's
+    score: the model below (ties of equal scores, where llama.cpp takes the leftmost pair, are
+    ranked by the pieces' ids). Decoding turns "\u2581" back into spaces, bytes into text, and
+    drops the space the prefix added."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    scores = [float(x) for x in scores]
+    if len(scores) != len(tokens):
+        raise TokenizerConversionError(f"{source}: tokenizer.ggml.scores has {len(scores)} entries for "
+                                       f"{len(tokens)} tokens")
+    vocab: dict[str, int] = {}
+    for i, t in enumerate(tokens):
+        if t in vocab:
+            raise TokenizerConversionError(f"{source}: token {t!r} appears twice (ids {vocab[t]} and {i})")
+        vocab[t] = i
+    ranked = sorted(((-scores[i], vocab[t[:cut]], vocab[t[cut:]]), t[:cut], t[cut:])
+                    for t, i in vocab.items() for cut in range(1, len(t)) if t[:cut] in vocab and t[cut:] in vocab)
+    unk = meta.get("tokenizer.ggml.unknown_token_id")
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[(a, b) for _, a, b in ranked], byte_fallback=True,
+                               fuse_unk=True, unk_token=None if unk is None else tokens[int(unk)]))
+    # llama.cpp puts the space in front of each run of raw text (after every special token too),
+    # and puts it there even when the text starts with a space: a normalizer does both (tokenizers'
+    # Metaspace would skip the second).
+    escape = normalizers.Replace(" ", "\u2581")
+    prefix = meta.get("tokenizer.ggml.add_space_prefix", True)
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), escape]) if prefix else escape
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    tok.decoder = decoders.Sequence([*steps, decoders.Strip(" ", 1, 0)] if prefix else steps)
     return tok
 
 
