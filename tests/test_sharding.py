@@ -511,6 +511,13 @@ CHECKS = {
                 assert gate.addressable_shards[0].data.shape[1] * expert == gate.shape[1], gate.sharding
                 counts[dispatch] = check_loop_hlo(dec, mesh)
             assert counts["ragged"] == counts["dense"], (dict(mesh.shape), counts)
+        # `tevjax data`'s features: one forward of each sequence, traced on the mesh as well.
+        from tevjax.train.rollout import sequence_hidden
+        seqs = [[1, 5, 7, 9, 11, 3], [4, 4, 2], [8, 1, 6, 6, 6, 2, 9], [3]]
+        one = sequence_hidden(target, seqs, (0, 1), bucket=8)
+        split = sequence_hidden(target, seqs, (0, 1), bucket=8, mesh=make_mesh(2, 1, expert=2))
+        for a, b in zip(one, split, strict=True):  # bfloat16 features: equal to their rounding
+            np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2e-2, atol=2e-2)
         set_moe_dispatch(target, "auto")
         # One routed layer on (1, expert=2, 2), either dispatch: traced on the mesh (as the decoder
         # and the trainer trace), it runs per device and ends in one all-reduce of [N, D]. Left to

@@ -60,7 +60,7 @@ from tevjax.models.dflash import tapped_hidden
 from tevjax.models.layers import causal_mask
 from tevjax.models.transformer import Transformer
 from tevjax.multihost import barrier, check_shared_dir, holds_files
-from tevjax.sharding import batch_sharding, host_array, put
+from tevjax.sharding import batch_sharding, host_array, put, traced_on
 
 __all__ = ["RolloutConfig", "generate_data", "select_prompts", "sequence_hidden", "batch_features", "read_manifest",
            "MANIFEST", "FORMAT_VERSION"]
@@ -177,12 +177,13 @@ def sequence_hidden(target: Transformer, sequences: Sequence[Sequence[int]], tap
     Sequences are right-padded to a multiple of `bucket` (causal attention: padding after a token
     cannot change it) and run `chunk` at a time to bound the [chunk, H, T, T] attention scores.
     With a `mesh` (the target's own), each chunk's rows are split over `data`, padded with empty
-    rows to a multiple of it.
+    rows to a multiple of it, and the forward is traced on the mesh (`traced_on`), as the decoder's.
     """
     from flax import nnx
 
     graphdef, state = nnx.split(target)
     rows = 1 if mesh is None else mesh.shape["data"]
+    forward = traced_on(_hidden_fn, mesh)
     out: list[np.ndarray] = [None] * len(sequences)  # type: ignore[list-item]
     order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
     for start in range(0, len(order), chunk):
@@ -192,7 +193,7 @@ def sequence_hidden(target: Transformer, sequences: Sequence[Sequence[int]], tap
         for j, i in enumerate(idx):
             tokens[j, : len(sequences[i])] = sequences[i]
         tokens = jnp.asarray(tokens) if mesh is None else put(tokens, batch_sharding(mesh, 2))
-        hidden = host_array(_hidden_fn(state, tokens, graphdef=graphdef, taps=tuple(taps)))
+        hidden = host_array(forward(state, tokens, graphdef=graphdef, taps=tuple(taps)))
         for j, i in enumerate(idx):
             out[i] = hidden[j, : len(sequences[i])]
     return out
