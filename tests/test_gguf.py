@@ -290,12 +290,79 @@ def test_moe_conversion_runs_in_tevjax_like_transformers(moe_file, tmp_path):
     assert cfg.shared_expert_size == MOE_SIZES[arch].get("shared_expert_intermediate_size", 0)
 
 
+MIXTRAL_SIZES = dict(TINY, num_experts=4, num_experts_per_tok=2)
+
+
+def mixtral_state(seed: int = 0) -> dict[str, np.ndarray]:
+    """A Mixtral model's HF tensors: Llama's attention, a router and one w1 / w3 / w2 per expert."""
+    rng = np.random.default_rng(seed)
+    c = MIXTRAL_SIZES
+    state = {k: v for k, v in tiny_state(seed).items() if ".mlp." not in k}
+    d, f = c["hidden_size"], c["intermediate_size"]
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}.block_sparse_moe."
+        state[p + "gate.weight"] = (rng.standard_normal((4, d)) * 0.3).astype(np.float32)
+        for j in range(4):
+            for name, shape in (("w1", (f, d)), ("w3", (f, d)), ("w2", (d, f))):
+                state[p + f"experts.{j}.{name}.weight"] = (rng.standard_normal(shape) * 0.1).astype(np.float32)
+    return state
+
+
+def write_mixtral_gguf(path: Path, state: dict[str, np.ndarray], **kw) -> Path:
+    """`state` as llama.cpp's convert_hf_to_gguf writes Mixtral: a `llama` file with an expert count
+    and used count (the experts' width is feed_forward_length), q/k permuted, the router as
+    `ffn_gate_inp` and w1 / w3 / w2 of every expert stacked as `ffn_gate_exps` / `ffn_up_exps` /
+    `ffn_down_exps`."""
+    c = MIXTRAL_SIZES
+    plain = {k: v for k, v in state.items() if ".block_sparse_moe." not in k}
+    extra = {}
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}.block_sparse_moe."
+        extra[f"blk.{i}.ffn_gate_inp.weight"] = state[p + "gate.weight"]
+        for w, short, t in (("w1", "gate", Q.Q8_0), ("w3", "up", Q.F16), ("w2", "down", Q.Q4_1)):
+            experts = [state[f"{p}experts.{j}.{w}.weight"] for j in range(c["num_experts"])]
+            extra[f"blk.{i}.ffn_{short}_exps.weight"] = (np.stack(experts), t)
+    return write_gguf(path, plain, meta_overrides=c, omit=("moe_intermediate_size",), extra_tensors=extra, **kw)
+
+
+def test_mixtral_files_read_as_mixtral_and_run_like_transformers(tmp_path):
+    """A Mixtral GGUF (`llama` with experts; transformers has no GGUF reader for it) reads as a
+    Mixtral checkpoint: its expert fields, Llama's q/k rows unpermuted, the router and each stacked
+    expert tensor split into w1 / w3 / w2, each exactly its storage type's rounding; the converted
+    directory gives transformers' Mixtral logits in tevjax."""
+    state = mixtral_state(seed=6)
+    path = write_mixtral_gguf(tmp_path / "mixtral.gguf", state)
+    cfg, got = read_gguf(path)
+    assert (cfg["model_type"], cfg["architectures"]) == ("mixtral", ["MixtralForCausalLM"])
+    assert (cfg["num_local_experts"], cfg["num_experts_per_tok"], cfg["intermediate_size"]) == (
+        4, 2, TINY["intermediate_size"])
+    assert cfg["sliding_window"] is None and "num_experts" not in cfg and "moe_intermediate_size" not in cfg
+    assert set(got) == set(state)
+    types = dict(TYPES, **{k: {"w1": Q.Q8_0, "w3": Q.F16, "w2": Q.Q4_1}[k.split(".")[-2]]
+                           for k in state if ".experts." in k})
+    want = expected_values(state, types)
+    for name, value in got.items():
+        np.testing.assert_array_equal(value, want[name], err_msg=name)
+    tcfg = assert_runs_like_transformers(gguf_to_hf_dir(path, tmp_path / "hf"))
+    assert (tcfg.architecture, tcfg.num_experts, tcfg.experts_per_token, tcfg.norm_topk_prob) == (
+        "mixtral", 4, 2, True)
+
+
 def test_expert_files_refused_by_name(tmp_path):
-    """A Mixtral GGUF (llama with an expert_count) is refused, as is a qwen3moe file without its
-    experts' width or with more experts per token than it has."""
-    path = write_gguf(tmp_path / "mixtral.gguf", tiny_state(), meta_overrides=dict(
+    """A dense architecture's file with an expert count is refused, as are an early Mixtral file
+    (one tensor per expert) and a qwen3moe file without its experts' width or its router."""
+    path = write_gguf(tmp_path / "qwen2e.gguf", tiny_state(arch="qwen2"), arch="qwen2", meta_overrides=dict(
         num_experts=8, num_experts_per_tok=2, moe_intermediate_size=96))
-    with pytest.raises(GGUFError, match=r"llama\.expert_count=8: mixture-of-experts llama files .* not supported"):
+    with pytest.raises(GGUFError, match=r"qwen2\.expert_count=8: mixture-of-experts qwen2 files are not supported"):
+        read_gguf(path)
+    state = mixtral_state()
+    early = {f"blk.{i}.ffn_{short}.{j}.weight": state[f"model.layers.{i}.block_sparse_moe.experts.{j}.{w}.weight"]
+             for i in range(2) for j in range(4) for w, short in (("w1", "gate"), ("w3", "up"), ("w2", "down"))}
+    early.update({f"blk.{i}.ffn_gate_inp.weight": state[f"model.layers.{i}.block_sparse_moe.gate.weight"]
+                  for i in range(2)})
+    path = write_gguf(tmp_path / "early.gguf", {k: v for k, v in state.items() if ".block_sparse_moe." not in k},
+                      meta_overrides=MIXTRAL_SIZES, omit=("moe_intermediate_size",), extra_tensors=early)
+    with pytest.raises(GGUFError, match=r"blk\.0\.ffn_down\.0\.weight.*early Mixtral files: convert it again"):
         read_gguf(path)
     state = moe_state()
     path = write_moe_gguf(tmp_path / "nowidth.gguf", state, omit=("moe_intermediate_size",))

@@ -4,14 +4,15 @@ A GGUF file holds a llama.cpp model: hyper-parameters and the tokenizer as key/v
 weights as tensors under llama.cpp names, often block-quantized. tevjax does not load GGUF directly:
 `gguf_to_hf_dir` turns one into an ordinary HF checkpoint directory (config.json, float32
 model.safetensors with standard `LlamaForCausalLM` / `Qwen2ForCausalLM` / `Qwen3ForCausalLM` /
-`Qwen3MoeForCausalLM` / `Qwen2MoeForCausalLM` names,
+`MixtralForCausalLM` / `Qwen3MoeForCausalLM` / `Qwen2MoeForCausalLM` names,
 tokenizer.json, tokenizer_config.json with the file's chat template, generation_config.json), so
 the HF loader -- and transformers itself, in the tests -- treat it like any other checkpoint.
 Architectures: `llama` (SmolLM2 among them; Llama 3.1 onwards with the rope scaling it stores as
 `rope_freqs.weight`, `_llama3_scaling`), `qwen2` (Qwen2 and Qwen2.5: q/k/v biases) and `qwen3`
 (per-head q/k norms, a head size of its own), `qwen3moe` (Qwen3's attention with routed experts,
-each projection of a layer's experts stacked in one tensor) and `qwen2moe` (Qwen2's attention,
-routed experts and a shared expert). `rope.scaling.type` linear and yarn become HF's
+each projection of a layer's experts stacked in one tensor), `qwen2moe` (Qwen2's attention,
+routed experts and a shared expert), and Mixtral, which llama.cpp writes as `llama` with an
+expert count (`_MIXTRAL`). `rope.scaling.type` linear and yarn become HF's
 `rope_scaling` of the same name (`_rope_scaling`).
 
 Two layout facts matter (both from llama.cpp's `convert_hf_to_gguf.py`):
@@ -101,6 +102,17 @@ class _Arch:
     experts: bool = False
     # Qwen2-MoE: a shared expert `blk.N.ffn_{gate,up,down}_shexp` and its gate `blk.N.ffn_gate_inp_shexp` [D].
     shared_expert: bool = False
+    # The HF config fields of the expert count and the experts' width (Mixtral: `num_local_experts`,
+    # and `intermediate_size` itself, read from feed_forward_length).
+    experts_field: str = "num_experts"
+    width_field: str = "moe_intermediate_size"
+    # HF names where the architecture's differ from the table's Qwen-MoE names (substring swaps).
+    renames: tuple[tuple[str, str], ...] = ()
+
+    def hf(self, name: str) -> str:
+        for old, new in self.renames:
+            name = name.replace(old, new)
+        return name
 
 
 _ARCHS: dict[str, _Arch] = {
@@ -119,6 +131,21 @@ _ARCHS: dict[str, _Arch] = {
                       model_type="qwen2_moe", experts=True, shared_expert=True),
 }
 assert set(_ARCHS) == set(SUPPORTED_ARCHITECTURES)
+# Mixtral: llama.cpp writes it as `llama` with an expert count (convert_hf_to_gguf's LlamaModel:
+# q/k permuted, `block_sparse_moe` w1 / w3 / w2 stacked as ffn_gate_exps / ffn_up_exps /
+# ffn_down_exps, the experts' width as feed_forward_length), and runs it with full attention and
+# the picked experts' weights renormalised, as MixtralConfig with no sliding window does.
+_MIXTRAL = _Arch("MixtralForCausalLM", True, False, False, (("sliding_window", None),), model_type="mixtral",
+                 experts=True, experts_field="num_local_experts", width_field="intermediate_size",
+                 renames=(("mlp.experts.", "block_sparse_moe.experts."), (".gate_proj.", ".w1."), (".up_proj.", ".w3."),
+                          (".down_proj.", ".w2."), ("mlp.gate.", "block_sparse_moe.gate.")))
+
+
+def _arch_of(meta: Mapping[str, Any]) -> _Arch:
+    """The conversion of a file's `general.architecture` (checked by `_config_from_metadata`):
+    a `llama` file with experts is a Mixtral."""
+    arch = meta["general.architecture"]
+    return _MIXTRAL if arch == "llama" and meta.get("llama.expert_count", 0) else _ARCHS[arch]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -221,7 +248,8 @@ def _config_from_metadata(path: Path, meta: Mapping[str, Any], tensor_names: set
     if arch not in SUPPORTED_ARCHITECTURES:
         raise GGUFError(f"{path}: architecture {arch!r} is not supported "
                         f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
-    cfg: dict[str, Any] = {"architectures": [_ARCHS[arch].hf_class], "model_type": _ARCHS[arch].model_type or arch}
+    conv = _arch_of(meta)
+    cfg: dict[str, Any] = {"architectures": [conv.hf_class], "model_type": conv.model_type or arch}
     for key, field, kind, default in _LLAMA_CONFIG_TABLE:
         full = f"{arch}.{key}"
         if full in meta:
@@ -277,7 +305,7 @@ def _config_from_metadata(path: Path, meta: Mapping[str, Any], tensor_names: set
                         f"size is {vocab}")
     cfg["vocab_size"] = vocab
     cfg["tie_word_embeddings"] = "output.weight" not in tensor_names
-    cfg.update(hidden_act="silu", rope_scaling=scaling, torch_dtype="float32", **dict(_ARCHS[arch].extra_config))
+    cfg.update(hidden_act="silu", rope_scaling=scaling, torch_dtype="float32", **dict(conv.extra_config))
     for key, field in _TOKEN_ID_TABLE:
         if key in meta:
             cfg[field] = int(meta[key])
@@ -285,29 +313,30 @@ def _config_from_metadata(path: Path, meta: Mapping[str, Any], tensor_names: set
 
 
 def _expert_config(path: Path, meta: Mapping[str, Any], arch: str) -> dict[str, Any]:
-    """The HF expert fields of a qwen3moe or qwen2moe file (`{arch}.expert_count`,
-    `.expert_used_count`, `.expert_feed_forward_length`, and Qwen2-MoE's
-    `.expert_shared_feed_forward_length`); a file of another architecture with experts (a Mixtral
-    GGUF is `llama` with an expert_count) is refused by name."""
+    """The HF expert fields of a qwen3moe, qwen2moe or Mixtral (`llama` with experts) file:
+    `{arch}.expert_count`, `.expert_used_count`, the Qwen-MoE experts' `.expert_feed_forward_length`
+    (Mixtral's are feed_forward_length) and Qwen2-MoE's `.expert_shared_feed_forward_length`. A
+    dense architecture's file with an expert count is refused by name."""
     count = meta.get(f"{arch}.expert_count", 0)
-    if not _ARCHS[arch].experts:
+    kind = _arch_of(meta)
+    if not kind.experts:
         if count:
-            raise GGUFError(f"{path}: {arch}.expert_count={count}: mixture-of-experts {arch} files (such as "
-                            f"Mixtral's) are not supported; of MoE files qwen3moe and qwen2moe are (load Mixtral "
-                            f"from its HF checkpoint)")
+            raise GGUFError(f"{path}: {arch}.expert_count={count}: mixture-of-experts {arch} files are not "
+                            "supported (of MoE files: Mixtral's llama, qwen3moe, qwen2moe)")
         return {}
     out = {}
-    keys = [("expert_count", "num_experts"), ("expert_used_count", "num_experts_per_tok"),
-            ("expert_feed_forward_length", "moe_intermediate_size")]
-    if _ARCHS[arch].shared_expert:
+    keys = [("expert_count", kind.experts_field), ("expert_used_count", "num_experts_per_tok")]
+    if kind.width_field != "intermediate_size":
+        keys.append(("expert_feed_forward_length", kind.width_field))
+    if kind.shared_expert:
         keys.append(("expert_shared_feed_forward_length", "shared_expert_intermediate_size"))
     for key, field in keys:
         if f"{arch}.{key}" not in meta:
             raise GGUFError(f"{path}: required metadata {arch}.{key} is missing")
         out[field] = _uniform_int(path, f"{arch}.{key}", meta[f"{arch}.{key}"])
-    if not 0 < out["num_experts_per_tok"] <= out["num_experts"]:
+    if not 0 < out["num_experts_per_tok"] <= out[kind.experts_field]:
         raise GGUFError(f"{path}: {arch}.expert_used_count {out['num_experts_per_tok']} must be in "
-                        f"[1, expert_count {out['num_experts']}]")
+                        f"[1, expert_count {out[kind.experts_field]}]")
     return out
 
 
@@ -461,6 +490,14 @@ def _experts(arch: _Arch) -> bool:
     return arch.experts
 
 
+def _n_experts(c):
+    return c.get("num_experts", c.get("num_local_experts"))
+
+
+def _expert_width(c):
+    return c.get("moe_intermediate_size", c["intermediate_size"])
+
+
 def _dense(arch: _Arch) -> bool:
     return not arch.experts
 
@@ -494,16 +531,17 @@ _TENSOR_TABLE: tuple[_TensorRule, ...] = tuple(
          lambda c: (c["intermediate_size"], c["hidden_size"]), None, _dense),
         (r"blk\.(\d+)\.ffn_down\.weight", "model.layers.{layer}.mlp.down_proj.weight",
          lambda c: (c["hidden_size"], c["intermediate_size"]), None, _dense),
-        # Qwen3-MoE: the router, and each projection of every expert in one [E, out, in] tensor,
-        # split into HF's one tensor per expert.
+        # Qwen3-MoE, Qwen2-MoE and Mixtral: the router, and each projection of every expert in one
+        # [E, out, in] tensor, split into HF's one tensor per expert (Qwen-MoE names; Mixtral's by
+        # `_Arch.renames`).
         (r"blk\.(\d+)\.ffn_gate_inp\.weight", "model.layers.{layer}.mlp.gate.weight",
-         lambda c: (c["num_experts"], c["hidden_size"]), None, _experts),
+         lambda c: (_n_experts(c), c["hidden_size"]), None, _experts),
         (r"blk\.(\d+)\.ffn_gate_exps\.weight", "model.layers.{layer}.mlp.experts.{expert}.gate_proj.weight",
-         lambda c: (c["num_experts"], c["moe_intermediate_size"], c["hidden_size"]), None, _experts),
+         lambda c: (_n_experts(c), _expert_width(c), c["hidden_size"]), None, _experts),
         (r"blk\.(\d+)\.ffn_up_exps\.weight", "model.layers.{layer}.mlp.experts.{expert}.up_proj.weight",
-         lambda c: (c["num_experts"], c["moe_intermediate_size"], c["hidden_size"]), None, _experts),
+         lambda c: (_n_experts(c), _expert_width(c), c["hidden_size"]), None, _experts),
         (r"blk\.(\d+)\.ffn_down_exps\.weight", "model.layers.{layer}.mlp.experts.{expert}.down_proj.weight",
-         lambda c: (c["num_experts"], c["hidden_size"], c["moe_intermediate_size"]), None, _experts),
+         lambda c: (_n_experts(c), c["hidden_size"], _expert_width(c)), None, _experts),
         # Qwen2-MoE's shared expert, and its gate's one row, stored as a vector.
         (r"blk\.(\d+)\.ffn_gate_shexp\.weight", "model.layers.{layer}.mlp.shared_expert.gate_proj.weight",
          lambda c: (c["shared_expert_intermediate_size"], c["hidden_size"]), None, _shared),
@@ -535,8 +573,8 @@ def _expected_hf_names(cfg: dict, arch: _Arch) -> set[str]:
         names.add("lm_head.weight")
     for rule in _TENSOR_TABLE:
         if "{layer}" in rule.hf_name and rule.for_arch(arch):
-            names.update(rule.hf_name.format(layer=i, expert=e) for i in range(cfg["num_hidden_layers"])
-                         for e in (range(cfg["num_experts"]) if "{expert}" in rule.hf_name else [None]))
+            names.update(arch.hf(rule.hf_name).format(layer=i, expert=e) for i in range(cfg["num_hidden_layers"])
+                         for e in (range(_n_experts(cfg)) if "{expert}" in rule.hf_name else [None]))
     return names
 
 
@@ -577,7 +615,7 @@ def _read(path: Path) -> tuple[dict[str, Any], dict[str, np.ndarray], dict[str, 
     embed = by_name.get("token_embd.weight")
     embed_rows = int(embed.shape[-1]) if embed is not None and len(embed.shape) == 2 else None
     cfg = _config_from_metadata(path, meta, set(by_name), embed_rows)
-    arch = _ARCHS[meta["general.architecture"]]  # checked by _config_from_metadata
+    arch = _arch_of(meta)  # checked by _config_from_metadata
 
     if "rope_freqs.weight" in by_name:  # only a Llama file gets here with one
         cfg["rope_scaling"] = _llama3_scaling(path, _dequantize(path, by_name.pop("rope_freqs.weight")), cfg)
@@ -596,7 +634,7 @@ def _read(path: Path) -> tuple[dict[str, Any], dict[str, np.ndarray], dict[str, 
         if layer is not None and layer >= cfg["num_hidden_layers"]:
             raise GGUFError(f"{path}: tensor {name!r} belongs to layer {layer}, but block_count "
                             f"is {cfg['num_hidden_layers']}")
-        hf_name = rule.hf_name.format(layer=layer, expert="{expert}")
+        hf_name = arch.hf(rule.hf_name).format(layer=layer, expert="{expert}")
         values = _dequantize(path, tensor)
         want = rule.shape(cfg)
         if values.shape != want:
@@ -608,8 +646,11 @@ def _read(path: Path) -> tuple[dict[str, Any], dict[str, np.ndarray], dict[str, 
         else:
             state[hf_name] = values
     if unmapped:
+        early = any(re.fullmatch(r"blk\.\d+\.ffn_(gate|up|down)\.\d+\.weight", n) for n in unmapped)
+        hint = ("; one tensor per expert is the layout of early Mixtral files: convert it again with a current "
+                "llama.cpp, which stacks them (ffn_gate_exps, ...)") if early else ""
         raise GGUFError(f"{path}: tensors with no {meta['general.architecture']} mapping: "
-                        f"{', '.join(sorted(unmapped))}")
+                        f"{', '.join(sorted(unmapped))}{hint}")
     missing = _expected_hf_names(cfg, arch) - set(state)
     if missing:
         raise GGUFError(f"{path}: missing tensors for {', '.join(sorted(missing))}")
@@ -617,8 +658,8 @@ def _read(path: Path) -> tuple[dict[str, Any], dict[str, np.ndarray], dict[str, 
 
 
 def read_gguf(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """Read a GGUF file of a supported architecture (Llama, Qwen2, Qwen3, Qwen2/3-MoE) as an HF config dict and
-    float32 state dict.
+    """Read a GGUF file of a supported architecture (Llama, Qwen2, Qwen3, Mixtral, Qwen2/3-MoE) as an HF
+    config dict and float32 state dict.
 
     Returns `(config, state)`: `config` holds the HF config fields (sizes, head_dim, rope_theta,
     rms_norm_eps, tie_word_embeddings, bos/eos/pad ids, max_position_embeddings, vocab_size);
