@@ -322,6 +322,26 @@ def check_loop_hlo(dec, mesh):
     print(f"loop collectives: {len(sizes)}, largest {max(sizes)} elements < weight slice {weight}, "
           f"logits {logits}")
     return len(sizes)
+
+def moe_decoding(*meshes):
+    # The Qwen3-MoE target on each ((data, model), expert) mesh, with either dispatch: greedy TEV
+    # equals unsharded; each device holds 1 / expert of the experts; the loop moves no weight slice
+    # or expert-output rows, and the two dispatches as many collectives.
+    from tevjax.models import set_moe_dispatch
+    target, drafter = models("qwen3_moe")
+    want = tokens(decoder(target, drafter, "tev"))
+    for shape, expert in meshes:
+        mesh = make_mesh(*shape, expert=expert)
+        counts = {}
+        for dispatch in ("dense", "ragged"):
+            assert set_moe_dispatch(target, dispatch) == 1  # one module: the layers are stacked
+            dec = Decoder(target, drafter, config("tev"), mesh=mesh)
+            assert tokens(dec) == want, (dict(mesh.shape), dispatch)
+            gate = dec.tstate["layers"]["mlp"]["gate_proj"][...]
+            assert gate.addressable_shards[0].data.shape[1] * expert == gate.shape[1], gate.sharding
+            counts[dispatch] = check_loop_hlo(dec, mesh)
+        assert counts["ragged"] == counts["dense"], (dict(mesh.shape), counts)
+    set_moe_dispatch(target, "auto")
 """
 
 CHECKS = {
@@ -486,39 +506,17 @@ CHECKS = {
         assert tokens(decoder(target, drafter, "tev", mesh=make_mesh(2, 2))) == want
     """,
     # A mixture-of-experts target (Qwen3-MoE: 4 experts of width 32, 2 per token) tensor parallel
-    # (1, 4), each expert's width split: greedy TEV equals unsharded, and the compiled loop moves
-    # no weight slice (the experts' partial sums meet in one [B, N, D] all-reduce per layer).
-    # The experts grouped by `ragged_dot` (the accelerators' dispatch) give the same tokens on it.
-    # Expert parallel, (1, expert=4, 1): one whole expert per device; (2, expert=2, 1) with rows
-    # split too; (1, expert=2, 2) with each expert's width split as well: the same tokens with
-    # either dispatch, and the loop moves no weight slice and no [N * k, D] rows of expert outputs
-    # (each layer's experts meet in one all-reduce of [N, D] partial sums, so the grouped
-    # dispatch needs as many collectives as the dense one).
+    # (1, 4), each expert's width split, and expert parallel (1, expert=2, 2), half the experts per
+    # pair of devices with their widths split: greedy TEV equals unsharded with either dispatch
+    # (every expert on every token; grouped by `ragged_dot`, the accelerators'), and the compiled
+    # loop moves no weight slice and no [N * k, D] rows of expert outputs (each layer's experts
+    # meet in one all-reduce of [N, D] partial sums, so the grouped dispatch needs as many
+    # collectives as the dense one).
     "moe_meshes": """
         import jax.numpy as jnp
         from tevjax.models import set_moe_dispatch
         from tevjax.sharding import traced_on
-        target, drafter = models("qwen3_moe")
-        want = tokens(decoder(target, drafter, "tev"))
-        for shape, expert in (((1, 4), 1), ((1, 1), 4), ((2, 1), 2), ((1, 2), 2)):
-            mesh = make_mesh(*shape, expert=expert)
-            counts = {}
-            for dispatch in ("dense", "ragged"):
-                assert set_moe_dispatch(target, dispatch) == 1  # one module: the layers are stacked
-                dec = Decoder(target, drafter, config("tev"), mesh=mesh)
-                assert tokens(dec) == want, (dict(mesh.shape), dispatch)
-                gate = dec.tstate["layers"]["mlp"]["gate_proj"][...]
-                assert gate.addressable_shards[0].data.shape[1] * expert == gate.shape[1], gate.sharding
-                counts[dispatch] = check_loop_hlo(dec, mesh)
-            assert counts["ragged"] == counts["dense"], (dict(mesh.shape), counts)
-        # `tevjax data`'s features: one forward of each sequence, traced on the mesh as well.
-        from tevjax.train.rollout import sequence_hidden
-        seqs = [[1, 5, 7, 9, 11, 3], [4, 4, 2], [8, 1, 6, 6, 6, 2, 9], [3]]
-        one = sequence_hidden(target, seqs, (0, 1), bucket=8)
-        split = sequence_hidden(target, seqs, (0, 1), bucket=8, mesh=make_mesh(2, 1, expert=2))
-        for a, b in zip(one, split, strict=True):  # bfloat16 features: equal to their rounding
-            np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2e-2, atol=2e-2)
-        set_moe_dispatch(target, "auto")
+        moe_decoding(((1, 4), 1), ((1, 2), 2))
         # One routed layer on (1, expert=2, 2), either dispatch: traced on the mesh (as the decoder
         # and the trainer trace), it runs per device and ends in one all-reduce of [N, D]. Left to
         # XLA's partitioner (a jit without the mesh in context) it gives the same output; what that
@@ -546,6 +544,22 @@ CHECKS = {
                 print(f"one routed layer, {dispatch}, {name}: all-reduces of {moved}")
                 if name == "on the mesh":
                     assert moved == ["f32[12,16]{1,0}"], (dispatch, moved)
+    """,
+    # More expert-parallel meshes, as "moe_meshes": (1, expert=4, 1), one whole expert per device,
+    # and (2, expert=2, 1) with rows split too; and `tevjax data`'s features (one forward of each
+    # sequence) traced on (2, expert=2, 1) equal one device's.
+    "moe_ep_meshes": """
+        from tevjax.models import set_moe_dispatch
+        from tevjax.train.rollout import sequence_hidden
+        moe_decoding(((1, 1), 4), ((2, 1), 2))
+        target, _ = models("qwen3_moe")
+        set_moe_dispatch(target, "ragged")
+        seqs = [[1, 5, 7, 9, 11, 3], [4, 4, 2], [8, 1, 6, 6, 6, 2, 9], [3]]
+        one = sequence_hidden(target, seqs, (0, 1), bucket=8)
+        split = sequence_hidden(target, seqs, (0, 1), bucket=8, mesh=make_mesh(2, 1, expert=2))
+        for a, b in zip(one, split, strict=True):  # bfloat16 features: equal to their rounding
+            np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2e-2, atol=2e-2)
+        set_moe_dispatch(target, "auto")
     """,
     # Temperature 1, tensor parallel (1, 4): o_proj, down_proj and the log-sum-exps sum over
     # devices, which rounds differently from one device (~1e-7 relative), so bitwise equality of
@@ -736,6 +750,11 @@ def test_tensor_parallel_sampling_keeps_the_law():
 @pytest.mark.slow
 def test_training_step_on_meshes_equals_one_device():
     _run("train", "train_ep")
+
+
+@pytest.mark.slow
+def test_more_expert_parallel_meshes():
+    _run("moe_ep_meshes")
 
 
 @pytest.mark.slow
