@@ -72,6 +72,7 @@ def _copy(saved, tmp_path):
     ("phi3", dict(sliding_window=3, sliding_layers=(0, 1))),
     # experts, one tensor each on disk, stacked on an expert axis on loading
     ("mixtral", {}), ("qwen3_moe", dict(norm_topk_prob=False)), ("qwen2_moe", {}),  # and a shared expert
+    ("olmoe", {}),  # and q/k norms over each projection
     # SmolLM3's unrotated layers, and a window in one of them
     ("smollm3", dict(sliding_window=3, sliding_layers=(1,))),
     ("granite", {}),  # its four multipliers
@@ -523,10 +524,12 @@ def test_experts_read_as_transformers_reads_them_and_belong_to_moe_families_only
     either key for the expert count, Qwen3-MoE's moe_intermediate_size as the experts' width, its
     window only with use_sliding_window; layers without experts and mismatched fields refused."""
     for arch, cls in (("mixtral", transformers.MixtralConfig), ("qwen3_moe", transformers.Qwen3MoeConfig),
-                      ("qwen2_moe", transformers.Qwen2MoeConfig)):
+                      ("qwen2_moe", transformers.Qwen2MoeConfig), ("olmoe", transformers.OlmoeConfig)):
         for overrides in ({}, dict(sliding_window=3, sliding_layers=(0,) if arch == "qwen2_moe" else (0, 1)),
-                          dict(norm_topk_prob=False)):
+                          dict(norm_topk_prob=not tiny_config(arch).norm_topk_prob)):
             if arch == "mixtral" and overrides.get("norm_topk_prob") is False:
+                continue
+            if arch == "olmoe" and "sliding_window" in overrides:  # OLMoE attends fully
                 continue
             cfg = tiny_config(arch, **overrides)
             out = cfg.to_hf_config()
@@ -534,7 +537,7 @@ def test_experts_read_as_transformers_reads_them_and_belong_to_moe_families_only
             hf = cls(**{k: v for k, v in out.items() if k not in ("architectures", "model_type")})
             assert (getattr(hf, "num_local_experts", None) or hf.num_experts, hf.num_experts_per_tok) == (4, 2)
             assert getattr(hf, "moe_intermediate_size", hf.intermediate_size) == 32
-            assert (hf.sliding_window or None) == cfg.sliding_window  # Qwen2MoeConfig: 0 without a window
+            assert (getattr(hf, "sliding_window", None) or None) == cfg.sliding_window  # Qwen2MoeConfig: 0
             assert ModelConfig.from_hf_config({**hf.to_dict(), "model_type": arch}) == cfg
     base = tiny_config("qwen3_moe").to_hf_config()
     del base["num_experts"]
@@ -552,6 +555,12 @@ def test_experts_read_as_transformers_reads_them_and_belong_to_moe_families_only
         with pytest.raises(ValueError, match=match):
             ModelConfig.from_hf_config({**qwen, **patch})
     assert ModelConfig.from_hf_config({**tiny_config("qwen2_moe").to_hf_config(), "qkv_bias": False}).qkv_bias is False
+    olmoe = tiny_config("olmoe").to_hf_config()
+    del olmoe["norm_topk_prob"], olmoe["num_experts"]
+    assert (ModelConfig.from_hf_config(olmoe).norm_topk_prob, ModelConfig.from_hf_config(olmoe).num_experts) == (
+        False, 64)  # OlmoeConfig's defaults
+    with pytest.raises(ValueError, match="clip_qkv=8.0 is not supported"):
+        ModelConfig.from_hf_config({**olmoe, "clip_qkv": 8.0})
     for arch, fields, match in [("llama", dict(num_experts=4, experts_per_token=2), "need a mixture-of-experts"),
                                 ("qwen3_moe", dict(shared_expert_size=8), "a shared expert is Qwen2-MoE's"),
                                 ("qwen2_moe", dict(attention_bias=True), "'qwen2_moe' has no q/k norms and no o_proj"),
@@ -559,6 +568,9 @@ def test_experts_read_as_transformers_reads_them_and_belong_to_moe_families_only
                                 ("mixtral", dict(norm_topk_prob=False), "Mixtral always renormalises"),
                                 ("mixtral", dict(qk_norm=True), "'mixtral' has no attention biases and no q/k norms"),
                                 ("qwen3_moe", dict(qk_norm=False), "'qwen3_moe' has q/k norms"),
+                                ("olmoe", dict(qk_norm=False), "'olmoe' has q/k norms"),
+                                ("olmoe", dict(head_dim=8), "OLMoE's heads are hidden_size / num_heads wide"),
+                                ("olmoe", dict(sliding_window=3, sliding_layers=(0,)), "'olmoe' has no sliding window"),
                                 ("qwen3_moe", dict(sliding_window=3, sliding_layers=(1,)),
                                  "a qwen3_moe window applies to every layer")]:
         with pytest.raises(ValueError, match=match):

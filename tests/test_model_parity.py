@@ -129,9 +129,15 @@ VARIANTS = {
                    rope_parameters={"full_attention": dict(rope_type="yarn", rope_theta=500_000.0, factor=4.0,
                                                            original_max_position_embeddings=64),
                                     "sliding_attention": dict(rope_type="default", rope_theta=10_000.0)})),
+    # OLMoE: Llama's pre-norm layers with OLMo's q/k norms over each whole projection (64 and 32
+    # wide), 4 experts of width 96, 2 per token, weights not renormalised (OlmoeConfig's default);
+    # untied head.
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM",
+              dict(tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2, norm_topk_prob=False,
+                   rope_theta=10_000.0, pad_token_id=0)),
 }
 EXPERTS = {"mixtral": (4, 2, True, 96), "qwen3-moe": (6, 3, False, 24),  # E, k, norm_topk_prob, width
-           "qwen2-moe": (4, 2, False, 24)}
+           "qwen2-moe": (4, 2, False, 24), "olmoe": (4, 2, False, 96)}
 
 HEAD_DIM = {"qwen3": 32, "qwen3-yarn": 32, "mistral": 8, "mistral-window": 8}
 WINDOWS = {"mistral-window": (5, (0, 1, 2)), "qwen2-window": (4, (1, 2)), "gemma2": (4, (0, 2)), "gemma3": (4, (0, 1)),
@@ -177,7 +183,8 @@ def test_config_translation(hf_pair):
     assert cfg.num_layers == 3 and cfg.num_kv_heads == 2 and cfg.vocab_size == 300
     assert cfg.head_dim == HEAD_DIM.get(variant, 16)
     assert cfg.qk_norm == variant.startswith(("qwen3", "gemma3", "olmo"))
-    assert (cfg.input_norms, cfg.qk_norm_whole) == ((False, True) if variant.startswith("olmo") else (True, False))
+    assert (cfg.input_norms, cfg.qk_norm_whole) == {"olmoe": (True, True)}.get(
+        variant, (False, True) if variant.startswith("olmo") else (True, False))
     assert cfg.tie_word_embeddings == variant.startswith(("qwen", "gemma", "smollm3"))
     assert cfg.nope_layers == ((1,) if variant == "smollm3" else ())
     assert cfg.attention_bias == (variant in ("llama3-rope", "olmo2"))
@@ -194,7 +201,7 @@ def test_config_translation(hf_pair):
         "gemma2": ("gelu_tanh", 24.0, 2.0, 3.0), "gemma3": ("gelu_tanh", 24.0, None, None)}.get(
         variant, ("silu", None, None, None))
     assert (cfg.norm_offset, cfg.output_norms, cfg.embed_scale) == (
-        (1.0, True, 8.0) if gemma else (0.0, variant.startswith("olmo"), 6.0 if variant == "granite" else None))
+        (1.0, True, 8.0) if gemma else (0.0, variant in ("olmo2", "olmo3"), 6.0 if variant == "granite" else None))
     assert (cfg.attention_scale, cfg.residual_multiplier, cfg.logits_scaling) == {"granite": (0.15, 0.4, 3.0)}.get(
         variant, (24 ** -0.5 if gemma else cfg.head_dim ** -0.5, None, None))
     assert (cfg.rope_theta, cfg.local_rope_theta) == {"gemma3": (1e6, 1e4), "olmo3": (5e5, 1e4)}.get(

@@ -40,7 +40,7 @@ def _specs(tree) -> dict[str, P]:
 @pytest.mark.parametrize("arch, overrides", [("llama", {}), ("qwen3", {}), ("llama", {"attention_bias": True}),
                                              ("qwen2", {}), ("gemma2", {}), ("gemma3_text", {}), ("phi3", {}),
                                              ("mixtral", {}), ("qwen3_moe", {}), ("qwen2_moe", {}), ("smollm3", {}),
-                                             ("granite", {}), ("olmo2", {}), ("olmo3", {})])
+                                             ("granite", {}), ("olmo2", {}), ("olmo3", {}), ("olmoe", {})])
 def test_every_target_array_has_axes_and_heads_split_over_model(arch, overrides):
     target = nnx.eval_shape(lambda: random_model(tiny_config(arch, num_heads=8, num_kv_heads=4, head_dim=8,
                                                              **overrides)))
@@ -66,10 +66,10 @@ def test_every_target_array_has_axes_and_heads_split_over_model(arch, overrides)
         assert "lm_head.kernel" not in specs
     else:
         assert specs["lm_head.kernel"] == P(None, "model")
-    if cfg.qk_norm_whole:  # OLMo 2's q/k norms over each projection: split as the projection is
+    assert ("layers.input_layernorm.scale" in specs) == cfg.input_norms  # OLMo norms outputs only
+    if cfg.qk_norm_whole:  # OLMo's and OLMoE's q/k norms over each projection: split as the projection is
         assert specs["layers.self_attn.q_proj_norm.scale"] == specs["layers.self_attn.k_proj_norm.scale"] == P(
             None, "model")
-        assert "layers.input_layernorm.scale" not in specs
     elif cfg.qk_norm:  # per-head q/k norms
         assert specs["layers.self_attn.q_norm.scale"] == P(None, None)
     if cfg.output_norms:  # Gemma 2's norms on the attention and MLP outputs

@@ -32,7 +32,7 @@ def tiny_config(architecture: str = "llama", **overrides) -> ModelConfig:
     if architecture == "gemma3_text":  # GeGLU, q/k norms, two ropes (layer 0 slides), tied head
         fields.update(hidden_act="gelu_tanh", query_pre_attn_scalar=24.0, qk_norm=True, tie_word_embeddings=True,
                       rope_theta=1_000_000.0, local_rope_theta=10_000.0, sliding_window=4, sliding_layers=(0,))
-    if architecture in ("olmo2", "olmo3"):  # output norms only, q/k norms over each projection
+    if architecture in ("olmo2", "olmo3", "olmoe"):  # q/k norms over each projection (OLMo: output norms only)
         fields.update(qk_norm=True)
     if architecture == "olmo3":  # layer 0 slides and rotates with a rope of its own
         fields.update(sliding_window=4, sliding_layers=(0,), local_rope_theta=10_000.0, rope_theta=500_000.0)
@@ -40,8 +40,9 @@ def tiny_config(architecture: str = "llama", **overrides) -> ModelConfig:
         fields.update(embedding_multiplier=3.0, attention_multiplier=0.2, residual_multiplier=0.5, logits_scaling=2.0)
     if architecture == "smollm3":  # layer 1 without rotary embedding (NoPE), tied head
         fields.update(nope_layers=(1,), tie_word_embeddings=True)
-    if architecture in ("mixtral", "qwen3_moe", "qwen2_moe"):  # 4 experts of width 32, 2 per token
-        fields.update(intermediate_size=32, num_experts=4, experts_per_token=2, qk_norm=architecture == "qwen3_moe")
+    if architecture in ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe"):  # 4 experts of width 32, 2 per token
+        fields.update(intermediate_size=32, num_experts=4, experts_per_token=2,
+                      qk_norm=architecture in ("qwen3_moe", "olmoe"), norm_topk_prob=architecture != "olmoe")
     if architecture == "qwen2_moe":  # Qwen2's q/k/v biases and a shared expert of width 48
         fields.update(qkv_bias=True, shared_expert_size=48)
     fields.update(overrides)

@@ -19,23 +19,26 @@ __all__ = ["ModelConfig", "RopeScaling", "ROPE_TYPES", "PRESETS", "SUPPORTED_ARC
            "yarn_mscale"]
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "mixtral",
-                           "qwen3_moe", "qwen2_moe", "smollm3", "granite", "olmo2", "olmo3")
+                           "qwen3_moe", "qwen2_moe", "smollm3", "granite", "olmo2", "olmo3", "olmoe")
 GEMMA = ("gemma2", "gemma3_text")  # Gemma 2, and Gemma 3's text model (Gemma3ForCausalLM: the 1B model)
 # Families that norm each branch's output and not its input (OLMo 2 and 3), with q/k norms over
 # the whole projection rather than per head.
 OLMO = ("olmo2", "olmo3")
+# Families whose q/k norms run over the whole projection: OLMo's, and OLMoE's (whose branches norm
+# their inputs, as Llama's do).
+WHOLE_QK_NORM = (*OLMO, "olmoe")
 # Families whose sliding layers rotate with a rope of their own (`ModelConfig.local_rope_theta`).
 TWO_ROPES = ("gemma3_text", "olmo3")
-# Mixture-of-experts families: Mistral's, Qwen3's and Qwen2's attention with a routed MLP in every
-# layer (Qwen2-MoE's with a shared expert beside the routed ones).
-MOE = ("mixtral", "qwen3_moe", "qwen2_moe")
+# Mixture-of-experts families: Mistral's, Qwen3's, Qwen2's and OLMoE's attention with a routed MLP in
+# every layer (Qwen2-MoE's with a shared expert beside the routed ones).
+MOE = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe")
 _DTYPES = ("float32", "bfloat16", "float16")
 _HF_CLASS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
              "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
              "phi3": "Phi3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
              "qwen2_moe": "Qwen2MoeForCausalLM",
              "smollm3": "SmolLM3ForCausalLM", "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM",
-             "olmo3": "Olmo3ForCausalLM"}
+             "olmo3": "Olmo3ForCausalLM", "olmoe": "OlmoeForCausalLM"}
 # The MLP activations: SiLU (every family but Gemma) and the tanh approximation of GELU (Gemma's
 # "gelu_pytorch_tanh", which transformers also calls "gelu_new" / "gelu_fast" up to rounding: only
 # the exact name is accepted).
@@ -248,7 +251,8 @@ class ModelConfig:
     # with fused q/k/v and gate/up weights, a checkpoint matter; Mixtral and Qwen3-MoE are Mistral's
     # and Qwen3's with experts; SmolLM3 is Llama's with layers that attend without rotary embedding;
     # Granite Llama's with four scalar multipliers; OLMo 2 norms branch outputs, not inputs; OLMo 3
-    # adds windows in three layers of four, with a rope of their own)
+    # adds windows in three layers of four, with a rope of their own; OLMoE is Llama's layers with
+    # OLMo's q/k norms over each whole projection and routed experts)
     architecture: str
     vocab_size: int
     hidden_size: int
@@ -351,7 +355,7 @@ class ModelConfig:
         if sorted(set(layers)) != list(layers) or not all(0 <= i < self.num_layers for i in layers):
             raise ValueError(f"ModelConfig.sliding_layers={layers} must be increasing layer indices in "
                              f"[0, {self.num_layers})")
-        if layers and self.architecture in ("llama", "granite", "olmo2"):
+        if layers and self.architecture in _NO_WINDOW:
             raise ValueError(f"ModelConfig: architecture {self.architecture!r} has no sliding window (its "
                              f"checkpoints attend fully); use 'mistral', 'qwen2', 'qwen3' or a Gemma")
         if self.architecture in _WINDOW_EVERYWHERE and layers and len(layers) != self.num_layers:
@@ -373,7 +377,7 @@ class ModelConfig:
                     object.__setattr__(self, name, None)
             if self.attention_multiplier is None:
                 object.__setattr__(self, "attention_multiplier", self.head_dim ** -0.5)
-        if self.architecture in OLMO and (self.qkv_bias or not self.qk_norm):
+        if self.architecture in WHOLE_QK_NORM and (self.qkv_bias or not self.qk_norm):
             raise ValueError(f"ModelConfig: architecture {self.architecture!r} has q/k norms (qk_norm=True) and no "
                              f"q/k/v-only biases")
         if self.architecture == "smollm3" and (self.qkv_bias or self.qk_norm):
@@ -423,6 +427,9 @@ class ModelConfig:
             raise ValueError("ModelConfig: architecture 'mixtral' has no attention biases and no q/k norms")
         if self.architecture == "qwen3_moe" and not self.qk_norm:
             raise ValueError("ModelConfig: architecture 'qwen3_moe' has q/k norms (qk_norm=True)")
+        if self.architecture == "olmoe" and self.num_heads * self.head_dim != self.hidden_size:
+            raise ValueError(f"ModelConfig: OLMoE's heads are hidden_size / num_heads wide (its q norm is "
+                             f"hidden_size wide), got head_dim={self.head_dim}")
         if self.architecture == "qwen2_moe" and (self.qk_norm or self.attention_bias):
             raise ValueError("ModelConfig: architecture 'qwen2_moe' has no q/k norms and no o_proj bias")
         shared = self.shared_expert_size
@@ -456,9 +463,9 @@ class ModelConfig:
 
     @property
     def qk_norm_whole(self) -> bool:
-        """Whether the q/k norms run over the whole projection (OLMo: H * Dh and K * Dh wide)
+        """Whether the q/k norms run over the whole projection (OLMo, OLMoE: H * Dh and K * Dh wide)
         rather than over each head's Dh."""
-        return self.qk_norm and self.architecture in OLMO
+        return self.qk_norm and self.architecture in WHOLE_QK_NORM
 
     @property
     def output_norms(self) -> bool:
@@ -609,7 +616,7 @@ class ModelConfig:
             rope_scaling=scaling,
             # HF's default when the key is absent: tied for Gemma, untied for the others.
             tie_word_embeddings=field("tie_word_embeddings", bool, gemma),
-            qk_norm=model_type in ("qwen3", "gemma3_text", "qwen3_moe", *OLMO),
+            qk_norm=model_type in ("qwen3", "gemma3_text", "qwen3_moe", *WHOLE_QK_NORM),
             # Qwen2 has q/k/v biases and no o bias, always; its config has no key for them.
             # Qwen2-MoE's say so in qkv_bias (default true).
             attention_bias=False if model_type in ("qwen2", "qwen2_moe") else field("attention_bias", bool, False),
@@ -676,7 +683,7 @@ class ModelConfig:
         }
         if self.rope_scaling is not None:
             out["rope_scaling"] = self.rope_scaling.to_hf()
-        if self.architecture in ("llama", "qwen3", "mistral", "qwen3_moe", "smollm3", "granite", *OLMO):
+        if self.architecture in ("llama", "qwen3", "mistral", "qwen3_moe", "smollm3", "granite", *WHOLE_QK_NORM):
             out["attention_bias"] = self.attention_bias
         if self.architecture == "granite":
             out.update({k: 1.0 if getattr(self, k) is None else getattr(self, k) for k in _GRANITE_FIELDS})
@@ -691,6 +698,10 @@ class ModelConfig:
             out["sliding_window"] = self.sliding_window
         if self.architecture == "mixtral":
             out.update(num_local_experts=self.num_experts, num_experts_per_tok=self.experts_per_token)
+        if self.architecture == "olmoe":
+            out.update(num_experts=self.num_experts, num_experts_per_tok=self.experts_per_token,
+                       norm_topk_prob=self.norm_topk_prob, clip_qkv=None)
+            del out["sliding_window"], out["head_dim"]  # OlmoeConfig has neither: its heads are hidden / H wide
         if self.architecture in ("qwen3_moe", "qwen2_moe"):
             out.update(num_experts=self.num_experts, num_experts_per_tok=self.experts_per_token,
                        norm_topk_prob=self.norm_topk_prob, moe_intermediate_size=self.intermediate_size,
@@ -733,6 +744,8 @@ def _int_if_whole(x: float) -> int | float:
 _GRANITE_FIELDS = ("embedding_multiplier", "attention_multiplier", "residual_multiplier", "logits_scaling")
 # Families whose window, when they have one, applies to every layer.
 _WINDOW_EVERYWHERE = ("mistral", "phi3", "mixtral", "qwen3_moe")
+# Families with no sliding window.
+_NO_WINDOW = ("llama", "granite", "olmo2", "olmoe")
 # transformers' defaults where a config.json leaves the keys out: the window of MistralConfig,
 # Qwen2Config, Qwen3Config, Gemma2Config and Gemma3TextConfig, and the Qwen configs' first windowed layer.
 _HF_WINDOW = 4096
@@ -758,8 +771,8 @@ def _nope_layers(c: Mapping[str, Any], source: str) -> tuple[int, ...]:
 
 
 def _experts(c: Mapping[str, Any], model_type: str, source: str) -> dict[str, Any]:
-    """The mixture-of-experts fields of a Mixtral, Qwen3-MoE or Qwen2-MoE config, with transformers'
-    defaults.
+    """The mixture-of-experts fields of a Mixtral, Qwen3-MoE, Qwen2-MoE or OLMoE config, with
+    transformers' defaults.
 
     Qwen3-MoE and Qwen2-MoE layers without experts (`mlp_only_layers`, or a `decoder_sparse_step` above 1) are
     refused: every layer of the scan has one shape. `router_jitter_noise` (Mixtral) acts only in
@@ -768,13 +781,15 @@ def _experts(c: Mapping[str, Any], model_type: str, source: str) -> dict[str, An
     # transformers maps num_experts and num_local_experts to one attribute; a saved config may hold either
     key = next((k for k in ("num_local_experts", "num_experts") if c.get(k) is not None),
                "num_local_experts" if mixtral else "num_experts")
-    experts, per_token = {"mixtral": (8, 2), "qwen3_moe": (128, 8), "qwen2_moe": (60, 4)}[model_type]
+    experts, per_token = {"mixtral": (8, 2), "qwen3_moe": (128, 8), "qwen2_moe": (60, 4), "olmoe": (64, 8)}[model_type]
     fields = dict(num_experts=config_field(c, key, int, source, experts, positive=True),
                   experts_per_token=config_field(c, "num_experts_per_tok", int, source, per_token, positive=True),
                   norm_topk_prob=True if mixtral else config_field(c, "norm_topk_prob", bool, source, False))
     if qwen2:  # Qwen2MoeConfig's shared expert (default 5632 wide; 0 would mean none)
         fields["shared_expert_size"] = config_field(c, "shared_expert_intermediate_size", int, source, 5632)
-    if not mixtral:
+    if model_type == "olmoe" and c.get("clip_qkv") is not None:
+        raise ValueError(f"{source}: clip_qkv={c['clip_qkv']!r} is not supported (q, k and v unclipped)")
+    if model_type in ("qwen3_moe", "qwen2_moe"):
         if c.get("mlp_only_layers"):
             raise ValueError(f"{source}: mlp_only_layers={c['mlp_only_layers']!r} is not supported (every layer "
                              f"must route to experts)")
@@ -852,7 +867,7 @@ def _sliding_window(c: Mapping[str, Any], model_type: str, source: str) -> tuple
         if odd:
             raise ValueError(f"{source}: layer_types {odd} are not supported (only full_attention and "
                              f"sliding_attention)")
-    if model_type in ("llama", "granite", "olmo2"):
+    if model_type in _NO_WINDOW:
         if types is not None and "sliding_attention" in types:
             raise ValueError(f"{source}: layer_types with sliding_attention are not supported for model_type "
                              f"{model_type!r}")
