@@ -73,6 +73,7 @@ def _copy(saved, tmp_path):
     # experts, one tensor each on disk, stacked on an expert axis on loading
     ("mixtral", {}), ("qwen3_moe", dict(norm_topk_prob=False)), ("qwen2_moe", {}),  # and a shared expert
     ("olmoe", {}),  # and q/k norms over each projection
+    ("granitemoe", {}),  # stacked on disk, gate and up fused
     # SmolLM3's unrotated layers, and a window in one of them
     ("smollm3", dict(sliding_window=3, sliding_layers=(1,))),
     ("granite", {}),  # its four multipliers
@@ -524,12 +525,13 @@ def test_experts_read_as_transformers_reads_them_and_belong_to_moe_families_only
     either key for the expert count, Qwen3-MoE's moe_intermediate_size as the experts' width, its
     window only with use_sliding_window; layers without experts and mismatched fields refused."""
     for arch, cls in (("mixtral", transformers.MixtralConfig), ("qwen3_moe", transformers.Qwen3MoeConfig),
-                      ("qwen2_moe", transformers.Qwen2MoeConfig), ("olmoe", transformers.OlmoeConfig)):
+                      ("qwen2_moe", transformers.Qwen2MoeConfig), ("olmoe", transformers.OlmoeConfig),
+                      ("granitemoe", transformers.GraniteMoeConfig)):
         for overrides in ({}, dict(sliding_window=3, sliding_layers=(0,) if arch == "qwen2_moe" else (0, 1)),
                           dict(norm_topk_prob=not tiny_config(arch).norm_topk_prob)):
-            if arch == "mixtral" and overrides.get("norm_topk_prob") is False:
+            if arch in ("mixtral", "granitemoe") and overrides.get("norm_topk_prob") is False:
                 continue
-            if arch == "olmoe" and "sliding_window" in overrides:  # OLMoE attends fully
+            if arch in ("olmoe", "granitemoe") and "sliding_window" in overrides:  # they attend fully
                 continue
             cfg = tiny_config(arch, **overrides)
             out = cfg.to_hf_config()
@@ -569,6 +571,8 @@ def test_experts_read_as_transformers_reads_them_and_belong_to_moe_families_only
                                 ("mixtral", dict(qk_norm=True), "'mixtral' has no attention biases and no q/k norms"),
                                 ("qwen3_moe", dict(qk_norm=False), "'qwen3_moe' has q/k norms"),
                                 ("olmoe", dict(qk_norm=False), "'olmoe' has q/k norms"),
+                                ("granitemoe", dict(norm_topk_prob=False), "Granite MoE always renormalises"),
+                                ("granitemoe", dict(qk_norm=True), "'granitemoe' has no q/k/v-only biases"),
                                 ("olmoe", dict(head_dim=8), "OLMoE's heads are hidden_size / num_heads wide"),
                                 ("olmoe", dict(sliding_window=3, sliding_layers=(0,)), "'olmoe' has no sliding window"),
                                 ("qwen3_moe", dict(sliding_window=3, sliding_layers=(1,)),

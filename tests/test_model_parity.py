@@ -135,9 +135,16 @@ VARIANTS = {
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM",
               dict(tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2, norm_topk_prob=False,
                    rope_theta=10_000.0, pad_token_id=0)),
+    # Granite MoE: Granite's multipliers (as "granite") with 4 experts of width 96, 2 per token,
+    # stacked on disk (gate and up fused in input_linear), mixed by a softmax over the 2 highest
+    # logits; untied head.
+    "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM",
+                   dict(tie_word_embeddings=False, rope_theta=10000.0, embedding_multiplier=6.0,
+                        attention_multiplier=0.15, residual_multiplier=0.4, logits_scaling=3.0,
+                        num_local_experts=4, num_experts_per_tok=2)),
 }
 EXPERTS = {"mixtral": (4, 2, True, 96), "qwen3-moe": (6, 3, False, 24),  # E, k, norm_topk_prob, width
-           "qwen2-moe": (4, 2, False, 24), "olmoe": (4, 2, False, 96)}
+           "qwen2-moe": (4, 2, False, 24), "olmoe": (4, 2, False, 96), "granitemoe": (4, 2, True, 96)}
 
 HEAD_DIM = {"qwen3": 32, "qwen3-yarn": 32, "mistral": 8, "mistral-window": 8}
 WINDOWS = {"mistral-window": (5, (0, 1, 2)), "qwen2-window": (4, (1, 2)), "gemma2": (4, (0, 2)), "gemma3": (4, (0, 1)),
@@ -201,9 +208,11 @@ def test_config_translation(hf_pair):
         "gemma2": ("gelu_tanh", 24.0, 2.0, 3.0), "gemma3": ("gelu_tanh", 24.0, None, None)}.get(
         variant, ("silu", None, None, None))
     assert (cfg.norm_offset, cfg.output_norms, cfg.embed_scale) == (
-        (1.0, True, 8.0) if gemma else (0.0, variant in ("olmo2", "olmo3"), 6.0 if variant == "granite" else None))
-    assert (cfg.attention_scale, cfg.residual_multiplier, cfg.logits_scaling) == {"granite": (0.15, 0.4, 3.0)}.get(
-        variant, (24 ** -0.5 if gemma else cfg.head_dim ** -0.5, None, None))
+        (1.0, True, 8.0) if gemma else (0.0, variant in ("olmo2", "olmo3"), 6.0 if variant.startswith("granite")
+                                        else None))
+    plain = (24 ** -0.5 if gemma else cfg.head_dim ** -0.5, None, None)
+    assert (cfg.attention_scale, cfg.residual_multiplier, cfg.logits_scaling) == (
+        (0.15, 0.4, 3.0) if variant.startswith("granite") else plain)
     assert (cfg.rope_theta, cfg.local_rope_theta) == {"gemma3": (1e6, 1e4), "olmo3": (5e5, 1e4)}.get(
         variant, (cfg.rope_theta, None))
     assert (cfg.num_experts, cfg.experts_per_token, cfg.norm_topk_prob, cfg.intermediate_size) == EXPERTS.get(

@@ -40,7 +40,8 @@ def _specs(tree) -> dict[str, P]:
 @pytest.mark.parametrize("arch, overrides", [("llama", {}), ("qwen3", {}), ("llama", {"attention_bias": True}),
                                              ("qwen2", {}), ("gemma2", {}), ("gemma3_text", {}), ("phi3", {}),
                                              ("mixtral", {}), ("qwen3_moe", {}), ("qwen2_moe", {}), ("smollm3", {}),
-                                             ("granite", {}), ("olmo2", {}), ("olmo3", {}), ("olmoe", {})])
+                                             ("granite", {}), ("olmo2", {}), ("olmo3", {}), ("olmoe", {}),
+                                             ("granitemoe", {})])
 def test_every_target_array_has_axes_and_heads_split_over_model(arch, overrides):
     target = nnx.eval_shape(lambda: random_model(tiny_config(arch, num_heads=8, num_kv_heads=4, head_dim=8,
                                                              **overrides)))

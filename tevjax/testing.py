@@ -36,11 +36,11 @@ def tiny_config(architecture: str = "llama", **overrides) -> ModelConfig:
         fields.update(qk_norm=True)
     if architecture == "olmo3":  # layer 0 slides and rotates with a rope of its own
         fields.update(sliding_window=4, sliding_layers=(0,), local_rope_theta=10_000.0, rope_theta=500_000.0)
-    if architecture == "granite":  # its four multipliers, none of them 1
+    if architecture in ("granite", "granitemoe"):  # its four multipliers, none of them 1
         fields.update(embedding_multiplier=3.0, attention_multiplier=0.2, residual_multiplier=0.5, logits_scaling=2.0)
     if architecture == "smollm3":  # layer 1 without rotary embedding (NoPE), tied head
         fields.update(nope_layers=(1,), tie_word_embeddings=True)
-    if architecture in ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe"):  # 4 experts of width 32, 2 per token
+    if architecture in ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe"):  # 4 experts, 32 wide, 2 a token
         fields.update(intermediate_size=32, num_experts=4, experts_per_token=2,
                       qk_norm=architecture in ("qwen3_moe", "olmoe"), norm_topk_prob=architecture != "olmoe")
     if architecture == "qwen2_moe":  # Qwen2's q/k/v biases and a shared expert of width 48

@@ -73,10 +73,11 @@ class WeightRule:
 
     hf_name: str  # HF tensor name; "{i}" is replaced by the layer index for per-layer rules
     param: tuple[str, ...]  # attribute path of the nnx.Param inside `Transformer`
-    transform: str  # "identity" | "transpose" (2-D [out, in] -> [in, out])
+    transform: str  # "identity" | "transpose" ([..., out, in] -> [..., in, out])
     hf_shape: tuple[int, ...]  # expected HF source shape, asserted before the transform
     per_layer: bool = False  # stacked over the L layers on a new leading axis
-    # Rows [start, stop) of a fused HF tensor (Phi-3's qkv_proj and gate_up_proj), sliced before
+    # Rows [start, stop) of a fused HF tensor (Phi-3's qkv_proj and gate_up_proj; Granite MoE's
+    # stacked experts' input_linear, [E, 2 * I, D]: rows along its second-last axis), sliced before
     # the transform; the rules that share a tensor cover its rows, and saving joins them again.
     rows: tuple[int, int] | None = None
     # One tensor per expert ("{e}" in the name; the MoE families), stacked on an expert axis
@@ -108,14 +109,15 @@ class WeightRule:
                 f"tensor {name!r}: expected shape {self.hf_shape}, got {tuple(x.shape)}"
             )
         if self.rows is not None:
-            x = x[self.rows[0]:self.rows[1]]
+            x = x[..., self.rows[0]:self.rows[1], :]
         return _TRANSFORMS[self.transform][0](x)
 
     def to_hf(self, x: np.ndarray) -> np.ndarray:
         """tevjax layout -> HF tensor (inverse transform), or its rows for a fused tensor, checking
         the result's shape."""
         y = _TRANSFORMS[self.transform][1](x)
-        want = self.hf_shape if self.rows is None else (self.rows[1] - self.rows[0], *self.hf_shape[1:])
+        want = self.hf_shape if self.rows is None else (*self.hf_shape[:-2], self.rows[1] - self.rows[0],
+                                                         self.hf_shape[-1])
         if tuple(y.shape) != want:
             raise CheckpointError(f"{self.hf_name}: would save shape {tuple(y.shape)}, expected {want}")
         return y
@@ -123,7 +125,8 @@ class WeightRule:
 
 _TRANSFORMS = {
     "identity": (lambda x: x, lambda x: x),
-    "transpose": (lambda x: np.ascontiguousarray(x.T), lambda x: np.ascontiguousarray(x.T)),
+    "transpose": (lambda x: np.ascontiguousarray(np.swapaxes(x, -1, -2)),
+                  lambda x: np.ascontiguousarray(np.swapaxes(x, -1, -2))),
 }
 
 
@@ -133,7 +136,8 @@ _FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gat
 
 def target_weight_rules(cfg: ModelConfig) -> list[WeightRule]:
     """The conversion table for a Llama / Mistral / Qwen2 / Qwen3 / Gemma 2 / Gemma 3 (text) /
-    Phi-3 / Mixtral / Qwen2-3 MoE / SmolLM3 / Granite / OLMo 2-3 target with this config."""
+    Phi-3 / Mixtral / Qwen2-3 MoE / SmolLM3 / Granite / OLMo 2-3 / OLMoE / Granite MoE target with
+    this config."""
     d, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     qd, kd, dh = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.head_dim
     pre = "model.layers.{i}."
@@ -204,8 +208,16 @@ def target_weight_rules(cfg: ModelConfig) -> list[WeightRule]:
 def _expert_rules(cfg: ModelConfig, pre: str) -> list[WeightRule]:
     """A mixture-of-experts MLP's rows: the router, and each expert's gate, up and down projections
     (Mixtral's w1, w3 and w2, under `block_sparse_moe`), stacked on the expert axis; Qwen2-MoE's
-    shared expert and its gate."""
+    shared expert and its gate. Granite MoE stores its experts stacked already: gate and up as the
+    two row halves of `input_linear` [E, 2 * I, D], down as `output_linear` [E, D, I]."""
     d, f, e = cfg.hidden_size, cfg.intermediate_size, cfg.num_experts
+    if cfg.architecture == "granitemoe":
+        moe = pre + "block_sparse_moe."
+        return [WeightRule(moe + hf, ("layers", "mlp", *param), "transpose", shape, per_layer=True, rows=rows)
+                for hf, param, shape, rows in (("router.layer.weight", ("router", "kernel"), (e, d), None),
+                                               ("input_linear.weight", ("gate_proj",), (e, 2 * f, d), (0, f)),
+                                               ("input_linear.weight", ("up_proj",), (e, 2 * f, d), (f, 2 * f)),
+                                               ("output_linear.weight", ("down_proj",), (e, d, f), None))]
     block, names = (("block_sparse_moe", ("w1", "w3", "w2")) if cfg.architecture == "mixtral"
                     else ("mlp", ("gate_proj", "up_proj", "down_proj")))
     expert = pre + block + ".experts.{e}.{name}.weight"
@@ -422,7 +434,8 @@ def save_hf_target(model: Transformer, path: str | os.PathLike) -> None:
             else:
                 fused.setdefault(name, []).append((rule.rows[0], rule.to_hf(x)))
     for name, parts in fused.items():
-        tensors[name] = np.ascontiguousarray(np.concatenate([y for _, y in sorted(parts, key=lambda p: p[0])]))
+        tensors[name] = np.ascontiguousarray(np.concatenate([y for _, y in sorted(parts, key=lambda p: p[0])],
+                                                            axis=-2))
     with open(os.path.join(path, CONFIG_FILE), "w", encoding="utf-8") as f:
         json.dump(cfg.to_hf_config(), f, indent=2)
     save_file(tensors, os.path.join(path, SAFETENSORS_FILE), metadata={"format": "pt"})

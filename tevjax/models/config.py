@@ -19,7 +19,7 @@ __all__ = ["ModelConfig", "RopeScaling", "ROPE_TYPES", "PRESETS", "SUPPORTED_ARC
            "yarn_mscale"]
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "mixtral",
-                           "qwen3_moe", "qwen2_moe", "smollm3", "granite", "olmo2", "olmo3", "olmoe")
+                           "qwen3_moe", "qwen2_moe", "smollm3", "granite", "olmo2", "olmo3", "olmoe", "granitemoe")
 GEMMA = ("gemma2", "gemma3_text")  # Gemma 2, and Gemma 3's text model (Gemma3ForCausalLM: the 1B model)
 # Families that norm each branch's output and not its input (OLMo 2 and 3), with q/k norms over
 # the whole projection rather than per head.
@@ -29,16 +29,19 @@ OLMO = ("olmo2", "olmo3")
 WHOLE_QK_NORM = (*OLMO, "olmoe")
 # Families whose sliding layers rotate with a rope of their own (`ModelConfig.local_rope_theta`).
 TWO_ROPES = ("gemma3_text", "olmo3")
-# Mixture-of-experts families: Mistral's, Qwen3's, Qwen2's and OLMoE's attention with a routed MLP in
-# every layer (Qwen2-MoE's with a shared expert beside the routed ones).
-MOE = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe")
+# Mixture-of-experts families: Mistral's, Qwen3's, Qwen2's, OLMoE's and Granite's attention with a
+# routed MLP in every layer (Qwen2-MoE's with a shared expert beside the routed ones).
+MOE = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe")
+# Families with Granite's four scalar multipliers (`_GRANITE_FIELDS`).
+GRANITE = ("granite", "granitemoe")
 _DTYPES = ("float32", "bfloat16", "float16")
 _HF_CLASS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
              "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
              "phi3": "Phi3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
              "qwen2_moe": "Qwen2MoeForCausalLM",
              "smollm3": "SmolLM3ForCausalLM", "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM",
-             "olmo3": "Olmo3ForCausalLM", "olmoe": "OlmoeForCausalLM"}
+             "olmo3": "Olmo3ForCausalLM", "olmoe": "OlmoeForCausalLM",
+             "granitemoe": "GraniteMoeForCausalLM"}
 # The MLP activations: SiLU (every family but Gemma) and the tanh approximation of GELU (Gemma's
 # "gelu_pytorch_tanh", which transformers also calls "gelu_new" / "gelu_fast" up to rounding: only
 # the exact name is accepted).
@@ -252,7 +255,7 @@ class ModelConfig:
     # and Qwen3's with experts; SmolLM3 is Llama's with layers that attend without rotary embedding;
     # Granite Llama's with four scalar multipliers; OLMo 2 norms branch outputs, not inputs; OLMo 3
     # adds windows in three layers of four, with a rope of their own; OLMoE is Llama's layers with
-    # OLMo's q/k norms over each whole projection and routed experts)
+    # OLMo's q/k norms over each whole projection and routed experts; Granite MoE Granite's with them)
     architecture: str
     vocab_size: int
     hidden_size: int
@@ -364,12 +367,13 @@ class ModelConfig:
         if self.architecture == "phi3" and (self.qkv_biased or self.qk_norm):
             raise ValueError("ModelConfig: architecture 'phi3' has no attention biases and no q/k norms")
         granite = [f"{n}={getattr(self, n)!r}" for n in _GRANITE_FIELDS if getattr(self, n) is not None]
-        if granite and self.architecture != "granite":
+        if granite and self.architecture not in GRANITE:
             raise ValueError(f"ModelConfig: {', '.join(granite)} is Granite's, not architecture "
                              f"{self.architecture!r}'s")
-        if self.architecture == "granite":
+        if self.architecture in GRANITE:
             if self.qkv_bias or self.qk_norm:
-                raise ValueError("ModelConfig: architecture 'granite' has no q/k/v-only biases and no q/k norms")
+                raise ValueError(f"ModelConfig: architecture {self.architecture!r} has no q/k/v-only biases and no "
+                                 "q/k norms")
             # One form per model, so that configs compare equal however they were written: a factor
             # of 1 is no factor, and scores without a multiplier are scaled by head_dim ** -0.5.
             for name in ("embedding_multiplier", "residual_multiplier", "logits_scaling"):
@@ -420,9 +424,13 @@ class ModelConfig:
                                  f"{self.architecture!r}, got {value!r}")
         if k > e:
             raise ValueError(f"ModelConfig.experts_per_token={k} is more than num_experts={e}")
-        if self.architecture == "mixtral" and not self.norm_topk_prob:
-            raise ValueError("ModelConfig: Mixtral always renormalises its picked experts' weights "
+        if self.architecture in ("mixtral", "granitemoe") and not self.norm_topk_prob:
+            name = {"mixtral": "Mixtral", "granitemoe": "Granite MoE"}[self.architecture]
+            raise ValueError(f"ModelConfig: {name} always renormalises its picked experts' weights "
                              "(norm_topk_prob=False is Qwen3-MoE's option)")
+        if self.architecture == "granitemoe" and self.num_heads * self.head_dim != self.hidden_size:
+            raise ValueError(f"ModelConfig: Granite MoE's heads are hidden_size / num_heads wide, got "
+                             f"head_dim={self.head_dim}")
         if self.architecture == "mixtral" and (self.qkv_biased or self.qk_norm):
             raise ValueError("ModelConfig: architecture 'mixtral' has no attention biases and no q/k norms")
         if self.architecture == "qwen3_moe" and not self.qk_norm:
@@ -568,7 +576,7 @@ class ModelConfig:
         family = _experts(c, model_type, source) if model_type in MOE else {}  # the family's own fields
         if model_type == "smollm3":
             family["nope_layers"] = _nope_layers(c, source)
-        if model_type == "granite":  # GraniteConfig's defaults (1.0) where a key is absent
+        if model_type in GRANITE:  # GraniteConfig's defaults (1.0) where a key is absent
             family.update({k: field(k, float, 1.0, positive=True) for k in _GRANITE_FIELDS})
         window, sliding_layers = _sliding_window(c, model_type, source)
         if c.get("pretraining_tp", 1) not in (1, None):
@@ -683,9 +691,9 @@ class ModelConfig:
         }
         if self.rope_scaling is not None:
             out["rope_scaling"] = self.rope_scaling.to_hf()
-        if self.architecture in ("llama", "qwen3", "mistral", "qwen3_moe", "smollm3", "granite", *WHOLE_QK_NORM):
+        if self.architecture in ("llama", "qwen3", "mistral", "qwen3_moe", "smollm3", *GRANITE, *WHOLE_QK_NORM):
             out["attention_bias"] = self.attention_bias
-        if self.architecture == "granite":
+        if self.architecture in GRANITE:
             out.update({k: 1.0 if getattr(self, k) is None else getattr(self, k) for k in _GRANITE_FIELDS})
             out["attention_multiplier"] = self.attention_scale  # GraniteConfig's default, 1.0, is no default here
         if self.architecture == "smollm3":
@@ -696,8 +704,10 @@ class ModelConfig:
             out["pad_token_id"] = None
         if self.architecture != "llama":
             out["sliding_window"] = self.sliding_window
-        if self.architecture == "mixtral":
+        if self.architecture in ("mixtral", "granitemoe"):
             out.update(num_local_experts=self.num_experts, num_experts_per_tok=self.experts_per_token)
+        if self.architecture == "granitemoe":
+            del out["sliding_window"], out["head_dim"]  # GraniteMoeConfig has neither: heads hidden / H wide
         if self.architecture == "olmoe":
             out.update(num_experts=self.num_experts, num_experts_per_tok=self.experts_per_token,
                        norm_topk_prob=self.norm_topk_prob, clip_qkv=None)
@@ -745,7 +755,7 @@ _GRANITE_FIELDS = ("embedding_multiplier", "attention_multiplier", "residual_mul
 # Families whose window, when they have one, applies to every layer.
 _WINDOW_EVERYWHERE = ("mistral", "phi3", "mixtral", "qwen3_moe")
 # Families with no sliding window.
-_NO_WINDOW = ("llama", "granite", "olmo2", "olmoe")
+_NO_WINDOW = ("llama", "granite", "olmo2", "olmoe", "granitemoe")
 # transformers' defaults where a config.json leaves the keys out: the window of MistralConfig,
 # Qwen2Config, Qwen3Config, Gemma2Config and Gemma3TextConfig, and the Qwen configs' first windowed layer.
 _HF_WINDOW = 4096
@@ -771,17 +781,19 @@ def _nope_layers(c: Mapping[str, Any], source: str) -> tuple[int, ...]:
 
 
 def _experts(c: Mapping[str, Any], model_type: str, source: str) -> dict[str, Any]:
-    """The mixture-of-experts fields of a Mixtral, Qwen3-MoE, Qwen2-MoE or OLMoE config, with
-    transformers' defaults.
+    """The mixture-of-experts fields of a Mixtral, Qwen3-MoE, Qwen2-MoE, OLMoE or Granite MoE config,
+    with transformers' defaults (Granite MoE's softmax over the k highest logits is Mixtral's
+    renormalised top k).
 
     Qwen3-MoE and Qwen2-MoE layers without experts (`mlp_only_layers`, or a `decoder_sparse_step` above 1) are
     refused: every layer of the scan has one shape. `router_jitter_noise` (Mixtral) acts only in
     training and is ignored."""
-    mixtral, qwen2 = model_type == "mixtral", model_type == "qwen2_moe"
+    mixtral, qwen2 = model_type in ("mixtral", "granitemoe"), model_type == "qwen2_moe"
     # transformers maps num_experts and num_local_experts to one attribute; a saved config may hold either
     key = next((k for k in ("num_local_experts", "num_experts") if c.get(k) is not None),
                "num_local_experts" if mixtral else "num_experts")
-    experts, per_token = {"mixtral": (8, 2), "qwen3_moe": (128, 8), "qwen2_moe": (60, 4), "olmoe": (64, 8)}[model_type]
+    experts, per_token = {"mixtral": (8, 2), "qwen3_moe": (128, 8), "qwen2_moe": (60, 4), "olmoe": (64, 8),
+                          "granitemoe": (8, 2)}[model_type]
     fields = dict(num_experts=config_field(c, key, int, source, experts, positive=True),
                   experts_per_token=config_field(c, "num_experts_per_tok", int, source, per_token, positive=True),
                   norm_topk_prob=True if mixtral else config_field(c, "norm_topk_prob", bool, source, False))
