@@ -22,9 +22,11 @@ PUBLISHED = {
     "gemma-3-1b": 1.0e9,  # google/gemma-3-1b-it: "1B"
     "mixtral-8x7b": 46.7e9,  # mistralai/Mixtral-8x7B-Instruct-v0.1: 46.7B (safetensors metadata)
     "qwen3-30b-a3b": 30.5e9,  # Qwen/Qwen3-30B-A3B: "30.5B in total"
+    "olmoe-1b-7b": 6.92e9,  # allenai/OLMoE-1B-7B-0924: 6.92B (safetensors metadata); the paper's "6.9B"
 }
 # ... and what one token reads, for the mixture-of-experts presets (the others: the total).
-ACTIVE = {"mixtral-8x7b": 12.9e9, "qwen3-30b-a3b": 3.3e9}  # Mistral's "12.9B active"; Qwen's "3.3B activated"
+ACTIVE = {"mixtral-8x7b": 12.9e9, "qwen3-30b-a3b": 3.3e9,  # Mistral's "12.9B active"; Qwen's "3.3B activated"
+          "olmoe-1b-7b": 1.3e9}  # the OLMoE paper's "1.3B active"
 
 
 def test_presets_listed():

@@ -1019,4 +1019,13 @@ PRESETS: dict[str, ModelConfig] = {
         max_position_embeddings=40960, eos_token_ids=(151645,), bos_token_id=151643,
         num_experts=128, experts_per_token=8, norm_topk_prob=True, dtype="bfloat16", param_dtype="bfloat16",
     ),
+    # allenai/OLMoE-1B-7B-0924: 6.9B parameters, 8 of 64 experts of width 1024 per token (1.3B
+    # active), weights not renormalised, 16 heads of 128 with no grouping.
+    "olmoe-1b-7b": ModelConfig(
+        architecture="olmoe", vocab_size=50304, hidden_size=2048, intermediate_size=1024,
+        num_layers=16, num_heads=16, num_kv_heads=16, head_dim=128, rms_norm_eps=1e-5,
+        rope_theta=10_000.0, tie_word_embeddings=False, qk_norm=True,
+        max_position_embeddings=4096, eos_token_ids=(50279,), bos_token_id=None,
+        num_experts=64, experts_per_token=8, norm_topk_prob=False, dtype="bfloat16", param_dtype="bfloat16",
+    ),
 }
