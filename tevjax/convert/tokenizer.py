@@ -131,11 +131,11 @@ def build_tokenizer(meta: Mapping[str, Any], *, source: str = "GGUF metadata"):
     else:
         tok = _byte_level(meta, tokens, types, list(need("tokenizer.ggml.merges")), source)
 
-    def added(kind):  # the id llama.cpp adds to any text when the file says so (`add_bos_token`), else None
-        i = meta.get(f"tokenizer.ggml.{kind}_token_id")
+    def added(which):  # the id llama.cpp adds to any text when the file says so (`add_bos_token`), else None
+        i = meta.get(f"tokenizer.ggml.{which}_token_id")
         # A SentencePiece vocabulary that does not say gets BOS, as llama.cpp gives it.
-        default = kind == "bos" and meta["tokenizer.ggml.model"] == "llama"
-        wanted = meta.get(f"tokenizer.ggml.add_{kind}_token", default) and i is not None and 0 <= int(i) < len(tokens)
+        default = which == "bos" and kind == "llama"
+        wanted = meta.get(f"tokenizer.ggml.add_{which}_token", default) and i is not None and 0 <= int(i) < len(tokens)
         return int(i) if wanted else None
 
     bos, eos = added("bos"), added("eos")

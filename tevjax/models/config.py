@@ -424,20 +424,17 @@ class ModelConfig:
                                  f"{self.architecture!r}, got {value!r}")
         if k > e:
             raise ValueError(f"ModelConfig.experts_per_token={k} is more than num_experts={e}")
+        name = _NAMES.get(self.architecture, self.architecture)
         if self.architecture in ("mixtral", "granitemoe") and not self.norm_topk_prob:
-            name = {"mixtral": "Mixtral", "granitemoe": "Granite MoE"}[self.architecture]
             raise ValueError(f"ModelConfig: {name} always renormalises its picked experts' weights "
                              "(norm_topk_prob=False is Qwen3-MoE's option)")
-        if self.architecture == "granitemoe" and self.num_heads * self.head_dim != self.hidden_size:
-            raise ValueError(f"ModelConfig: Granite MoE's heads are hidden_size / num_heads wide, got "
-                             f"head_dim={self.head_dim}")
+        if self.architecture in _HEADS_FROM_HIDDEN and self.num_heads * self.head_dim != self.hidden_size:
+            raise ValueError(f"ModelConfig: {name}'s heads are hidden_size / num_heads wide (its config has no "
+                             f"head_dim), got head_dim={self.head_dim}")
         if self.architecture == "mixtral" and (self.qkv_biased or self.qk_norm):
             raise ValueError("ModelConfig: architecture 'mixtral' has no attention biases and no q/k norms")
         if self.architecture == "qwen3_moe" and not self.qk_norm:
             raise ValueError("ModelConfig: architecture 'qwen3_moe' has q/k norms (qk_norm=True)")
-        if self.architecture == "olmoe" and self.num_heads * self.head_dim != self.hidden_size:
-            raise ValueError(f"ModelConfig: OLMoE's heads are hidden_size / num_heads wide (its q norm is "
-                             f"hidden_size wide), got head_dim={self.head_dim}")
         if self.architecture == "qwen2_moe" and (self.qk_norm or self.attention_bias):
             raise ValueError("ModelConfig: architecture 'qwen2_moe' has no q/k norms and no o_proj bias")
         shared = self.shared_expert_size
@@ -706,12 +703,11 @@ class ModelConfig:
             out["sliding_window"] = self.sliding_window
         if self.architecture in ("mixtral", "granitemoe"):
             out.update(num_local_experts=self.num_experts, num_experts_per_tok=self.experts_per_token)
-        if self.architecture == "granitemoe":
-            del out["sliding_window"], out["head_dim"]  # GraniteMoeConfig has neither: heads hidden / H wide
         if self.architecture == "olmoe":
             out.update(num_experts=self.num_experts, num_experts_per_tok=self.experts_per_token,
                        norm_topk_prob=self.norm_topk_prob, clip_qkv=None)
-            del out["sliding_window"], out["head_dim"]  # OlmoeConfig has neither: its heads are hidden / H wide
+        if self.architecture in _HEADS_FROM_HIDDEN:  # their config classes have neither field
+            del out["sliding_window"], out["head_dim"]
         if self.architecture in ("qwen3_moe", "qwen2_moe"):
             out.update(num_experts=self.num_experts, num_experts_per_tok=self.experts_per_token,
                        norm_topk_prob=self.norm_topk_prob, moe_intermediate_size=self.intermediate_size,
@@ -756,6 +752,10 @@ _GRANITE_FIELDS = ("embedding_multiplier", "attention_multiplier", "residual_mul
 _WINDOW_EVERYWHERE = ("mistral", "phi3", "mixtral", "qwen3_moe")
 # Families with no sliding window.
 _NO_WINDOW = ("llama", "granite", "olmo2", "olmoe", "granitemoe")
+# Families whose configs have no head_dim: their heads are hidden_size / num_heads wide.
+_HEADS_FROM_HIDDEN = ("olmoe", "granitemoe")
+# Families as error messages name them.
+_NAMES = {"mixtral": "Mixtral", "olmoe": "OLMoE", "granitemoe": "Granite MoE"}
 # transformers' defaults where a config.json leaves the keys out: the window of MistralConfig,
 # Qwen2Config, Qwen3Config, Gemma2Config and Gemma3TextConfig, and the Qwen configs' first windowed layer.
 _HF_WINDOW = 4096
