@@ -77,7 +77,8 @@ def test_greedy_speculative_equals_autoregressive(models, ar_greedy, verifier, l
 
 
 @pytest.mark.parametrize("architecture", ["mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "qwen2_moe",
-                                          "smollm3", "granite", "olmo3", "olmoe", "granitemoe"])
+                                          "smollm3", "granite", "olmo3", "olmoe", "granitemoe",
+                                          "gpt_oss"])
 def test_every_target_family_decodes_exactly(architecture):
     """The engine knows no architecture: for each family besides the fixture's Llama (biases on
     q/k/v only, q/k norms, tied or untied heads, Gemma's capped scores and logits and two ropes),

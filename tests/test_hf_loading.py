@@ -74,6 +74,8 @@ def _copy(saved, tmp_path):
     ("mixtral", {}), ("qwen3_moe", dict(norm_topk_prob=False)), ("qwen2_moe", {}),  # and a shared expert
     ("olmoe", {}),  # and q/k norms over each projection
     ("granitemoe", {}),  # stacked on disk, gate and up fused
+    ("gpt_oss", dict(rope_scaling=RopeScaling(rope_type="yarn", factor=4.0, original_max_position_embeddings=64,
+                                              truncate=False))),  # sinks, biased experts, gate and up interleaved
     # SmolLM3's unrotated layers, and a window in one of them
     ("smollm3", dict(sliding_window=3, sliding_layers=(1,))),
     ("granite", {}),  # its four multipliers
@@ -526,13 +528,15 @@ def test_experts_read_as_transformers_reads_them_and_belong_to_moe_families_only
     window only with use_sliding_window; layers without experts and mismatched fields refused."""
     for arch, cls in (("mixtral", transformers.MixtralConfig), ("qwen3_moe", transformers.Qwen3MoeConfig),
                       ("qwen2_moe", transformers.Qwen2MoeConfig), ("olmoe", transformers.OlmoeConfig),
-                      ("granitemoe", transformers.GraniteMoeConfig)):
+                      ("granitemoe", transformers.GraniteMoeConfig), ("gpt_oss", transformers.GptOssConfig)):
         for overrides in ({}, dict(sliding_window=3, sliding_layers=(0,) if arch == "qwen2_moe" else (0, 1)),
                           dict(norm_topk_prob=not tiny_config(arch).norm_topk_prob)):
-            if arch in ("mixtral", "granitemoe") and overrides.get("norm_topk_prob") is False:
+            if arch in ("mixtral", "granitemoe", "gpt_oss") and overrides.get("norm_topk_prob") is False:
                 continue
             if arch in ("olmoe", "granitemoe") and "sliding_window" in overrides:  # they attend fully
                 continue
+            if arch == "gpt_oss" and "sliding_window" in overrides:  # (its windows are every other layer's)
+                overrides = dict(sliding_window=3, sliding_layers=(0,))
             cfg = tiny_config(arch, **overrides)
             out = cfg.to_hf_config()
             assert ModelConfig.from_hf_config(out) == cfg
@@ -573,6 +577,9 @@ def test_experts_read_as_transformers_reads_them_and_belong_to_moe_families_only
                                 ("olmoe", dict(qk_norm=False), "'olmoe' has q/k norms"),
                                 ("granitemoe", dict(norm_topk_prob=False), "Granite MoE always renormalises"),
                                 ("granitemoe", dict(qk_norm=True), "'granitemoe' has no q/k/v-only biases"),
+                                ("gpt_oss", dict(norm_topk_prob=False), "GPT-OSS always renormalises"),
+                                ("gpt_oss", dict(swiglu_limit=None), "GPT-OSS has both"),
+                                ("mixtral", dict(swiglu_limit=7.0, swiglu_alpha=1.7), "GPT-OSS has both, and no other"),
                                 ("olmoe", dict(head_dim=8), "OLMoE's heads are hidden_size / num_heads wide"),
                                 ("olmoe", dict(sliding_window=3, sliding_layers=(0,)), "'olmoe' has no sliding window"),
                                 ("qwen3_moe", dict(sliding_window=3, sliding_layers=(1,)),
@@ -710,3 +717,45 @@ def test_config_rejects_unsupported():
         ModelConfig.from_hf_config(base, bogus=1)
     with pytest.raises(ValueError, match="dtype"):
         dataclasses.replace(tiny_config(), dtype="int8")
+
+
+def test_gpt_oss_mxfp4_experts_dequantize_as_transformers_does(tmp_path):
+    """GPT-OSS's released checkpoints store each expert projection as MXFP4 blocks and scales:
+    `dequantize_mxfp4` equals transformers' own dequantization on random codes and scales, and a
+    checkpoint written that way (with its quantization_config) loads to the same parameters as the
+    unquantized one holding those values; other quantizations are refused by name."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from tevjax.convert.hf import dequantize_mxfp4
+
+    rng = np.random.default_rng(0)
+    blocks = rng.integers(0, 256, (3, 8, 2, 16), dtype=np.uint8)
+    scales = rng.integers(120, 134, (3, 8, 2), dtype=np.uint8)
+    theirs = convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales), dtype=torch.float32)
+    np.testing.assert_array_equal(np.swapaxes(dequantize_mxfp4(blocks, scales), -1, -2), theirs.numpy())
+
+    model = random_model(tiny_config("gpt_oss"), seed=2)
+    save_hf_target(model, tmp_path / "plain")
+    state = load_file(str(tmp_path / "plain" / "model.safetensors"))
+    packed = dict(state)
+    for name in [k for k in state if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        e, d_in, d_out = state[name].shape  # [E, in, out]
+        code = rng.integers(0, 256, (e, d_out, d_in // 32, 16), dtype=np.uint8)
+        scale = rng.integers(122, 130, (e, d_out, d_in // 32), dtype=np.uint8)
+        state[name] = np.ascontiguousarray(np.swapaxes(dequantize_mxfp4(code, scale), -1, -2))  # what they hold
+        del packed[name]
+        packed[name + "_blocks"], packed[name + "_scales"] = code, scale
+    config = json.loads((tmp_path / "plain" / "config.json").read_text())
+    for name, tensors, extra in (("plain", state, {}),
+                                 ("mxfp4", packed, {"quantization_config": {"quant_method": "mxfp4"}})):
+        (tmp_path / name).mkdir(exist_ok=True)
+        (tmp_path / name / "config.json").write_text(json.dumps({**config, **extra}))
+        save_file(tensors, str(tmp_path / name / "model.safetensors"))
+    a, b = (_params(load_hf_target(tmp_path / name)[1]) for name in ("plain", "mxfp4"))
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+    (tmp_path / "mxfp4" / "config.json").write_text(json.dumps({**config, "quantization_config": {
+        "quant_method": "fp8"}}))
+    with pytest.raises(CheckpointError, match="quantization_config quant_method='fp8' is not supported"):
+        load_hf_target(tmp_path / "mxfp4")

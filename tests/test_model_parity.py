@@ -142,20 +142,29 @@ VARIANTS = {
                    dict(tie_word_embeddings=False, rope_theta=10000.0, embedding_multiplier=6.0,
                         attention_multiplier=0.15, residual_multiplier=0.4, logits_scaling=3.0,
                         num_local_experts=4, num_experts_per_tok=2)),
+    # GPT-OSS: attention sinks, q/k/v/o biases, a 4-wide window in layers 0 and 2 (layer_types'
+    # default), YaRN unrounded (truncate false), 4 experts of width 96, 2 per token, with router and
+    # expert biases and the clipped gate (limit 1.5 so that it clips); untied head.
+    "gpt-oss": ("GptOssConfig", "GptOssForCausalLM",
+                dict(tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2, head_dim=16,
+                     sliding_window=4, swiglu_limit=1.5, pad_token_id=0,
+                     rope_parameters=dict(rope_type="yarn", rope_theta=150_000.0, factor=4.0, beta_fast=32.0,
+                                          beta_slow=1.0, truncate=False, original_max_position_embeddings=64))),
 }
 EXPERTS = {"mixtral": (4, 2, True, 96), "qwen3-moe": (6, 3, False, 24),  # E, k, norm_topk_prob, width
-           "qwen2-moe": (4, 2, False, 24), "olmoe": (4, 2, False, 96), "granitemoe": (4, 2, True, 96)}
+           "qwen2-moe": (4, 2, False, 24), "olmoe": (4, 2, False, 96), "granitemoe": (4, 2, True, 96),
+           "gpt-oss": (4, 2, True, 96)}
 
 HEAD_DIM = {"qwen3": 32, "qwen3-yarn": 32, "mistral": 8, "mistral-window": 8}
 WINDOWS = {"mistral-window": (5, (0, 1, 2)), "qwen2-window": (4, (1, 2)), "gemma2": (4, (0, 2)), "gemma3": (4, (0, 1)),
            "phi3": (5, (0, 1, 2)), "mixtral": (5, (0, 1, 2)), "qwen3-moe": (4, (0, 1, 2)), "smollm3": (4, (1,)),
            "qwen2-moe": (4, (0,)),
-           "olmo3": (4, (0, 1))}
+           "olmo3": (4, (0, 1)), "gpt-oss": (4, (0, 2))}
 # The generation test's weights: seed 0 unless its answers never repeat (then no round would take
 # more than one token, and tree nodes below the root would go unchecked).
 GENERATE_SEED = {"olmo3": 3}
 ROPE_TYPE = {"llama3-rope": "llama3", "llama-linear-rope": "linear", "qwen3-yarn": "yarn", "gemma3": "linear",
-             "olmo3": "yarn"}
+             "olmo3": "yarn", "gpt-oss": "yarn"}
 
 
 def build_hf(variant: str, seed: int = 0):
@@ -186,7 +195,8 @@ def hf_pair(request, tmp_path_factory):
 def test_config_translation(hf_pair):
     variant, hf, cfg, _ = hf_pair
     assert cfg.architecture == VARIANTS[variant][0].removesuffix("Config").lower().replace(
-        "gemma3text", "gemma3_text").replace("qwen3moe", "qwen3_moe").replace("qwen2moe", "qwen2_moe")
+        "gemma3text", "gemma3_text").replace("qwen3moe", "qwen3_moe").replace("qwen2moe", "qwen2_moe").replace(
+        "gptoss", "gpt_oss")
     assert cfg.num_layers == 3 and cfg.num_kv_heads == 2 and cfg.vocab_size == 300
     assert cfg.head_dim == HEAD_DIM.get(variant, 16)
     assert cfg.qk_norm == variant.startswith(("qwen3", "gemma3", "olmo"))
@@ -194,10 +204,10 @@ def test_config_translation(hf_pair):
         variant, (False, True) if variant.startswith("olmo") else (True, False))
     assert cfg.tie_word_embeddings == variant.startswith(("qwen", "gemma", "smollm3"))
     assert cfg.nope_layers == ((1,) if variant == "smollm3" else ())
-    assert cfg.attention_bias == (variant in ("llama3-rope", "olmo2"))
-    assert cfg.qkv_biased == variant.startswith(("llama3-rope", "qwen2", "olmo2"))
+    assert cfg.attention_bias == (variant in ("llama3-rope", "olmo2", "gpt-oss"))
+    assert cfg.qkv_biased == variant.startswith(("llama3-rope", "qwen2", "olmo2", "gpt-oss"))
     assert cfg.shared_expert_size == (40 if variant == "qwen2-moe" else 0)
-    biases = {k.split(".", 3)[-1] for k in hf.state_dict() if k.endswith(".bias")}
+    biases = {k.split(".", 3)[-1] for k in hf.state_dict() if k.endswith(".bias") and ".mlp." not in k}
     assert biases == ({"self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"} if cfg.qkv_biased
                       else set()) | ({"self_attn.o_proj.bias"} if cfg.attention_bias else set()), biases
     assert (cfg.rope_scaling and cfg.rope_scaling.rope_type) == ROPE_TYPE.get(variant)

@@ -41,7 +41,7 @@ def _specs(tree) -> dict[str, P]:
                                              ("qwen2", {}), ("gemma2", {}), ("gemma3_text", {}), ("phi3", {}),
                                              ("mixtral", {}), ("qwen3_moe", {}), ("qwen2_moe", {}), ("smollm3", {}),
                                              ("granite", {}), ("olmo2", {}), ("olmo3", {}), ("olmoe", {}),
-                                             ("granitemoe", {})])
+                                             ("granitemoe", {}), ("gpt_oss", {})])
 def test_every_target_array_has_axes_and_heads_split_over_model(arch, overrides):
     target = nnx.eval_shape(lambda: random_model(tiny_config(arch, num_heads=8, num_kv_heads=4, head_dim=8,
                                                              **overrides)))
@@ -79,7 +79,7 @@ def test_every_target_array_has_axes_and_heads_split_over_model(arch, overrides)
         assert specs["layers.self_attn.q_proj.bias"] == P(None, "model")
         assert specs["layers.self_attn.v_proj.bias"] == P(None, "model")
     assert ("layers.self_attn.o_proj.bias" in specs) == cfg.attention_bias  # Qwen2 has none
-    assert ("layers.self_attn.q_proj.bias" in specs) == (arch in ("qwen2", "qwen2_moe") or bool(overrides))
+    assert ("layers.self_attn.q_proj.bias" in specs) == cfg.qkv_biased  # Qwen2's, attention_bias (GPT-OSS)
 
 
 def test_drafter_arrays_and_optimizer_moments_share_the_table():
@@ -303,16 +303,24 @@ def check_loop_hlo(dec, mesh):
     # logits of a tree pass. What may move: [B, N, D] activations (after o_proj, down_proj and
     # the vocabulary-split embedding lookup), per-device partial results of reductions over V,
     # and the [B, G, Vd] draft logits.
-    split = [x for x in jax.tree.leaves((dec.tstate, dec.dstate)) if any(x.sharding.spec)]
+    leaves = jax.tree_util.tree_flatten_with_path((dec.tstate, dec.dstate))[0]
+    named = [(jax.tree_util.keystr(p), x) for p, x in leaves if any(x.sharding.spec)]
+    split = [x for _, x in named]
     assert split, "no weight is split"
-    group = mesh.size // mesh.shape["data"]  # model, or expert x model: every split weight spans it
-    for x in split:
+    group = mesh.size // mesh.shape["data"]  # model, or expert x model: every split matrix spans it
+    for name, x in named:
         shard = x.addressable_shards[0].data.shape
-        assert np.prod(shard) * group == np.prod(x.shape), (x.shape, shard, x.sharding)
+        axes = [a for entry in x.sharding.spec if entry for a in ((entry,) if isinstance(entry, str) else entry)]
+        factor = int(np.prod([mesh.shape[a] for a in axes]))
+        assert np.prod(shard) * factor == np.prod(x.shape), (name, x.shape, shard, x.sharding)
+        assert factor == group, (name, x.sharding)
     state = dec.prefill(PROMPTS)
     hlo = dec.compiled_loop(state).as_text()
     layers = dec.target_cfg.num_layers
-    weight = min(int(np.prod(x.shape)) // (layers if x.ndim == 3 else 1) for x in split)
+    # One layer's slice of each split matrix ([L, ...] stacks, or the [V, D] embedding and head);
+    # biases and GPT-OSS's sinks are too small to bound anything.
+    weight = min(int(np.prod(x.shape)) // (layers if x.ndim >= 3 else 1) for name, x in named
+                 if any(x.sharding.spec) and "bias" not in name and "sinks" not in name)
     logits = state.root.shape[0] * dec.tree_slots * V
     sizes = []
     for m in COLLECTIVE.finditer(hlo):
@@ -324,12 +332,12 @@ def check_loop_hlo(dec, mesh):
           f"logits {logits}")
     return len(sizes)
 
-def moe_decoding(*meshes):
-    # The Qwen3-MoE target on each ((data, model), expert) mesh, with either dispatch: greedy TEV
+def moe_decoding(*meshes, arch="qwen3_moe"):
+    # The MoE target on each ((data, model), expert) mesh, with either dispatch: greedy TEV
     # equals unsharded; each device holds 1 / expert of the experts; the loop moves no weight slice
     # or expert-output rows, and the two dispatches as many collectives.
     from tevjax.models import set_moe_dispatch
-    target, drafter = models("qwen3_moe")
+    target, drafter = models(arch)
     want = tokens(decoder(target, drafter, "tev"))
     for shape, expert in meshes:
         mesh = make_mesh(*shape, expert=expert)
@@ -546,6 +554,12 @@ CHECKS = {
                 if name == "on the mesh":
                     assert moved == ["f32[12,16]{1,0}"], (dispatch, moved)
     """,
+    # GPT-OSS (attention sinks split with the heads, biased experts: gate and up biases split as the
+    # experts and their widths, down's added once after the devices' sums) on (1, 4) and
+    # (1, expert=2, 2), as "moe_meshes".
+    "gpt_oss_meshes": """
+        moe_decoding(((1, 4), 1), ((1, 2), 2), arch="gpt_oss")
+    """,
     # More expert-parallel meshes, as "moe_meshes": (1, expert=4, 1), one whole expert per device,
     # and (2, expert=2, 1) with rows split too; and `tevjax data`'s features (one forward of each
     # sequence) traced on (2, expert=2, 1) equal one device's.
@@ -755,7 +769,7 @@ def test_training_step_on_meshes_equals_one_device():
 
 @pytest.mark.slow
 def test_more_expert_parallel_meshes():
-    _run("moe_ep_meshes")
+    _run("moe_ep_meshes", "gpt_oss_meshes")
 
 
 @pytest.mark.slow

@@ -63,6 +63,7 @@ LOGICAL_RULES: Mapping[str, str | tuple[str, ...] | None] = {
     "embed": None,
     "heads": _TENSOR,  # query heads (H, or the fused H * Dh axis of a projection)
     "kv_heads": _TENSOR,  # key/value heads (K, or K * Dh)
+    "attn_heads": _TENSOR,  # one value per query head (GPT-OSS's attention sinks, [H]), split as the heads
     "mlp": _TENSOR,  # the MLP width (intermediate_size; with experts, each expert's: over `model` alone)
     # The experts of a routed MLP, over `expert` when the mesh has one (expert parallelism), else
     # whole on every device with their widths split. Either way the activations are the same on
@@ -110,6 +111,13 @@ _LAYER_AXES: Mapping[str, tuple[str, ...]] = {
     "mlp.up_proj.kernel": ("embed", "mlp"),
     "mlp.down_proj.kernel": ("mlp", "embed"),
     "mlp.router.kernel": ("embed", "router"),
+    "mlp.router.bias": ("router",),
+    "self_attn.sinks": ("attn_heads",),
+    "mlp.gate_bias": ("experts", "mlp"),
+    "mlp.up_bias": ("experts", "mlp"),
+    # Added once per token after the devices' partial sums, each token's k rows gathered by expert:
+    # whole on every device (E x D), as the router is, so the gather moves nothing.
+    "mlp.down_bias": ("router", "embed"),
     "mlp.gate_proj": ("experts", "embed", "mlp"),
     "mlp.up_proj": ("experts", "embed", "mlp"),
     "mlp.down_proj": ("experts", "mlp", "embed"),
@@ -139,8 +147,8 @@ DRAFTER_AXES: Mapping[str, tuple[str, ...]] = {
 CACHE_AXES: tuple[str, ...] = ("layers", "batch", "kv_heads", "cache_slots", "head_dim")
 
 # What a sharded logical axis counts, for error messages: splitting must not cut one of these.
-_UNITS = {"heads": "query heads (num_heads)", "kv_heads": "key/value heads (num_kv_heads)",
-          "mlp": "MLP width (intermediate_size)", "vocab": "vocabulary entries (vocab_size)",
+_UNITS = {"heads": "query heads (num_heads)", "attn_heads": "query heads (num_heads)",
+          "kv_heads": "key/value heads (num_kv_heads)", "mlp": "MLP width (intermediate_size)", "vocab": "vocabulary entries (vocab_size)",
           "batch": "batch rows", "embed": "model width (hidden_size)", "experts": "experts (num_experts)",
           "router": "router outputs (num_experts)",
           "shared_mlp": "shared expert width (shared_expert_size)"}
@@ -203,7 +211,7 @@ def _dims(cfg) -> dict[str, tuple[int, int]]:
     dims = {"vocab": same(cfg.vocab_size), "embed": same(cfg.hidden_size), "heads": (h * dh, h),
             "kv_heads": (k * dh, k), "mlp": same(cfg.intermediate_size), "layers": same(cfg.num_layers),
             "head_dim": same(dh), "experts": same(getattr(cfg, "num_experts", 0)),
-            "router": same(getattr(cfg, "num_experts", 0)),
+            "router": same(getattr(cfg, "num_experts", 0)), "attn_heads": same(h),
             "shared_mlp": same(getattr(cfg, "shared_expert_size", 0)), "gate": same(1)}
     if hasattr(cfg, "feature_dim"):  # a drafter
         dims["features"] = same(cfg.feature_dim)

@@ -43,6 +43,9 @@ def tiny_config(architecture: str = "llama", **overrides) -> ModelConfig:
     if architecture in ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe"):  # 4 experts, 32 wide, 2 a token
         fields.update(intermediate_size=32, num_experts=4, experts_per_token=2,
                       qk_norm=architecture in ("qwen3_moe", "olmoe"), norm_topk_prob=architecture != "olmoe")
+    if architecture == "gpt_oss":  # 4 experts, 32 wide, 2 a token; biases, sinks, a window in layer 0
+        fields.update(intermediate_size=32, num_experts=4, experts_per_token=2, attention_bias=True, swiglu_limit=1.5,
+                      swiglu_alpha=1.702, sliding_window=4, sliding_layers=(0,))
     if architecture == "qwen2_moe":  # Qwen2's q/k/v biases and a shared expert of width 48
         fields.update(qkv_bias=True, shared_expert_size=48)
     fields.update(overrides)
@@ -67,8 +70,10 @@ def random_model(cfg: ModelConfig, seed: int = 0) -> Transformer:
             x = 1.0 + 0.1 * rng.standard_normal(shape)
         elif name == "embedding":
             x = rng.standard_normal(shape) / np.sqrt(shape[-1])
-        elif name == "bias":
+        elif name == "bias" or name.endswith("_bias"):  # (GPT-OSS's experts' are gate_bias, ...)
             x = 0.1 * rng.standard_normal(shape)
+        elif name == "sinks":  # GPT-OSS's sink logits, of the scores' size
+            x = rng.standard_normal(shape)
         else:  # kernel [..., in, out]
             x = rng.standard_normal(shape) / np.sqrt(shape[-2])
         var.set_value(jnp.asarray(x, dtype))

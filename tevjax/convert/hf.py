@@ -80,6 +80,10 @@ class WeightRule:
     # stacked experts' input_linear, [E, 2 * I, D]: rows along its second-last axis), sliced before
     # the transform; the rules that share a tensor cover its rows, and saving joins them again.
     rows: tuple[int, int] | None = None
+    # Columns start::step of a tensor whose parts interleave along its last axis (GPT-OSS's experts'
+    # gate_up_proj [E, D, 2 * I] and its bias: gate in the even columns, up in the odd ones);
+    # saving interleaves them again.
+    columns: tuple[int, int] | None = None
     # One tensor per expert ("{e}" in the name; the MoE families), stacked on an expert axis
     # after the layer axis; 0: none.
     experts: int = 0
@@ -110,14 +114,25 @@ class WeightRule:
             )
         if self.rows is not None:
             x = x[..., self.rows[0]:self.rows[1], :]
+        if self.columns is not None:
+            x = x[..., self.columns[0]::self.columns[1]]
         return _TRANSFORMS[self.transform][0](x)
+
+    @property
+    def fused(self) -> bool:
+        """Whether the rule reads a part of a tensor that other rules read the rest of."""
+        return self.rows is not None or self.columns is not None
 
     def to_hf(self, x: np.ndarray) -> np.ndarray:
         """tevjax layout -> HF tensor (inverse transform), or its rows for a fused tensor, checking
         the result's shape."""
         y = _TRANSFORMS[self.transform][1](x)
-        want = self.hf_shape if self.rows is None else (*self.hf_shape[:-2], self.rows[1] - self.rows[0],
-                                                         self.hf_shape[-1])
+        want = list(self.hf_shape)
+        if self.rows is not None:
+            want[-2] = self.rows[1] - self.rows[0]
+        if self.columns is not None:
+            want[-1] //= self.columns[1]
+        want = tuple(want)
         if tuple(y.shape) != want:
             raise CheckpointError(f"{self.hf_name}: would save shape {tuple(y.shape)}, expected {want}")
         return y
@@ -183,6 +198,8 @@ def target_weight_rules(cfg: ModelConfig) -> list[WeightRule]:
         ]
     if cfg.attention_bias:
         rules.append(layer("self_attn.o_proj.bias", ("self_attn", "o_proj", "bias"), "identity", (d,)))
+    if cfg.attention_sinks:
+        rules.append(layer("self_attn.sinks", ("self_attn", "sinks"), "identity", (cfg.num_heads,)))
     if cfg.input_norms:
         rules += [
             layer("input_layernorm.weight", ("input_layernorm", "scale"), "identity", (d,)),
@@ -211,6 +228,18 @@ def _expert_rules(cfg: ModelConfig, pre: str) -> list[WeightRule]:
     shared expert and its gate. Granite MoE stores its experts stacked already: gate and up as the
     two row halves of `input_linear` [E, 2 * I, D], down as `output_linear` [E, D, I]."""
     d, f, e = cfg.hidden_size, cfg.intermediate_size, cfg.num_experts
+    if cfg.architecture == "gpt_oss":  # stacked [E, in, out] already, biases beside; gate and up interleaved
+        moe = pre + "mlp."
+        return [WeightRule(moe + hf, ("layers", "mlp", *param), transform, shape, per_layer=True, columns=cols)
+                for hf, param, transform, shape, cols in (
+                    ("router.weight", ("router", "kernel"), "transpose", (e, d), None),
+                    ("router.bias", ("router", "bias"), "identity", (e,), None),
+                    ("experts.gate_up_proj", ("gate_proj",), "identity", (e, d, 2 * f), (0, 2)),
+                    ("experts.gate_up_proj", ("up_proj",), "identity", (e, d, 2 * f), (1, 2)),
+                    ("experts.gate_up_proj_bias", ("gate_bias",), "identity", (e, 2 * f), (0, 2)),
+                    ("experts.gate_up_proj_bias", ("up_bias",), "identity", (e, 2 * f), (1, 2)),
+                    ("experts.down_proj", ("down_proj",), "identity", (e, f, d), None),
+                    ("experts.down_proj_bias", ("down_bias",), "identity", (e, d), None))]
     if cfg.architecture == "granitemoe":
         moe = pre + "block_sparse_moe."
         return [WeightRule(moe + hf, ("layers", "mlp", *param), "transpose", shape, per_layer=True, rows=rows)
@@ -366,7 +395,7 @@ def load_target_params(model: Transformer, state: Mapping[str, np.ndarray], *, m
     for rule in rules:
         converted = []
         for name in rule.names(cfg.num_layers):
-            if rule.rows is None:
+            if not rule.fused:
                 x = checked_tensor(name, state[name])
             else:
                 x = checked.get(name)
@@ -395,7 +424,8 @@ def checkpoint_config_path(path: str | os.PathLike, what: str) -> tuple[str, str
 
 def load_hf_target(path: str | os.PathLike, *, dtype: str | None = None, mesh=None) -> tuple[ModelConfig, Transformer]:
     """Loads an HF Llama / Mistral / Qwen2 / Qwen3 / Gemma 2 / Gemma 3 (text) / Phi-3 / Mixtral /
-    Qwen2-3 MoE / SmolLM3 / Granite / OLMo 2-3 checkpoint into a `Transformer`.
+    Qwen2-3 MoE / SmolLM3 / Granite / OLMo 2-3 / OLMoE / Granite MoE / GPT-OSS checkpoint into a
+    `Transformer`; GPT-OSS's MXFP4 experts (the released checkpoints') are dequantized on reading.
 
     `dtype` sets both compute and storage dtypes (default: the checkpoint's `torch_dtype`).
     The model skeleton is built with `nnx.eval_shape`, so no random weights are materialised;
@@ -405,12 +435,61 @@ def load_hf_target(path: str | os.PathLike, *, dtype: str | None = None, mesh=No
     overrides = {} if dtype is None else {"dtype": dtype, "param_dtype": dtype}
     cfg = ModelConfig.from_hf_config(config_path, **overrides)
     state = read_safetensors_dir(path)
+    if _quantization(config_path) == "mxfp4":
+        state = _dequantize_mxfp4_experts(state)
     model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
     try:
         load_target_params(model, state, mesh=mesh)
     except CheckpointError as e:
         raise CheckpointError(f"{path}: {e}") from e
     return cfg, model
+
+
+def _quantization(config_path: str) -> str | None:
+    """The checkpoint's `quantization_config.quant_method`, where tevjax can read it (GPT-OSS's
+    "mxfp4"); any other is refused by name rather than left to fail on tensors it cannot map."""
+    c, _ = read_config_json(config_path, what="HF config")
+    q = c.get("quantization_config")
+    if q is None:
+        return None
+    method = q.get("quant_method") if isinstance(q, Mapping) else q
+    if c.get("model_type") == "gpt_oss" and method == "mxfp4":
+        return method
+    raise CheckpointError(f"{config_path}: quantization_config quant_method={method!r} is not supported "
+                          f"(tevjax reads unquantized weights, and GPT-OSS's mxfp4 experts)")
+
+
+# FP4 (e2m1) code -> value: sign bit 3, then 2 exponent bits and 1 mantissa bit.
+_FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+                       np.float32)
+
+
+def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """MXFP4 (OCP microscaling FP4) -> float32: blocks [..., G, 16] uint8 hold two FP4 codes a
+    byte (the low nibble first), scales [..., G] uint8 one power of two per 32 values (E8M0:
+    2 ** (scale - 127)); returns [..., G * 32]."""
+    b = np.asarray(blocks, np.uint8)
+    if b.shape[:-1] != np.shape(scales):
+        raise CheckpointError(f"MXFP4 blocks {b.shape} and scales {np.shape(scales)} do not pair up")
+    codes = np.stack([b & 0x0F, b >> 4], axis=-1).reshape(*b.shape[:-1], -1)  # [..., G, 32]
+    values = np.ldexp(_FP4_VALUES[codes], (np.asarray(scales, np.int32) - 127)[..., None])
+    return values.reshape(*b.shape[:-2], -1).astype(np.float32)
+
+
+def _dequantize_mxfp4_experts(state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """GPT-OSS's MXFP4 checkpoint as its unquantized tensors: each `*_blocks` / `*_scales` pair
+    ([E, out, in / 32, 16] and [E, out, in / 32]) becomes the tensor of that name, [E, in, out],
+    as transformers' dequantization lays it out."""
+    out = {k: v for k, v in state.items() if not k.endswith(("_blocks", "_scales"))}
+    for name in (k for k in state if k.endswith("_blocks")):
+        base = name.removesuffix("_blocks")
+        if base + "_scales" not in state:
+            raise CheckpointError(f"tensor {name!r} has no {base + '_scales'!r} beside it")
+        out[base] = np.ascontiguousarray(np.swapaxes(dequantize_mxfp4(state[name], state[base + "_scales"]), -1, -2))
+    stray = sorted(k for k in state if k.endswith("_scales") and k.removesuffix("_scales") + "_blocks" not in state)
+    if stray:
+        raise CheckpointError(f"MXFP4 scales without blocks: {', '.join(stray)}")
+    return out
 
 
 # ------------------------------------------------------------------------------------ saving
@@ -424,18 +503,22 @@ def save_hf_target(model: Transformer, path: str | os.PathLike) -> None:
     os.makedirs(path, exist_ok=True)
     cfg: ModelConfig = model.cfg
     tensors: dict[str, np.ndarray] = {}
-    fused: dict[str, list[tuple[int, np.ndarray]]] = {}  # a fused tensor's rows, by first row
+    fused: dict[str, list[tuple[WeightRule, np.ndarray]]] = {}  # a fused tensor's parts
     for rule in target_weight_rules(cfg):
         value = np.asarray(jax.device_get(_param(model, rule.param).get_value()))
         names = rule.names(cfg.num_layers)
         for name, x in zip(names, rule.unstack(value), strict=True):
-            if rule.rows is None:
-                tensors[name] = rule.to_hf(x)
+            if rule.fused:
+                fused.setdefault(name, []).append((rule, rule.to_hf(x)))
             else:
-                fused.setdefault(name, []).append((rule.rows[0], rule.to_hf(x)))
+                tensors[name] = rule.to_hf(x)
     for name, parts in fused.items():
-        tensors[name] = np.ascontiguousarray(np.concatenate([y for _, y in sorted(parts, key=lambda p: p[0])],
-                                                            axis=-2))
+        if parts[0][0].columns is not None:  # interleaved: part i in columns i::n
+            ys = [y for _, y in sorted(parts, key=lambda p: p[0].columns[0])]
+            joined = np.stack(ys, axis=-1).reshape(*ys[0].shape[:-1], -1)
+        else:  # stacked rows
+            joined = np.concatenate([y for _, y in sorted(parts, key=lambda p: p[0].rows[0])], axis=-2)
+        tensors[name] = np.ascontiguousarray(joined)
     with open(os.path.join(path, CONFIG_FILE), "w", encoding="utf-8") as f:
         json.dump(cfg.to_hf_config(), f, indent=2)
     save_file(tensors, os.path.join(path, SAFETENSORS_FILE), metadata={"format": "pt"})

@@ -1,5 +1,5 @@
 """Target models (Llama, Mistral, Qwen2/3, Gemma 2/3, Phi-3, SmolLM3, Granite, OLMo 2-3, Mixtral, Qwen2/3-MoE,
-OLMoE, Granite MoE) and the primitives the drafter shares with them."""
+OLMoE, Granite MoE, GPT-OSS) and the primitives the drafter shares with them."""
 
 from tevjax.models.cache import KVCache
 from tevjax.models.config import PRESETS, ModelConfig, RopeScaling

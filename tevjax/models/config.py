@@ -19,7 +19,8 @@ __all__ = ["ModelConfig", "RopeScaling", "ROPE_TYPES", "PRESETS", "SUPPORTED_ARC
            "yarn_mscale"]
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "mixtral",
-                           "qwen3_moe", "qwen2_moe", "smollm3", "granite", "olmo2", "olmo3", "olmoe", "granitemoe")
+                           "qwen3_moe", "qwen2_moe", "smollm3", "granite", "olmo2", "olmo3", "olmoe", "granitemoe",
+                           "gpt_oss")
 GEMMA = ("gemma2", "gemma3_text")  # Gemma 2, and Gemma 3's text model (Gemma3ForCausalLM: the 1B model)
 # Families that norm each branch's output and not its input (OLMo 2 and 3), with q/k norms over
 # the whole projection rather than per head.
@@ -29,9 +30,11 @@ OLMO = ("olmo2", "olmo3")
 WHOLE_QK_NORM = (*OLMO, "olmoe")
 # Families whose sliding layers rotate with a rope of their own (`ModelConfig.local_rope_theta`).
 TWO_ROPES = ("gemma3_text", "olmo3")
-# Mixture-of-experts families: Mistral's, Qwen3's, Qwen2's, OLMoE's and Granite's attention with a
-# routed MLP in every layer (Qwen2-MoE's with a shared expert beside the routed ones).
-MOE = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe")
+# Mixture-of-experts families: Mistral's, Qwen3's, Qwen2's, OLMoE's, Granite's and GPT-OSS's attention
+# with a routed MLP in every layer (Qwen2-MoE's with a shared expert beside the routed ones).
+MOE = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe", "gpt_oss")
+# Families that always renormalise the picked experts' weights (a softmax over the k highest logits).
+_RENORMALISED = ("mixtral", "granitemoe", "gpt_oss")
 # Families with Granite's four scalar multipliers (`_GRANITE_FIELDS`).
 GRANITE = ("granite", "granitemoe")
 _DTYPES = ("float32", "bfloat16", "float16")
@@ -41,7 +44,7 @@ _HF_CLASS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen
              "qwen2_moe": "Qwen2MoeForCausalLM",
              "smollm3": "SmolLM3ForCausalLM", "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM",
              "olmo3": "Olmo3ForCausalLM", "olmoe": "OlmoeForCausalLM",
-             "granitemoe": "GraniteMoeForCausalLM"}
+             "granitemoe": "GraniteMoeForCausalLM", "gpt_oss": "GptOssForCausalLM"}
 # The MLP activations: SiLU (every family but Gemma) and the tanh approximation of GELU (Gemma's
 # "gelu_pytorch_tanh", which transformers also calls "gelu_new" / "gelu_fast" up to rounding: only
 # the exact name is accepted).
@@ -255,7 +258,8 @@ class ModelConfig:
     # and Qwen3's with experts; SmolLM3 is Llama's with layers that attend without rotary embedding;
     # Granite Llama's with four scalar multipliers; OLMo 2 norms branch outputs, not inputs; OLMo 3
     # adds windows in three layers of four, with a rope of their own; OLMoE is Llama's layers with
-    # OLMo's q/k norms over each whole projection and routed experts; Granite MoE Granite's with them)
+    # OLMo's q/k norms over each whole projection and routed experts; Granite MoE Granite's with them;
+    # GPT-OSS has attention sinks, biased experts with a clipped gate, and windows in every other layer)
     architecture: str
     vocab_size: int
     hidden_size: int
@@ -314,6 +318,11 @@ class ModelConfig:
     attention_multiplier: float | None = None
     residual_multiplier: float | None = None
     logits_scaling: float | None = None
+    # GPT-OSS: its experts' gate is clipped at swiglu_limit (up to [-limit, limit]) and gates by
+    # g * sigmoid(swiglu_alpha * g). Beside these fields it implies, as properties say, attention
+    # sinks and biases on the router and the experts. None: not GPT-OSS.
+    swiglu_limit: float | None = None
+    swiglu_alpha: float | None = None
 
     def __post_init__(self):
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -389,7 +398,13 @@ class ModelConfig:
         if self.hidden_act not in HIDDEN_ACTS.values():
             raise ValueError(f"ModelConfig.hidden_act={self.hidden_act!r} is not one of "
                              f"{', '.join(HIDDEN_ACTS.values())}")
-        for name in ("query_pre_attn_scalar", "attn_softcap", "final_softcap", "local_rope_theta", *_GRANITE_FIELDS):
+        gpt_oss = self.architecture == "gpt_oss"
+        if gpt_oss != (self.swiglu_limit is not None and self.swiglu_alpha is not None) or (
+                not gpt_oss and (self.swiglu_limit, self.swiglu_alpha) != (None, None)):
+            raise ValueError(f"ModelConfig: swiglu_limit={self.swiglu_limit!r}, swiglu_alpha={self.swiglu_alpha!r}: "
+                             f"GPT-OSS has both, and no other architecture either, not {self.architecture!r}")
+        for name in ("query_pre_attn_scalar", "attn_softcap", "final_softcap", "local_rope_theta", *_GRANITE_FIELDS,
+                     "swiglu_limit", "swiglu_alpha"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool)
                                           and math.isfinite(value) and value > 0):
@@ -425,7 +440,7 @@ class ModelConfig:
         if k > e:
             raise ValueError(f"ModelConfig.experts_per_token={k} is more than num_experts={e}")
         name = _NAMES.get(self.architecture, self.architecture)
-        if self.architecture in ("mixtral", "granitemoe") and not self.norm_topk_prob:
+        if self.architecture in _RENORMALISED and not self.norm_topk_prob:
             raise ValueError(f"ModelConfig: {name} always renormalises its picked experts' weights "
                              "(norm_topk_prob=False is Qwen3-MoE's option)")
         if self.architecture in _HEADS_FROM_HIDDEN and self.num_heads * self.head_dim != self.hidden_size:
@@ -465,6 +480,16 @@ class ModelConfig:
     def input_norms(self) -> bool:
         """Whether each branch norms its input (every family but OLMo, which norms only outputs)."""
         return self.architecture not in OLMO
+
+    @property
+    def attention_sinks(self) -> bool:
+        """Whether each head's softmax has a learned sink logit in its denominator (GPT-OSS)."""
+        return self.architecture == "gpt_oss"
+
+    @property
+    def expert_bias(self) -> bool:
+        """Whether the router and the experts' projections have biases (GPT-OSS)."""
+        return self.architecture == "gpt_oss"
 
     @property
     def qk_norm_whole(self) -> bool:
@@ -530,6 +555,9 @@ class ModelConfig:
         mlp = 3 * d * f if not self.moe else experts * 3 * d * f + self.num_experts * d  # experts, router rows
         if self.shared_expert_size:  # Qwen2-MoE's shared expert and its gate
             mlp += 3 * d * self.shared_expert_size + d
+        if self.expert_bias:  # GPT-OSS: the router's bias, each expert's three biases; the sinks
+            mlp += self.num_experts + experts * (2 * f + d)
+            attn += h
         layer = attn + mlp + (2 * self.input_norms + 2 * self.output_norms) * d
         embed = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * layer + embed + d
@@ -573,6 +601,9 @@ class ModelConfig:
         family = _experts(c, model_type, source) if model_type in MOE else {}  # the family's own fields
         if model_type == "smollm3":
             family["nope_layers"] = _nope_layers(c, source)
+        if model_type == "gpt_oss":  # GptOssConfig's defaults
+            family.update(swiglu_limit=field("swiglu_limit", float, 7.0, positive=True),
+                          swiglu_alpha=field("swiglu_alpha", float, 1.702, positive=True))
         if model_type in GRANITE:  # GraniteConfig's defaults (1.0) where a key is absent
             family.update({k: field(k, float, 1.0, positive=True) for k in _GRANITE_FIELDS})
         window, sliding_layers = _sliding_window(c, model_type, source)
@@ -624,7 +655,8 @@ class ModelConfig:
             qk_norm=model_type in ("qwen3", "gemma3_text", "qwen3_moe", *WHOLE_QK_NORM),
             # Qwen2 has q/k/v biases and no o bias, always; its config has no key for them.
             # Qwen2-MoE's say so in qkv_bias (default true).
-            attention_bias=False if model_type in ("qwen2", "qwen2_moe") else field("attention_bias", bool, False),
+            attention_bias=False if model_type in ("qwen2", "qwen2_moe") else field("attention_bias", bool,
+                                                                                   model_type == "gpt_oss"),
             qkv_bias=model_type == "qwen2" or (model_type == "qwen2_moe" and field("qkv_bias", bool, True)),
             max_position_embeddings=max_positions,
             eos_token_ids=_token_ids(c, "eos_token_id", source),
@@ -688,7 +720,8 @@ class ModelConfig:
         }
         if self.rope_scaling is not None:
             out["rope_scaling"] = self.rope_scaling.to_hf()
-        if self.architecture in ("llama", "qwen3", "mistral", "qwen3_moe", "smollm3", *GRANITE, *WHOLE_QK_NORM):
+        if self.architecture in ("llama", "qwen3", "mistral", "qwen3_moe", "smollm3", "gpt_oss", *GRANITE,
+                                 *WHOLE_QK_NORM):
             out["attention_bias"] = self.attention_bias
         if self.architecture in GRANITE:
             out.update({k: 1.0 if getattr(self, k) is None else getattr(self, k) for k in _GRANITE_FIELDS})
@@ -701,8 +734,13 @@ class ModelConfig:
             out["pad_token_id"] = None
         if self.architecture != "llama":
             out["sliding_window"] = self.sliding_window
-        if self.architecture in ("mixtral", "granitemoe"):
+        if self.architecture in ("mixtral", "granitemoe", "gpt_oss"):
             out.update(num_local_experts=self.num_experts, num_experts_per_tok=self.experts_per_token)
+        if self.architecture == "gpt_oss":
+            out.update(swiglu_limit=self.swiglu_limit, swiglu_alpha=self.swiglu_alpha, layer_types=self.layer_types)
+            if self.rope_scaling is None:  # said outright: GptOssConfig's default is YaRN by 32
+                out["rope_parameters"] = {"rope_type": "default", "rope_theta": self.rope_theta}
+                del out["rope_scaling"]
         if self.architecture == "olmoe":
             out.update(num_experts=self.num_experts, num_experts_per_tok=self.experts_per_token,
                        norm_topk_prob=self.norm_topk_prob, clip_qkv=None)
@@ -755,7 +793,7 @@ _NO_WINDOW = ("llama", "granite", "olmo2", "olmoe", "granitemoe")
 # Families whose configs have no head_dim: their heads are hidden_size / num_heads wide.
 _HEADS_FROM_HIDDEN = ("olmoe", "granitemoe")
 # Families as error messages name them.
-_NAMES = {"mixtral": "Mixtral", "olmoe": "OLMoE", "granitemoe": "Granite MoE"}
+_NAMES = {"mixtral": "Mixtral", "olmoe": "OLMoE", "granitemoe": "Granite MoE", "gpt_oss": "GPT-OSS"}
 # transformers' defaults where a config.json leaves the keys out: the window of MistralConfig,
 # Qwen2Config, Qwen3Config, Gemma2Config and Gemma3TextConfig, and the Qwen configs' first windowed layer.
 _HF_WINDOW = 4096
@@ -788,12 +826,12 @@ def _experts(c: Mapping[str, Any], model_type: str, source: str) -> dict[str, An
     Qwen3-MoE and Qwen2-MoE layers without experts (`mlp_only_layers`, or a `decoder_sparse_step` above 1) are
     refused: every layer of the scan has one shape. `router_jitter_noise` (Mixtral) acts only in
     training and is ignored."""
-    mixtral, qwen2 = model_type in ("mixtral", "granitemoe"), model_type == "qwen2_moe"
+    mixtral, qwen2 = model_type in _RENORMALISED, model_type == "qwen2_moe"
     # transformers maps num_experts and num_local_experts to one attribute; a saved config may hold either
     key = next((k for k in ("num_local_experts", "num_experts") if c.get(k) is not None),
                "num_local_experts" if mixtral else "num_experts")
     experts, per_token = {"mixtral": (8, 2), "qwen3_moe": (128, 8), "qwen2_moe": (60, 4), "olmoe": (64, 8),
-                          "granitemoe": (8, 2)}[model_type]
+                          "granitemoe": (8, 2), "gpt_oss": (128, 4)}[model_type]
     fields = dict(num_experts=config_field(c, key, int, source, experts, positive=True),
                   experts_per_token=config_field(c, "num_experts_per_tok", int, source, per_token, positive=True),
                   norm_topk_prob=True if mixtral else config_field(c, "norm_topk_prob", bool, source, False))
@@ -918,16 +956,17 @@ def _sliding_window(c: Mapping[str, Any], model_type: str, source: str) -> tuple
     elif types is None:
         # Without layer_types, Gemma 2 alternates (layers 0, 2, 4, ... slide), OLMo 3 makes every
         # fourth layer full and Gemma 3 every sliding_window_pattern-th (default 6: layers 5, 11, ...).
-        pattern = ({"gemma2": 2, "olmo3": 4}.get(model_type)
+        pattern = ({"gemma2": 2, "olmo3": 4, "gpt_oss": 2}.get(model_type)
                    or config_field(c, "sliding_window_pattern", int, source, 6, positive=True))
         types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers_n)]
     layers = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
     if not layers:
         return None, ()
-    if c.get("sliding_window", _HF_WINDOW) is None:
+    default = 128 if model_type == "gpt_oss" else _HF_WINDOW  # GptOssConfig's default window is 128
+    if c.get("sliding_window", default) is None:
         raise ValueError(f"{source}: sliding_window is null, but layers {list(layers)} slide (layer_types, or "
                          f"what transformers derives without it)")
-    return config_field(c, "sliding_window", int, source, _HF_WINDOW, positive=True), layers
+    return config_field(c, "sliding_window", int, source, default, positive=True), layers
 
 
 # Published numbers (Hugging Face config.json of each checkpoint). Large models store bf16.

@@ -199,7 +199,10 @@ class SparseMoE(nnx.Module):
 
     Parameters: `router` (kernel [D, E]) and the experts' stacked `gate_proj` / `up_proj` [E, D, I]
     and `down_proj` [E, I, D]. With `shared_size` (Qwen2-MoE) a `shared_expert` SwiGLU of that
-    width runs on every token too, its output scaled by sigmoid(`shared_expert_gate`(x)).
+    width runs on every token too, its output scaled by sigmoid(`shared_expert_gate`(x)). GPT-OSS's
+    experts (`bias`, `swiglu_limit`) add a bias to the router's logits and to each projection
+    (`gate_bias`, `up_bias` [E, I], `down_bias` [E, D]), and gate with (clip(up) + 1) *
+    g * sigmoid(alpha * g), g = min(gate, limit), up clipped to [-limit, limit].
 
     Two dispatches compute the same sum (up to float rounding), chosen per call:
 
@@ -228,17 +231,22 @@ class SparseMoE(nnx.Module):
 
     def __init__(self, dim: int, hidden: int, num_experts: int, experts_per_token: int, *, norm_topk_prob: bool,
                  dtype, param_dtype, rngs: nnx.Rngs, act: str = "silu", shared_size: int = 0,
-                 dispatch: str = "auto"):
+                 dispatch: str = "auto", bias: bool = False, swiglu_limit: float | None = None,
+                 swiglu_alpha: float = 1.702):
         self.act, self.k, self.norm_topk_prob = act, int(experts_per_token), bool(norm_topk_prob)
         self.dispatch = _check_dispatch(dispatch)
+        self.swiglu_limit, self.swiglu_alpha = swiglu_limit, float(swiglu_alpha)
         self.dtype = jnp.dtype(dtype)
-        self.router = nnx.Linear(dim, num_experts, use_bias=False, dtype=self.dtype,
+        self.router = nnx.Linear(dim, num_experts, use_bias=bias, dtype=self.dtype,
                                  param_dtype=jnp.dtype(param_dtype), precision=matmul_precision(dtype), rngs=rngs)
         init = nnx.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
         pd = jnp.dtype(param_dtype)
         self.gate_proj = nnx.Param(init(rngs.params(), (num_experts, dim, hidden), pd))
         self.up_proj = nnx.Param(init(rngs.params(), (num_experts, dim, hidden), pd))
         self.down_proj = nnx.Param(init(rngs.params(), (num_experts, hidden, dim), pd))
+        zeros = lambda *shape: nnx.Param(jnp.zeros(shape, pd)) if bias else None  # noqa: E731
+        self.gate_bias, self.up_bias, self.down_bias = (zeros(num_experts, hidden), zeros(num_experts, hidden),
+                                                        zeros(num_experts, dim))
         shared = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.shared_expert = SwiGLU(dim, shared_size, act=act, **shared) if shared_size else None
         self.shared_expert_gate = (nnx.Linear(dim, 1, use_bias=False, precision=matmul_precision(dtype), **shared)
@@ -261,26 +269,42 @@ class SparseMoE(nnx.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1]).astype(self.dtype)  # [N, D]
         weights, experts = self.route(x)
-        act = ACTIVATIONS[self.act]
+        glu = functools.partial(_glu, act=ACTIVATIONS[self.act], limit=self.swiglu_limit, alpha=self.swiglu_alpha)
         gate, up, down = (p[...].astype(self.dtype) for p in (self.gate_proj, self.up_proj, self.down_proj))
-        local = functools.partial(_dense_local if dispatch == "dense" else _ragged_local, act=act,
+        biases = () if self.gate_bias is None else (self.gate_bias[...].astype(self.dtype),
+                                                      self.up_bias[...].astype(self.dtype))
+        local = functools.partial(_dense_local if dispatch == "dense" else _ragged_local, glu=glu,
                                   num_experts=gate.shape[0])
         mesh = jax.sharding.get_abstract_mesh()
         split = _expert_split(mesh, gate.shape, down.shape, x.shape[0]) if mesh.axis_names else None
         if split is None:
-            out = local(x, weights, experts, gate, up, down)
+            out = local(x, weights, experts, gate, up, down, *biases)
         else:
             rows, wspec, dspec, expert_axes, width_axes = split
             local = functools.partial(local, expert_axes=expert_axes, sum_axes=expert_axes + width_axes)
-            out = jax.shard_map(local, mesh=mesh, in_specs=(rows, rows, rows, wspec, wspec, dspec),
-                                out_specs=rows)(x, weights, experts, gate, up, down)
+            bspec = P(wspec[0], wspec[2])  # [E, I] biases, split as the experts and their widths
+            specs = (rows, rows, rows, wspec, wspec, dspec) + (bspec,) * len(biases)
+            out = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=rows)(x, weights, experts, gate, up,
+                                                                                 down, *biases)
+        if self.down_bias is not None:  # once per token, after the devices' partial sums
+            picked = self.down_bias[...].astype(jnp.float32)[experts]  # [N, k, D]
+            out = out + jnp.einsum("nk,nkd->nd", weights, picked, precision=matmul_precision(jnp.float32))
         if self.shared_expert is not None:
             shared_gate = jax.nn.sigmoid(self.shared_expert_gate(x).astype(jnp.float32))  # [N, 1]
             out = out + shared_gate * self.shared_expert(x).astype(jnp.float32)
         return out.astype(self.dtype).reshape(shape)
 
 
-def _dense_local(x, weights, experts, gate, up, down, *, act, num_experts: int,
+def _glu(gate: jax.Array, up: jax.Array, *, act, limit: float | None, alpha: float) -> jax.Array:
+    """An expert's gated unit: act(gate) * up, or with a `limit` GPT-OSS's clipped one (the class
+    docstring)."""
+    if limit is None:
+        return act(gate) * up
+    gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
+    return (up + 1) * (gate * jax.nn.sigmoid(gate * alpha))
+
+
+def _dense_local(x, weights, experts, gate, up, down, *biases, glu, num_experts: int,
                  expert_axes: tuple[str, ...] = (), sum_axes: tuple[str, ...] = ()):
     """The "dense" dispatch over one device's experts (arguments and result as `_ragged_local`):
     each of its experts runs on every token, weighted zero where the routing did not pick it."""
@@ -290,7 +314,10 @@ def _dense_local(x, weights, experts, gate, up, down, *, act, num_experts: int,
     mine = experts - start
     mine = jnp.where((mine >= 0) & (mine < own), mine, own)  # another device's expert: out of range, dropped
     mix = jnp.zeros((own, n), jnp.float32).at[mine, jnp.arange(n)[:, None]].add(weights, mode="drop")  # [El, N]
-    h = act(jnp.einsum("nd,edi->eni", x, gate, **prec)) * jnp.einsum("nd,edi->eni", x, up, **prec)
+    g, u = jnp.einsum("nd,edi->eni", x, gate, **prec), jnp.einsum("nd,edi->eni", x, up, **prec)
+    if biases:
+        g, u = g + biases[0][:, None, :], u + biases[1][:, None, :]
+    h = glu(g, u)
     # Weighted before the down projection, which then sums over experts and width at once: no
     # [E, N, D] intermediate.
     h = (h * mix[:, :, None]).astype(h.dtype)
@@ -298,12 +325,13 @@ def _dense_local(x, weights, experts, gate, up, down, *, act, num_experts: int,
     return jax.lax.psum(out, sum_axes) if sum_axes else out
 
 
-def _ragged_local(x, weights, experts, gate, up, down, *, act, num_experts: int,
+def _ragged_local(x, weights, experts, gate, up, down, *biases, glu, num_experts: int,
                   expert_axes: tuple[str, ...] = (), sum_axes: tuple[str, ...] = ()):
     """The "ragged" dispatch over one device's experts: x [N, D], the routing's weights and
     experts [N, k]; gate, up [El, D, Il] and down [El, Il, D] hold El consecutive experts (all E,
     or a device's E / n when `expert_axes` split them, inside `shard_map`) and a slice Il of their
-    widths. Returns [N, D] float32, summed over `sum_axes` (the axes that split experts or widths).
+    widths; `biases`, where the experts have them, gate's and up's [El, Il]. Returns [N, D] float32,
+    summed over `sum_axes` (the axes that split experts or widths).
 
     The pairs are sorted by expert counted from this device's first, so its own experts' rows come
     first; `ragged_dot` leaves the rows past its groups zero, so each device's product holds
@@ -316,8 +344,11 @@ def _ragged_local(x, weights, experts, gate, up, down, *, act, num_experts: int,
     order = jnp.argsort(pairs, stable=True)
     sizes = jnp.bincount(pairs, length=num_experts)[:own].astype(jnp.int32)  # rows of each own expert
     rows = x[order // k]  # [N * k, D], own experts' rows first, grouped
-    h = act(jax.lax.ragged_dot(rows, gate, sizes, **prec)) * jax.lax.ragged_dot(rows, up, sizes, **prec)
-    y = jax.lax.ragged_dot(h, down, sizes, preferred_element_type=jnp.float32, **prec)  # [N * k, D]
+    g, u = jax.lax.ragged_dot(rows, gate, sizes, **prec), jax.lax.ragged_dot(rows, up, sizes, **prec)
+    if biases:  # each row its expert's (rows of other devices' experts are dropped by `down`)
+        expert = jnp.minimum(pairs[order], own - 1)
+        g, u = g + biases[0][expert], u + biases[1][expert]
+    y = jax.lax.ragged_dot(glu(g, u), down, sizes, preferred_element_type=jnp.float32, **prec)  # [N * k, D]
     y = jnp.zeros_like(y).at[order].set(y).reshape(n, k, -1)  # back to pair order
     out = jnp.einsum("nkd,nk->nd", y, weights, preferred_element_type=jnp.float32, **prec)
     return jax.lax.psum(out, sum_axes) if sum_axes else out
@@ -359,7 +390,7 @@ def set_moe_dispatch(model: nnx.Module, dispatch: str) -> int:
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, scale: float | None = None,
-              softcap: float | None = None) -> jax.Array:
+              softcap: float | None = None, sinks: jax.Array | None = None) -> jax.Array:
     """Masked grouped-query dot-product attention.
 
     q: [B, T, H, Dh]; k, v: [B, K, S, Dh] (the cache's heads-major layout) with H % K == 0 (query
@@ -367,7 +398,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, scal
     visible. Returns [B, T, H, Dh] in q's dtype. Scores (times `scale`, default 1/sqrt(Dh); then
     softcap * tanh(scores / softcap) where a `softcap` is given, Gemma 2's) and softmax are
     float32; masked scores are NEG_INF, so a row with nothing visible averages v uniformly
-    instead of producing NaN.
+    instead of producing NaN. `sinks` [H] (GPT-OSS): one more logit per head in each softmax's
+    denominator, attending to no value (a row with nothing visible then gives 0).
     """
     b, t, h, dh = q.shape
     kh, s = k.shape[1], k.shape[2]
@@ -385,7 +417,14 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, scal
                         precision=matmul_precision(q.dtype))
     scores = soft_cap(scores.reshape(b, kh, g, t, s) * (1.0 / math.sqrt(dh) if scale is None else scale), softcap)
     scores = jnp.where(mask[:, None, None, :, :], scores, NEG_INF)
-    probs = jax.nn.softmax(scores, axis=-1).reshape(b, kh, g * t, s)
+    if sinks is None:
+        probs = jax.nn.softmax(scores, axis=-1)
+    else:
+        sink = sinks.astype(jnp.float32).reshape(kh, g)[None, :, :, None, None]
+        top = jnp.maximum(jnp.max(scores, axis=-1, keepdims=True), sink)
+        e = jnp.exp(scores - top)
+        probs = e / (jnp.sum(e, axis=-1, keepdims=True) + jnp.exp(sink - top))
+    probs = probs.reshape(b, kh, g * t, s)
     out = jnp.einsum("bkms,bksd->bkmd", probs.astype(v.dtype), v,
                      preferred_element_type=jnp.float32, precision=matmul_precision(v.dtype))
     return out.reshape(b, kh, g, t, dh).transpose(0, 3, 1, 2, 4).reshape(b, t, h, dh).astype(q.dtype)
@@ -399,7 +438,7 @@ def soft_cap(scores: jax.Array, softcap: float | None) -> jax.Array:
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, first: jax.Array, *, key_block: int = 512,
                      query_block: int = 512, window: jax.Array | int | None = None, scale: float | None = None,
-                     softcap: float | None = None) -> jax.Array:
+                     softcap: float | None = None, sinks: jax.Array | None = None) -> jax.Array:
     """`attention` for a causal run of T new tokens, without a [T, S] mask or score matrix.
 
     q: [B, T, H, Dh]; k, v: [B, K, S, Dh], the whole cache with the run's own K/V already written
@@ -407,7 +446,8 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, first: jax.Array,
     (the committed prefix and the causal part of its run): what `attention` computes with the
     `full_mask` of a lower-triangular block mask, up to float rounding. With a `window` W (a scalar,
     traced or not; 0 means none) it sees only the slots > first[b] + t - W, a sliding window over
-    slots, which are positions in a causal run. `scale` and `softcap` are `attention`'s.
+    slots, which are positions in a causal run. `scale`, `softcap` and `sinks` are `attention`'s
+    (a sink joins the running softmax's denominator at the end: exp(sink - max) beside its sum).
 
     Why a second path: prefill over a long prompt is a causal run, and a [T, S] score matrix per
     layer (plus the boolean mask) is what made an 8k-token prompt peak at 10 GB. Here the queries
@@ -503,7 +543,9 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, first: jax.Array,
                 jnp.zeros((b, kh, g * tq, dh), jnp.float32))
         carry = init if window is None else jax.lax.fori_loop(lo, mid, lambda j, c: step(j, c, True), init)
         carry = jax.lax.fori_loop(mid, whole, lambda j, c: step(j, c, False), carry)
-        _, l, acc = jax.lax.fori_loop(whole, num_blocks, lambda j, c: step(j, c, True), carry)
+        m, l, acc = jax.lax.fori_loop(whole, num_blocks, lambda j, c: step(j, c, True), carry)
+        if sinks is not None:  # row g * tq + t is head g's: [K, G*tq]
+            l = l + jnp.exp(jnp.repeat(sinks.astype(jnp.float32).reshape(kh, g), tq, axis=1)[None] - m)
         return acc / l[..., None]
 
     out = jax.lax.map(tile, (tiles, jnp.arange(n, dtype=jnp.int32)))  # [N, B, K, G*tq, Dh]

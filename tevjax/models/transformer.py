@@ -64,8 +64,8 @@ class ForwardOutput:
 
 class Attention(nnx.Module):
     """Grouped-query self-attention projections; Qwen3 adds per-head q/k RMSNorm before RoPE (OLMo
-    one over each whole projection), and Qwen2 (q/k/v) or Llama's `attention_bias` (q/k/v/o) add
-    biases."""
+    one over each whole projection), Qwen2 (q/k/v) or Llama's `attention_bias` (q/k/v/o) add
+    biases, and GPT-OSS attention sinks."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         d, h, k, dh = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -83,6 +83,8 @@ class Attention(nnx.Module):
         self.k_proj_norm = RMSNorm(k * dh, eps=cfg.rms_norm_eps, **kw) if whole else None
         self.q_norm = RMSNorm(dh, eps=cfg.rms_norm_eps, offset=cfg.norm_offset, **kw) if per_head else None
         self.k_norm = RMSNorm(dh, eps=cfg.rms_norm_eps, offset=cfg.norm_offset, **kw) if per_head else None
+        # GPT-OSS: a learned logit per query head in each softmax's denominator (`layers.attention`).
+        self.sinks = nnx.Param(jnp.zeros((h,), jnp.dtype(cfg.param_dtype))) if cfg.attention_sinks else None
 
     def qkv(self, x: jax.Array, positions: jax.Array, rope: Rope) -> tuple[jax.Array, jax.Array, jax.Array]:
         """x [B, T, D] -> q [B, T, H, Dh], k and v [B, T, K, Dh]; q and k rotated."""
@@ -121,9 +123,10 @@ class DecoderLayer(nnx.Module):
             self.input_layernorm = self.post_attention_layernorm = None
         self.self_attn = Attention(cfg, rngs=rngs)
         if cfg.moe:  # Mixtral, Qwen2/3-MoE: a routed mixture of experts in every layer
+            gpt_oss = dict(bias=True, swiglu_limit=cfg.swiglu_limit, swiglu_alpha=cfg.swiglu_alpha)
             self.mlp = SparseMoE(cfg.hidden_size, cfg.intermediate_size, cfg.num_experts, cfg.experts_per_token,
                                  norm_topk_prob=cfg.norm_topk_prob, act=cfg.hidden_act,
-                                 shared_size=cfg.shared_expert_size, **kw)
+                                 shared_size=cfg.shared_expert_size, **(gpt_oss if cfg.expert_bias else {}), **kw)
         else:
             self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, act=cfg.hidden_act, **kw)
         self.residual_multiplier = cfg.residual_multiplier
@@ -156,7 +159,8 @@ class DecoderLayer(nnx.Module):
         k_all = jax.lax.dynamic_index_in_dim(cache_k, layer, 0, keepdims=False)  # [B, K, S, Dh]
         v_all = jax.lax.dynamic_index_in_dim(cache_v, layer, 0, keepdims=False)
         k_all, v_all = k_all.astype(q.dtype), v_all.astype(q.dtype)
-        scores = dict(scale=self.self_attn.scale, softcap=self.self_attn.softcap)
+        sinks = None if self.self_attn.sinks is None else self.self_attn.sinks[...]
+        scores = dict(scale=self.self_attn.scale, softcap=self.self_attn.softcap, sinks=sinks)
         if mask is None:
             a = causal_attention(q, k_all, v_all, write_pos, window=window, **scores)
         else:
