@@ -4,7 +4,8 @@
 batched matmuls) on CPU, where it measured faster (`experiments/results/moe_dispatch.md`), and
 "ragged" (tokens grouped by expert, `jax.lax.ragged_dot`) everywhere else. This stage measures that
 choice where it matters: one layer's MLP of Qwen3-30B-A3B (128 experts of width 768, 8 per token,
-model width 2048) and of Mixtral-8x7B (8 of width 14336, 2 per token, width 4096), bf16, for a
+model width 2048), of Mixtral-8x7B (8 of width 14336, 2 per token, width 4096) and of gpt-oss-20b
+(32 of width 2880, 4 per token, width 2880; last, so the stage's budget may skip it), bf16, for a
 decoding round's tree (16 tokens), a batch of trees (64, 512) and a prefill chunk (4096), both
 dispatches interleaved (`moe_dispatch.measure`, which first checks that their outputs agree).
 """
@@ -18,7 +19,8 @@ from moe_dispatch import TABLE_HEAD, measure, table_row
 
 # (name, experts, per token, model width, expert width, token counts)
 SHAPES = [("Qwen3-30B-A3B", 128, 8, 2048, 768, (16, 64, 512, 4096)),
-          ("Mixtral-8x7B", 8, 2, 4096, 14336, (16, 512))]
+          ("Mixtral-8x7B", 8, 2, 4096, 14336, (16, 512)),
+          ("gpt-oss-20b", 32, 4, 2880, 2880, (16, 512))]  # (its biases and clipped gate left out: per-row adds)
 TINY_SHAPES = [("tiny", 4, 2, 64, 32, (8, 32))]
 
 
