@@ -193,9 +193,10 @@ MOE_DISPATCHES = ("auto", "dense", "ragged")
 
 
 class SparseMoE(nnx.Module):
-    """A routed mixture of E SwiGLU experts (Mixtral, Qwen2/3-MoE): each token goes to the k experts
-    with the highest router probabilities, and their outputs mix with those probabilities
-    (renormalised over the k when `norm_topk_prob`). Router softmax and mixing weights are float32.
+    """A routed mixture of E SwiGLU experts (Mixtral, Qwen2/3-MoE, OLMoE, Granite MoE, GPT-OSS): each
+    token goes to the k experts with the highest router probabilities, and their outputs mix with
+    those probabilities (renormalised over the k when `norm_topk_prob`). Router softmax and mixing
+    weights are float32.
 
     Parameters: `router` (kernel [D, E]) and the experts' stacked `gate_proj` / `up_proj` [E, D, I]
     and `down_proj` [E, I, D]. With `shared_size` (Qwen2-MoE) a `shared_expert` SwiGLU of that

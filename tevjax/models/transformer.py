@@ -1,5 +1,6 @@
 """Decoder-only target model (Llama, Mistral, Qwen2, Qwen3, Gemma 2-3, Phi-3, Mixtral, Qwen2-MoE,
-Qwen3-MoE, SmolLM3, Granite and OLMo 2-3 families) with a per-row KV cache.
+Qwen3-MoE, SmolLM3, Granite, OLMo 2-3, OLMoE, Granite MoE and GPT-OSS families) with a per-row KV
+cache.
 
 One call handles prefill, single-token decode and the one-pass tree verification:
 
@@ -122,7 +123,7 @@ class DecoderLayer(nnx.Module):
         else:  # OLMo 2 and 3 norm no branch input
             self.input_layernorm = self.post_attention_layernorm = None
         self.self_attn = Attention(cfg, rngs=rngs)
-        if cfg.moe:  # Mixtral, Qwen2/3-MoE: a routed mixture of experts in every layer
+        if cfg.moe:  # Mixtral, Qwen2/3-MoE, OLMoE, Granite MoE, GPT-OSS: routed experts in every layer
             gpt_oss = dict(bias=True, swiglu_limit=cfg.swiglu_limit, swiglu_alpha=cfg.swiglu_alpha)
             self.mlp = SparseMoE(cfg.hidden_size, cfg.intermediate_size, cfg.num_experts, cfg.experts_per_token,
                                  norm_topk_prob=cfg.norm_topk_prob, act=cfg.hidden_act,
@@ -187,7 +188,8 @@ def full_mask(block_mask: jax.Array, write_pos: jax.Array, capacity: int) -> jax
 
 class Transformer(nnx.Module):
     """Llama / Mistral / Qwen2 / Qwen3 / Gemma 2-3 / Phi-3 / Mixtral / Qwen2-3 MoE / SmolLM3 / Granite /
-    OLMo 2-3 decoder with stacked layers; see the module docstring for the call protocol."""
+    OLMo 2-3 / OLMoE / Granite MoE / GPT-OSS decoder with stacked layers; see the module docstring for
+    the call protocol."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
