@@ -384,7 +384,8 @@ def test_config_roundtrip_and_v5_rope_parameters():
     for name, hf_class in (("qwen2.5-7b", transformers.Qwen2Config), ("mistral-7b-v0.3", transformers.MistralConfig),
                            ("gemma-2-9b", transformers.Gemma2Config), ("gemma-3-1b", transformers.Gemma3TextConfig),
                            ("mixtral-8x7b", transformers.MixtralConfig),
-                           ("qwen3-30b-a3b", transformers.Qwen3MoeConfig), ("olmoe-1b-7b", transformers.OlmoeConfig)):
+                           ("qwen3-30b-a3b", transformers.Qwen3MoeConfig), ("olmoe-1b-7b", transformers.OlmoeConfig),
+                           ("gpt-oss-20b", transformers.GptOssConfig)):
         assert ModelConfig.from_hf_config(hf_class(**PRESETS[name].to_hf_config()).to_dict()) == PRESETS[name], name
     assert ModelConfig.from_hf_config(qwen.to_hf_config(), dtype="float32").dtype == "float32"
 

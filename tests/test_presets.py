@@ -23,10 +23,14 @@ PUBLISHED = {
     "mixtral-8x7b": 46.7e9,  # mistralai/Mixtral-8x7B-Instruct-v0.1: 46.7B (safetensors metadata)
     "qwen3-30b-a3b": 30.5e9,  # Qwen/Qwen3-30B-A3B: "30.5B in total"
     "olmoe-1b-7b": 6.92e9,  # allenai/OLMoE-1B-7B-0924: 6.92B (safetensors metadata); the paper's "6.9B"
+    "gpt-oss-20b": 20.91e9,  # openai/gpt-oss-20b: the model card's "20.91B" total
 }
 # ... and what one token reads, for the mixture-of-experts presets (the others: the total).
 ACTIVE = {"mixtral-8x7b": 12.9e9, "qwen3-30b-a3b": 3.3e9,  # Mistral's "12.9B active"; Qwen's "3.3B activated"
-          "olmoe-1b-7b": 1.3e9}  # the OLMoE paper's "1.3B active"
+          "olmoe-1b-7b": 1.3e9,  # the OLMoE paper's "1.3B active"
+          # the model card's 3.61B active leaves out the embedding table (a token reads one row of it),
+          # which one token's pass here counts whole, as Qwen's and Mistral's figures do
+          "gpt-oss-20b": 3.61e9 + 201088 * 2880}
 
 
 def test_presets_listed():
@@ -53,7 +57,7 @@ def test_preset_parameter_count(name):
 
 
 @pytest.mark.parametrize("name,layers", [("qwen3-8b", (1, 9, 17, 25, 33)), ("llama-3.1-8b", (1, 8, 15, 22, 29)),
-                                         ("qwen3-30b-a3b", (1, 12, 23, 34, 45))])
+                                         ("qwen3-30b-a3b", (1, 12, 23, 34, 45)), ("gpt-oss-20b", (1, 6, 11, 16, 21))])
 def test_preset_forward_traces(name, layers):
     """A 64-node tree pass over a 4096-slot cache, traced only (DFlash target layer ids)."""
     cfg = PRESETS[name]

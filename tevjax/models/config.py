@@ -1067,4 +1067,16 @@ PRESETS: dict[str, ModelConfig] = {
         max_position_embeddings=4096, eos_token_ids=(50279,), bos_token_id=None,
         num_experts=64, experts_per_token=8, norm_topk_prob=False, dtype="bfloat16", param_dtype="bfloat16",
     ),
+    # openai/gpt-oss-20b: 20.9B parameters, 4 of 32 experts of width 2880 per token; sinks, a
+    # 128-token window in the even layers, YaRN by 32 unrounded, the clipped gate.
+    "gpt-oss-20b": ModelConfig(
+        architecture="gpt_oss", vocab_size=201088, hidden_size=2880, intermediate_size=2880,
+        num_layers=24, num_heads=64, num_kv_heads=8, head_dim=64, rms_norm_eps=1e-5, rope_theta=150_000.0,
+        rope_scaling=RopeScaling(rope_type="yarn", factor=32.0, original_max_position_embeddings=4096,
+                                 beta_fast=32.0, beta_slow=1.0, truncate=False),
+        tie_word_embeddings=False, qk_norm=False, attention_bias=True, max_position_embeddings=131072,
+        eos_token_ids=(200002,), sliding_window=128, sliding_layers=tuple(range(0, 24, 2)),
+        num_experts=32, experts_per_token=4, swiglu_limit=7.0, swiglu_alpha=1.702,
+        dtype="bfloat16", param_dtype="bfloat16",
+    ),
 }
