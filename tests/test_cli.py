@@ -209,6 +209,28 @@ def write_scripted_target(path, successors, max_positions: int = 64):
     write_tok_dir(tiny_meta(), path)
 
 
+def test_moe_dispatch_flag_chooses_the_experts_dispatch(capsys, tmp_path, tiny_dir):
+    """--moe-dispatch (generate, eval, chat): either dispatch of a mixture-of-experts target gives AR's
+    tokens; a dense target says it has no effect; a value outside the library's is refused."""
+    from tevjax.cli import MOE_DISPATCHES
+    from tevjax.models.layers import MOE_DISPATCHES as LIBRARY
+
+    assert MOE_DISPATCHES == LIBRARY
+    model = random_model(tiny_config("qwen3_moe", num_layers=2, max_position_embeddings=64, vocab_size=48), seed=3)
+    save_hf_target(model, tmp_path / "moe")
+    reference = Decoder(model, None, DecodeConfig(max_new_tokens=6, eos_ids=(2,))).generate([[1, 2, 3]])[0].tokens
+    for dispatch in ("dense", "ragged"):
+        code, out, err = _run(capsys, "generate", "--target", str(tmp_path / "moe"), "--prompt-ids", "1,2,3",
+                              "--max-new-tokens", "6", "--budget", "4", "--moe-dispatch", dispatch, "--json")
+        assert code == 0 and json.loads(out.strip().splitlines()[-1])["tokens"] == reference, (dispatch, err)
+        assert "no effect" not in err
+    code, _, err = _run(capsys, "generate", "--target", str(tiny_dir[0]), "--prompt-ids", "1,2", "--max-new-tokens",
+                        "2", "--moe-dispatch", "ragged", "--json")
+    assert code == 0 and "--moe-dispatch ragged has no effect: the target has no experts" in err
+    code, _, err = _run(capsys, "eval", "--moe-dispatch", "sparse")
+    assert code == 2 and "invalid choice: 'sparse'" in err
+
+
 def test_continuous_prints_each_prompt_as_it_ends(tmp_path, capsys):
     """`--continuous` with 2 rows over "z", "a", "a", "a" (a scripted target: "a" answers "ok" and
     ends, "z" runs to --max-new-tokens): the "a" prompts end and print while "z" decodes, so "z"

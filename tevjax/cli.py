@@ -296,12 +296,35 @@ TARGET_HELP = ("'smollm2' (embedded default), a Hugging Face model directory or 
                "qwen2moe, qwen3moe)")
 
 
+MOE_DISPATCH_HELP = ("a mixture-of-experts target's experts: 'dense' runs every expert on every token, 'ragged' "
+                     "groups the tokens by expert (jax.lax.ragged_dot); the same tokens either way (default: auto, "
+                     "dense on a CPU and ragged elsewhere)")
+
+
+# `tevjax.models.layers.MOE_DISPATCHES`, spelt out: building the parser imports no jax.
+MOE_DISPATCHES = ("auto", "dense", "ragged")
+
+
+def _add_moe_dispatch(parser) -> None:
+    parser.add_argument("--moe-dispatch", choices=MOE_DISPATCHES, default="auto", help=MOE_DISPATCH_HELP)
+
+
+def _moe_dispatch(args, target) -> None:
+    """Sets --moe-dispatch on the target's routed layers (before a Decoder traces it)."""
+    from tevjax.models import set_moe_dispatch
+
+    if not set_moe_dispatch(target, args.moe_dispatch) and args.moe_dispatch != "auto":
+        print(f"tevjax: note: --moe-dispatch {args.moe_dispatch} has no effect: the target has no experts",
+              file=sys.stderr)
+
+
 def _add_decoding_args(parser, *, max_new_tokens: int, seed_help: str, max_new_help: str | None = None) -> None:
     """The model, sampling and tree flags (generate and chat share them)."""
     parser.add_argument("--target", default="smollm2",
                         help=TARGET_HELP)
     parser.add_argument("--drafter", default=None,
                         help="DFlash checkpoint directory (default: the project's trained drafter, else a fresh one)")
+    _add_moe_dispatch(parser)
     parser.add_argument("--max-new-tokens", type=_positive_int("--max-new-tokens"), default=max_new_tokens,
                         help=max_new_help)
     parser.add_argument("--temperature", type=_temperature, default=0.0,
@@ -460,6 +483,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev = sub.add_parser("eval", help="tau, tokens/s and speedup against autoregressive decoding, per budget")
     ev.add_argument("--target", default="smollm2", help=TARGET_HELP)
     ev.add_argument("--drafter", default=None, help="DFlash drafter directory (default: the shipped one)")
+    _add_moe_dispatch(ev)
     ev.add_argument("--prompts", default="heldout",
                     help="a file with one prompt per line, or heldout[:DATA_DIR], mtbench, humaneval, gsm")
     ev.add_argument("--num-prompts", type=_positive_int("--num-prompts"), default=8)
@@ -675,6 +699,7 @@ def cmd_generate(args) -> int:
 
     t0 = time.perf_counter()
     models = load_models(args.target, args.drafter, dtype=args.dtype, mesh=mesh, with_drafter=speculative)
+    _moe_dispatch(args, models.target)
     load_seconds = time.perf_counter() - t0
     for note in models.notes:
         print(f"tevjax: note: {note}", file=sys.stderr)
@@ -859,6 +884,7 @@ def cmd_chat(args) -> int:
     from tevjax.loading import load_models
 
     models = load_models(args.target, args.drafter, dtype=args.dtype, with_drafter=speculative)
+    _moe_dispatch(args, models.target)
     for note in models.notes:
         print(f"tevjax: note: {note}", file=sys.stderr)
     tok = models.tokenizer
@@ -1084,6 +1110,7 @@ def cmd_eval(args) -> int:
     check_same("the prompts", texts)  # in a multi-host job: the same package, or file, on every host
 
     models = load_models(args.target, args.drafter, mesh=mesh)
+    _moe_dispatch(args, models.target)
     for note in models.notes:
         print(f"tevjax: note: {note}", file=sys.stderr)
     result = evaluate(models, texts, budgets=args.budgets, temperature=args.temperature, top_k=args.top_k,
