@@ -148,7 +148,8 @@ CACHE_AXES: tuple[str, ...] = ("layers", "batch", "kv_heads", "cache_slots", "he
 
 # What a sharded logical axis counts, for error messages: splitting must not cut one of these.
 _UNITS = {"heads": "query heads (num_heads)", "attn_heads": "query heads (num_heads)",
-          "kv_heads": "key/value heads (num_kv_heads)", "mlp": "MLP width (intermediate_size)", "vocab": "vocabulary entries (vocab_size)",
+          "kv_heads": "key/value heads (num_kv_heads)", "mlp": "MLP width (intermediate_size)",
+          "vocab": "vocabulary entries (vocab_size)",
           "batch": "batch rows", "embed": "model width (hidden_size)", "experts": "experts (num_experts)",
           "router": "router outputs (num_experts)",
           "shared_mlp": "shared expert width (shared_expert_size)"}
