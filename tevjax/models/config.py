@@ -398,9 +398,8 @@ class ModelConfig:
         if self.hidden_act not in HIDDEN_ACTS.values():
             raise ValueError(f"ModelConfig.hidden_act={self.hidden_act!r} is not one of "
                              f"{', '.join(HIDDEN_ACTS.values())}")
-        gpt_oss = self.architecture == "gpt_oss"
-        if gpt_oss != (self.swiglu_limit is not None and self.swiglu_alpha is not None) or (
-                not gpt_oss and (self.swiglu_limit, self.swiglu_alpha) != (None, None)):
+        swiglu = (self.swiglu_limit, self.swiglu_alpha)
+        if (None in swiglu) if self.architecture == "gpt_oss" else (swiglu != (None, None)):  # both, or neither
             raise ValueError(f"ModelConfig: swiglu_limit={self.swiglu_limit!r}, swiglu_alpha={self.swiglu_alpha!r}: "
                              f"GPT-OSS has both, and no other architecture either, not {self.architecture!r}")
         for name in ("query_pre_attn_scalar", "attn_softcap", "final_softcap", "local_rope_theta", *_GRANITE_FIELDS,
