@@ -569,7 +569,8 @@ def test_experts_read_as_transformers_reads_them_and_belong_to_moe_families_only
     with pytest.raises(ValueError, match="clip_qkv=8.0 is not supported"):
         ModelConfig.from_hf_config({**olmoe, "clip_qkv": 8.0})
     for arch, fields, match in [("llama", dict(num_experts=4, experts_per_token=2), "need a mixture-of-experts"),
-                                ("qwen3_moe", dict(shared_expert_size=8), "a shared expert is Qwen2-MoE's"),
+                                ("qwen3_moe", dict(shared_expert_size=8),
+                                 "a shared expert is Qwen2-MoE's and Qwen3-Next's"),
                                 ("qwen2_moe", dict(attention_bias=True), "'qwen2_moe' has no q/k norms and no o_proj"),
                                 ("mixtral", dict(num_experts=0, experts_per_token=0), "num_experts must be a positive"),
                                 ("mixtral", dict(norm_topk_prob=False), "Mixtral always renormalises"),

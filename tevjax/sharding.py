@@ -39,10 +39,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 # What tensor parallelism splits: `model`, with `expert` in front where the mesh has it.
 _TENSOR = ("expert", "model")
 
-__all__ = ["CACHE_AXES", "DRAFTER_AXES", "LOGICAL_RULES", "TARGET_AXES", "batch_sharding", "cache_shardings",
-           "check_batch", "global_batch_array", "host_array", "logical_sharding", "logical_spec", "make_mesh",
-           "mesh_axes", "param_shardings", "parse_mesh", "place", "put", "replicated", "shard_model",
-           "shardings_by_path", "traced_on"]
+__all__ = ["CACHE_AXES", "DRAFTER_AXES", "LINEAR_CACHE_AXES", "LOGICAL_RULES", "TARGET_AXES", "batch_sharding",
+           "cache_shardings", "check_batch", "global_batch_array", "host_array", "linear_shardings",
+           "logical_sharding", "logical_spec", "make_mesh", "mesh_axes", "param_shardings", "parse_mesh", "place",
+           "put", "replicated", "shard_model", "shardings_by_path", "traced_on"]
 
 # Logical axis name -> mesh axis, or mesh axes split together (None: replicated). The one table
 # every sharded array reads. A mesh axis the mesh does not have is left out (a (data, model) mesh
@@ -127,11 +127,30 @@ _LAYER_AXES: Mapping[str, tuple[str, ...]] = {
     "mlp.shared_expert_gate.kernel": ("embed", "gate"),
 }
 
+# A hybrid target's linear-attention mixer (Qwen3-Next's Gated DeltaNet): kept whole on each device
+# for now. Its fused q|k|v projection and conv channels would split over `model` only by head
+# groups of each part, which one contiguous split of the fused axis does not give.
+_LINEAR_AXES: Mapping[str, tuple[str | None, ...]] = {
+    "linear_attn.in_proj_qkv.kernel": ("embed", None),
+    "linear_attn.in_proj_z.kernel": ("embed", None),
+    "linear_attn.in_proj_b.kernel": ("embed", None),
+    "linear_attn.in_proj_a.kernel": ("embed", None),
+    "linear_attn.conv": (None, None),
+    "linear_attn.dt_bias": (None,),
+    "linear_attn.A_log": (None,),
+    "linear_attn.norm.scale": (None,),
+    "linear_attn.out_proj.kernel": (None, "embed"),
+}
+
 # Parameter path (dots; `*` matches one list index) -> logical axes, for every parameter of
 # `tevjax.models.transformer.Transformer`...
 TARGET_AXES: Mapping[str, tuple[str, ...]] = {
     "embed_tokens.embedding": ("vocab", "embed"),
     **{f"layers.{name}": ("layers", *axes) for name, axes in _LAYER_AXES.items()},
+    # a hybrid target's linear layers: the same norms and MLPs, and their own mixer
+    **{f"linear_layers.{name}": ("layers", *axes) for name, axes in _LAYER_AXES.items()
+       if not name.startswith("self_attn.")},
+    **{f"linear_layers.{name}": ("layers", *axes) for name, axes in _LINEAR_AXES.items()},
     "norm.scale": ("embed",),
     "lm_head.kernel": ("embed", "vocab"),
 }
@@ -145,6 +164,16 @@ DRAFTER_AXES: Mapping[str, tuple[str, ...]] = {
 }
 # `KVCache.k` / `.v` [L, B, K, S, Dh] (the target's cache and the drafter's context cache).
 CACHE_AXES: tuple[str, ...] = ("layers", "batch", "kv_heads", "cache_slots", "head_dim")
+# `KVCache.linear`'s fields (`LinearState`, a hybrid target's linear layers): rows over `data`, the
+# rest kept whole on each device (a row's recurrent state is [H, Dk, Dv], read and written whole).
+LINEAR_CACHE_AXES: dict[str, tuple[str | None, ...]] = {
+    "state": ("layers", "batch", None, None, None),
+    "conv": ("layers", "batch", None, None),
+    "tree_x": ("layers", "batch", None, None),
+    "tree_k": ("layers", "batch", None, None, None),
+    "tree_v": ("layers", "batch", None, None, None),
+    "tree_gb": ("layers", "batch", None, None, None),
+}
 
 # What a sharded logical axis counts, for error messages: splitting must not cut one of these.
 _UNITS = {"heads": "query heads (num_heads)", "attn_heads": "query heads (num_heads)",
@@ -312,11 +341,20 @@ def shard_model(model, mesh: Mesh):
 
 def cache_shardings(mesh: Mesh, cache, what: str = "the KV cache"):
     """A `KVCache` of NamedShardings for `cache` (arrays or shapes, [L, B, K, S, Dh]): rows over
-    `data`, key/value heads over `model` (see `CACHE_AXES`)."""
+    `data`, key/value heads over `model` (see `CACHE_AXES`); a linear state's rows over `data`."""
     from tevjax.models.cache import KVCache
 
     s = logical_sharding(mesh, CACHE_AXES, cache.k.shape, what=what)
-    return KVCache(k=s, v=s)
+    return KVCache(k=s, v=s, linear=None if cache.linear is None else linear_shardings(mesh, cache.linear))
+
+
+def linear_shardings(mesh: Mesh, linear=None):
+    """A `LinearState` of NamedShardings (`LINEAR_CACHE_AXES`), for `linear`'s shapes when given."""
+    from tevjax.models.cache import LinearState
+
+    return LinearState(**{name: logical_sharding(mesh, axes, None if linear is None else getattr(linear, name).shape,
+                                                 what=f"the linear state's {name}")
+                          for name, axes in LINEAR_CACHE_AXES.items()})
 
 
 def check_batch(mesh: Mesh, batch: int, what: str = "the batch") -> None:

@@ -87,10 +87,16 @@ class WeightRule:
     # One tensor per expert ("{e}" in the name; the MoE families), stacked on an expert axis
     # after the layer axis; 0: none.
     experts: int = 0
+    # The layers a per-layer rule covers, where not all: a hybrid model (Qwen3-Next) stacks its
+    # attention layers and its linear-attention layers apart.
+    layer_ids: tuple[int, ...] | None = None
+    # Rows picked, in this order, from a tensor whose parts interleave in groups (Qwen3-Next's
+    # in_proj_qkvz: q, k, v and z per key-head group); saving puts them back at those rows.
+    row_index: tuple[int, ...] | None = None
 
     def names(self, num_layers: int) -> list[str]:
         """Concrete HF names this rule consumes, in layer order (and expert order within a layer)."""
-        layers = range(num_layers) if self.per_layer else [None]
+        layers = (range(num_layers) if self.layer_ids is None else self.layer_ids) if self.per_layer else [None]
         return [self.hf_name.format(i=i, e=e) for i in layers for e in (range(self.experts) or [None])]
 
     def stack(self, converted: list[np.ndarray], num_layers: int) -> np.ndarray:
@@ -98,7 +104,8 @@ class WeightRule:
         if not self.per_layer:
             return converted[0]
         value = np.stack(converted)
-        return value.reshape(num_layers, self.experts, *value.shape[1:]) if self.experts else value
+        n = num_layers if self.layer_ids is None else len(self.layer_ids)
+        return value.reshape(n, self.experts, *value.shape[1:]) if self.experts else value
 
     def unstack(self, value: np.ndarray) -> list[np.ndarray]:
         """A parameter as the tensors of `names`, in their order (the inverse of `stack`)."""
@@ -116,12 +123,14 @@ class WeightRule:
             x = x[..., self.rows[0]:self.rows[1], :]
         if self.columns is not None:
             x = x[..., self.columns[0]::self.columns[1]]
+        if self.row_index is not None:
+            x = x[..., list(self.row_index), :]
         return _TRANSFORMS[self.transform][0](x)
 
     @property
     def fused(self) -> bool:
         """Whether the rule reads a part of a tensor that other rules read the rest of."""
-        return self.rows is not None or self.columns is not None
+        return self.rows is not None or self.columns is not None or self.row_index is not None
 
     def to_hf(self, x: np.ndarray) -> np.ndarray:
         """tevjax layout -> HF tensor (inverse transform), or its rows for a fused tensor, checking
@@ -132,6 +141,8 @@ class WeightRule:
             want[-2] = self.rows[1] - self.rows[0]
         if self.columns is not None:
             want[-1] //= self.columns[1]
+        if self.row_index is not None:
+            want[-2] = len(self.row_index)
         want = tuple(want)
         if tuple(y.shape) != want:
             raise CheckpointError(f"{self.hf_name}: would save shape {tuple(y.shape)}, expected {want}")
@@ -142,6 +153,8 @@ _TRANSFORMS = {
     "identity": (lambda x: x, lambda x: x),
     "transpose": (lambda x: np.ascontiguousarray(np.swapaxes(x, -1, -2)),
                   lambda x: np.ascontiguousarray(np.swapaxes(x, -1, -2))),
+    # A depthwise Conv1d's weight [C, 1, W] <-> [C, W].
+    "conv": (lambda x: np.ascontiguousarray(x[..., 0, :]), lambda x: np.ascontiguousarray(x[..., None, :])),
 }
 
 
@@ -174,10 +187,11 @@ def target_weight_rules(cfg: ModelConfig) -> list[WeightRule]:
         return WeightRule(pre + f"{block}.{_FUSED[name]}.weight", ("layers",) + param, "transpose", shape,
                           per_layer=True, rows=rows)
 
+    gate = 2 if cfg.attn_output_gate else 1  # Qwen3-Next's q_proj: each head's query, then its gate
     rules = [
         WeightRule("model.embed_tokens.weight", ("embed_tokens", "embedding"), "identity", (v, d)),
         WeightRule("model.norm.weight", ("norm", "scale"), "identity", (d,)),
-        proj("self_attn", "q_proj", (0, qd), (qd + 2 * kd, d)),
+        proj("self_attn", "q_proj", (0, gate * qd), (gate * qd + 2 * kd, d)),
         proj("self_attn", "k_proj", (qd, qd + kd), (qd + 2 * kd, d)),
         proj("self_attn", "v_proj", (qd + kd, qd + 2 * kd), (qd + 2 * kd, d)),
         layer("self_attn.o_proj.weight", ("self_attn", "o_proj", "kernel"), "transpose", (d, qd)),
@@ -219,7 +233,57 @@ def target_weight_rules(cfg: ModelConfig) -> list[WeightRule]:
         ]
     if not cfg.tie_word_embeddings:
         rules.append(WeightRule("lm_head.weight", ("lm_head", "kernel"), "transpose", (v, d)))
+    if cfg.linear_layers:
+        rules = _hybrid_rules(cfg, rules, pre)
     return rules
+
+
+def _hybrid_rules(cfg: ModelConfig, rules: list[WeightRule], pre: str) -> list[WeightRule]:
+    """Qwen3-Next's table: the per-layer rules above for its attention layers only; the MLP and norm
+    rules again for its linear layers, into `linear_layers`; and their linear attention's own.
+
+    On disk `in_proj_qkvz` [2 Kh Dk + 2 H Dv, D] holds, per key head, that head's q and k rows and
+    the rows of the H / Kh value heads it serves for v and then z; `in_proj_ba` [2 H, D] holds b
+    then a, likewise per key head. They are read into the fused q|k|v projection in head order (the
+    conv's channel order), z, b and a (`GatedDeltaNet`)."""
+    d, lin = cfg.hidden_size, cfg.linear_layers
+    att = tuple(i for i in range(cfg.num_layers) if i not in lin)
+    shared = ("mlp", "input_layernorm", "post_attention_layernorm")
+    out = [dataclasses.replace(r, layer_ids=att) if r.per_layer else r for r in rules]
+    out += [dataclasses.replace(r, param=("linear_layers", *r.param[1:]), layer_ids=lin)
+            for r in rules if r.per_layer and r.param[1] in shared]
+    kh, hv, dk, dv, w = (cfg.linear_key_heads, cfg.linear_value_heads, cfg.linear_key_dim, cfg.linear_value_dim,
+                         cfg.linear_conv)
+    r = hv // kh
+    group = 2 * dk + 2 * r * dv  # one key head's rows of in_proj_qkvz
+    parts = {"q": (0, dk), "k": (dk, 2 * dk), "v": (2 * dk, 2 * dk + r * dv), "z": (2 * dk + r * dv, group)}
+
+    def rows(part, size, offsets):  # every group's rows of one part, in head order
+        lo, hi = offsets[part]
+        return tuple(g * size + j for g in range(kh) for j in range(lo, hi))
+
+    qkvz = (kh * group, d)
+    ba_parts = {"b": (0, r), "a": (r, 2 * r)}
+
+    def rule(hf, param, transform, shape, **kw):
+        return WeightRule(pre + "linear_attn." + hf, ("linear_layers", "linear_attn", *param), transform, shape,
+                          per_layer=True, layer_ids=lin, **kw)
+
+    out += [
+        rule("in_proj_qkvz.weight", ("in_proj_qkv", "kernel"), "transpose", qkvz,
+             row_index=rows("q", group, parts) + rows("k", group, parts) + rows("v", group, parts)),
+        rule("in_proj_qkvz.weight", ("in_proj_z", "kernel"), "transpose", qkvz, row_index=rows("z", group, parts)),
+        rule("in_proj_ba.weight", ("in_proj_b", "kernel"), "transpose", (2 * hv, d),
+             row_index=rows("b", 2 * r, ba_parts)),
+        rule("in_proj_ba.weight", ("in_proj_a", "kernel"), "transpose", (2 * hv, d),
+             row_index=rows("a", 2 * r, ba_parts)),
+        rule("conv1d.weight", ("conv",), "conv", (cfg.linear_conv_channels, 1, w)),
+        rule("dt_bias", ("dt_bias",), "identity", (hv,)),
+        rule("A_log", ("A_log",), "identity", (hv,)),
+        rule("norm.weight", ("norm", "scale"), "identity", (dv,)),
+        rule("out_proj.weight", ("out_proj", "kernel"), "transpose", (d, hv * dv)),
+    ]
+    return out
 
 
 def _expert_rules(cfg: ModelConfig, pre: str) -> list[WeightRule]:
@@ -513,7 +577,13 @@ def save_hf_target(model: Transformer, path: str | os.PathLike) -> None:
             else:
                 tensors[name] = rule.to_hf(x)
     for name, parts in fused.items():
-        if parts[0][0].columns is not None:  # interleaved: part i in columns i::n
+        if parts[0][0].row_index is not None:  # parts picked by rows: put each back at its rows
+            joined = np.zeros(parts[0][0].hf_shape, parts[0][1].dtype)
+            for rule, y in parts:
+                joined[..., list(rule.row_index), :] = y
+            if sum(len(rule.row_index) for rule, _ in parts) != joined.shape[-2]:
+                raise CheckpointError(f"{name}: its parts do not cover its {joined.shape[-2]} rows")
+        elif parts[0][0].columns is not None:  # interleaved: part i in columns i::n
             ys = [y for _, y in sorted(parts, key=lambda p: p[0].columns[0])]
             joined = np.stack(ys, axis=-1).reshape(*ys[0].shape[:-1], -1)
         else:  # stacked rows

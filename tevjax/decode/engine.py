@@ -85,8 +85,8 @@ from tevjax.multihost import every_process
 from tevjax.sampling import check_truncation, truncate_logits
 from tevjax.decode.stops import StopTable, advance, check_stops, stop_table
 from tevjax.seeding import seed_key
-from tevjax.sharding import (CACHE_AXES, check_batch, frozen, host_array, logical_sharding, mesh_axes,
-                             param_shardings, put, thawed, traced_on)
+from tevjax.sharding import (CACHE_AXES, check_batch, frozen, host_array, linear_shardings, logical_sharding,
+                             mesh_axes, param_shardings, put, thawed, traced_on)
 from tevjax.tree import DraftTree
 from tevjax.verifiers import VERIFIERS, verify
 
@@ -318,15 +318,17 @@ FALLBACK_MAX_WAIT = 64
 
 def state_shardings(mesh, *, drafter: bool, hidden: bool, head: bool = False, history: bool = False,
                     fallback: bool = False, stop: bool = False, logprobs: bool = False,
-                    sampling: bool = False) -> DecodeState:
+                    sampling: bool = False, linear: bool = False) -> DecodeState:
     """A `DecodeState` of NamedShardings (from `STATE_AXES`) for a decoder with or without a
     drafter, kept hidden states, a pre-gathered draft head, a token history, the fallback's
-    bookkeeping, stop strings, log-probabilities and per-row sampling settings. The specs do not
+    bookkeeping, stop strings, log-probabilities, per-row sampling settings and a hybrid target's
+    linear state (`linear`, `LINEAR_CACHE_AXES`). The specs do not
     depend on the sizes; the sizes are checked where they are known (`Decoder.prefill`: rows;
     `param_shardings`: heads)."""
     named = {f.name: logical_sharding(mesh, STATE_AXES[f.name]) for f in dataclasses.fields(DecodeState)}
     cache = KVCache(k=named["target_cache"], v=named["target_cache"])
-    return DecodeState(**{**named, "target_cache": cache, "drafter_cache": cache if drafter else None,
+    target_cache = dataclasses.replace(cache, linear=linear_shardings(mesh) if linear else None)
+    return DecodeState(**{**named, "target_cache": target_cache, "drafter_cache": cache if drafter else None,
                           "hidden": named["hidden"] if hidden else None,
                           "draft_head": named["draft_head"] if head else None,
                           "history": named["history"] if history else None,
@@ -398,7 +400,7 @@ def _empty_state(tstate, dstate, roots, lengths, limits, sampling, stop_masks, k
     if cfg.hidden_layers:
         hidden = jnp.zeros((b, capacity, len(cfg.hidden_layers), target.cfg.hidden_size), jnp.dtype(target.cfg.dtype))
     return DecodeState(
-        target_cache=KVCache.init(target.cfg, b, capacity),
+        target_cache=KVCache.init(target.cfg, b, capacity, tree_slots=cfg.budget + 1 if drafter is not None else 1),
         drafter_cache=DrafterCache.init(drafter.cfg, b, capacity) if drafter is not None else None,
         cache_len=(lengths - 1).astype(jnp.int32),
         root=roots.astype(jnp.int32),
@@ -459,7 +461,7 @@ def _fit_capacity(state: DecodeState, *, capacity: int) -> DecodeState:
     prompt needs more room than the rows so far)."""
     fit = functools.partial(_fit_slots, capacity=capacity)
     slots = CACHE_AXES.index("cache_slots")
-    caches = [None if c is None else KVCache(k=fit(c.k, slots), v=fit(c.v, slots))
+    caches = [None if c is None else dataclasses.replace(c, k=fit(c.k, slots), v=fit(c.v, slots))
               for c in (state.target_cache, state.drafter_cache)]
     return dataclasses.replace(state, target_cache=caches[0], drafter_cache=caches[1], hidden=fit(state.hidden, 1),
                                history=fit(state.history, 1))
@@ -498,7 +500,9 @@ def _prefill_chunk(tstate, dstate, state: DecodeState, tokens: jax.Array, start:
     positions = start + jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32), (b, c))
     write_pos = jnp.full((b,), start, jnp.int32)
     taps = _taps(drafter, cfg)
-    out = target(tokens, positions, state.target_cache, write_pos, None, hidden_layers=taps, compute_logits=False)
+    # Padding past a row's prompt[:-1] stays out of a linear layer's state (`valid`).
+    out = target(tokens, positions, state.target_cache, write_pos, None, hidden_layers=taps, compute_logits=False,
+                 valid=positions < state.cache_len[:, None])
     feats, kept = _split_hidden(out, taps, drafter, cfg, target.cfg)
     dcache, hidden, history = state.drafter_cache, state.hidden, state.history
     if drafter is not None:
@@ -656,15 +660,17 @@ def commit(out, ver, state: DecodeState, drafter: DFlashDrafter | None, cfg: Dec
     # The root already sits at slot cache_len; path node i moves from cache_len + node to
     # cache_len + i (i = 1..num_accepted). move_slots reads before it writes, so overlaps are safe.
     src = jnp.where(ver.path >= 0, state.cache_len[:, None] + ver.path, -1)
-    target_cache = out.cache.move_slots(src, state.cache_len + 1)
-    taps = _taps(drafter, cfg)
-    if not taps:
-        return target_cache, state.drafter_cache, state.hidden
     b = state.root.shape[0]
-    feats, kept = _split_hidden(out, taps, drafter, cfg, target_cfg)  # [B, N, F], [B, N, R, D]
     # Root + accepted path (unused tail entries repeat the root: they land above the new
     # context length, where they are invisible and overwritten next round).
     nodes = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), jnp.maximum(ver.path, 0)], axis=1)
+    # Linear-attention layers (Qwen3-Next) run the root and the accepted nodes into their state.
+    target_cache = out.cache.move_slots(src, state.cache_len + 1).advance(
+        nodes, 1 + jnp.sum(ver.path >= 0, axis=1, dtype=jnp.int32))
+    taps = _taps(drafter, cfg)
+    if not taps:
+        return target_cache, state.drafter_cache, state.hidden
+    feats, kept = _split_hidden(out, taps, drafter, cfg, target_cfg)  # [B, N, F], [B, N, R, D]
     slots = state.cache_len[:, None] + jnp.arange(nodes.shape[1], dtype=jnp.int32)
     drafter_cache, hidden = state.drafter_cache, state.hidden
     if drafter is not None:
@@ -1044,7 +1050,7 @@ class Decoder:
             sshard = state_shardings(mesh, drafter=drafter is not None, hidden=bool(cfg.hidden_layers), head=head,
                                      history=_uses_lookup(drafter, cfg), fallback=_falls_back(drafter, cfg),
                                      stop=bool(cfg.stop), logprobs=cfg.logprobs,
-                                     sampling=cfg.sampling_per_row)
+                                     sampling=cfg.sampling_per_row, linear=bool(target.cfg.linear_layers))
             scalar = logical_sharding(mesh, ())
             rows = logical_sharding(mesh, ("batch",))
             # The n-gram table is small and read by every row: a copy on each device.
@@ -1361,6 +1367,11 @@ class Decoder:
                 a.shape != b.shape for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(want))):
             raise ValueError("reuse: the state is not one of this decoder's for this batch (another decoder's "
                              "settings, or another number of rows)")
+        if self.target_cfg.linear_layers:
+            # A linear layer's recurrent state holds the whole earlier text, and cannot be cut back to a
+            # shared prefix (nor trusted past a row's last round: rounds go on for finished rows), so a
+            # hybrid target (Qwen3-Next) prefills the whole prompt again: a run at slot 0 starts empty.
+            return 0
         cache_len, out, num_out = host_array(state.cache_len), host_array(state.out), host_array(state.num_out)
         nonfinite = host_array(state.nonfinite)
         keep = []

@@ -8,13 +8,15 @@ tokens at `write_pos[b] + t` and lets queries see every slot below `write_pos[b]
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 
 from tevjax.models.config import ModelConfig
+from tevjax.models.linear_attention import commit_path
 
-__all__ = ["KVCache", "read_slots", "scatter_rows", "write_layer", "write_slots"]
+__all__ = ["KVCache", "LinearState", "read_slots", "scatter_rows", "write_layer", "write_slots"]
 
 
 def scatter_rows(buf: jax.Array, idx: jax.Array, values: jax.Array, *, axis: int = 0) -> jax.Array:
@@ -69,6 +71,47 @@ def write_slots(buf: jax.Array, idx: jax.Array, values: jax.Array) -> jax.Array:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class LinearState:
+    """What a model's linear-attention layers carry (Qwen3-Next; `tevjax.models.linear_attention`).
+
+    A recurrent state cannot be cut back to a prefix the way slots above a length are ignored, so
+    a tree pass leaves `state` and `conv` as they were and records what each tree node fed its
+    layers (`tree_*`, N node entries); `advance` then runs the accepted path into them. A causal
+    run (prefill) updates them itself. Ll is the number of linear layers, H their value heads.
+    """
+
+    state: jax.Array  # [Ll, B, H, Dk, Dv] float32 the recurrent state after the committed tokens
+    conv: jax.Array  # [Ll, B, W - 1, C] the last W - 1 conv inputs of the committed tokens
+    tree_x: jax.Array  # [Ll, B, N, C] the last tree pass's conv inputs, by tree node
+    tree_k: jax.Array  # [Ll, B, N, Kh, Dk] its convolved keys, before the norm
+    tree_v: jax.Array  # [Ll, B, N, H, Dv] its values
+    tree_gb: jax.Array  # [Ll, B, N, 2, H] float32 its decays g and betas
+
+    @classmethod
+    def init(cls, cfg, batch: int, tree_slots: int) -> "LinearState":
+        nl, w, c = len(cfg.linear_layers), cfg.linear_conv, cfg.linear_conv_channels
+        kh, hv, dk, dv = cfg.linear_key_heads, cfg.linear_value_heads, cfg.linear_key_dim, cfg.linear_value_dim
+        z = functools.partial(jnp.zeros, dtype=cfg.dtype)
+        return cls(state=jnp.zeros((nl, batch, hv, dk, dv), jnp.float32), conv=z((nl, batch, w - 1, c)),
+                   tree_x=z((nl, batch, tree_slots, c)), tree_k=z((nl, batch, tree_slots, kh, dk)),
+                   tree_v=z((nl, batch, tree_slots, hv, dv)),
+                   tree_gb=jnp.zeros((nl, batch, tree_slots, 2, hv), jnp.float32))
+
+    @property
+    def tree_slots(self) -> int:
+        """Static node count N a tree pass may record."""
+        return self.tree_x.shape[2]
+
+    def advance(self, nodes: jax.Array, count: jax.Array) -> "LinearState":
+        """The state after the first `count` [B] nodes of `nodes` [B, M] (root first: the accepted
+        path) of the last tree pass, in every linear layer (`linear_attention.commit_path`)."""
+        state, conv = jax.vmap(commit_path, in_axes=(0, 0, 0, 0, 0, 0, None, None))(
+            self.state, self.conv, self.tree_x, self.tree_k, self.tree_v, self.tree_gb, nodes, count)
+        return dataclasses.replace(self, state=state, conv=conv.astype(self.conv.dtype))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class KVCache:
     """Stacked K/V for all layers (shape letters: the legend in `tevjax/__init__.py`)."""
 
@@ -76,20 +119,25 @@ class KVCache:
     # With the slots first, XLA:CPU transposed each layer's keys and values on every pass: a
     # budget-8 tree pass's attention over 2,048 slots took 33.6 ms instead of 19.7 (30 SmolLM2
     # layers, 2 CPU cores).
-    k: jax.Array  # [L, B, K, S, Dh] keys after RoPE, compute dtype
+    k: jax.Array  # [L, B, K, S, Dh] keys after RoPE, compute dtype (L: the attention layers)
     v: jax.Array  # [L, B, K, S, Dh] values, compute dtype
+    linear: LinearState | None = None  # a model with linear-attention layers: their state
 
     @classmethod
-    def init(cls, cfg: ModelConfig, batch: int, capacity: int) -> "KVCache":
+    def init(cls, cfg: ModelConfig, batch: int, capacity: int, *, tree_slots: int = 1) -> "KVCache":
         """Zero cache with `capacity` slots per row, in the config's compute dtype.
 
         `cfg` is any config with `num_layers`, `num_kv_heads`, `head_dim` and `dtype` (the target's
-        `ModelConfig`, or a `DFlashConfig` for the drafter's context cache).
+        `ModelConfig`, or a `DFlashConfig` for the drafter's context cache). A model with linear
+        layers also gets their `LinearState`, recording up to `tree_slots` (N) tree nodes a pass.
         """
-        if batch <= 0 or capacity <= 0:
-            raise ValueError(f"cache init: batch={batch} and capacity={capacity} must be positive")
-        shape = (cfg.num_layers, batch, cfg.num_kv_heads, capacity, cfg.head_dim)
-        return cls(k=jnp.zeros(shape, cfg.dtype), v=jnp.zeros(shape, cfg.dtype))
+        if batch <= 0 or capacity <= 0 or tree_slots <= 0:
+            raise ValueError(f"cache init: batch={batch}, capacity={capacity} and tree_slots={tree_slots} must be "
+                             f"positive")
+        linear = getattr(cfg, "linear_layers", ())
+        shape = (cfg.num_layers - len(linear), batch, cfg.num_kv_heads, capacity, cfg.head_dim)
+        return cls(k=jnp.zeros(shape, cfg.dtype), v=jnp.zeros(shape, cfg.dtype),
+                   linear=LinearState.init(cfg, batch, tree_slots) if linear else None)
 
     @property
     def capacity(self) -> int:
@@ -122,4 +170,12 @@ class KVCache:
         def move(x):  # the read happens before the write
             return write_slots(x, dst, read_slots(x, take))
 
-        return KVCache(k=move(self.k), v=move(self.v))
+        return dataclasses.replace(self, k=move(self.k), v=move(self.v))
+
+    def advance(self, nodes: jax.Array, count: jax.Array) -> "KVCache":
+        """After a tree pass: the linear layers' state run over the first `count` [B] of `nodes`
+        [B, M] (root first), the accepted path (`LinearState.advance`); a cache without linear
+        layers as it is. The decoder's commit calls it beside `move_slots`."""
+        if self.linear is None:
+            return self
+        return dataclasses.replace(self, linear=self.linear.advance(nodes, count))

@@ -20,7 +20,7 @@ __all__ = ["ModelConfig", "RopeScaling", "ROPE_TYPES", "PRESETS", "SUPPORTED_ARC
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "mixtral",
                            "qwen3_moe", "qwen2_moe", "smollm3", "granite", "olmo2", "olmo3", "olmoe", "granitemoe",
-                           "gpt_oss")
+                           "gpt_oss", "qwen3_next")
 GEMMA = ("gemma2", "gemma3_text")  # Gemma 2, and Gemma 3's text model (Gemma3ForCausalLM: the 1B model)
 # Families that norm each branch's output and not its input (OLMo 2 and 3), with q/k norms over
 # the whole projection rather than per head.
@@ -32,7 +32,9 @@ WHOLE_QK_NORM = (*OLMO, "olmoe")
 TWO_ROPES = ("gemma3_text", "olmo3")
 # Mixture-of-experts families: Mistral's, Qwen3's, Qwen2's, OLMoE's, Granite's and GPT-OSS's attention
 # with a routed MLP in every layer (Qwen2-MoE's with a shared expert beside the routed ones).
-MOE = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe", "gpt_oss")
+MOE = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe", "gpt_oss", "qwen3_next")
+# Families with a shared expert beside the routed ones, gated by sigmoid(shared_expert_gate(x)).
+SHARED_EXPERT = ("qwen2_moe", "qwen3_next")
 # Families that always renormalise the picked experts' weights (a softmax over the k highest logits).
 _RENORMALISED = ("mixtral", "granitemoe", "gpt_oss")
 # Families with Granite's four scalar multipliers (`_GRANITE_FIELDS`).
@@ -44,7 +46,9 @@ _HF_CLASS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen
              "qwen2_moe": "Qwen2MoeForCausalLM",
              "smollm3": "SmolLM3ForCausalLM", "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM",
              "olmo3": "Olmo3ForCausalLM", "olmoe": "OlmoeForCausalLM",
-             "granitemoe": "GraniteMoeForCausalLM", "gpt_oss": "GptOssForCausalLM"}
+             "granitemoe": "GraniteMoeForCausalLM", "gpt_oss": "GptOssForCausalLM",
+             "qwen3_next": "Qwen3NextForCausalLM"}
+_LINEAR_DIMS = ("linear_key_heads", "linear_value_heads", "linear_key_dim", "linear_value_dim", "linear_conv")
 # The MLP activations: SiLU (every family but Gemma) and the tanh approximation of GELU (Gemma's
 # "gelu_pytorch_tanh", which transformers also calls "gelu_new" / "gelu_fast" up to rounding: only
 # the exact name is accepted).
@@ -323,6 +327,19 @@ class ModelConfig:
     # sinks and biases on the router and the experts. None: not GPT-OSS.
     swiglu_limit: float | None = None
     swiglu_alpha: float | None = None
+    # Qwen3-Next: the layers in `linear_layers` (three of every four) mix tokens with Gated DeltaNet
+    # linear attention (`tevjax.models.linear_attention`): linear_key_heads query/key heads of width
+    # linear_key_dim, linear_value_heads value heads of width linear_value_dim, and a causal depthwise
+    # convolution linear_conv tokens wide over their inputs. Its other layers are full attention with
+    # a sigmoid gate on each head's output. Empty: every layer is attention.
+    linear_layers: tuple[int, ...] = ()
+    linear_key_heads: int = 0
+    linear_value_heads: int = 0
+    linear_key_dim: int = 0
+    linear_value_dim: int = 0
+    linear_conv: int = 0
+    # The leading width of each head that RoPE rotates (Qwen3-Next: a quarter); None: all of it.
+    rotary_dim: int | None = None
 
     def __post_init__(self):
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -424,6 +441,67 @@ class ModelConfig:
         elif self.local_rope_theta is not None and self.architecture != "gemma3_text":
             raise ValueError(f"ModelConfig.local_rope_theta is Gemma 3's, not {self.architecture!r}'s")
         self._check_experts()
+        self._check_linear()
+
+    def _check_linear(self) -> None:
+        object.__setattr__(self, "linear_layers", tuple(int(i) for i in self.linear_layers))
+        layers, rd = self.linear_layers, self.rotary_dim
+        if rd is not None and (not isinstance(rd, int) or isinstance(rd, bool) or rd <= 0 or rd % 2
+                               or rd > self.head_dim):
+            raise ValueError(f"ModelConfig.rotary_dim={rd!r} must be an even int in [2, head_dim={self.head_dim}]")
+        if rd == self.head_dim:
+            object.__setattr__(self, "rotary_dim", None)  # one form: the whole head
+        dims = {n: getattr(self, n) for n in _LINEAR_DIMS}
+        if self.architecture != "qwen3_next":
+            own = [f"{n}={v!r}" for n, v in (("linear_layers", layers), ("rotary_dim", self.rotary_dim), *dims.items())
+                   if v not in ((), None, 0)]
+            if own:
+                raise ValueError(f"ModelConfig: {', '.join(own)} is Qwen3-Next's, not architecture "
+                                 f"{self.architecture!r}'s")
+            return
+        if sorted(set(layers)) != list(layers) or not all(0 <= i < self.num_layers for i in layers):
+            raise ValueError(f"ModelConfig.linear_layers={layers} must be increasing layer indices in "
+                             f"[0, {self.num_layers})")
+        if len(layers) == self.num_layers:
+            raise ValueError("ModelConfig.linear_layers: at least one layer must be full attention")
+        if not layers:
+            return
+        for name, value in dims.items():
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"ModelConfig.{name} must be a positive int with linear_layers, got {value!r}")
+        if self.linear_value_heads % self.linear_key_heads:
+            raise ValueError(f"ModelConfig.linear_value_heads={self.linear_value_heads} must be a multiple of "
+                             f"linear_key_heads={self.linear_key_heads}")
+        if self.linear_conv < 2:
+            raise ValueError(f"ModelConfig.linear_conv={self.linear_conv} must be at least 2")
+        if not self.qk_norm or self.qkv_biased:
+            raise ValueError("ModelConfig: architecture 'qwen3_next' has per-head q/k norms and no attention biases")
+
+    @property
+    def layer_period(self) -> tuple[str, ...]:
+        """The shortest run of layer kinds ("attention" or "linear") that repeats through the model:
+        the layer scan steps over whole periods (Qwen3-Next: three linear layers, then attention)."""
+        kinds = ["linear" if i in self.linear_layers else "attention" for i in range(self.num_layers)]
+        for p in range(1, self.num_layers + 1):
+            if self.num_layers % p == 0 and kinds == kinds[:p] * (self.num_layers // p):
+                return tuple(kinds[:p])
+        raise AssertionError("unreachable: the whole model is a period")
+
+    @property
+    def num_attention_layers(self) -> int:
+        """Layers with a key/value cache (all but the linear ones)."""
+        return self.num_layers - len(self.linear_layers)
+
+    @property
+    def attn_output_gate(self) -> bool:
+        """Whether each attention head's output is multiplied by sigmoid of a gate that q_proj
+        computes beside the query (Qwen3-Next: q_proj is [D, H * 2 * Dh], query and gate per head)."""
+        return self.architecture == "qwen3_next"
+
+    @property
+    def linear_conv_channels(self) -> int:
+        """The linear layers' convolved channels: queries, keys and values (C)."""
+        return 2 * self.linear_key_heads * self.linear_key_dim + self.linear_value_heads * self.linear_value_dim
 
     def _check_experts(self) -> None:
         e, k = self.num_experts, self.experts_per_token
@@ -454,14 +532,16 @@ class ModelConfig:
         shared = self.shared_expert_size
         if not isinstance(shared, int) or isinstance(shared, bool) or shared < 0:
             raise ValueError(f"ModelConfig.shared_expert_size must be an int >= 0, got {shared!r}")
-        if shared and self.architecture != "qwen2_moe":
-            raise ValueError(f"ModelConfig.shared_expert_size={shared}: a shared expert is Qwen2-MoE's, not "
+        if shared and self.architecture not in SHARED_EXPERT:
+            raise ValueError(f"ModelConfig.shared_expert_size={shared}: a shared expert is Qwen2-MoE's and "
+                             f"Qwen3-Next's, not "
                              f"architecture {self.architecture!r}'s")
 
     @property
     def norm_offset(self) -> float:
-        """What every RMSNorm adds to its weight before scaling: 1 for Gemma (zero-centred weights)."""
-        return 1.0 if self.architecture in GEMMA else 0.0
+        """What every RMSNorm adds to its weight before scaling: 1 for Gemma and Qwen3-Next (zero-centred
+        weights)."""
+        return 1.0 if self.architecture in (*GEMMA, "qwen3_next") else 0.0
 
     @property
     def embed_scale(self) -> float | None:
@@ -517,8 +597,10 @@ class ModelConfig:
 
     @property
     def layer_types(self) -> list[str]:
-        """transformers' `layer_types`: "sliding_attention" or "full_attention" per layer."""
-        return ["sliding_attention" if w else "full_attention" for w in self.layer_windows]
+        """transformers' `layer_types`: "sliding_attention", "full_attention" or (Qwen3-Next)
+        "linear_attention" per layer."""
+        return ["linear_attention" if i in self.linear_layers else "sliding_attention" if w else "full_attention"
+                for i, w in enumerate(self.layer_windows)]
 
     @property
     def moe(self) -> bool:
@@ -557,9 +639,15 @@ class ModelConfig:
         if self.expert_bias:  # GPT-OSS: the router's bias, each expert's three biases; the sinks
             mlp += self.num_experts + experts * (2 * f + d)
             attn += h
-        layer = attn + mlp + (2 * self.input_norms + 2 * self.output_norms) * d
+        if self.attn_output_gate:  # q_proj also computes each head's gate
+            attn += d * h * dh
+        norms = (2 * self.input_norms + 2 * self.output_norms) * d
         embed = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * layer + embed + d
+        n_lin = len(self.linear_layers)
+        # A linear layer: q/k/v, z, b and a projections; the conv; dt_bias and A_log; the gated norm; out.
+        hv, vd, c = self.linear_value_heads, self.linear_value_dim, self.linear_conv_channels
+        lin = d * (c + hv * vd + 2 * hv) + c * self.linear_conv + 2 * hv + vd + hv * vd * d
+        return (self.num_layers - n_lin) * attn + n_lin * lin + self.num_layers * (mlp + norms) + embed + d
 
     @classmethod
     def from_hf_config(cls, config: Mapping[str, Any] | str | os.PathLike, **overrides) -> "ModelConfig":
@@ -600,12 +688,15 @@ class ModelConfig:
         family = _experts(c, model_type, source) if model_type in MOE else {}  # the family's own fields
         if model_type == "smollm3":
             family["nope_layers"] = _nope_layers(c, source)
+        if model_type == "qwen3_next":
+            family.update(_linear_layers(c, source))
         if model_type == "gpt_oss":  # GptOssConfig's defaults
             family.update(swiglu_limit=field("swiglu_limit", float, 7.0, positive=True),
                           swiglu_alpha=field("swiglu_alpha", float, 1.702, positive=True))
         if model_type in GRANITE:  # GraniteConfig's defaults (1.0) where a key is absent
             family.update({k: field(k, float, 1.0, positive=True) for k in _GRANITE_FIELDS})
-        window, sliding_layers = _sliding_window(c, model_type, source)
+        # Qwen3-Next's layer_types name linear and full attention layers (`_linear_layers`), no windows.
+        window, sliding_layers = (None, ()) if model_type == "qwen3_next" else _sliding_window(c, model_type, source)
         if c.get("pretraining_tp", 1) not in (1, None):
             raise ValueError(f"{source}: pretraining_tp={c['pretraining_tp']} is not supported")
 
@@ -639,7 +730,7 @@ class ModelConfig:
             hidden_size=hidden,
             # Qwen3-MoE's experts are moe_intermediate_size wide (its intermediate_size is for dense
             # layers, which tevjax refuses); Mixtral's are intermediate_size wide.
-            intermediate_size=field("moe_intermediate_size" if model_type in ("qwen3_moe", "qwen2_moe")
+            intermediate_size=field("moe_intermediate_size" if model_type in ("qwen3_moe", "qwen2_moe", "qwen3_next")
                                     else "intermediate_size", int, positive=True),
             num_layers=field("num_hidden_layers", int, positive=True),
             num_heads=heads,
@@ -651,7 +742,7 @@ class ModelConfig:
             rope_scaling=scaling,
             # HF's default when the key is absent: tied for Gemma, untied for the others.
             tie_word_embeddings=field("tie_word_embeddings", bool, gemma),
-            qk_norm=model_type in ("qwen3", "gemma3_text", "qwen3_moe", *WHOLE_QK_NORM),
+            qk_norm=model_type in ("qwen3", "gemma3_text", "qwen3_moe", "qwen3_next", *WHOLE_QK_NORM),
             # Qwen2 has q/k/v biases and no o bias, always; its config has no key for them.
             # Qwen2-MoE's say so in qkv_bias (default true).
             attention_bias=False if model_type in ("qwen2", "qwen2_moe") else field("attention_bias", bool,
@@ -668,6 +759,8 @@ class ModelConfig:
         )
         if model_type == "olmo3":
             fields["local_rope_theta"] = local_theta
+        if model_type == "qwen3_next":  # Qwen3NextConfig's default head width
+            fields["head_dim"] = field("head_dim", int, 256, positive=True)
         if gemma:  # transformers' Gemma2Config / Gemma3TextConfig defaults where a key is absent
             caps = (50.0, 30.0) if model_type == "gemma2" else (None, None)
 
@@ -719,8 +812,8 @@ class ModelConfig:
         }
         if self.rope_scaling is not None:
             out["rope_scaling"] = self.rope_scaling.to_hf()
-        if self.architecture in ("llama", "qwen3", "mistral", "qwen3_moe", "smollm3", "gpt_oss", *GRANITE,
-                                 *WHOLE_QK_NORM):
+        if self.architecture in ("llama", "qwen3", "mistral", "qwen3_moe", "smollm3", "gpt_oss", "qwen3_next",
+                                 *GRANITE, *WHOLE_QK_NORM):
             out["attention_bias"] = self.attention_bias
         if self.architecture in GRANITE:
             out.update({k: 1.0 if getattr(self, k) is None else getattr(self, k) for k in _GRANITE_FIELDS})
@@ -754,6 +847,16 @@ class ModelConfig:
         if self.architecture == "qwen2_moe":
             out.update(shared_expert_intermediate_size=self.shared_expert_size, qkv_bias=self.qkv_bias,
                        layer_types=self.layer_types)
+        if self.architecture == "qwen3_next":
+            del out["sliding_window"]
+            out.update(num_experts=self.num_experts, num_experts_per_tok=self.experts_per_token,
+                       norm_topk_prob=self.norm_topk_prob, moe_intermediate_size=self.intermediate_size,
+                       shared_expert_intermediate_size=self.shared_expert_size, decoder_sparse_step=1,
+                       mlp_only_layers=[], layer_types=self.layer_types,
+                       linear_num_key_heads=self.linear_key_heads, linear_num_value_heads=self.linear_value_heads,
+                       linear_key_head_dim=self.linear_key_dim, linear_value_head_dim=self.linear_value_dim,
+                       linear_conv_kernel_dim=self.linear_conv,
+                       partial_rotary_factor=(self.rotary_dim or self.head_dim) / self.head_dim)
         if self.architecture in ("qwen2", "qwen3"):
             out["use_sliding_window"] = self.sliding_window is not None
             # transformers derives the layers from max_window_layers when layer_types is absent;
@@ -825,20 +928,22 @@ def _experts(c: Mapping[str, Any], model_type: str, source: str) -> dict[str, An
     Qwen3-MoE and Qwen2-MoE layers without experts (`mlp_only_layers`, or a `decoder_sparse_step` above 1) are
     refused: every layer of the scan has one shape. `router_jitter_noise` (Mixtral) acts only in
     training and is ignored."""
-    mixtral, qwen2 = model_type in _RENORMALISED, model_type == "qwen2_moe"
+    mixtral, shared = model_type in _RENORMALISED, model_type in SHARED_EXPERT
     # transformers maps num_experts and num_local_experts to one attribute; a saved config may hold either
     key = next((k for k in ("num_local_experts", "num_experts") if c.get(k) is not None),
                "num_local_experts" if mixtral else "num_experts")
     experts, per_token = {"mixtral": (8, 2), "qwen3_moe": (128, 8), "qwen2_moe": (60, 4), "olmoe": (64, 8),
-                          "granitemoe": (8, 2), "gpt_oss": (128, 4)}[model_type]
+                          "granitemoe": (8, 2), "gpt_oss": (128, 4), "qwen3_next": (512, 10)}[model_type]
     fields = dict(num_experts=config_field(c, key, int, source, experts, positive=True),
                   experts_per_token=config_field(c, "num_experts_per_tok", int, source, per_token, positive=True),
-                  norm_topk_prob=True if mixtral else config_field(c, "norm_topk_prob", bool, source, False))
-    if qwen2:  # Qwen2MoeConfig's shared expert (default 5632 wide; 0 would mean none)
-        fields["shared_expert_size"] = config_field(c, "shared_expert_intermediate_size", int, source, 5632)
+                  norm_topk_prob=True if mixtral else config_field(c, "norm_topk_prob", bool, source,
+                                                                   model_type == "qwen3_next"))
+    if shared:  # Qwen2MoeConfig's shared expert (default 5632 wide; 0 would mean none), Qwen3NextConfig's (512)
+        fields["shared_expert_size"] = config_field(c, "shared_expert_intermediate_size", int, source,
+                                                    512 if model_type == "qwen3_next" else 5632)
     if model_type == "olmoe" and c.get("clip_qkv") is not None:
         raise ValueError(f"{source}: clip_qkv={c['clip_qkv']!r} is not supported (q, k and v unclipped)")
-    if model_type in ("qwen3_moe", "qwen2_moe"):
+    if model_type in ("qwen3_moe", "qwen2_moe", "qwen3_next"):
         if c.get("mlp_only_layers"):
             raise ValueError(f"{source}: mlp_only_layers={c['mlp_only_layers']!r} is not supported (every layer "
                              f"must route to experts)")
@@ -847,6 +952,36 @@ def _experts(c: Mapping[str, Any], model_type: str, source: str) -> dict[str, An
             raise ValueError(f"{source}: decoder_sparse_step={step} is not supported (only 1: experts in every "
                              f"layer)")
     return fields
+
+
+def _linear_layers(c: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """Qwen3-Next's linear-attention fields, with Qwen3NextConfig's defaults: which layers
+    (`layer_types`, else every fourth layer full attention), their heads and conv width, and the
+    rotated share of each attention head (`partial_rotary_factor`, top level or in
+    `rope_parameters`, default a quarter). A layer kind other than the two is refused."""
+    n = config_field(c, "num_hidden_layers", int, source, positive=True)
+    kinds = c.get("layer_types")
+    if kinds is None:
+        step = config_field(c, "full_attention_interval", int, source, 4, positive=True)
+        kinds = ["linear_attention" if (i + 1) % step else "full_attention" for i in range(n)]
+    if not isinstance(kinds, list) or len(kinds) != n:
+        raise ValueError(f"{source}: layer_types must list num_hidden_layers={n} layer kinds, got {kinds!r}")
+    odd = sorted({k for k in kinds if k not in ("linear_attention", "full_attention")}, key=str)
+    if odd:
+        raise ValueError(f"{source}: layer_types {odd} are not supported (only 'linear_attention' and "
+                         f"'full_attention')")
+    rope = c.get("rope_parameters") if isinstance(c.get("rope_parameters"), Mapping) else {}
+    factor = c.get("partial_rotary_factor", rope.get("partial_rotary_factor", 0.25))
+    head_dim = config_field(c, "head_dim", int, source, 256, positive=True)
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:
+        raise ValueError(f"{source}: partial_rotary_factor={factor!r} must be a number in (0, 1]")
+    return dict(linear_layers=tuple(i for i, k in enumerate(kinds) if k == "linear_attention"),
+                linear_key_heads=config_field(c, "linear_num_key_heads", int, source, 16, positive=True),
+                linear_value_heads=config_field(c, "linear_num_value_heads", int, source, 32, positive=True),
+                linear_key_dim=config_field(c, "linear_key_head_dim", int, source, 128, positive=True),
+                linear_value_dim=config_field(c, "linear_value_head_dim", int, source, 128, positive=True),
+                linear_conv=config_field(c, "linear_conv_kernel_dim", int, source, 4, positive=True),
+                rotary_dim=int(head_dim * factor))
 
 
 def _check_phi3_rope(c: Mapping[str, Any], source: str) -> None:

@@ -37,10 +37,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from tevjax.models.cache import KVCache, write_layer
+from tevjax.models.cache import KVCache, LinearState, write_layer
 from tevjax.models.config import ModelConfig
 from tevjax.models.layers import (RMSNorm, Rope, SparseMoE, SwiGLU, apply_rope, attention, causal_attention,
                                   matmul_precision, soft_cap)
+from tevjax.models.linear_attention import (causal_conv, gated_delta, gated_delta_chunked, l2_normalize, last_inputs,
+                                            tree_conv)
 
 __all__ = [
     "Attention",
@@ -74,7 +76,10 @@ class Attention(nnx.Module):
         lin = dict(kw, precision=matmul_precision(cfg.dtype))
         self.num_heads, self.num_kv_heads, self.head_dim = h, k, dh
         self.scale, self.softcap = cfg.attention_scale, cfg.attn_softcap
-        self.q_proj = nnx.Linear(d, h * dh, use_bias=cfg.qkv_biased, **lin)
+        # Qwen3-Next: q_proj computes each head's query and then its output gate ([H, 2 * Dh] per token).
+        self.gated = cfg.attn_output_gate
+        self.rotary_dim = cfg.rotary_dim
+        self.q_proj = nnx.Linear(d, h * dh * (2 if self.gated else 1), use_bias=cfg.qkv_biased, **lin)
         self.k_proj = nnx.Linear(d, k * dh, use_bias=cfg.qkv_biased, **lin)
         self.v_proj = nnx.Linear(d, k * dh, use_bias=cfg.qkv_biased, **lin)
         self.o_proj = nnx.Linear(h * dh, d, use_bias=cfg.attention_bias, **lin)
@@ -88,22 +93,50 @@ class Attention(nnx.Module):
         self.sinks = nnx.Param(jnp.zeros((h,), jnp.dtype(cfg.param_dtype))) if cfg.attention_sinks else None
 
     def qkv(self, x: jax.Array, positions: jax.Array, rope: Rope) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """x [B, T, D] -> q [B, T, H, Dh], k and v [B, T, K, Dh]; q and k rotated."""
+        """x [B, T, D] -> q [B, T, H, Dh], k and v [B, T, K, Dh]; q and k rotated. With an output
+        gate (Qwen3-Next) q is [B, T, H, 2 * Dh]: the rotated query, then the gate (`out` reads it)."""
         b, t, _ = x.shape
         q, k = self.q_proj(x), self.k_proj(x)
         if self.q_proj_norm is not None:
             q, k = self.q_proj_norm(q), self.k_proj_norm(k)
-        q = q.reshape(b, t, self.num_heads, self.head_dim)
+        q = q.reshape(b, t, self.num_heads, -1)
+        q, gate = q[..., :self.head_dim], q[..., self.head_dim:]
         k = k.reshape(b, t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        return apply_rope(q, positions, *rope), apply_rope(k, positions, *rope), v
+        q, k = self._rotate(q, positions, rope), self._rotate(k, positions, rope)
+        return (jnp.concatenate([q, gate], axis=-1) if self.gated else q), k, v
 
-    def out(self, a: jax.Array) -> jax.Array:
-        """a [B, T, H, Dh] -> [B, T, D]."""
+    def _rotate(self, x: jax.Array, positions: jax.Array, rope: Rope) -> jax.Array:
+        if self.rotary_dim is None:
+            return apply_rope(x, positions, *rope)
+        r = self.rotary_dim  # Qwen3-Next rotates the leading part of each head and passes the rest
+        return jnp.concatenate([apply_rope(x[..., :r], positions, *rope), x[..., r:]], axis=-1)
+
+    def split_gate(self, q: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+        """`qkv`'s q -> (the query [B, T, H, Dh], the output gate [B, T, H, Dh] or None)."""
+        if not self.gated:
+            return q, None
+        return q[..., :self.head_dim], q[..., self.head_dim:]
+
+    def out(self, a: jax.Array, gate: jax.Array | None = None) -> jax.Array:
+        """a [B, T, H, Dh] (times sigmoid(gate), where there is one) -> [B, T, D]."""
         b, t = a.shape[:2]
+        if gate is not None:
+            a = (a.astype(jnp.float32) * jax.nn.sigmoid(gate.astype(jnp.float32))).astype(a.dtype)
         return self.o_proj(a.reshape(b, t, self.num_heads * self.head_dim))
+
+
+def _mlp(cfg: ModelConfig, kw: dict) -> nnx.Module:
+    """A layer's MLP: routed experts in every layer (Mixtral, Qwen2/3-MoE, OLMoE, Granite MoE,
+    GPT-OSS, Qwen3-Next) or one gated MLP."""
+    if cfg.moe:
+        gpt_oss = dict(bias=True, swiglu_limit=cfg.swiglu_limit, swiglu_alpha=cfg.swiglu_alpha)
+        return SparseMoE(cfg.hidden_size, cfg.intermediate_size, cfg.num_experts, cfg.experts_per_token,
+                         norm_topk_prob=cfg.norm_topk_prob, act=cfg.hidden_act, shared_size=cfg.shared_expert_size,
+                         **(gpt_oss if cfg.expert_bias else {}), **kw)
+    return SwiGLU(cfg.hidden_size, cfg.intermediate_size, act=cfg.hidden_act, **kw)
 
 
 class DecoderLayer(nnx.Module):
@@ -123,13 +156,7 @@ class DecoderLayer(nnx.Module):
         else:  # OLMo 2 and 3 norm no branch input
             self.input_layernorm = self.post_attention_layernorm = None
         self.self_attn = Attention(cfg, rngs=rngs)
-        if cfg.moe:  # Mixtral, Qwen2/3-MoE, OLMoE, Granite MoE, GPT-OSS: routed experts in every layer
-            gpt_oss = dict(bias=True, swiglu_limit=cfg.swiglu_limit, swiglu_alpha=cfg.swiglu_alpha)
-            self.mlp = SparseMoE(cfg.hidden_size, cfg.intermediate_size, cfg.num_experts, cfg.experts_per_token,
-                                 norm_topk_prob=cfg.norm_topk_prob, act=cfg.hidden_act,
-                                 shared_size=cfg.shared_expert_size, **(gpt_oss if cfg.expert_bias else {}), **kw)
-        else:
-            self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, act=cfg.hidden_act, **kw)
+        self.mlp = _mlp(cfg, kw)
         self.residual_multiplier = cfg.residual_multiplier
         if cfg.output_norms:
             self.attn_output_norm = RMSNorm(cfg.hidden_size, **norm)
@@ -156,6 +183,7 @@ class DecoderLayer(nnx.Module):
         """
         h = x if self.input_layernorm is None else self.input_layernorm(x)
         q, k, v = self.self_attn.qkv(h, positions, rope)
+        q, gate = self.self_attn.split_gate(q)
         cache_k, cache_v = write_layer(cache_k, layer, write_idx, k), write_layer(cache_v, layer, write_idx, v)
         k_all = jax.lax.dynamic_index_in_dim(cache_k, layer, 0, keepdims=False)  # [B, K, S, Dh]
         v_all = jax.lax.dynamic_index_in_dim(cache_v, layer, 0, keepdims=False)
@@ -168,11 +196,117 @@ class DecoderLayer(nnx.Module):
             if window is not None:
                 mask = mask & ((window == 0) | (distance < window))
             a = attention(q, k_all, v_all, mask, **scores)
-        a = self.self_attn.out(a)
+        a = self.self_attn.out(a, gate)
         x = x + self._branch(a if self.attn_output_norm is None else self.attn_output_norm(a))
         m = self.mlp(x if self.post_attention_layernorm is None else self.post_attention_layernorm(x))
         x = x + self._branch(m if self.mlp_output_norm is None else self.mlp_output_norm(m))
         return x, cache_k, cache_v
+
+
+class GatedDeltaNet(nnx.Module):
+    """Qwen3-Next's linear attention (Gated DeltaNet): q, k and v projected together, through a
+    causal depthwise conv and SiLU; q and k unit-normed per head; a decay g = -exp(A_log) *
+    softplus(a + dt_bias) and a write strength beta = sigmoid(b) per value head and token; the
+    gated delta rule (`linear_attention.gated_delta`); each head's output RMS-normed and gated by
+    SiLU(z); out_proj. Parameters in Qwen3.5's layout (q/k/v fused, z, b and a apart); Qwen3-Next's
+    fused per-head-group layout is reordered on loading (`convert.hf`)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        d = cfg.hidden_size
+        self.key_heads, self.value_heads = cfg.linear_key_heads, cfg.linear_value_heads
+        self.key_dim, self.value_dim = cfg.linear_key_dim, cfg.linear_value_dim
+        kw = dict(dtype=jnp.dtype(cfg.dtype), param_dtype=jnp.dtype(cfg.param_dtype), rngs=rngs)
+        lin = dict(kw, use_bias=False, precision=matmul_precision(cfg.dtype))
+        c, hv, vw = cfg.linear_conv_channels, self.value_heads, self.value_heads * self.value_dim
+        self.in_proj_qkv = nnx.Linear(d, c, **lin)
+        self.in_proj_z = nnx.Linear(d, vw, **lin)
+        self.in_proj_b = nnx.Linear(d, hv, **lin)
+        self.in_proj_a = nnx.Linear(d, hv, **lin)
+        pd = jnp.dtype(cfg.param_dtype)
+        self.conv = nnx.Param(nnx.initializers.lecun_normal()(rngs.params(), (c, cfg.linear_conv), pd))
+        self.dt_bias = nnx.Param(jnp.ones((hv,), pd))
+        self.A_log = nnx.Param(jnp.log(jnp.linspace(1.0, 16.0, hv)).astype(pd))
+        # The gated norm's weight multiplies as it is (initialised to 1), unlike the layer norms' 1 + w.
+        self.norm = RMSNorm(self.value_dim, eps=cfg.rms_norm_eps, **kw)
+        self.out_proj = nnx.Linear(vw, d, **lin)
+
+    def __call__(self, x, *, state, conv_state, mask, depth, valid):
+        """x [B, T, D]; state [B, H, Dk, Dv] and conv_state [B, W - 1, C]: before the run; mask:
+        the tree pass's [B, T, T] ancestor-or-self mask, or None for a causal run, then `valid` [B, T]
+        (None: all) marks the tokens that enter the state, a prefix of each row; depth [B, T] each
+        token's steps from the run's first. -> (out [B, T, D], after): a causal run's `after` is
+        (state, conv_state) past its valid tokens; a tree pass's is what `LinearState.tree_*` keep
+        of each node, (x, k, v, gb)."""
+        b, t, _ = x.shape
+        kd, kh, hv = self.key_heads * self.key_dim, self.key_heads, self.value_heads
+        mixed = self.in_proj_qkv(x)  # [B, T, C]
+        w = self.conv[...]
+        if mask is None:
+            conv = causal_conv(mixed, conv_state, w)
+        else:
+            conv = tree_conv(mixed, conv_state, w, mask, depth)
+        conv = jax.nn.silu(conv)
+        q = conv[..., :kd].reshape(b, t, kh, self.key_dim)
+        k = conv[..., kd:2 * kd].reshape(b, t, kh, self.key_dim)
+        v = conv[..., 2 * kd:].reshape(b, t, hv, self.value_dim)
+        f32 = jnp.float32
+        beta = jax.nn.sigmoid(self.in_proj_b(x).astype(f32))  # [B, T, H]
+        g = -jnp.exp(self.A_log[...].astype(f32)) * jax.nn.softplus(self.in_proj_a(x).astype(f32)
+                                                                    + self.dt_bias[...].astype(f32))
+        rep = hv // kh  # each query/key head serves rep consecutive value heads
+        qn = jnp.repeat(l2_normalize(q), rep, axis=2) * self.key_dim ** -0.5
+        kn = jnp.repeat(l2_normalize(k), rep, axis=2)
+        if mask is None:
+            if valid is not None:  # padding: no decay and no write, so the state stays
+                g, beta = jnp.where(valid[..., None], g, 0.0), jnp.where(valid[..., None], beta, 0.0)
+            out, new_state = gated_delta_chunked(qn, kn, v, g, beta, state)
+            count = jnp.full((b,), t, jnp.int32) if valid is None else jnp.sum(valid, axis=1, dtype=jnp.int32)
+            after = (new_state, last_inputs(conv_state, mixed, count))
+        else:
+            out, _ = gated_delta(qn, kn, v, g, beta, state, mask)
+            after = (mixed, k, v, jnp.stack([g, beta], axis=2))
+        z = self.in_proj_z(x).reshape(b, t, hv, self.value_dim)
+        o = self.norm(out.astype(x.dtype)).astype(f32) * jax.nn.silu(z.astype(f32))
+        return self.out_proj(o.astype(x.dtype).reshape(b, t, hv * self.value_dim)), after
+
+
+class LinearDecoderLayer(nnx.Module):
+    """A Qwen3-Next linear-attention layer: x + linear_attn(norm(x)), then + mlp(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        kw = dict(dtype=jnp.dtype(cfg.dtype), param_dtype=jnp.dtype(cfg.param_dtype), rngs=rngs)
+        norm = dict(eps=cfg.rms_norm_eps, offset=cfg.norm_offset, **kw)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, **norm)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, **norm)
+        self.linear_attn = GatedDeltaNet(cfg, rngs=rngs)
+        self.mlp = _mlp(cfg, kw)
+
+    def __call__(self, x, *, lin: LinearState, layer, fresh, mask, depth, valid):
+        """One layer over the new tokens. lin: the whole `LinearState` (scan carry); layer: this
+        layer's traced index among the linear layers; fresh [B]: rows whose run starts at slot 0,
+        with no prefix, whose state starts empty (a prompt placed in a reused row)."""
+        keep = ~fresh
+        state = jnp.where(keep[:, None, None, None], jax.lax.dynamic_index_in_dim(lin.state, layer, 0, False), 0.0)
+        conv_state = jnp.where(keep[:, None, None], jax.lax.dynamic_index_in_dim(lin.conv, layer, 0, False), 0.0)
+        a, after = self.linear_attn(self.input_layernorm(x), state=state, conv_state=conv_state.astype(x.dtype),
+                                    mask=mask, depth=depth, valid=valid)
+        x = x + a
+        x = x + self.mlp(self.post_attention_layernorm(x))
+
+        def put(buf, value):  # this layer's entry of a [Ll, B, ...] buffer (a tree's T nodes: the first T)
+            return jax.lax.dynamic_update_slice(buf, value.astype(buf.dtype)[None], (layer,) + (0,) * (buf.ndim - 1))
+
+        if mask is None:
+            lin = dataclasses.replace(lin, state=put(lin.state, after[0]), conv=put(lin.conv, after[1]))
+        else:
+            t = x.shape[1]
+            if t > lin.tree_slots:
+                raise ValueError(f"a tree pass of {t} nodes needs a cache that records at least that many "
+                                 f"(KVCache.init(..., tree_slots={t})), not {lin.tree_slots}")
+            lin = dataclasses.replace(lin, **{name: put(getattr(lin, name), value)
+                                              for name, value in zip(("tree_x", "tree_k", "tree_v", "tree_gb"),
+                                                                     after)})
+        return x, lin
 
 
 def full_mask(block_mask: jax.Array, write_pos: jax.Array, capacity: int) -> jax.Array:
@@ -197,13 +331,17 @@ class Transformer(nnx.Module):
         self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype,
                                       param_dtype=param_dtype, rngs=rngs)
 
-        # One set of parameters per layer, stacked on a leading axis of size L.
-        @nnx.split_rngs(splits=cfg.num_layers)
-        @nnx.vmap(in_axes=(0,), out_axes=0)
-        def make_layers(r: nnx.Rngs) -> DecoderLayer:
-            return DecoderLayer(cfg, rngs=r)
+        # One set of parameters per layer, stacked on a leading axis: the attention layers in
+        # `layers`, a hybrid model's linear ones apart in `linear_layers` (they have other shapes).
+        def stack(kind, n):
+            @nnx.split_rngs(splits=n)
+            @nnx.vmap(in_axes=(0,), out_axes=0)
+            def make(r: nnx.Rngs):
+                return kind(cfg, rngs=r)
+            return make(rngs)
 
-        self.layers = make_layers(rngs)
+        self.layers = stack(DecoderLayer, cfg.num_attention_layers)
+        self.linear_layers = stack(LinearDecoderLayer, len(cfg.linear_layers)) if cfg.linear_layers else None
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype, param_dtype=param_dtype,
                             offset=cfg.norm_offset)
         if cfg.tie_word_embeddings:
@@ -274,18 +412,29 @@ class Transformer(nnx.Module):
         *,
         hidden_layers: tuple[int, ...] = (),
         compute_logits: bool = True,
+        valid: jax.Array | None = None,
     ) -> ForwardOutput:
         """tokens, positions [B, T] int32; write_pos [B] int32; block_mask [B, T, T] bool, or None
-        for a causal run (query t sees every slot up to write_pos + t; forward only)."""
+        for a causal run (query t sees every slot up to write_pos + t; forward only).
+
+        A model with linear layers (Qwen3-Next) also reads and writes `cache.linear`: a causal run
+        updates the recurrent state with its tokens, only the `valid` [B, T] ones (a prefix of each
+        row; None: all) when some are padding; a tree pass records each node's inputs for
+        `KVCache.advance`. A row whose run starts at slot 0 starts from an empty state."""
         cfg = self.cfg
         b, t = tokens.shape
         checks = {
             "positions": (positions.shape, (b, t)),
             "write_pos": (write_pos.shape, (b,)),
             "block_mask": (block_mask.shape if block_mask is not None else (b, t, t), (b, t, t)),
-            "cache.k": (cache.k.shape, (cfg.num_layers, b, cfg.num_kv_heads, cache.capacity, cfg.head_dim)),
+            "cache.k": (cache.k.shape, (cfg.num_attention_layers, b, cfg.num_kv_heads, cache.capacity,
+                                        cfg.head_dim)),
             "cache.v": (cache.v.shape, cache.k.shape),
+            "valid": (valid.shape if valid is not None else (b, t), (b, t)),
         }
+        if (cache.linear is None) != (not cfg.linear_layers):
+            raise ValueError(f"Transformer: a model with {len(cfg.linear_layers)} linear layers needs a cache "
+                             f"{'with' if cfg.linear_layers else 'without'} a linear state (KVCache.init)")
         for name, (got, want) in checks.items():
             if tuple(got) != tuple(want):
                 raise ValueError(f"Transformer: {name} has shape {tuple(got)}, expected {tuple(want)}")
@@ -318,35 +467,59 @@ class Transformer(nnx.Module):
             distance = positions.astype(jnp.int32)[:, :, None] - key_pos[:, None, :]  # [B, T, S]
 
         x = self.embed(tokens)
+        period = cfg.layer_period
+        n_att, n_lin = period.count("attention"), period.count("linear")
+        periods = cfg.num_layers // len(period)
         graphdef, layer_state = nnx.split(self.layers)
+        lin_graphdef, lin_state = nnx.split(self.linear_layers) if n_lin else (None, None)
+        # Each scan step runs one period of layers: the stacks regrouped [periods, per period, ...].
+        grouped = (jax.tree.map(lambda a: a.reshape(periods, n_att, *a.shape[1:]), layer_state),
+                   None if lin_state is None else jax.tree.map(lambda a: a.reshape(periods, n_lin, *a.shape[1:]),
+                                                               lin_state))
+        linear_run = None
+        if n_lin:
+            linear_run = dict(fresh=write_pos == 0, mask=None if block_mask is None else block_mask.astype(bool),
+                              depth=positions.astype(jnp.int32) - write_pos[:, None] if block_mask is not None
+                              else jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)),
+                              valid=None if valid is None else valid.astype(bool))
 
         def body(carry, xs):
-            x, ck, cv, buf = carry
-            state, layer = xs
-            window = None if windows is None else jnp.asarray(windows)[layer]
-            layer_rope = ropes
-            if not isinstance(ropes, Rope):  # this layer's row of the tables (a shared scale stays a constant)
-                inv_freq, scale = ropes
-                layer_rope = Rope(jnp.asarray(inv_freq)[layer],
-                                  scale if isinstance(scale, float) else jnp.asarray(scale)[layer])
-            x, ck, cv = nnx.merge(graphdef, state)(
-                x, positions=positions, rope=layer_rope, mask=mask, cache_k=ck, cache_v=cv,
-                layer=layer, write_idx=write_idx, write_pos=write_pos, window=window, distance=distance)
-            if wanted.size:
-                # Buffer of R slots written only where the layer index matches: O(R), not O(L).
-                hit = jnp.asarray(wanted) == layer
-                buf = jnp.where(hit[None, None, :, None], x[:, :, None, :], buf)
-            return (x, ck, cv, buf), None
+            x, ck, cv, lin, buf = carry
+            (att, lins), step = xs
+            a_i = l_i = 0
+            for kind in period:
+                layer = step * len(period) + a_i + l_i  # the global layer index
+                if kind == "linear":
+                    x, lin = nnx.merge(lin_graphdef, jax.tree.map(lambda a: a[l_i], lins))(
+                        x, lin=lin, layer=step * n_lin + l_i, **linear_run)
+                    l_i += 1
+                else:
+                    window = None if windows is None else jnp.asarray(windows)[layer]
+                    layer_rope = ropes
+                    if not isinstance(ropes, Rope):  # this layer's row of the tables (a shared scale stays a constant)
+                        inv_freq, scale = ropes
+                        layer_rope = Rope(jnp.asarray(inv_freq)[layer],
+                                          scale if isinstance(scale, float) else jnp.asarray(scale)[layer])
+                    x, ck, cv = nnx.merge(graphdef, jax.tree.map(lambda a: a[a_i], att))(
+                        x, positions=positions, rope=layer_rope, mask=mask, cache_k=ck, cache_v=cv,
+                        layer=step * n_att + a_i, write_idx=write_idx, write_pos=write_pos, window=window,
+                        distance=distance)
+                    a_i += 1
+                if wanted.size:
+                    # Buffer of R slots written only where the layer index matches: O(R), not O(L).
+                    hit = jnp.asarray(wanted) == layer
+                    buf = jnp.where(hit[None, None, :, None], x[:, :, None, :], buf)
+            return (x, ck, cv, lin, buf), None
 
         buf = jnp.zeros((b, t, len(hidden_layers), cfg.hidden_size), x.dtype)
-        layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-        (x, ck, cv, buf), _ = jax.lax.scan(body, (x, cache.k, cache.v, buf), (layer_state, layer_ids))
+        steps = jnp.arange(periods, dtype=jnp.int32)
+        (x, ck, cv, lin, buf), _ = jax.lax.scan(body, (x, cache.k, cache.v, cache.linear, buf), (grouped, steps))
         final_hidden = self.norm(x)
         return ForwardOutput(
             logits=self.logits(final_hidden) if compute_logits else None,
             hidden=buf,
             final_hidden=final_hidden,
-            cache=KVCache(k=ck, v=cv),
+            cache=KVCache(k=ck, v=cv, linear=lin),
         )
 
 
@@ -356,8 +529,9 @@ def _layer_ropes(cfg: ModelConfig) -> Rope | tuple[np.ndarray, float | np.ndarra
     inv_freq [L, Dh / 2] and scale [L] (one float where the layers share it) that the layer scan
     indexes. Gemma 3's and OLMo 3's sliding layers have a base of their own (unscaled); SmolLM3's
     NoPE layers rotate by frequency 0, whose cos 1 and sin 0 leave q and k exactly as they are."""
-    full = Rope.of(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-    local = Rope.of(cfg.head_dim, cfg.local_rope_theta, None) if cfg.local_rope_theta else full
+    dim = cfg.rotary_dim or cfg.head_dim  # Qwen3-Next rotates a leading part of each head
+    full = Rope.of(dim, cfg.rope_theta, cfg.rope_scaling)
+    local = Rope.of(dim, cfg.local_rope_theta, None) if cfg.local_rope_theta else full
     unrotated = Rope(np.zeros_like(full.inv_freq), 1.0)
     per_layer = [unrotated if i in cfg.nope_layers else local if i in cfg.sliding_layers else full
                  for i in range(cfg.num_layers)]
@@ -369,11 +543,11 @@ def _layer_ropes(cfg: ModelConfig) -> Rope | tuple[np.ndarray, float | np.ndarra
 
 
 def forward(graphdef, state, tokens, positions, cache, write_pos, block_mask, *,
-            hidden_layers: tuple[int, ...] = (), compute_logits: bool = True) -> ForwardOutput:
+            hidden_layers: tuple[int, ...] = (), compute_logits: bool = True, valid=None) -> ForwardOutput:
     """Pure-function form of `Transformer.__call__` over `nnx.split(model)`.
 
     Jit it with `static_argnames=("graphdef", "hidden_layers", "compute_logits")` (a GraphDef is
     hashable), splitting the model once outside the loop as in the flax gemma sampler.
     """
     return nnx.merge(graphdef, state)(tokens, positions, cache, write_pos, block_mask,
-                                      hidden_layers=hidden_layers, compute_logits=compute_logits)
+                                      hidden_layers=hidden_layers, compute_logits=compute_logits, valid=valid)

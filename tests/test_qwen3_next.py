@@ -1,0 +1,200 @@
+"""Qwen3-Next (hybrid Gated DeltaNet + gated attention, with experts) against transformers on a tiny
+random checkpoint: the whole model, cached chunks with padding, tree passes and the commit of an
+accepted path, greedy decoding (autoregressive and TEV), saving, and the config's translation."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from flax import nnx
+
+from tevjax.convert import load_hf_target, save_hf_target
+from tevjax.models import KVCache, ModelConfig, causal_mask, forward
+from tevjax.tree import DraftTree
+
+# Four layers: three Gated DeltaNet layers (2 key heads of 8, 4 value heads of 6: each key head
+# serves two value heads), then gated attention (4 heads of 16, a quarter rotated); 4 experts of
+# width 24, 2 per token, and a shared expert of width 40 in every layer.
+HF_CONFIG = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, max_position_embeddings=256,
+                 linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=6,
+                 num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=40,
+                 bos_token_id=1, eos_token_id=2, initializer_range=0.1)
+
+
+FWD = jax.jit(forward, static_argnames=("graphdef", "hidden_layers", "compute_logits"))
+
+
+def build_hf(seed: int = 0, **extra):
+    torch.manual_seed(seed)
+    model = transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(**{**HF_CONFIG, **extra})).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):  # zero-centred (1 + w) norms, but the gated norm's w is the scale
+                p.copy_(0.2 * torch.randn_like(p) + (1.0 if "linear_attn.norm" in name else 0.0))
+            elif name.endswith("mlp.gate.weight"):  # a router: decisive picks
+                p.copy_(torch.randn_like(p) / 4.0)
+    return model
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    hf = build_hf()
+    path = tmp_path_factory.mktemp("qwen3_next")
+    hf.save_pretrained(path, safe_serialization=True)
+    cfg, model = load_hf_target(path)
+    return hf, cfg, model, path
+
+
+def hf_logits(hf, tokens: np.ndarray) -> np.ndarray:
+    with torch.no_grad():
+        return hf(torch.from_numpy(np.asarray(tokens, np.int64))).logits.numpy()
+
+
+def test_config_translation(pair):
+    hf, cfg, _, path = pair
+    assert cfg.architecture == "qwen3_next"
+    assert cfg.linear_layers == (0, 1, 2) and cfg.layer_period == ("linear", "linear", "linear", "attention")
+    assert (cfg.linear_key_heads, cfg.linear_value_heads, cfg.linear_key_dim, cfg.linear_value_dim,
+            cfg.linear_conv) == (2, 4, 8, 6, 4)
+    assert cfg.rotary_dim == 4 and cfg.attn_output_gate and cfg.norm_offset == 1.0 and cfg.qk_norm
+    assert (cfg.num_experts, cfg.experts_per_token, cfg.shared_expert_size, cfg.intermediate_size) == (4, 2, 40, 24)
+    assert cfg.num_params == sum(p.numel() for p in hf.parameters())
+    assert ModelConfig.from_hf_config(cfg.to_hf_config()) == cfg
+    with open(path / "config.json") as f:
+        c = json.load(f)
+    for key, value, what in (("layer_types", ["linear_attention", "sliding_attention", "linear_attention",
+                                              "full_attention"], "layer_types"),
+                             ("mlp_only_layers", [1], "mlp_only_layers"), ("decoder_sparse_step", 2, "sparse_step"),
+                             ("partial_rotary_factor", 1.5, "partial_rotary_factor")):
+        with pytest.raises(ValueError, match=what):
+            ModelConfig.from_hf_config({**c, key: value})
+    with pytest.raises(ValueError, match="Qwen3-Next's"):
+        ModelConfig(**{**{f.name: getattr(cfg, f.name) for f in cfg.__dataclass_fields__.values()},
+                       "architecture": "qwen3_moe", "shared_expert_size": 0})
+
+
+def test_whole_model_parity_causal_and_tree_form(pair):
+    """The logits and every layer's output match transformers within 1e-4, from a causal run and
+    from a tree pass over the same tokens as one chain (13 tokens, two rows)."""
+    hf, cfg, model, _ = pair
+    b, t = 2, 13
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (b, t)).astype(np.int32)
+    with torch.no_grad():
+        ref = hf(torch.from_numpy(tokens.astype(np.int64)), output_hidden_states=True)
+    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    zero = jnp.zeros((b,), jnp.int32)
+    causal = model(jnp.asarray(tokens), pos, KVCache.init(cfg, b, 16), zero, None, hidden_layers=(0, 1, 2))
+    tree = model(jnp.asarray(tokens), pos, KVCache.init(cfg, b, 16, tree_slots=t), zero,
+                 jnp.broadcast_to(causal_mask(t), (b, t, t)), hidden_layers=(0, 1, 2))
+    for out in (causal, tree):
+        np.testing.assert_allclose(np.asarray(out.logits), ref.logits.numpy(), atol=1e-4, rtol=0)
+        for i in range(3):
+            np.testing.assert_allclose(np.asarray(out.hidden[:, :, i]), ref.hidden_states[i + 1].numpy(), atol=1e-4,
+                                       rtol=0, err_msg=f"layer {i}")
+
+
+def test_chunks_with_padding_tree_pass_and_commit_match_the_sequence(pair):
+    """Two rows share one sequence, prefilled to 8 and 6 tokens in two chunks (the second padded
+    past each row's length). A tree pass whose path 0 -> 2 -> 5 -> 6 spells the sequence's next
+    tokens gives their logits at those nodes; committing root, 2 and 5 and then a one-token causal
+    run gives the logits of the token after, as transformers computes them on the sequence."""
+    hf, cfg, model, _ = pair
+    rng = np.random.default_rng(1)
+    seq = rng.integers(0, cfg.vocab_size, (14,)).astype(np.int32)
+    ref = hf_logits(hf, seq[None])[0]  # [14, V]
+    lengths = np.array([8, 6])
+    graphdef, state = nnx.split(model)
+
+    def fwd(_, *args, **kw):
+        return FWD(graphdef, state, *args, **kw)
+
+    cache = KVCache.init(cfg, 2, 32, tree_slots=7)
+    for start, size in ((0, 5), (5, 5)):
+        tokens = np.stack([seq[start:start + size]] * 2)
+        pos = jnp.asarray(np.broadcast_to(np.arange(start, start + size), (2, size)), jnp.int32)
+        valid = jnp.asarray(np.arange(start, start + size)[None] < lengths[:, None])
+        cache = fwd(model, jnp.asarray(tokens), pos, cache, jnp.full((2,), start, jnp.int32), None,
+                    valid=valid, compute_logits=False).cache
+    parents = np.array([-1, 0, 0, 1, 2, 2, 5])
+    trees, cl = [], lengths
+    for r in range(2):
+        toks = rng.integers(0, cfg.vocab_size, (7,)).astype(np.int32)
+        toks[[0, 2, 5, 6]] = seq[cl[r]:cl[r] + 4]
+        trees.append(DraftTree.from_parents(toks, parents))
+    tree = jax.tree.map(lambda *x: jnp.stack(x), *trees)
+    out = fwd(model, tree.tokens, jnp.asarray(cl)[:, None] + tree.depth, cache, jnp.asarray(cl, jnp.int32),
+              tree.ancestors)
+    for r in range(2):
+        for node, i in zip((0, 2, 5, 6), range(4)):
+            np.testing.assert_allclose(np.asarray(out.logits[r, node]), ref[cl[r] + i], atol=1e-4, rtol=0,
+                                       err_msg=f"row {r} node {node}")
+    # Accept root, node 2 and node 5 (node 6 becomes the bonus token's place in the sequence).
+    path = jnp.asarray([[2, 5], [2, 5]], jnp.int32)
+    committed = out.cache.move_slots(jnp.asarray(cl)[:, None] + path, jnp.asarray(cl + 1, jnp.int32))
+    committed = committed.advance(jnp.asarray([[0, 2, 5], [0, 2, 5]], jnp.int32), jnp.asarray([3, 3], jnp.int32))
+    nxt = cl + 3
+    step = fwd(model, jnp.asarray(seq[nxt][:, None]), jnp.asarray(nxt[:, None], jnp.int32), committed,
+               jnp.asarray(nxt, jnp.int32), None)
+    for r in range(2):
+        np.testing.assert_allclose(np.asarray(step.logits[r, 0]), ref[nxt[r]], atol=1e-4, rtol=0)
+    # The commit matters: advancing along another path gives other logits.
+    wrong = out.cache.advance(jnp.asarray([[0, 1, 3], [0, 1, 3]], jnp.int32), jnp.asarray([3, 3], jnp.int32))
+    other = fwd(model, jnp.asarray(seq[nxt][:, None]), jnp.asarray(nxt[:, None], jnp.int32), wrong,
+                jnp.asarray(nxt, jnp.int32), None)
+    assert np.abs(np.asarray(other.logits[0, 0]) - ref[nxt[0]]).max() > 1e-2
+
+
+def test_a_tree_larger_than_the_recorded_slots_is_refused(pair):
+    _, cfg, model, _ = pair
+    with pytest.raises(ValueError, match="tree_slots=5"):
+        model(jnp.zeros((1, 5), jnp.int32), jnp.arange(5, dtype=jnp.int32)[None], KVCache.init(cfg, 1, 8, tree_slots=4),
+              jnp.zeros((1,), jnp.int32), causal_mask(5)[None])
+
+
+def test_greedy_decoding_equals_transformers_generate(pair):
+    """Autoregressive and speculative (TEV over a fresh drafter and the context chain) greedy
+    decoding give transformers' tokens for two prompts of different lengths in one batch; some
+    rounds take several tokens, so accepted paths below the root are committed into the state.
+    A reused state (a chat's next turn) prefills again and gives the same tokens."""
+    from tevjax.decode import DecodeConfig, Decoder
+    from tevjax.models.dflash import DFlashConfig, DFlashDrafter
+
+    hf, cfg, model, _ = pair
+    prompts = [[5, 17, 42, 8, 99, 23, 61, 7, 150], [3, 250, 14, 77]]
+    hf.generation_config.eos_token_id = None
+    want = []
+    for prompt in prompts:
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                              max_new_tokens=20, do_sample=False, pad_token_id=0)
+        want.append(out[0, len(prompt):].tolist())
+    kw = dict(max_new_tokens=20, prompt_bucket=16, capacity=64)
+    ar = Decoder(model, None, DecodeConfig(**kw)).generate(prompts)
+    assert [g.tokens for g in ar] == want
+    drafter = DFlashDrafter(DFlashConfig.for_target(cfg, num_layers=1, block_size=4, mask_token_id=299),
+                            rngs=nnx.Rngs(1))
+    dec = Decoder(model, drafter, DecodeConfig(verifier="tev", budget=8, lookup=8, **kw))
+    first = dec.prefill(prompts)
+    first = dec.run(first)
+    spec = dec.results(first, prompts)
+    assert [g.tokens for g in spec] == want
+    assert sum(g.rounds for g in spec) < 40
+    again = dec.results(dec.run(dec.prefill(prompts, reuse=(first, prompts))), prompts)
+    assert [g.tokens for g in again] == want
+
+
+def test_save_round_trip_loads_in_transformers(pair, tmp_path):
+    hf, cfg, model, _ = pair
+    save_hf_target(model, tmp_path)
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).float().eval()
+    tokens = np.random.default_rng(2).integers(0, cfg.vocab_size, (1, 9))
+    np.testing.assert_allclose(hf_logits(back, tokens), hf_logits(hf, tokens), atol=1e-5, rtol=0)
+    for (name, a), (_, b) in zip(sorted(hf.state_dict().items()), sorted(back.state_dict().items())):
+        np.testing.assert_array_equal(a.numpy(), b.numpy(), err_msg=name)
