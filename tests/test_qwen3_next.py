@@ -4,6 +4,7 @@ accepted path, greedy decoding (autoregressive and TEV), saving, and the config'
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
@@ -19,21 +20,25 @@ from tevjax.models import KVCache, ModelConfig, causal_mask, forward
 from tevjax.tree import DraftTree
 
 # Four layers: three Gated DeltaNet layers (2 key heads of 8, 4 value heads of 6: each key head
-# serves two value heads), then gated attention (4 heads of 16, a quarter rotated); 4 experts of
-# width 24, 2 per token, and a shared expert of width 40 in every layer.
-HF_CONFIG = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, max_position_embeddings=256,
-                 linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=6,
-                 num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=40,
-                 bos_token_id=1, eos_token_id=2, initializer_range=0.1)
+# serves two value heads), then gated attention (4 heads of 16, a quarter rotated). Qwen3-Next and
+# Qwen3.5-MoE have 4 experts of width 24, 2 per token, and a shared expert of width 40 in every
+# layer; Qwen3.5 (dense) an MLP of width 96.
+BASE = dict(vocab_size=300, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, rms_norm_eps=1e-6, max_position_embeddings=256, linear_num_key_heads=2,
+            linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=6, bos_token_id=1, eos_token_id=2,
+            initializer_range=0.1)
+EXPERTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=40)
+VARIANTS = {
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(intermediate_size=96, **EXPERTS)),
+    "qwen3_5_text": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", dict(intermediate_size=96)),
+    "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", EXPERTS),
+}
 
 
 FWD = jax.jit(forward, static_argnames=("graphdef", "hidden_layers", "compute_logits"))
 
 
-def build_hf(seed: int = 0, **extra):
-    torch.manual_seed(seed)
-    model = transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(**{**HF_CONFIG, **extra})).float().eval()
+def randomise(model):
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):  # zero-centred (1 + w) norms, but the gated norm's w is the scale
@@ -43,10 +48,17 @@ def build_hf(seed: int = 0, **extra):
     return model
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    hf = build_hf()
-    path = tmp_path_factory.mktemp("qwen3_next")
+def build_hf(variant: str = "qwen3_next", seed: int = 0):
+    config_cls, model_cls, extra = VARIANTS[variant]
+    torch.manual_seed(seed)
+    config = getattr(transformers, config_cls)(**BASE, **extra)
+    return randomise(getattr(transformers, model_cls)(config).float().eval())
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def pair(request, tmp_path_factory):
+    hf = build_hf(request.param)
+    path = tmp_path_factory.mktemp(request.param)
     hf.save_pretrained(path, safe_serialization=True)
     cfg, model = load_hf_target(path)
     return hf, cfg, model, path
@@ -59,25 +71,27 @@ def hf_logits(hf, tokens: np.ndarray) -> np.ndarray:
 
 def test_config_translation(pair):
     hf, cfg, _, path = pair
-    assert cfg.architecture == "qwen3_next"
+    assert cfg.architecture == hf.config.model_type
     assert cfg.linear_layers == (0, 1, 2) and cfg.layer_period == ("linear", "linear", "linear", "attention")
     assert (cfg.linear_key_heads, cfg.linear_value_heads, cfg.linear_key_dim, cfg.linear_value_dim,
             cfg.linear_conv) == (2, 4, 8, 6, 4)
     assert cfg.rotary_dim == 4 and cfg.attn_output_gate and cfg.norm_offset == 1.0 and cfg.qk_norm
-    assert (cfg.num_experts, cfg.experts_per_token, cfg.shared_expert_size, cfg.intermediate_size) == (4, 2, 40, 24)
+    assert (cfg.num_experts, cfg.experts_per_token, cfg.shared_expert_size, cfg.intermediate_size) == (
+        (0, 0, 0, 96) if cfg.architecture == "qwen3_5_text" else (4, 2, 40, 24))
     assert cfg.num_params == sum(p.numel() for p in hf.parameters())
     assert ModelConfig.from_hf_config(cfg.to_hf_config()) == cfg
     with open(path / "config.json") as f:
         c = json.load(f)
-    for key, value, what in (("layer_types", ["linear_attention", "sliding_attention", "linear_attention",
-                                              "full_attention"], "layer_types"),
-                             ("mlp_only_layers", [1], "mlp_only_layers"), ("decoder_sparse_step", 2, "sparse_step"),
-                             ("partial_rotary_factor", 1.5, "partial_rotary_factor")):
+    refusals = [("layer_types", ["linear_attention", "sliding_attention", "linear_attention", "full_attention"],
+                 "layer_types"), ("partial_rotary_factor", 1.5, "partial_rotary_factor")]
+    if cfg.architecture == "qwen3_next":
+        refusals += [("mlp_only_layers", [1], "mlp_only_layers"), ("decoder_sparse_step", 2, "sparse_step")]
+    for key, value, what in refusals:
         with pytest.raises(ValueError, match=what):
             ModelConfig.from_hf_config({**c, key: value})
-    with pytest.raises(ValueError, match="Qwen3-Next's"):
+    with pytest.raises(ValueError, match="Qwen3-Next's and Qwen3.5's"):
         ModelConfig(**{**{f.name: getattr(cfg, f.name) for f in cfg.__dataclass_fields__.values()},
-                       "architecture": "qwen3_moe", "shared_expert_size": 0})
+                       "architecture": "qwen3", "shared_expert_size": 0, "num_experts": 0, "experts_per_token": 0})
 
 
 def test_whole_model_parity_causal_and_tree_form(pair):
@@ -167,6 +181,8 @@ def test_greedy_decoding_equals_transformers_generate(pair):
     from tevjax.models.dflash import DFlashConfig, DFlashDrafter
 
     hf, cfg, model, _ = pair
+    if cfg.architecture != "qwen3_next":  # the decoder is the same for the three: once is enough
+        pytest.skip("decoding is checked on Qwen3-Next")
     prompts = [[5, 17, 42, 8, 99, 23, 61, 7, 150], [3, 250, 14, 77]]
     hf.generation_config.eos_token_id = None
     want = []
@@ -198,3 +214,81 @@ def test_save_round_trip_loads_in_transformers(pair, tmp_path):
     np.testing.assert_allclose(hf_logits(back, tokens), hf_logits(hf, tokens), atol=1e-5, rtol=0)
     for (name, a), (_, b) in zip(sorted(hf.state_dict().items()), sorted(back.state_dict().items())):
         np.testing.assert_array_equal(a.numpy(), b.numpy(), err_msg=name)
+
+
+def test_a_multimodal_qwen3_5_checkpoint_loads_its_text_model(tmp_path):
+    """A Qwen3_5ForConditionalGeneration checkpoint (the released Qwen3.5 files: the text model under
+    `model.language_model`, a vision tower beside it, the config's `text_config`) loads as its text
+    model, whose logits on text equal the wrapper's; a Qwen3-Next file's `mtp.*` tensors are left out."""
+    text = dict(BASE, intermediate_size=96, rope_parameters=dict(rope_type="default", rope_theta=10_000.0,
+                                                                 partial_rotary_factor=0.25,
+                                                                 mrope_section=[1, 1, 0], mrope_interleaved=True))
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=64, patch_size=4,
+                  temporal_patch_size=1, spatial_merge_size=1, num_position_embeddings=16)
+    torch.manual_seed(0)
+    hf = transformers.Qwen3_5ForConditionalGeneration(
+        transformers.Qwen3_5Config(text_config=text, vision_config=vision, image_token_id=297, video_token_id=298,
+                                   vision_start_token_id=296, vision_end_token_id=295)).float().eval()
+    randomise(hf)
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    cfg, model = load_hf_target(tmp_path)
+    assert cfg.architecture == "qwen3_5_text" and cfg.rotary_dim == 4
+    tokens = np.random.default_rng(3).integers(0, 290, (1, 11))
+    out = model(jnp.asarray(tokens, jnp.int32), jnp.arange(11, dtype=jnp.int32)[None], KVCache.init(cfg, 1, 16),
+                jnp.zeros((1,), jnp.int32), None)
+    np.testing.assert_allclose(np.asarray(out.logits), hf_logits(hf, tokens), atol=1e-4, rtol=0)
+
+    from safetensors.numpy import load_file, save_file
+    nxt = tmp_path / "next"
+    build_hf("qwen3_next").save_pretrained(nxt, safe_serialization=True)
+    tensors = load_file(nxt / "model.safetensors")
+    save_file({**tensors, "mtp.fc.weight": np.zeros((4, 4), np.float32)}, nxt / "model.safetensors")
+    assert load_hf_target(nxt)[0].architecture == "qwen3_next"
+
+
+def test_a_drafter_trains_on_a_qwen3_next_target(pair, tmp_path):
+    """`tevjax data` on a hybrid target stores the greedy answers and their tapped features (equal to a
+    forward pass of each whole sequence), the token loss trains a drafter on them, and the exit loss,
+    which needs the linear layers' state at every anchor, is refused by name."""
+    from pathlib import Path
+
+    from tevjax.loading import LoadedTarget
+    from tevjax.models.dflash import DFlashConfig, DFlashDrafter
+    from tevjax.sharding import make_mesh
+    from tevjax.train.dataset import Batch, TrainData
+    from tevjax.train.rollout import RolloutConfig, generate_data, sequence_hidden
+    from tevjax.train.step import TrainConfig, Trainer
+
+    hf, cfg, model, _ = pair
+    if cfg.architecture != "qwen3_next":
+        pytest.skip("training is checked on Qwen3-Next")
+    rng = np.random.default_rng(5)
+    prompts = [[rng.integers(3, 290, rng.integers(4, 10)).tolist() for _ in range(n)] for n in (2, 6)]
+    loaded = LoadedTarget(name="tiny", hf_dir=Path("."), target_cfg=cfg, target=model, tokenizer=None, eos_ids=(2,),
+                          notes=[])
+    rollout = RolloutConfig(num_prompts=6, heldout_prompts=2, heldout_records=2, max_new_tokens=12,
+                            max_prompt_tokens=32, batch_size=2, taps=(1, 3))
+    generate_data(loaded, rollout, tmp_path / "d", prompts=tuple(prompts), progress=False, log=lambda _: None)
+    data = TrainData(tmp_path / "d", "train")
+    host = data.batch(data.order(0, 0, 4), [0, 1], 32)
+    # the stored features are the whole sequences' own (a one-row forward, no padding)
+    row = int(np.argmax(host["length"]))
+    n = int(host["length"][row])
+    own = sequence_hidden(model, [host["tokens"][row, :n].tolist()], (1, 3), bucket=8)[0]
+    feats = np.asarray(host["features"][row, : n - 1], np.float32).reshape(n - 1, 2, -1)
+    np.testing.assert_allclose(feats, np.asarray(own[: n - 1], np.float32), atol=0.05, rtol=0.02)
+    dcfg = DFlashConfig.for_target(cfg, num_layers=1, block_size=4, mask_token_id=5, target_layer_ids=(1, 3))
+    train_cfg = TrainConfig(steps=3, batch_size=4, anchors=4, seq_len=32, lr=3e-3, exit_anchors=2)
+    trainer = Trainer(DFlashDrafter(dcfg, rngs=nnx.Rngs(0)), model, train_cfg, make_mesh())
+    state = trainer.init_state()
+    p0 = jax.tree.map(np.array, state.params)
+    losses = []
+    for step in range(3):
+        batch = Batch(**{k: jnp.asarray(v) for k, v in data.batch(data.order(0, 0, 4), [0, 1], 32).items()})
+        state, metrics = trainer.step(state, batch)
+        losses.append(float(metrics["loss"]))
+    assert all(np.isfinite(losses)) and losses[-1] < losses[0]
+    assert all(jax.tree.leaves(jax.tree.map(lambda a, b: not np.array_equal(a, np.asarray(b)), p0, state.params)))
+    with pytest.raises(ValueError, match="exit loss .* linear-attention layers"):
+        Trainer(DFlashDrafter(dcfg, rngs=nnx.Rngs(0)), model, dataclasses.replace(train_cfg, exit_lambda=0.1),
+                make_mesh())

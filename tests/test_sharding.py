@@ -521,6 +521,18 @@ CHECKS = {
     # loop moves no weight slice and no [N * k, D] rows of expert outputs (each layer's experts
     # meet in one all-reduce of [N, D] partial sums, so the grouped dispatch needs as many
     # collectives as the dense one).
+    # A hybrid target (Qwen3-Next: a Gated DeltaNet layer, then gated attention with experts) on
+    # (2, 2): greedy TEV and AR equal unsharded, the linear state's rows split over `data`.
+    "hybrid_2x2": """
+        target, drafter = models("qwen3_next")
+        mesh = make_mesh(2, 2)
+        for verifier in ("tev", "ar"):
+            want = tokens(decoder(target, drafter, verifier))
+            dec = decoder(target, drafter, verifier, mesh=mesh)
+            assert tokens(dec) == want, (verifier, tokens(dec), want)
+        state = dec.prefill(PROMPTS)
+        assert state.target_cache.linear.state.sharding.spec[1] == "data", state.target_cache.linear.state.sharding
+    """,
     "moe_meshes": """
         import jax.numpy as jnp
         from tevjax.models import set_moe_dispatch
@@ -743,8 +755,8 @@ def test_sharded_decoding_on_forced_devices():
     """The fast subset: loading into (2, 2) shardings and greedy decoding there, (1, 4) greedy
     decoding and its compiled HLO, context and corpus lookup chains, fallback rounds, stop
     strings and log-probabilities on (2, 2), routed experts on (1, 4) and on expert-parallel
-    meshes, and the errors of undivided meshes."""
-    _run("errors", "load_2x2", "hlo_1x4", "lookup_2x2", "moe_meshes")
+    meshes, a hybrid (Qwen3-Next) target on (2, 2), and the errors of undivided meshes."""
+    _run("errors", "load_2x2", "hlo_1x4", "lookup_2x2", "moe_meshes", "hybrid_2x2")
 
 
 @pytest.mark.slow

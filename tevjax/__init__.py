@@ -19,6 +19,10 @@ suffixes (`logits_NxV`), docstrings and comments use only these letters, each on
   Dh  head width
   R   requested hidden layers
   P   pruned builder candidates per depth
+  Ll  linear-attention layers of a hybrid target (Qwen3-Next, Qwen3.5)
+  Hk  their query/key heads; Hv their value heads
+  Dk  their key width; Dv their value width
+  C   their conv channels (queries, keys and values); W their conv width
 
 The tree budget and the temperature are never letters: write "budget" and "temperature"
 ("budget 64", "temperature 0"). Scalars and counts that are not axis sizes are words too.
@@ -26,7 +30,7 @@ The tree budget and the temperature are never letters: write "budget" and "tempe
 Layers of the package (each knows nothing of the ones after it):
   core      `DraftTree`, `exit_law`, `verify`, `build_ddtree`, `context_chain` / `corpus_chain` / `merge_chain`,
             `truncate_logits` (top-k / top-p / min-p target laws): model-free tree math
-  models    `Transformer` (Llama/Mistral/Qwen2/Qwen3/Gemma 2-3/Phi-3 target), `DFlashDrafter`: thin Flax NNX modules
+  models    `Transformer` (Llama/Qwen/Gemma/... targets, Qwen3-Next's hybrid), `DFlashDrafter`: thin Flax NNX modules
   convert   HF safetensors, GGUF, tokenizers, DFlash checkpoints, the embedded SmolLM2 default
   decode    `Decoder`: draft -> build -> one target tree pass -> verify -> commit, jitted
   train     `generate_data`, `Trainer` / `train`: token + exit losses, one optax step over a mesh

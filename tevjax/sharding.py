@@ -62,6 +62,7 @@ LOGICAL_RULES: Mapping[str, str | tuple[str, ...] | None] = {
     "vocab": _TENSOR,
     "embed": None,
     "heads": _TENSOR,  # query heads (H, or the fused H * Dh axis of a projection)
+    "q_heads": _TENSOR,  # q_proj's output: H * Dh, or with an output gate (Qwen3-Next) H * 2 * Dh, head by head
     "kv_heads": _TENSOR,  # key/value heads (K, or K * Dh)
     "attn_heads": _TENSOR,  # one value per query head (GPT-OSS's attention sinks, [H]), split as the heads
     "mlp": _TENSOR,  # the MLP width (intermediate_size; with experts, each expert's: over `model` alone)
@@ -83,6 +84,14 @@ LOGICAL_RULES: Mapping[str, str | tuple[str, ...] | None] = {
     "draft_vocab": None,
     "cache_slots": None,
     "layers": None,
+    "linear_layers": None,  # a hybrid target's linear-attention layers (stacked apart from `layers`)
+    # Their mixer's axes (`_LINEAR_AXES`), whole on every device: the conv's channels and the fused
+    # q|k|v projection's outputs (C), the values' H * Dv, the value heads H, the conv's width and Dv.
+    "linear_qkv": None,
+    "linear_values": None,
+    "linear_heads": None,
+    "linear_conv": None,
+    "linear_value_dim": None,
 }
 
 # Logical axes of one decoder layer's parameters, shared by the target (stacked on a leading
@@ -93,8 +102,8 @@ _LAYER_AXES: Mapping[str, tuple[str, ...]] = {
     "post_attention_layernorm.scale": ("embed",),
     "attn_output_norm.scale": ("embed",),
     "mlp_output_norm.scale": ("embed",),
-    "self_attn.q_proj.kernel": ("embed", "heads"),
-    "self_attn.q_proj.bias": ("heads",),
+    "self_attn.q_proj.kernel": ("embed", "q_heads"),
+    "self_attn.q_proj.bias": ("q_heads",),
     "self_attn.k_proj.kernel": ("embed", "kv_heads"),
     "self_attn.k_proj.bias": ("kv_heads",),
     "self_attn.v_proj.kernel": ("embed", "kv_heads"),
@@ -130,16 +139,16 @@ _LAYER_AXES: Mapping[str, tuple[str, ...]] = {
 # A hybrid target's linear-attention mixer (Qwen3-Next's Gated DeltaNet): kept whole on each device
 # for now. Its fused q|k|v projection and conv channels would split over `model` only by head
 # groups of each part, which one contiguous split of the fused axis does not give.
-_LINEAR_AXES: Mapping[str, tuple[str | None, ...]] = {
-    "linear_attn.in_proj_qkv.kernel": ("embed", None),
-    "linear_attn.in_proj_z.kernel": ("embed", None),
-    "linear_attn.in_proj_b.kernel": ("embed", None),
-    "linear_attn.in_proj_a.kernel": ("embed", None),
-    "linear_attn.conv": (None, None),
-    "linear_attn.dt_bias": (None,),
-    "linear_attn.A_log": (None,),
-    "linear_attn.norm.scale": (None,),
-    "linear_attn.out_proj.kernel": (None, "embed"),
+_LINEAR_AXES: Mapping[str, tuple[str, ...]] = {
+    "linear_attn.in_proj_qkv.kernel": ("embed", "linear_qkv"),
+    "linear_attn.in_proj_z.kernel": ("embed", "linear_values"),
+    "linear_attn.in_proj_b.kernel": ("embed", "linear_heads"),
+    "linear_attn.in_proj_a.kernel": ("embed", "linear_heads"),
+    "linear_attn.conv": ("linear_qkv", "linear_conv"),
+    "linear_attn.dt_bias": ("linear_heads",),
+    "linear_attn.A_log": ("linear_heads",),
+    "linear_attn.norm.scale": ("linear_value_dim",),
+    "linear_attn.out_proj.kernel": ("linear_values", "embed"),
 }
 
 # Parameter path (dots; `*` matches one list index) -> logical axes, for every parameter of
@@ -148,9 +157,9 @@ TARGET_AXES: Mapping[str, tuple[str, ...]] = {
     "embed_tokens.embedding": ("vocab", "embed"),
     **{f"layers.{name}": ("layers", *axes) for name, axes in _LAYER_AXES.items()},
     # a hybrid target's linear layers: the same norms and MLPs, and their own mixer
-    **{f"linear_layers.{name}": ("layers", *axes) for name, axes in _LAYER_AXES.items()
+    **{f"linear_layers.{name}": ("linear_layers", *axes) for name, axes in _LAYER_AXES.items()
        if not name.startswith("self_attn.")},
-    **{f"linear_layers.{name}": ("layers", *axes) for name, axes in _LINEAR_AXES.items()},
+    **{f"linear_layers.{name}": ("linear_layers", *axes) for name, axes in _LINEAR_AXES.items()},
     "norm.scale": ("embed",),
     "lm_head.kernel": ("embed", "vocab"),
 }
@@ -167,12 +176,12 @@ CACHE_AXES: tuple[str, ...] = ("layers", "batch", "kv_heads", "cache_slots", "he
 # `KVCache.linear`'s fields (`LinearState`, a hybrid target's linear layers): rows over `data`, the
 # rest kept whole on each device (a row's recurrent state is [H, Dk, Dv], read and written whole).
 LINEAR_CACHE_AXES: dict[str, tuple[str | None, ...]] = {
-    "state": ("layers", "batch", None, None, None),
-    "conv": ("layers", "batch", None, None),
-    "tree_x": ("layers", "batch", None, None),
-    "tree_k": ("layers", "batch", None, None, None),
-    "tree_v": ("layers", "batch", None, None, None),
-    "tree_gb": ("layers", "batch", None, None, None),
+    "state": ("linear_layers", "batch", None, None, None),
+    "conv": ("linear_layers", "batch", None, None),
+    "tree_x": ("linear_layers", "batch", None, None),
+    "tree_k": ("linear_layers", "batch", None, None, None),
+    "tree_v": ("linear_layers", "batch", None, None, None),
+    "tree_gb": ("linear_layers", "batch", None, None, None),
 }
 
 # What a sharded logical axis counts, for error messages: splitting must not cut one of these.
@@ -238,8 +247,18 @@ def _dims(cfg) -> dict[str, tuple[int, int]]:
     """Logical axis -> (array size, indivisible units) of a target `ModelConfig` or a `DFlashConfig`."""
     h, k, dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     same = lambda n: (n, n)  # noqa: E731
+    gate = 2 if getattr(cfg, "attn_output_gate", False) else 1
     dims = {"vocab": same(cfg.vocab_size), "embed": same(cfg.hidden_size), "heads": (h * dh, h),
-            "kv_heads": (k * dh, k), "mlp": same(cfg.intermediate_size), "layers": same(cfg.num_layers),
+            "q_heads": (h * dh * gate, h),
+            "kv_heads": (k * dh, k), "mlp": same(cfg.intermediate_size),
+            # a hybrid target stacks its attention layers and its linear ones apart
+            "layers": same(getattr(cfg, "num_attention_layers", cfg.num_layers)),
+            "linear_layers": same(len(getattr(cfg, "linear_layers", ()))),
+            "linear_qkv": same(getattr(cfg, "linear_conv_channels", 0)),
+            "linear_values": same(getattr(cfg, "linear_value_heads", 0) * getattr(cfg, "linear_value_dim", 0)),
+            "linear_heads": same(getattr(cfg, "linear_value_heads", 0)),
+            "linear_conv": same(getattr(cfg, "linear_conv", 0)),
+            "linear_value_dim": same(getattr(cfg, "linear_value_dim", 0)),
             "head_dim": same(dh), "experts": same(getattr(cfg, "num_experts", 0)),
             "router": same(getattr(cfg, "num_experts", 0)), "attn_heads": same(h),
             "shared_mlp": same(getattr(cfg, "shared_expert_size", 0)), "gate": same(1)}

@@ -48,6 +48,15 @@ def tiny_config(architecture: str = "llama", **overrides) -> ModelConfig:
                       swiglu_alpha=1.702, sliding_window=4, sliding_layers=(0,))
     if architecture == "qwen2_moe":  # Qwen2's q/k/v biases and a shared expert of width 48
         fields.update(qkv_bias=True, shared_expert_size=48)
+    if architecture in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"):
+        # Layer 0 Gated DeltaNet (2 key heads of 8, 4 value heads of 6, a 4-wide conv), layer 1 gated
+        # attention rotating a quarter of each head; q/k norms; Qwen3-Next's and Qwen3.5-MoE's 4
+        # experts, 32 wide, 2 a token, and a shared expert of width 48
+        head_dim = overrides.get("head_dim", fields["head_dim"])
+        fields.update(qk_norm=True, linear_layers=(0,), linear_key_heads=2, linear_value_heads=4, linear_key_dim=8,
+                      linear_value_dim=6, linear_conv=4, rotary_dim=head_dim // 4)
+        if architecture != "qwen3_5_text":
+            fields.update(intermediate_size=32, num_experts=4, experts_per_token=2, shared_expert_size=48)
     fields.update(overrides)
     return ModelConfig(**fields)
 

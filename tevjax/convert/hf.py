@@ -164,8 +164,8 @@ _FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gat
 
 def target_weight_rules(cfg: ModelConfig) -> list[WeightRule]:
     """The conversion table for a Llama / Mistral / Qwen2 / Qwen3 / Gemma 2 / Gemma 3 (text) /
-    Phi-3 / Mixtral / Qwen2-3 MoE / SmolLM3 / Granite / OLMo 2-3 / OLMoE / Granite MoE target with
-    this config."""
+    Phi-3 / Mixtral / Qwen2-3 MoE / SmolLM3 / Granite / OLMo 2-3 / OLMoE / Granite MoE / GPT-OSS /
+    Qwen3-Next / Qwen3.5 target with this config."""
     d, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     qd, kd, dh = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.head_dim
     pre = "model.layers.{i}."
@@ -239,11 +239,12 @@ def target_weight_rules(cfg: ModelConfig) -> list[WeightRule]:
 
 
 def _hybrid_rules(cfg: ModelConfig, rules: list[WeightRule], pre: str) -> list[WeightRule]:
-    """Qwen3-Next's table: the per-layer rules above for its attention layers only; the MLP and norm
-    rules again for its linear layers, into `linear_layers`; and their linear attention's own.
+    """Qwen3-Next's and Qwen3.5's table: the per-layer rules above for the attention layers only; the
+    MLP and norm rules again for the linear layers, into `linear_layers`; and their linear attention's
+    own. Qwen3.5 stores the projections apart, as tevjax does.
 
-    On disk `in_proj_qkvz` [2 Kh Dk + 2 H Dv, D] holds, per key head, that head's q and k rows and
-    the rows of the H / Kh value heads it serves for v and then z; `in_proj_ba` [2 H, D] holds b
+    Qwen3-Next's `in_proj_qkvz` [2 Hk Dk + 2 Hv Dv, D] holds, per key head, that head's q and k rows and
+    the rows of the Hv / Hk value heads it serves for v and then z; `in_proj_ba` [2 Hv, D] holds b
     then a, likewise per key head. They are read into the fused q|k|v projection in head order (the
     conv's channel order), z, b and a (`GatedDeltaNet`)."""
     d, lin = cfg.hidden_size, cfg.linear_layers
@@ -269,14 +270,21 @@ def _hybrid_rules(cfg: ModelConfig, rules: list[WeightRule], pre: str) -> list[W
         return WeightRule(pre + "linear_attn." + hf, ("linear_layers", "linear_attn", *param), transform, shape,
                           per_layer=True, layer_ids=lin, **kw)
 
+    if cfg.architecture == "qwen3_next":
+        out += [
+            rule("in_proj_qkvz.weight", ("in_proj_qkv", "kernel"), "transpose", qkvz,
+                 row_index=rows("q", group, parts) + rows("k", group, parts) + rows("v", group, parts)),
+            rule("in_proj_qkvz.weight", ("in_proj_z", "kernel"), "transpose", qkvz,
+                 row_index=rows("z", group, parts)),
+            rule("in_proj_ba.weight", ("in_proj_b", "kernel"), "transpose", (2 * hv, d),
+                 row_index=rows("b", 2 * r, ba_parts)),
+            rule("in_proj_ba.weight", ("in_proj_a", "kernel"), "transpose", (2 * hv, d),
+                 row_index=rows("a", 2 * r, ba_parts)),
+        ]
+    else:  # Qwen3.5: apart already, in tevjax's layout
+        out += [rule(f"in_proj_{name}.weight", (f"in_proj_{name}", "kernel"), "transpose", (rows_n, d))
+                for name, rows_n in (("qkv", cfg.linear_conv_channels), ("z", hv * dv), ("b", hv), ("a", hv))]
     out += [
-        rule("in_proj_qkvz.weight", ("in_proj_qkv", "kernel"), "transpose", qkvz,
-             row_index=rows("q", group, parts) + rows("k", group, parts) + rows("v", group, parts)),
-        rule("in_proj_qkvz.weight", ("in_proj_z", "kernel"), "transpose", qkvz, row_index=rows("z", group, parts)),
-        rule("in_proj_ba.weight", ("in_proj_b", "kernel"), "transpose", (2 * hv, d),
-             row_index=rows("b", 2 * r, ba_parts)),
-        rule("in_proj_ba.weight", ("in_proj_a", "kernel"), "transpose", (2 * hv, d),
-             row_index=rows("a", 2 * r, ba_parts)),
         rule("conv1d.weight", ("conv",), "conv", (cfg.linear_conv_channels, 1, w)),
         rule("dt_bias", ("dt_bias",), "identity", (hv,)),
         rule("A_log", ("A_log",), "identity", (hv,)),
@@ -488,8 +496,9 @@ def checkpoint_config_path(path: str | os.PathLike, what: str) -> tuple[str, str
 
 def load_hf_target(path: str | os.PathLike, *, dtype: str | None = None, mesh=None) -> tuple[ModelConfig, Transformer]:
     """Loads an HF Llama / Mistral / Qwen2 / Qwen3 / Gemma 2 / Gemma 3 (text) / Phi-3 / Mixtral /
-    Qwen2-3 MoE / SmolLM3 / Granite / OLMo 2-3 / OLMoE / Granite MoE / GPT-OSS checkpoint into a
-    `Transformer`; GPT-OSS's MXFP4 experts (the released checkpoints') are dequantized on reading.
+    Qwen2-3 MoE / SmolLM3 / Granite / OLMo 2-3 / OLMoE / Granite MoE / GPT-OSS / Qwen3-Next / Qwen3.5
+    checkpoint into a `Transformer`; GPT-OSS's MXFP4 experts (the released checkpoints') are
+    dequantized on reading, and a multimodal Qwen3.5 file gives its text model.
 
     `dtype` sets both compute and storage dtypes (default: the checkpoint's `torch_dtype`).
     The model skeleton is built with `nnx.eval_shape`, so no random weights are materialised;
@@ -499,6 +508,8 @@ def load_hf_target(path: str | os.PathLike, *, dtype: str | None = None, mesh=No
     overrides = {} if dtype is None else {"dtype": dtype, "param_dtype": dtype}
     cfg = ModelConfig.from_hf_config(config_path, **overrides)
     state = read_safetensors_dir(path)
+    if cfg.linear_layers:
+        state = _text_model_tensors(state)
     if _quantization(config_path) == "mxfp4":
         state = _dequantize_mxfp4_experts(state)
     model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
@@ -507,6 +518,18 @@ def load_hf_target(path: str | os.PathLike, *, dtype: str | None = None, mesh=No
     except CheckpointError as e:
         raise CheckpointError(f"{path}: {e}") from e
     return cfg, model
+
+
+def _text_model_tensors(state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A Qwen3-Next / Qwen3.5 checkpoint's text-model tensors under tevjax's names: a multimodal
+    checkpoint's `model.language_model.*` as `model.*`, without its vision tower (`model.visual.*`);
+    the multi-token-prediction head (`mtp.*`), which transformers does not load either, left out."""
+    out = {}
+    for name, x in state.items():
+        if name.startswith(("mtp.", "model.visual.")):
+            continue
+        out[name.replace("model.language_model.", "model.", 1)] = x
+    return out
 
 
 def _quantization(config_path: str) -> str | None:

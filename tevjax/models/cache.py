@@ -77,15 +77,15 @@ class LinearState:
     A recurrent state cannot be cut back to a prefix the way slots above a length are ignored, so
     a tree pass leaves `state` and `conv` as they were and records what each tree node fed its
     layers (`tree_*`, N node entries); `advance` then runs the accepted path into them. A causal
-    run (prefill) updates them itself. Ll is the number of linear layers, H their value heads.
+    run (prefill) updates them itself. Shape letters: the legend in `tevjax/__init__.py`.
     """
 
-    state: jax.Array  # [Ll, B, H, Dk, Dv] float32 the recurrent state after the committed tokens
+    state: jax.Array  # [Ll, B, Hv, Dk, Dv] float32 the recurrent state after the committed tokens
     conv: jax.Array  # [Ll, B, W - 1, C] the last W - 1 conv inputs of the committed tokens
     tree_x: jax.Array  # [Ll, B, N, C] the last tree pass's conv inputs, by tree node
-    tree_k: jax.Array  # [Ll, B, N, Kh, Dk] its convolved keys, before the norm
-    tree_v: jax.Array  # [Ll, B, N, H, Dv] its values
-    tree_gb: jax.Array  # [Ll, B, N, 2, H] float32 its decays g and betas
+    tree_k: jax.Array  # [Ll, B, N, Hk, Dk] its convolved keys, before the norm
+    tree_v: jax.Array  # [Ll, B, N, Hv, Dv] its values
+    tree_gb: jax.Array  # [Ll, B, N, 2, Hv] float32 its decays g and betas
 
     @classmethod
     def init(cls, cfg, batch: int, tree_slots: int) -> "LinearState":

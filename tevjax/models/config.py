@@ -1,4 +1,5 @@
-"""Target-model configuration: one frozen dataclass for the Llama, Mistral, Qwen2, Qwen3, Gemma and Phi-3 families.
+"""Target-model configuration: one frozen dataclass for every target family (Llama to GPT-OSS and the
+hybrid Qwen3-Next / Qwen3.5).
 
 Variants are made with `dataclasses.replace`; `from_hf_config` / `to_hf_config` translate to and
 from a Hugging Face `config.json` (both the legacy `rope_theta` + `rope_scaling` keys and the
@@ -16,11 +17,14 @@ from collections.abc import Mapping
 from typing import Any
 
 __all__ = ["ModelConfig", "RopeScaling", "ROPE_TYPES", "PRESETS", "SUPPORTED_ARCHITECTURES", "read_config_json",
-           "yarn_mscale"]
+           "text_config", "yarn_mscale"]
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "mixtral",
                            "qwen3_moe", "qwen2_moe", "smollm3", "granite", "olmo2", "olmo3", "olmoe", "granitemoe",
-                           "gpt_oss", "qwen3_next")
+                           "gpt_oss", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+# Hybrid families: Gated DeltaNet linear layers beside gated full-attention layers (Qwen3-Next; Qwen3.5's
+# text models, the same layers with q/k/v, z, b and a projected apart; Qwen3.5 dense or with experts).
+HYBRID = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 GEMMA = ("gemma2", "gemma3_text")  # Gemma 2, and Gemma 3's text model (Gemma3ForCausalLM: the 1B model)
 # Families that norm each branch's output and not its input (OLMo 2 and 3), with q/k norms over
 # the whole projection rather than per head.
@@ -32,11 +36,11 @@ WHOLE_QK_NORM = (*OLMO, "olmoe")
 TWO_ROPES = ("gemma3_text", "olmo3")
 # Mixture-of-experts families: Mistral's, Qwen3's, Qwen2's, OLMoE's, Granite's and GPT-OSS's attention
 # with a routed MLP in every layer (Qwen2-MoE's with a shared expert beside the routed ones).
-MOE = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe", "gpt_oss", "qwen3_next")
+MOE = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe", "gpt_oss", "qwen3_next", "qwen3_5_moe_text")
 # Families with a shared expert beside the routed ones, gated by sigmoid(shared_expert_gate(x)).
-SHARED_EXPERT = ("qwen2_moe", "qwen3_next")
+SHARED_EXPERT = ("qwen2_moe", "qwen3_next", "qwen3_5_moe_text")
 # Families that always renormalise the picked experts' weights (a softmax over the k highest logits).
-_RENORMALISED = ("mixtral", "granitemoe", "gpt_oss")
+_RENORMALISED = ("mixtral", "granitemoe", "gpt_oss", "qwen3_5_moe_text")
 # Families with Granite's four scalar multipliers (`_GRANITE_FIELDS`).
 GRANITE = ("granite", "granitemoe")
 _DTYPES = ("float32", "bfloat16", "float16")
@@ -47,7 +51,8 @@ _HF_CLASS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen
              "smollm3": "SmolLM3ForCausalLM", "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM",
              "olmo3": "Olmo3ForCausalLM", "olmoe": "OlmoeForCausalLM",
              "granitemoe": "GraniteMoeForCausalLM", "gpt_oss": "GptOssForCausalLM",
-             "qwen3_next": "Qwen3NextForCausalLM"}
+             "qwen3_next": "Qwen3NextForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM",
+             "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"}
 _LINEAR_DIMS = ("linear_key_heads", "linear_value_heads", "linear_key_dim", "linear_value_dim", "linear_conv")
 # The MLP activations: SiLU (every family but Gemma) and the tanh approximation of GELU (Gemma's
 # "gelu_pytorch_tanh", which transformers also calls "gelu_new" / "gelu_fast" up to rounding: only
@@ -452,11 +457,11 @@ class ModelConfig:
         if rd == self.head_dim:
             object.__setattr__(self, "rotary_dim", None)  # one form: the whole head
         dims = {n: getattr(self, n) for n in _LINEAR_DIMS}
-        if self.architecture != "qwen3_next":
+        if self.architecture not in HYBRID:
             own = [f"{n}={v!r}" for n, v in (("linear_layers", layers), ("rotary_dim", self.rotary_dim), *dims.items())
                    if v not in ((), None, 0)]
             if own:
-                raise ValueError(f"ModelConfig: {', '.join(own)} is Qwen3-Next's, not architecture "
+                raise ValueError(f"ModelConfig: {', '.join(own)} is Qwen3-Next's and Qwen3.5's, not architecture "
                                  f"{self.architecture!r}'s")
             return
         if sorted(set(layers)) != list(layers) or not all(0 <= i < self.num_layers for i in layers):
@@ -475,7 +480,8 @@ class ModelConfig:
         if self.linear_conv < 2:
             raise ValueError(f"ModelConfig.linear_conv={self.linear_conv} must be at least 2")
         if not self.qk_norm or self.qkv_biased:
-            raise ValueError("ModelConfig: architecture 'qwen3_next' has per-head q/k norms and no attention biases")
+            raise ValueError(f"ModelConfig: architecture {self.architecture!r} has per-head q/k norms and no attention "
+                             f"biases")
 
     @property
     def layer_period(self) -> tuple[str, ...]:
@@ -496,7 +502,7 @@ class ModelConfig:
     def attn_output_gate(self) -> bool:
         """Whether each attention head's output is multiplied by sigmoid of a gate that q_proj
         computes beside the query (Qwen3-Next: q_proj is [D, H * 2 * Dh], query and gate per head)."""
-        return self.architecture == "qwen3_next"
+        return self.architecture in HYBRID
 
     @property
     def linear_conv_channels(self) -> int:
@@ -541,7 +547,7 @@ class ModelConfig:
     def norm_offset(self) -> float:
         """What every RMSNorm adds to its weight before scaling: 1 for Gemma and Qwen3-Next (zero-centred
         weights)."""
-        return 1.0 if self.architecture in (*GEMMA, "qwen3_next") else 0.0
+        return 1.0 if self.architecture in (*GEMMA, *HYBRID) else 0.0
 
     @property
     def embed_scale(self) -> float | None:
@@ -659,6 +665,7 @@ class ModelConfig:
         different model.
         """
         c, source = read_config_json(config, what="HF config")
+        c = text_config(c, source)
         model_type = c.get("model_type")
         if model_type not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
@@ -688,7 +695,7 @@ class ModelConfig:
         family = _experts(c, model_type, source) if model_type in MOE else {}  # the family's own fields
         if model_type == "smollm3":
             family["nope_layers"] = _nope_layers(c, source)
-        if model_type == "qwen3_next":
+        if model_type in HYBRID:
             family.update(_linear_layers(c, source))
         if model_type == "gpt_oss":  # GptOssConfig's defaults
             family.update(swiglu_limit=field("swiglu_limit", float, 7.0, positive=True),
@@ -696,7 +703,7 @@ class ModelConfig:
         if model_type in GRANITE:  # GraniteConfig's defaults (1.0) where a key is absent
             family.update({k: field(k, float, 1.0, positive=True) for k in _GRANITE_FIELDS})
         # Qwen3-Next's layer_types name linear and full attention layers (`_linear_layers`), no windows.
-        window, sliding_layers = (None, ()) if model_type == "qwen3_next" else _sliding_window(c, model_type, source)
+        window, sliding_layers = (None, ()) if model_type in HYBRID else _sliding_window(c, model_type, source)
         if c.get("pretraining_tp", 1) not in (1, None):
             raise ValueError(f"{source}: pretraining_tp={c['pretraining_tp']} is not supported")
 
@@ -730,7 +737,8 @@ class ModelConfig:
             hidden_size=hidden,
             # Qwen3-MoE's experts are moe_intermediate_size wide (its intermediate_size is for dense
             # layers, which tevjax refuses); Mixtral's are intermediate_size wide.
-            intermediate_size=field("moe_intermediate_size" if model_type in ("qwen3_moe", "qwen2_moe", "qwen3_next")
+            intermediate_size=field("moe_intermediate_size" if model_type in ("qwen3_moe", "qwen2_moe", "qwen3_next",
+                                                                              "qwen3_5_moe_text")
                                     else "intermediate_size", int, positive=True),
             num_layers=field("num_hidden_layers", int, positive=True),
             num_heads=heads,
@@ -742,7 +750,7 @@ class ModelConfig:
             rope_scaling=scaling,
             # HF's default when the key is absent: tied for Gemma, untied for the others.
             tie_word_embeddings=field("tie_word_embeddings", bool, gemma),
-            qk_norm=model_type in ("qwen3", "gemma3_text", "qwen3_moe", "qwen3_next", *WHOLE_QK_NORM),
+            qk_norm=model_type in ("qwen3", "gemma3_text", "qwen3_moe", *HYBRID, *WHOLE_QK_NORM),
             # Qwen2 has q/k/v biases and no o bias, always; its config has no key for them.
             # Qwen2-MoE's say so in qkv_bias (default true).
             attention_bias=False if model_type in ("qwen2", "qwen2_moe") else field("attention_bias", bool,
@@ -759,7 +767,7 @@ class ModelConfig:
         )
         if model_type == "olmo3":
             fields["local_rope_theta"] = local_theta
-        if model_type == "qwen3_next":  # Qwen3NextConfig's default head width
+        if model_type in HYBRID:  # Qwen3NextConfig's and Qwen3_5TextConfig's default head width
             fields["head_dim"] = field("head_dim", int, 256, positive=True)
         if gemma:  # transformers' Gemma2Config / Gemma3TextConfig defaults where a key is absent
             caps = (50.0, 30.0) if model_type == "gemma2" else (None, None)
@@ -812,7 +820,7 @@ class ModelConfig:
         }
         if self.rope_scaling is not None:
             out["rope_scaling"] = self.rope_scaling.to_hf()
-        if self.architecture in ("llama", "qwen3", "mistral", "qwen3_moe", "smollm3", "gpt_oss", "qwen3_next",
+        if self.architecture in ("llama", "qwen3", "mistral", "qwen3_moe", "smollm3", "gpt_oss", *HYBRID,
                                  *GRANITE, *WHOLE_QK_NORM):
             out["attention_bias"] = self.attention_bias
         if self.architecture in GRANITE:
@@ -847,16 +855,27 @@ class ModelConfig:
         if self.architecture == "qwen2_moe":
             out.update(shared_expert_intermediate_size=self.shared_expert_size, qkv_bias=self.qkv_bias,
                        layer_types=self.layer_types)
-        if self.architecture == "qwen3_next":
-            del out["sliding_window"]
-            out.update(num_experts=self.num_experts, num_experts_per_tok=self.experts_per_token,
-                       norm_topk_prob=self.norm_topk_prob, moe_intermediate_size=self.intermediate_size,
-                       shared_expert_intermediate_size=self.shared_expert_size, decoder_sparse_step=1,
-                       mlp_only_layers=[], layer_types=self.layer_types,
+        if self.architecture in HYBRID:
+            del out["sliding_window"], out["mlp_bias"]
+            out.update(layer_types=self.layer_types,
                        linear_num_key_heads=self.linear_key_heads, linear_num_value_heads=self.linear_value_heads,
                        linear_key_head_dim=self.linear_key_dim, linear_value_head_dim=self.linear_value_dim,
-                       linear_conv_kernel_dim=self.linear_conv,
-                       partial_rotary_factor=(self.rotary_dim or self.head_dim) / self.head_dim)
+                       linear_conv_kernel_dim=self.linear_conv)
+            factor = (self.rotary_dim or self.head_dim) / self.head_dim
+            if self.architecture == "qwen3_next":
+                out.update(partial_rotary_factor=factor, norm_topk_prob=self.norm_topk_prob, decoder_sparse_step=1,
+                           mlp_only_layers=[])
+            else:  # Qwen3.5's configs take the factor in rope_parameters only
+                out["rope_parameters"] = {"rope_type": "default", "rope_theta": self.rope_theta,
+                                          "partial_rotary_factor": factor,
+                                          **(self.rope_scaling.to_hf() if self.rope_scaling is not None else {})}
+                del out["rope_theta"], out["rope_scaling"]
+            if self.moe:
+                out.update(num_experts=self.num_experts, num_experts_per_tok=self.experts_per_token,
+                           moe_intermediate_size=self.intermediate_size,
+                           shared_expert_intermediate_size=self.shared_expert_size)
+                if self.architecture == "qwen3_5_moe_text":
+                    del out["intermediate_size"]
         if self.architecture in ("qwen2", "qwen3"):
             out["use_sliding_window"] = self.sliding_window is not None
             # transformers derives the layers from max_window_layers when layer_types is absent;
@@ -933,14 +952,15 @@ def _experts(c: Mapping[str, Any], model_type: str, source: str) -> dict[str, An
     key = next((k for k in ("num_local_experts", "num_experts") if c.get(k) is not None),
                "num_local_experts" if mixtral else "num_experts")
     experts, per_token = {"mixtral": (8, 2), "qwen3_moe": (128, 8), "qwen2_moe": (60, 4), "olmoe": (64, 8),
-                          "granitemoe": (8, 2), "gpt_oss": (128, 4), "qwen3_next": (512, 10)}[model_type]
+                          "granitemoe": (8, 2), "gpt_oss": (128, 4), "qwen3_next": (512, 10),
+                          "qwen3_5_moe_text": (256, 8)}[model_type]
     fields = dict(num_experts=config_field(c, key, int, source, experts, positive=True),
                   experts_per_token=config_field(c, "num_experts_per_tok", int, source, per_token, positive=True),
                   norm_topk_prob=True if mixtral else config_field(c, "norm_topk_prob", bool, source,
                                                                    model_type == "qwen3_next"))
     if shared:  # Qwen2MoeConfig's shared expert (default 5632 wide; 0 would mean none), Qwen3NextConfig's (512)
         fields["shared_expert_size"] = config_field(c, "shared_expert_intermediate_size", int, source,
-                                                    512 if model_type == "qwen3_next" else 5632)
+                                                    5632 if model_type == "qwen2_moe" else 512)
     if model_type == "olmoe" and c.get("clip_qkv") is not None:
         raise ValueError(f"{source}: clip_qkv={c['clip_qkv']!r} is not supported (q, k and v unclipped)")
     if model_type in ("qwen3_moe", "qwen2_moe", "qwen3_next"):
@@ -952,6 +972,26 @@ def _experts(c: Mapping[str, Any], model_type: str, source: str) -> dict[str, An
             raise ValueError(f"{source}: decoder_sparse_step={step} is not supported (only 1: experts in every "
                              f"layer)")
     return fields
+
+
+# Multimodal wrappers whose text model tevjax runs: the released Qwen3.5 checkpoints are
+# Qwen3_5(Moe)ForConditionalGeneration, their text model's config under `text_config`.
+MULTIMODAL_WRAPPERS = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+
+
+def text_config(c: Mapping[str, Any], source: str) -> Mapping[str, Any]:
+    """`c` itself, or for a multimodal wrapper (`MULTIMODAL_WRAPPERS`) its `text_config`, with the
+    wrapper's tie_word_embeddings where the text config has none (transformers reads it there)."""
+    inner = MULTIMODAL_WRAPPERS.get(c.get("model_type"))
+    if inner is None:
+        return c
+    text = c.get("text_config")
+    if not isinstance(text, Mapping):
+        raise ValueError(f"{source}: model_type {c.get('model_type')!r} needs a 'text_config' object, got {text!r}")
+    text = {"model_type": inner, **text}
+    if "tie_word_embeddings" in c:
+        text.setdefault("tie_word_embeddings", c["tie_word_embeddings"])
+    return text
 
 
 def _linear_layers(c: Mapping[str, Any], source: str) -> dict[str, Any]:

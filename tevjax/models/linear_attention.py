@@ -25,8 +25,8 @@ passes the lower triangle. The state after a sequence (`final=True`) is
     S_T = exp(c_T) S0 + sum_j exp(c_T - c_j) k_j v_new_j^T.
 
 A token with g = 0 and beta = 0 leaves the state as it was, which is how padding is kept out.
-Everything is float32. Shape letters: the legend in `tevjax/__init__.py`; here H is value heads
-and Dk, Dv the key and value head widths, C conv channels and W the conv kernel width.
+Everything is float32. Shape letters: the legend in `tevjax/__init__.py` (Hv value heads, Hk key
+heads, Dk and Dv their widths, C conv channels, W the conv width).
 """
 
 from __future__ import annotations
@@ -51,10 +51,10 @@ def gated_delta(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: ja
                 mask: jax.Array, *, final: bool = False) -> tuple[jax.Array, jax.Array | None]:
     """One block of the gated delta rule (see the module docstring).
 
-    q, k [B, T, H, Dk] (unit-normed; q also scaled); v [B, T, H, Dv]; g, beta [B, T, H]; state
-    [B, H, Dk, Dv], the state before the block; mask [B, T, T] bool, token i's ancestor-or-self
+    q, k [B, T, Hv, Dk] (unit-normed; q also scaled; one per value head); v [B, T, Hv, Dv]; g, beta
+    [B, T, Hv]; state [B, Hv, Dk, Dv], the state before the block; mask [B, T, T] bool, token i's ancestor-or-self
     tokens (a causal run: the lower triangle), whose indices must come before i's.
-    -> (out [B, T, H, Dv] float32, the state after the block's sequence when `final`, else None;
+    -> (out [B, T, Hv, Dv] float32, the state after the block's sequence when `final`, else None;
     `final` needs `mask` to be one sequence, the lower triangle).
     """
     f32 = jnp.float32
@@ -62,28 +62,28 @@ def gated_delta(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: ja
     t = q.shape[1]
     m = mask.astype(bool)[:, None]  # [B, 1, T, T]
     strict = m & ~jnp.eye(t, dtype=bool)
-    c = jnp.einsum("bij,bjh->bhi", mask.astype(f32), g, precision=_HI)  # [B, H, T] summed decay of each sequence
+    c = jnp.einsum("bij,bjh->bhi", mask.astype(f32), g, precision=_HI)  # [B, Hv, T] summed decay of each sequence
     # exp(c_i - c_j) only where j is on i's sequence (there it is <= 1); 0 elsewhere, without an overflow.
-    pair = jnp.where(m, jnp.exp(jnp.where(m, c[..., :, None] - c[..., None, :], 0.0)), 0.0)  # [B, H, T, T]
+    pair = jnp.where(m, jnp.exp(jnp.where(m, c[..., :, None] - c[..., None, :], 0.0)), 0.0)  # [B, Hv, T, T]
     kk = jnp.einsum("bihd,bjhd->bhij", k, k, precision=_HI)
-    bh = jnp.swapaxes(beta, 1, 2)  # [B, H, T]
+    bh = jnp.swapaxes(beta, 1, 2)  # [B, Hv, T]
     a = jnp.where(strict, bh[..., :, None] * kk * pair, 0.0)
     lhs = a + jnp.eye(t, dtype=f32)
     rhs = jnp.concatenate([jnp.swapaxes(v * beta[..., None], 1, 2),
                            jnp.swapaxes(k * (beta * jnp.exp(jnp.swapaxes(c, 1, 2)))[..., None], 1, 2)], axis=-1)
-    x = jax.lax.linalg.triangular_solve(lhs, rhs, left_side=True, lower=True, unit_diagonal=True)  # [B, H, T, Dv + Dk]
+    x = jax.lax.linalg.triangular_solve(lhs, rhs, left_side=True, lower=True, unit_diagonal=True)  # [B, Hv, T, Dv + Dk]
     dv = v.shape[-1]
     u, w = x[..., :dv], x[..., dv:]
-    v_new = u - jnp.einsum("bhtk,bhkv->bhtv", w, state, precision=_HI)  # [B, H, T, Dv]
+    v_new = u - jnp.einsum("bhtk,bhkv->bhtv", w, state, precision=_HI)  # [B, Hv, T, Dv]
     qk = jnp.einsum("bihd,bjhd->bhij", q, k, precision=_HI) * pair
-    qs = jnp.swapaxes(q, 1, 2) * jnp.exp(c)[..., None]  # [B, H, T, Dk]
+    qs = jnp.swapaxes(q, 1, 2) * jnp.exp(c)[..., None]  # [B, Hv, T, Dk]
     out = (jnp.einsum("bhtk,bhkv->bhtv", qs, state, precision=_HI)
            + jnp.einsum("bhij,bhjv->bhiv", qk, v_new, precision=_HI))
     out = jnp.swapaxes(out, 1, 2)
     if not final:
         return out, None
-    last = c[..., -1:]  # [B, H, 1]
-    kd = jnp.swapaxes(k, 1, 2) * jnp.exp(last - c)[..., None]  # [B, H, T, Dk]
+    last = c[..., -1:]  # [B, Hv, 1]
+    kd = jnp.swapaxes(k, 1, 2) * jnp.exp(last - c)[..., None]  # [B, Hv, T, Dk]
     new = state * jnp.exp(last)[..., None] + jnp.einsum("bhtk,bhtv->bhkv", kd, v_new, precision=_HI)
     return out, new
 
@@ -92,7 +92,7 @@ def gated_delta_chunked(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, 
                         state: jax.Array, *, chunk: int = 64) -> tuple[jax.Array, jax.Array]:
     """A causal run of any length T: `gated_delta` over chunks of `chunk` tokens under a
     `lax.scan`, each starting from the state the chunk before left. Shapes as `gated_delta`'s;
-    -> (out [B, T, H, Dv] float32, the state after the T tokens). Padding up to a whole chunk has
+    -> (out [B, T, Hv, Dv] float32, the state after the T tokens). Padding up to a whole chunk has
     g = beta = 0 and so leaves the state alone."""
     b, t, h, dk = k.shape
     size = min(chunk, t)
@@ -162,9 +162,9 @@ def commit_path(state: jax.Array, conv_state: jax.Array, x: jax.Array, k: jax.Ar
                 nodes: jax.Array, count: jax.Array) -> tuple[jax.Array, jax.Array]:
     """One linear layer's state and conv state after a tree pass's accepted path.
 
-    state [B, H, Dk, Dv], conv_state [B, W - 1, C]: before the tree pass; x [B, N, C] each node's
-    conv input, k [B, N, Kh, Dk] its convolved keys (not yet normed; Kh key heads), v [B, N, H, Dv]
-    its values, gb [B, N, 2, H] its decay g and beta, as the tree pass computed them; nodes [B, M]
+    state [B, Hv, Dk, Dv], conv_state [B, W - 1, C]: before the tree pass; x [B, N, C] each node's
+    conv input, k [B, N, Hk, Dk] its convolved keys (not yet normed), v [B, N, Hv, Dv] its values,
+    gb [B, N, 2, Hv] its decay g and beta, as the tree pass computed them; nodes [B, M]
     the path (root first), of which the first `count` [B] are taken. The path is run as the
     sequence it is (`gated_delta` with `final`), so the state is the one a causal run over those
     tokens leaves, whatever else the tree held.

@@ -1,6 +1,6 @@
 """Decoder-only target model (Llama, Mistral, Qwen2, Qwen3, Gemma 2-3, Phi-3, Mixtral, Qwen2-MoE,
-Qwen3-MoE, SmolLM3, Granite, OLMo 2-3, OLMoE, Granite MoE and GPT-OSS families) with a per-row KV
-cache.
+Qwen3-MoE, SmolLM3, Granite, OLMo 2-3, OLMoE, Granite MoE and GPT-OSS families, and the hybrid
+Qwen3-Next and Qwen3.5) with a per-row KV cache.
 
 One call handles prefill, single-token decode and the one-pass tree verification:
 
@@ -24,7 +24,13 @@ query at position p sees only keys at positions > p - window, the committed slot
 position s. A causal run's queries sit at slots write_pos + t, positions equal to slots.
 
 Layers are stacked along a leading axis (created with `nnx.vmap`) and run under `jax.lax.scan`,
-so a 36-layer model compiles one layer body. Shape letters follow the legend in
+so a 36-layer model compiles one layer body. A hybrid model (Qwen3-Next, Qwen3.5) stacks its
+Gated DeltaNet layers apart (`linear_layers`) and the scan steps over whole periods of its layer
+pattern (three linear layers, then attention): one body of four layers. Its linear layers keep a
+recurrent state in `KVCache.linear` instead of slots: a causal run advances it over the run's
+`valid` tokens; a tree pass gives every node its root-to-node path's output
+(`linear_attention.gated_delta` over the ancestor mask) and records what `KVCache.advance` needs to
+run the accepted path into the state. Shape letters follow the legend in
 `tevjax/__init__.py` (here T: the new tokens of one call).
 """
 
@@ -231,7 +237,7 @@ class GatedDeltaNet(nnx.Module):
         self.out_proj = nnx.Linear(vw, d, **lin)
 
     def __call__(self, x, *, state, conv_state, mask, depth, valid):
-        """x [B, T, D]; state [B, H, Dk, Dv] and conv_state [B, W - 1, C]: before the run; mask:
+        """x [B, T, D]; state [B, Hv, Dk, Dv] and conv_state [B, W - 1, C]: before the run; mask:
         the tree pass's [B, T, T] ancestor-or-self mask, or None for a causal run, then `valid` [B, T]
         (None: all) marks the tokens that enter the state, a prefix of each row; depth [B, T] each
         token's steps from the run's first. -> (out [B, T, D], after): a causal run's `after` is
@@ -250,7 +256,7 @@ class GatedDeltaNet(nnx.Module):
         k = conv[..., kd:2 * kd].reshape(b, t, kh, self.key_dim)
         v = conv[..., 2 * kd:].reshape(b, t, hv, self.value_dim)
         f32 = jnp.float32
-        beta = jax.nn.sigmoid(self.in_proj_b(x).astype(f32))  # [B, T, H]
+        beta = jax.nn.sigmoid(self.in_proj_b(x).astype(f32))  # [B, T, Hv]
         g = -jnp.exp(self.A_log[...].astype(f32)) * jax.nn.softplus(self.in_proj_a(x).astype(f32)
                                                                     + self.dt_bias[...].astype(f32))
         rep = hv // kh  # each query/key head serves rep consecutive value heads
@@ -322,8 +328,8 @@ def full_mask(block_mask: jax.Array, write_pos: jax.Array, capacity: int) -> jax
 
 class Transformer(nnx.Module):
     """Llama / Mistral / Qwen2 / Qwen3 / Gemma 2-3 / Phi-3 / Mixtral / Qwen2-3 MoE / SmolLM3 / Granite /
-    OLMo 2-3 / OLMoE / Granite MoE / GPT-OSS decoder with stacked layers; see the module docstring for
-    the call protocol."""
+    OLMo 2-3 / OLMoE / Granite MoE / GPT-OSS / Qwen3-Next / Qwen3.5 decoder with stacked layers; see the
+    module docstring for the call protocol."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg

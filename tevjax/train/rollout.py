@@ -165,8 +165,11 @@ def _hidden_fn(state, tokens, *, graphdef, taps):
     target: Transformer = nnx.merge(graphdef, state)
     b, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    out = target(tokens, positions, KVCache.init(target.cfg, b, t), jnp.zeros((b,), jnp.int32),
-                 jnp.broadcast_to(causal_mask(t), (b, t, t)), hidden_layers=taps, compute_logits=False)
+    # One tree-form pass (a causal block mask); a hybrid target's linear layers take a causal run, whose
+    # chunked recurrence does not hold a [T, T] block per head.
+    mask = None if target.cfg.linear_layers else jnp.broadcast_to(causal_mask(t), (b, t, t))
+    out = target(tokens, positions, KVCache.init(target.cfg, b, t), jnp.zeros((b,), jnp.int32), mask,
+                 hidden_layers=taps, compute_logits=False)
     return tapped_hidden(out, taps, target.cfg.num_layers).astype(jnp.bfloat16)
 
 

@@ -325,6 +325,13 @@ class Trainer:
 
     def __init__(self, drafter: DFlashDrafter, target: Transformer, cfg: TrainConfig, mesh):
         drafter.cfg.check_target(target.cfg)
+        if cfg.exit_on and target.cfg.linear_layers:
+            # The exit loss scores every anchor's tree in one pass over the sequence, each tree reading
+            # the prefix before its anchor through the cache; a linear layer would need its recurrent
+            # state at each anchor, which that pass does not have.
+            raise ValueError(f"the exit loss (exit_lambda={cfg.exit_lambda}) is not supported for a target with "
+                             f"linear-attention layers ({target.cfg.architecture}); train with exit_lambda 0 "
+                             f"(--exit-lambda 0), the DFlash token loss")
         if cfg.distill > 0:
             final_tap(drafter, target)
         check_batch(mesh, cfg.batch_size, f"the training batch (batch_size {cfg.batch_size})")
