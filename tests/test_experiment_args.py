@@ -23,6 +23,7 @@ import fallback  # noqa: E402
 import fixed_tree_equivalence  # noqa: E402
 import moe_dispatch  # noqa: E402
 import heldout_screen  # noqa: E402
+import hybrid_latency  # noqa: E402
 import round_blocks  # noqa: E402
 import round_stages  # noqa: E402
 import truncation  # noqa: E402
@@ -433,3 +434,10 @@ def test_moe_dispatch_checks_its_arguments_and_compares_equal_outputs(tmp_path, 
     assert len(rows) == 2
     assert all(float(row.split("|")[5]) < 1e-5 for row in rows)  # both dispatches gave the same outputs
     assert json.loads(out.with_suffix(".json").read_text())["results"][1]["tokens"] == 5
+
+
+def test_hybrid_latency_needs_whole_periods_of_layers(capsys):
+    assert "--layers must be a positive multiple of 4" in error_of(hybrid_latency.parse_args, ["--layers", "6"], capsys)
+    assert "--iters must be >= 10" in error_of(hybrid_latency.parse_args, ["--iters", "3"], capsys)
+    assert "every --nodes entry >= 1" in error_of(hybrid_latency.parse_args, ["--nodes", "0", "9"], capsys)
+    assert hybrid_latency.parse_args([]).nodes == [1, 9, 17, 33, 65]

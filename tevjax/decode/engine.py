@@ -21,7 +21,9 @@ draft rows per block, the maximum tree depth)::
 
 Invariants of `DecodeState` between rounds, per row: the target cache slots [0, cache_len) hold
 exactly the committed tokens except the last one (`root`), whose K/V the next tree pass writes at
-slot cache_len; the drafter context cache holds the features of the same cache_len tokens. Every
+slot cache_len; a hybrid target's linear-attention state (`KVCache.linear`) has run over the same
+cache_len tokens (the commit runs the root and the accepted path into it: `KVCache.advance`); the
+drafter context cache holds the features of the same cache_len tokens. Every
 write of a round lands at slots >= cache_len, so a finished row's committed state is never
 touched and finished rows simply stop changing.
 

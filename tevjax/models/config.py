@@ -268,7 +268,9 @@ class ModelConfig:
     # Granite Llama's with four scalar multipliers; OLMo 2 norms branch outputs, not inputs; OLMo 3
     # adds windows in three layers of four, with a rope of their own; OLMoE is Llama's layers with
     # OLMo's q/k norms over each whole projection and routed experts; Granite MoE Granite's with them;
-    # GPT-OSS has attention sinks, biased experts with a clipped gate, and windows in every other layer)
+    # GPT-OSS has attention sinks, biased experts with a clipped gate, and windows in every other layer;
+    # "qwen3_next", "qwen3_5_text" and "qwen3_5_moe_text" are hybrids: Gated DeltaNet linear layers
+    # (`linear_layers`) beside gated attention with a partial rope, Qwen3.5 dense or with experts)
     architecture: str
     vocab_size: int
     hidden_size: int

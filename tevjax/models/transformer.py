@@ -309,9 +309,10 @@ class LinearDecoderLayer(nnx.Module):
             if t > lin.tree_slots:
                 raise ValueError(f"a tree pass of {t} nodes needs a cache that records at least that many "
                                  f"(KVCache.init(..., tree_slots={t})), not {lin.tree_slots}")
-            lin = dataclasses.replace(lin, **{name: put(getattr(lin, name), value)
-                                              for name, value in zip(("tree_x", "tree_k", "tree_v", "tree_gb"),
-                                                                     after)})
+            # The state the commit starts from is the one this pass read: emptied for a fresh row.
+            lin = dataclasses.replace(lin, state=put(lin.state, state), conv=put(lin.conv, conv_state),
+                                      **{name: put(getattr(lin, name), value)
+                                         for name, value in zip(("tree_x", "tree_k", "tree_v", "tree_gb"), after)})
         return x, lin
 
 
