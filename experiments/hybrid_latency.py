@@ -14,7 +14,8 @@ one prefill chunk of `--prefix` tokens (a causal run), which the hybrid runs thr
 recurrence (`linear_attention.gated_delta_chunked`).
 
 The ratios are of medians over rounds; their spread is the 10-90% range of the per-round ratios.
-Everything runs in one process, interleaved, so noise on the shared host hits both models alike.
+Everything runs in one process, interleaved in a fresh random order each round, so noise on the
+shared host (and the cold caches after a prefill) hit both models and every N alike.
 
     python experiments/hybrid_latency.py                      # defaults: 12 layers, prefix 256
     python experiments/hybrid_latency.py --nodes 1 9 17 --iters 30
@@ -42,7 +43,7 @@ from model_latency import _peaked_log_marginals  # experiments/model_latency.py
 from report import save  # experiments/report.py (scripts run from this folder)
 
 WIDTH = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_heads=9, num_kv_heads=3, head_dim=64,
-             tie_word_embeddings=True)
+             tie_word_embeddings=True, max_position_embeddings=4096)
 
 
 def configs(layers: int):
@@ -124,13 +125,16 @@ def main() -> None:
         for what in stages:
             jax.block_until_ready(call(run, what))
     times = {(name, what): [] for name in runs for what in stages}
+    pairs = [(what, name) for what in stages for name in runs]
+    order = np.random.default_rng(args.seed + 1)
     for r in range(args.warmup + args.iters):
-        for what in stages:
-            for name, run in runs.items():
-                t0 = time.perf_counter()
-                jax.block_until_ready(call(run, what))
-                if r >= args.warmup:
-                    times[name, what].append((time.perf_counter() - t0) * 1e3)
+        # A fresh order each round: a pass that follows a prefill (cold caches) is not always the same one.
+        for i in order.permutation(len(pairs)):
+            what, name = pairs[i]
+            t0 = time.perf_counter()
+            jax.block_until_ready(call(runs[name], what))
+            if r >= args.warmup:
+                times[name, what].append((time.perf_counter() - t0) * 1e3)
     times = {k: np.asarray(v) for k, v in times.items()}
 
     def ratio(a, b):  # ratio of medians, and the 10-90% range of the per-round ratios
