@@ -253,8 +253,8 @@ def test_a_multimodal_qwen3_5_checkpoint_loads_its_text_model(tmp_path):
 
 def test_a_drafter_trains_on_a_qwen3_next_target(pair, tmp_path):
     """`tevjax data` on a hybrid target stores the greedy answers and their tapped features (equal to a
-    forward pass of each whole sequence), the token loss trains a drafter on them, and the exit loss,
-    which needs the linear layers' state at every anchor, is refused by name."""
+    forward pass of each whole sequence), and the token loss trains a drafter on them, with the exit
+    loss as well."""
     from pathlib import Path
 
     from tevjax.loading import LoadedTarget
@@ -294,6 +294,43 @@ def test_a_drafter_trains_on_a_qwen3_next_target(pair, tmp_path):
         losses.append(float(metrics["loss"]))
     assert all(np.isfinite(losses)) and losses[-1] < losses[0]
     assert all(jax.tree.leaves(jax.tree.map(lambda a, b: not np.array_equal(a, np.asarray(b)), p0, state.params)))
-    with pytest.raises(ValueError, match="exit loss .* linear-attention layers"):
-        Trainer(DFlashDrafter(dcfg, rngs=nnx.Rngs(0)), model, dataclasses.replace(train_cfg, exit_lambda=0.1),
-                make_mesh())
+    # The exit loss too: its trees are scored in one pass (next test), and a step with it trains.
+    exit_cfg = dataclasses.replace(train_cfg, exit_lambda=0.1, exit_budget=5)
+    trainer = Trainer(DFlashDrafter(dcfg, rngs=nnx.Rngs(0)), model, exit_cfg, make_mesh())
+    state, metrics = trainer.step(trainer.init_state(), batch)
+    assert np.isfinite(float(metrics["loss"])) and float(metrics["loss_exit"]) > 0
+
+
+def test_exit_trees_scored_in_one_pass_equal_per_anchor_prefills_and_tree_passes():
+    """`score_trees` on a hybrid target (the sequence and every anchor's tree in one pass under the
+    ancestor relation) gives each node the logits the decoder gets from prefilling the tokens before
+    its anchor (a causal run: the recurrent state after them) and a tree pass."""
+    from tevjax.decode.engine import draft_trees, tree_pass
+    from tevjax.testing import random_model, tiny_config
+    from tevjax.train.step import score_trees
+
+    cfg = tiny_config("qwen3_next", num_layers=4, linear_layers=(0, 1, 2))
+    target = random_model(cfg, seed=1)
+    rng = np.random.default_rng(7)
+    b, q, e, budget = 2, 20, 3, 5
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (b, q)), jnp.int32)
+    anchors = jnp.asarray([[3, 9, 15], [5, 6, 18]], jnp.int32)
+    logits = rng.standard_normal((b * e, 3, cfg.vocab_size))
+    logits[:, :, 7] += 6.0  # one sure token per depth: the trees reach depth 3
+    log_q = jnp.asarray(logits, jnp.float32)
+    flat = draft_trees(log_q, jnp.take_along_axis(tokens, anchors, axis=1).reshape(-1), budget)
+    trees = jax.tree.map(lambda x: x.reshape((b, e) + x.shape[1:]), flat)
+    assert int(np.asarray(trees.depth).max()) >= 2  # paths below the root's children are checked
+    fast = np.asarray(score_trees(target, tokens, anchors, trees))
+    for i in range(b):
+        for j in range(e):
+            a = int(anchors[i, j])
+            cache = KVCache.init(cfg, 1, q + budget + 1, tree_slots=budget + 1)
+            cache = target(tokens[i:i + 1, :a], jnp.arange(a, dtype=jnp.int32)[None], cache, jnp.zeros((1,), jnp.int32),
+                           None, compute_logits=False).cache
+            tree = jax.tree.map(lambda x: x[i:i + 1, j], trees)
+            ref = np.asarray(tree_pass(target, tree, jnp.asarray([a], jnp.int32), cache).logits[0])
+            valid = np.asarray(tree.valid[0])
+            # float32 rounding: the one pass solves one triangular system over all 38 tokens of a row
+            # (the sequence and three trees), the reference a system per prefill and per tree
+            np.testing.assert_allclose(fast[i, j][valid], ref[valid], atol=5e-4, rtol=1e-4)

@@ -166,6 +166,11 @@ def score_trees(target: Transformer, tokens: jax.Array, anchors: jax.Array, tree
     anchor (positions < anchor_e) and its own ancestors in tree e. This equals E separate passes
     that each prefill tokens[:anchor_e] and run the tree (the decoder's tree pass), without
     repeating the prefix.
+
+    The mask is the ancestor-or-self relation of one big tree (the sequence a chain, each anchor's
+    tree hanging off the token before its anchor), so a hybrid target's linear layers, which run a
+    tree pass as the gated delta rule over that relation (`linear_attention.gated_delta`), give each
+    node the output of its own sequence too: no recurrent state per anchor is needed.
     """
     b, t = tokens.shape
     e, n = trees.tokens.shape[1:]
@@ -185,8 +190,9 @@ def score_trees(target: Transformer, tokens: jax.Array, anchors: jax.Array, tree
     bottom = jnp.concatenate([to_seq, in_tree], axis=2)
     mask = jnp.concatenate([top, bottom], axis=1)  # [B, T + E*N, T + E*N]
 
-    out = target(all_tokens, positions, KVCache.init(target.cfg, b, total), jnp.zeros((b,), jnp.int32), mask,
-                 compute_logits=False)
+    # (A hybrid target's cache records the pass's nodes for a commit; nothing reads them here.)
+    out = target(all_tokens, positions, KVCache.init(target.cfg, b, total, tree_slots=total),
+                 jnp.zeros((b,), jnp.int32), mask, compute_logits=False)
     return target.logits(out.final_hidden[:, t:]).reshape(b, e, n, -1)
 
 
@@ -325,13 +331,6 @@ class Trainer:
 
     def __init__(self, drafter: DFlashDrafter, target: Transformer, cfg: TrainConfig, mesh):
         drafter.cfg.check_target(target.cfg)
-        if cfg.exit_on and target.cfg.linear_layers:
-            # The exit loss scores every anchor's tree in one pass over the sequence, each tree reading
-            # the prefix before its anchor through the cache; a linear layer would need its recurrent
-            # state at each anchor, which that pass does not have.
-            raise ValueError(f"the exit loss (exit_lambda={cfg.exit_lambda}) is not supported for a target with "
-                             f"linear-attention layers ({target.cfg.architecture}); train with exit_lambda 0 "
-                             f"(--exit-lambda 0), the DFlash token loss")
         if cfg.distill > 0:
             final_tap(drafter, target)
         check_batch(mesh, cfg.batch_size, f"the training batch (batch_size {cfg.batch_size})")
