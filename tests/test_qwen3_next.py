@@ -334,3 +334,27 @@ def test_exit_trees_scored_in_one_pass_equal_per_anchor_prefills_and_tree_passes
             # float32 rounding: the one pass solves one triangular system over all 38 tokens of a row
             # (the sequence and three trees), the reference a system per prefill and per tree
             np.testing.assert_allclose(fast[i, j][valid], ref[valid], atol=5e-4, rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_the_cli_decodes_a_saved_qwen3_next_target(capsys, tmp_path):
+    """`tevjax generate --target DIR` on a saved hybrid target, speculative with its fresh drafter and
+    continuous batching over three prompts in two rows, prints the AR tokens of each prompt."""
+    from tevjax.cli import main
+    from tevjax.decode import DecodeConfig, Decoder
+    from tevjax.testing import random_model, tiny_config
+
+    model = random_model(tiny_config("qwen3_next", num_layers=4, linear_layers=(0, 1, 2), vocab_size=48,
+                                     max_position_embeddings=64), seed=3)
+    save_hf_target(model, tmp_path / "next")
+    prompts = [[1, 2, 3], [1, 5], [1, 7, 7, 9]]
+    want = [g.tokens for g in Decoder(model, None, DecodeConfig(max_new_tokens=6, eos_ids=(2,))).generate(prompts)]
+    batch = tmp_path / "prompts.jsonl"
+    batch.write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in prompts))
+    for extra in ([], ["--continuous"]):
+        code = main(["generate", "--target", str(tmp_path / "next"), "--batch-file", str(batch), "--batch-size", "2",
+                     "--max-new-tokens", "6", "--budget", "4", "--json", *extra])
+        out, err = capsys.readouterr()
+        assert code == 0, err
+        records = sorted((json.loads(line) for line in out.strip().splitlines()), key=lambda r: r["index"])
+        assert [r["tokens"] for r in records] == want, extra
