@@ -74,72 +74,101 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def main() -> None:
-    args = parse_args()
-    t_start = time.perf_counter()
-    rng = np.random.default_rng(args.seed)
-    prompt = rng.integers(3, WIDTH["vocab_size"], args.prefix).tolist()
-    lm = jnp.asarray(_peaked_log_marginals(rng, 15, WIDTH["vocab_size"]))[None]  # [1, G, V]
+def prepare(models: dict, prompt: list[int], nodes: list[int], seed: int) -> dict:
+    """Per model (name -> `Transformer`): the engine's prefill of `prompt`, a tree of each size in
+    `nodes`, and the jitted passes `call` times."""
+    vocab = next(iter(models.values())).cfg.vocab_size
+    lm = jnp.asarray(_peaked_log_marginals(np.random.default_rng(seed), 15, vocab))[None]  # [1, G, V]
     build = jax.jit(engine.draft_trees, static_argnums=2)
-
     runs = {}
-    for name, cfg in configs(args.layers).items():
-        target = random_model(cfg, seed=args.seed)
+    for name, target in models.items():
+        cfg = target.cfg
         # A drafter only so that the engine's cache records the largest tree (N = budget + 1 nodes).
         drafter = DFlashDrafter(DFlashConfig.for_target(cfg, num_layers=1, block_size=16, mask_token_id=0),
-                                rngs=nnx.Rngs(args.seed))
-        dec = engine.Decoder(target, drafter, engine.DecodeConfig(budget=max(max(args.nodes) - 1, 1),
-                                                                  max_new_tokens=64, prompt_bucket=64))
+                                rngs=nnx.Rngs(seed))
+        dec = engine.Decoder(target, drafter, engine.DecodeConfig(budget=max(max(nodes) - 1, 1), max_new_tokens=64,
+                                                                  prompt_bucket=64))
         state = jax.block_until_ready(dec.prefill([prompt]))
-        cache = state.target_cache
-        tgd, tstate = dec.tgd, dec.tstate
+        tgd = dec.tgd
 
         @functools.partial(jax.jit, donate_argnums=(1,))
         def round_half(tstate, cache, cache_len, trees, tgd=tgd):
             out = engine.tree_pass(nnx.merge(tgd, tstate), trees, cache_len, cache)
             n = trees.tokens.shape[1]
-            nodes = jnp.minimum(jnp.arange(3, dtype=jnp.int32), n - 1)[None]
+            path = jnp.minimum(jnp.arange(3, dtype=jnp.int32), n - 1)[None]
             src = jnp.where(jnp.arange(2)[None] < n - 1, cache_len[:, None] + 1 + jnp.arange(2)[None], -1)
-            committed = out.cache.move_slots(src, cache_len + 1).advance(nodes, jnp.minimum(3, n)[None])
+            committed = out.cache.move_slots(src, cache_len + 1).advance(path, jnp.minimum(3, n)[None])
             return out.logits, committed
 
         @jax.jit
         def chunk(tstate, cache, tokens, tgd=tgd):
-            target = nnx.merge(tgd, tstate)
             t = tokens.shape[1]
-            return target(tokens, jnp.arange(t, dtype=jnp.int32)[None], cache, jnp.zeros((1,), jnp.int32), None,
-                          compute_logits=False).final_hidden
+            return nnx.merge(tgd, tstate)(tokens, jnp.arange(t, dtype=jnp.int32)[None], cache,
+                                          jnp.zeros((1,), jnp.int32), None, compute_logits=False).final_hidden
 
-        trees = {n: (engine.root_trees(state.root) if n == 1 else build(lm, state.root, n - 1)) for n in args.nodes}
-        runs[name] = dict(cfg=cfg, tstate=tstate, cache=cache, cache_len=state.cache_len, trees=trees,
-                          round_half=round_half, chunk=chunk, tokens=jnp.asarray([prompt], jnp.int32))
+        trees = {n: (engine.root_trees(state.root) if n == 1 else build(lm, state.root, n - 1)) for n in nodes}
+        runs[name] = dict(cfg=cfg, tstate=dec.tstate, cache=state.target_cache, cache_len=state.cache_len,
+                          trees=trees, round_half=round_half, chunk=chunk, tokens=jnp.asarray([prompt], jnp.int32))
+    return runs
 
-    def call(run, what):
-        if what == "prefill":
-            return run["chunk"](run["tstate"], run["cache"], run["tokens"])
-        logits, run["cache"] = run["round_half"](run["tstate"], run["cache"], run["cache_len"], run["trees"][what])
-        return logits
 
-    stages = [*args.nodes, "prefill"]
-    for run in runs.values():  # compile
+def call(run: dict, what) -> jax.Array:
+    """One timed pass: "prefill" (a causal run over the prompt), or the tree pass + commit at N = what."""
+    if what == "prefill":
+        return run["chunk"](run["tstate"], run["cache"], run["tokens"])
+    logits, run["cache"] = run["round_half"](run["tstate"], run["cache"], run["cache_len"], run["trees"][what])
+    return logits
+
+
+def measure(runs: dict, stages: list, iters: int, warmup: int, seed: int) -> dict:
+    """{(model, stage): [ms]}: every stage of every model once a round, in a fresh random order each
+    round (so that noise, and the cold caches after a prefill, hit every cell alike), after compiling."""
+    for run in runs.values():
         for what in stages:
             jax.block_until_ready(call(run, what))
     times = {(name, what): [] for name in runs for what in stages}
     pairs = [(what, name) for what in stages for name in runs]
-    order = np.random.default_rng(args.seed + 1)
-    for r in range(args.warmup + args.iters):
-        # A fresh order each round: a pass that follows a prefill (cold caches) is not always the same one.
+    order = np.random.default_rng(seed + 1)
+    for r in range(warmup + iters):
         for i in order.permutation(len(pairs)):
             what, name = pairs[i]
             t0 = time.perf_counter()
             jax.block_until_ready(call(runs[name], what))
-            if r >= args.warmup:
+            if r >= warmup:
                 times[name, what].append((time.perf_counter() - t0) * 1e3)
-    times = {k: np.asarray(v) for k, v in times.items()}
+    return {k: np.asarray(v) for k, v in times.items()}
 
-    def ratio(a, b):  # ratio of medians, and the 10-90% range of the per-round ratios
-        per = times[a] / times[b]
-        return float(np.median(times[a]) / np.median(times[b])), *np.percentile(per, [10, 90])
+
+def ratio(times: dict, a, b) -> tuple[float, float, float]:
+    """The ratio of medians of two cells, and the 10-90% range of their per-round ratios."""
+    per = times[a] / times[b]
+    return float(np.median(times[a]) / np.median(times[b])), *np.percentile(per, [10, 90])
+
+
+TABLE = ["| N | attention ms | hybrid ms | attention / its step | hybrid / its step | hybrid / attention |",
+         "|---:|---:|---:|---|---|---|"]
+
+
+def rows(times: dict, nodes: list[int]) -> list[str]:
+    """The table's rows: each N's medians and its ratios to the step (N = 1) and between the models."""
+    step = 1 if 1 in nodes else nodes[0]
+    out = []
+    for n in nodes:
+        a, h = float(np.median(times["attention", n])), float(np.median(times["hybrid", n]))
+        ra, rh = ratio(times, ("attention", n), ("attention", step)), ratio(times, ("hybrid", n), ("hybrid", step))
+        rx = ratio(times, ("hybrid", n), ("attention", n))
+        out.append(f"| {n} | {a:.2f} | {h:.2f} | {ra[0]:.2f} [{ra[1]:.2f}-{ra[2]:.2f}] | "
+                   f"{rh[0]:.2f} [{rh[1]:.2f}-{rh[2]:.2f}] | {rx[0]:.2f} [{rx[1]:.2f}-{rx[2]:.2f}] |")
+    return out
+
+
+def main() -> None:
+    args = parse_args()
+    t_start = time.perf_counter()
+    prompt = np.random.default_rng(args.seed).integers(3, WIDTH["vocab_size"], args.prefix).tolist()
+    models = {name: random_model(cfg, seed=args.seed) for name, cfg in configs(args.layers).items()}
+    runs = prepare(models, prompt, args.nodes, args.seed)
+    times = measure(runs, [*args.nodes, "prefill"], args.iters, args.warmup, args.seed)
 
     dev = jax.devices()[0]
     hyb, att = runs["hybrid"]["cfg"], runs["attention"]["cfg"]
@@ -159,19 +188,12 @@ def main() -> None:
         "Tree pass + commit of a 3-node path (N = 1: the autoregressive step), median ms, and in units of the "
         "same model's step [10-90% of per-round ratios]:",
         "",
-        "| N | attention ms | hybrid ms | attention / its step | hybrid / its step | hybrid / attention |",
-        "|---:|---:|---:|---|---|---|",
+        *TABLE,
+        *rows(times, args.nodes),
     ]
-    step = args.nodes[0] if 1 not in args.nodes else 1
     payload = {"args": vars(args), "ms": {f"{k[0]}:{k[1]}": v.tolist() for k, v in times.items()}}
-    for n in args.nodes:
-        a, h = float(np.median(times["attention", n])), float(np.median(times["hybrid", n]))
-        ra, rh, rx = ratio(("attention", n), ("attention", step)), ratio(("hybrid", n), ("hybrid", step)), \
-            ratio(("hybrid", n), ("attention", n))
-        lines.append(f"| {n} | {a:.2f} | {h:.2f} | {ra[0]:.2f} [{ra[1]:.2f}-{ra[2]:.2f}] | "
-                     f"{rh[0]:.2f} [{rh[1]:.2f}-{rh[2]:.2f}] | {rx[0]:.2f} [{rx[1]:.2f}-{rx[2]:.2f}] |")
     pa, ph = float(np.median(times["attention", "prefill"])), float(np.median(times["hybrid", "prefill"]))
-    rp = ratio(("hybrid", "prefill"), ("attention", "prefill"))
+    rp = ratio(times, ("hybrid", "prefill"), ("attention", "prefill"))
     lines += ["", f"One prefill chunk of {args.prefix} tokens (a causal run): attention {pa:.1f} ms, hybrid "
               f"{ph:.1f} ms, hybrid / attention {rp[0]:.2f} [{rp[1]:.2f}-{rp[2]:.2f}].",
               "", f"Models: attention {att.num_params / 1e6:.1f}M parameters, hybrid {hyb.num_params / 1e6:.1f}M."]

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-STAGES = ("a_correctness", "b_verifier", "c_engine", "d_train", "e_moe")
+STAGES = ("a_correctness", "b_verifier", "c_engine", "d_train", "e_moe", "f_hybrid")
 
 
 def _numeric_table_rows(text: str) -> list[str]:

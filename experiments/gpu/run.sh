@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks of tevjax in one command, within 9 minutes (compilation included) on one GPU:
+# The GPU checks of tevjax in one command, within about 9 minutes (compilation included) on one GPU:
 #
 #   experiments/gpu/run.sh OUTDIR          # on the GPU machine (JAX with CUDA; no network needed)
 #   experiments/gpu/run.sh OUTDIR --tiny   # tiny shapes; `make gpu-dry-run` runs this on CPU
@@ -12,6 +12,7 @@
 #   c_engine       Qwen3-4B/8B-shaped bf16 targets + 5-layer DFlash: stage costs, implied speedup
 #   d_train        ExitTrain steps on the same shapes: anchor blocks per second
 #   e_moe          mixture-of-experts layers (Qwen3-30B-A3B, Mixtral-8x7B): dense vs grouped dispatch
+#   f_hybrid       tree passes on a hybrid (Gated DeltaNet, Qwen3-Next-shaped) target vs an all-attention one
 # OUTDIR/summary.md lists every stage's exit status and wall time.
 #
 # tevjax is imported from this working tree (PYTHONPATH is set from this script's location);
@@ -42,15 +43,15 @@ mkdir -p "$OUT"
 OUT="$(cd "$OUT" && pwd)"
 cd "$ROOT"
 
-# Hard time limits in seconds (the stages' own soft deadlines stop earlier). Full: 100 + 75 + 175 +
-# 100 + 45 = 495 s, plus at most 5 s of grace each: under 9 minutes in all.
+# Hard time limits in seconds (the stages' own soft deadlines stop earlier). Full: 95 + 75 + 160 +
+# 100 + 45 + 40 = 515 s, plus at most 5 s of grace each: about 9 minutes in all.
 if [ -n "$TINY" ]; then
-    BUDGETS=(a_correctness:60 b_verifier:40 c_engine:60 d_train:40 e_moe:30)
+    BUDGETS=(a_correctness:60 b_verifier:40 c_engine:60 d_train:40 e_moe:30 f_hybrid:40)
 else
-    BUDGETS=(a_correctness:100 b_verifier:75 c_engine:175 d_train:100 e_moe:45)
+    BUDGETS=(a_correctness:95 b_verifier:75 c_engine:160 d_train:100 e_moe:45 f_hybrid:40)
 fi
 declare -A MODULE=([a_correctness]=correctness [b_verifier]=verifier_stage [c_engine]=engine_costs [d_train]=train_stage
-                   [e_moe]=moe_stage)
+                   [e_moe]=moe_stage [f_hybrid]=hybrid_stage)
 
 START=$(date +%s)
 SUMMARY=("| stage | exit status | wall s | CPU s | results |" "|---|---:|---:|---:|---|")
