@@ -65,8 +65,8 @@ def random_model(cfg: ModelConfig, seed: int = 0) -> Transformer:
     """A randomly initialised model for tests, filled from numpy (no per-op XLA compiles).
 
     Kernels ~ normal(0, 1/fan_in), embeddings ~ normal(0, 1/D) (so tied logits are O(1)), biases
-    ~ normal(0, 0.1^2), and norm scales ~ 1 + normal(0, 0.1^2) rather than ones, so a mis-mapped
-    norm or q/k norm cannot go unnoticed.
+    ~ normal(0, 0.1^2), and norms that scale by ~ 1 + normal(0, 0.1^2) rather than by ones, so a
+    mis-mapped norm or q/k norm cannot go unnoticed.
     """
     model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
     rng = np.random.default_rng(seed)
@@ -76,7 +76,10 @@ def random_model(cfg: ModelConfig, seed: int = 0) -> Transformer:
         shape = var.get_value().shape
         name = path[-1]
         if name == "scale":
-            x = 1.0 + 0.1 * rng.standard_normal(shape)
+            # Centred so that every norm multiplies by ~1 + N(0, 0.1^2): a zero-centred family's norms add
+            # their offset to the weight (Gemma, Qwen3-Next), a linear layer's gated norm does not.
+            offset = 0.0 if "linear_attn" in path else cfg.norm_offset
+            x = 1.0 - offset + 0.1 * rng.standard_normal(shape)
         elif name == "embedding":
             x = rng.standard_normal(shape) / np.sqrt(shape[-1])
         elif name == "bias" or name.endswith("_bias"):  # (GPT-OSS's experts' are gate_bias, ...)

@@ -251,7 +251,9 @@ class GatedDeltaNet(nnx.Module):
             conv = causal_conv(mixed, conv_state, w)
         else:
             conv = tree_conv(mixed, conv_state, w, mask, depth)
-        conv = jax.nn.silu(conv)
+        # In the compute dtype, as transformers keeps it: the keys and values this pass attends with are
+        # then the ones `LinearState.tree_*` records and the commit runs into the state.
+        conv = jax.nn.silu(conv).astype(x.dtype)
         q = conv[..., :kd].reshape(b, t, kh, self.key_dim)
         k = conv[..., kd:2 * kd].reshape(b, t, kh, self.key_dim)
         v = conv[..., 2 * kd:].reshape(b, t, hv, self.value_dim)
