@@ -83,7 +83,8 @@ def test_bf16_greedy_matches_float32_where_the_margin_exceeds_the_bound(cfg32, b
 
     assert errors.max() < bound, f"bf16 logit error {errors.max():.3f} exceeds the stated bound {bound}"
     clear = margins > 2 * bound
-    assert clear.sum() >= min_clear * clear.size, f"only {clear.sum()} of {clear.size} positions have margin > {2 * bound}"
+    assert clear.sum() >= min_clear * clear.size, (f"only {clear.sum()} of {clear.size} positions have margin > "
+                                                   f"{2 * bound}")
     bad = np.flatnonzero(clear & ~agree)
     assert bad.size == 0, f"bf16 argmax differs at positions {bad.tolist()} with float32 margins {margins[bad]}"
 
