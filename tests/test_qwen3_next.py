@@ -211,6 +211,41 @@ def test_greedy_decoding_equals_transformers_generate(pair):
     assert [g.tokens for g in dec.results(dec.run(dec.prefill(others, reuse=(second, prompts))), others)] == fresh
 
 
+def test_a_chats_next_turn_goes_on_from_the_recurrent_state(pair):
+    """A next turn whose prompt extends the whole earlier text (prompt + answer) goes on from the
+    state the rounds left: prefill starts at the earlier cache length, not at 0, and decodes what a
+    fresh prefill of the whole conversation decodes. The rows that finished first kept their state
+    while the others decoded on (a row's state has run over exactly its cache_len tokens)."""
+    from tevjax.decode import DecodeConfig, Decoder
+    from tevjax.models.dflash import DFlashConfig, DFlashDrafter
+
+    _, cfg, model, _ = pair
+    if cfg.architecture != "qwen3_next":
+        pytest.skip("decoding is checked on Qwen3-Next")
+    drafter = DFlashDrafter(DFlashConfig.for_target(cfg, num_layers=1, block_size=4, mask_token_id=299),
+                            rngs=nnx.Rngs(1))
+    dec = Decoder(model, drafter, DecodeConfig(verifier="tev", budget=8, lookup=8, max_new_tokens=12,
+                                               prompt_bucket=16, capacity=96))
+    # Row 0 asks for 4 tokens and finishes rounds before row 1 (12 tokens); both end at cache length 18.
+    first = [[5, 17, 42, 8, 99, 23, 61, 7, 150, 33, 2, 44, 8, 8, 9], [3, 250, 14, 77, 9, 9, 4]]
+    limits = [4, 12]
+    state = dec.run(dec.prefill(first, max_new_tokens=limits))
+    answers = dec.results(state, first)
+    assert [len(g.tokens) for g in answers] == limits and set(np.asarray(state.cache_len).tolist()) == {18}
+    assert answers[0].rounds < answers[1].rounds  # row 0 waited, done, while row 1 decoded on
+    nxt = [p + g.tokens + [11, 12, 13] for p, g in zip(first, answers)]
+    start = dec._reused_prefix(nxt, (state, first))
+    assert start == 18  # every row goes on from its state: all of its text but its last answer token
+    again = dec.results(dec.run(dec.prefill(nxt, reuse=(state, first))), nxt)
+    assert [g.tokens for g in again] == [g.tokens for g in dec.generate(nxt)]
+    # A row whose answer is not in its next prompt makes every row prefill again (and still decode right).
+    state = dec.run(dec.prefill(first, max_new_tokens=limits))
+    changed = [nxt[0], first[1] + [11, 12]]
+    assert dec._reused_prefix(changed, (state, first)) == 0
+    again = dec.results(dec.run(dec.prefill(changed, reuse=(state, first))), changed)
+    assert [g.tokens for g in again] == [g.tokens for g in dec.generate(changed)]
+
+
 def test_save_round_trip_loads_in_transformers(pair, tmp_path):
     hf, cfg, model, _ = pair
     save_hf_target(model, tmp_path)

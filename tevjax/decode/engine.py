@@ -655,7 +655,7 @@ def tree_pass(target: Transformer, trees: DraftTree, cache_len: jax.Array, cache
 
 
 def commit(out, ver, state: DecodeState, drafter: DFlashDrafter | None, cfg: DecodeConfig,
-           target_cfg) -> tuple[KVCache, DrafterCache | None, jax.Array | None]:
+           target_cfg, active: jax.Array | None = None) -> tuple[KVCache, DrafterCache | None, jax.Array | None]:
     """Caches after accepting `ver`'s path: the path's target K/V moved to contiguous slots after
     the root; with a drafter, its context extended by the root + path features; with
     `cfg.hidden_layers`, the kept hidden states of the root + path written at the same slots."""
@@ -666,9 +666,12 @@ def commit(out, ver, state: DecodeState, drafter: DFlashDrafter | None, cfg: Dec
     # Root + accepted path (unused tail entries repeat the root: they land above the new
     # context length, where they are invisible and overwritten next round).
     nodes = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), jnp.maximum(ver.path, 0)], axis=1)
-    # Linear-attention layers (Qwen3-Next) run the root and the accepted nodes into their state.
+    # Linear-attention layers (Qwen3-Next) run the root and the accepted nodes into their state; the
+    # rows not `active` (done, or whose logits were not finite) keep theirs, which has run over exactly
+    # their cache_len tokens, as their slots do (a chat's next turn can go on from it: `prefill(reuse=)`).
+    count = 1 + jnp.sum(ver.path >= 0, axis=1, dtype=jnp.int32)
     target_cache = out.cache.move_slots(src, state.cache_len + 1).advance(
-        nodes, 1 + jnp.sum(ver.path >= 0, axis=1, dtype=jnp.int32))
+        nodes, count if active is None else jnp.where(active, count, 0))
     taps = _taps(drafter, cfg)
     if not taps:
         return target_cache, state.drafter_cache, state.hidden
@@ -837,7 +840,7 @@ def _settle(target: Transformer, drafter: DFlashDrafter | None, state: DecodeSta
     finite = jnp.all(jnp.isfinite(out.logits) | ~trees.valid[..., None], axis=(1, 2))
     bad = active & ~finite
     active = active & finite
-    target_cache, drafter_cache, hidden = commit(out, ver, state, drafter, cfg, target.cfg)
+    target_cache, drafter_cache, hidden = commit(out, ver, state, drafter, cfg, target.cfg, active)
     out_buf, num_out, finished, stop_at = emit(ver, state, cfg, active, stops)
     logprobs = state.logprobs
     if cfg.logprobs:
@@ -1369,11 +1372,6 @@ class Decoder:
                 a.shape != b.shape for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(want))):
             raise ValueError("reuse: the state is not one of this decoder's for this batch (another decoder's "
                              "settings, or another number of rows)")
-        if self.target_cfg.linear_layers:
-            # A linear layer's recurrent state holds the whole earlier text, and cannot be cut back to a
-            # shared prefix (nor trusted past a row's last round: rounds go on for finished rows), so a
-            # hybrid target (Qwen3-Next) prefills the whole prompt again: a run at slot 0 starts empty.
-            return 0
         cache_len, out, num_out = host_array(state.cache_len), host_array(state.out), host_array(state.num_out)
         nonfinite = host_array(state.nonfinite)
         keep = []
@@ -1385,6 +1383,13 @@ class Decoder:
             n = min(len(text), len(new) - 1, int(cache_len[i]))
             same = text[:n] == np.asarray(new[:n], np.int64)
             keep.append(n if same.all() else int(np.argmin(same)))
+        if self.target_cfg.linear_layers and (len(set(keep)) > 1 or any(k != int(c) for k, c in zip(keep, cache_len))):
+            # A linear layer's recurrent state has run over each row's whole earlier text (cache_len
+            # tokens) and cannot be cut back to a shorter shared prefix, and the chunks start at one slot
+            # for every row: a hybrid target (Qwen3-Next) goes on from its state only where every row's
+            # new prompt extends its whole earlier text, at the same length; otherwise it prefills the
+            # prompts again (a run at slot 0 starts from an empty state).
+            return 0
         return min(keep)
 
     def _key_data_shape(self) -> jax.ShapeDtypeStruct:
