@@ -357,14 +357,22 @@ def test_exit_trees_scored_in_one_pass_equal_per_anchor_prefills_and_tree_passes
     trees = jax.tree.map(lambda x: x.reshape((b, e) + x.shape[1:]), flat)
     assert int(np.asarray(trees.depth).max()) >= 2  # paths below the root's children are checked
     fast = np.asarray(score_trees(target, tokens, anchors, trees))
+    graphdef, state = nnx.split(target)
+
+    @jax.jit
+    def decoders_way(row, a, tree):
+        # The tokens before the anchor prefilled (the rest of the row is padding: `valid`, and slots the
+        # tree pass does not see), then the tree pass at slot `a`.
+        model = nnx.merge(graphdef, state)
+        cache = KVCache.init(cfg, 1, q + budget + 1, tree_slots=budget + 1)
+        cache = model(row, jnp.arange(q, dtype=jnp.int32)[None], cache, jnp.zeros((1,), jnp.int32), None,
+                      compute_logits=False, valid=jnp.arange(q)[None] < a).cache
+        return tree_pass(model, tree, a[None], cache).logits[0]
+
     for i in range(b):
         for j in range(e):
-            a = int(anchors[i, j])
-            cache = KVCache.init(cfg, 1, q + budget + 1, tree_slots=budget + 1)
-            cache = target(tokens[i:i + 1, :a], jnp.arange(a, dtype=jnp.int32)[None], cache, jnp.zeros((1,), jnp.int32),
-                           None, compute_logits=False).cache
             tree = jax.tree.map(lambda x: x[i:i + 1, j], trees)
-            ref = np.asarray(tree_pass(target, tree, jnp.asarray([a], jnp.int32), cache).logits[0])
+            ref = np.asarray(decoders_way(tokens[i:i + 1], anchors[i, j], tree))
             valid = np.asarray(tree.valid[0])
             # float32 rounding: the one pass solves one triangular system over all 38 tokens of a row
             # (the sequence and three trees), the reference a system per prefill and per tree
