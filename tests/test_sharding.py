@@ -318,9 +318,11 @@ def check_loop_hlo(dec, mesh):
     hlo = dec.compiled_loop(state).as_text()
     layers = dec.target_cfg.num_layers
     # One layer's slice of each split matrix ([L, ...] stacks, or the [V, D] embedding and head);
-    # biases and GPT-OSS's sinks are too small to bound anything.
+    # biases, GPT-OSS's sinks and a linear layer's per-head decays, decay and beta projections ([D, Hv])
+    # and conv taps are too small to bound anything.
+    small = ("bias", "sinks", "A_log", "'conv'", "'in_proj_a'", "'in_proj_b'")
     weight = min(int(np.prod(x.shape)) // (layers if x.ndim >= 3 else 1) for name, x in named
-                 if any(x.sharding.spec) and "bias" not in name and "sinks" not in name)
+                 if any(x.sharding.spec) and not any(word in name for word in small))
     logits = state.root.shape[0] * dec.tree_slots * V
     sizes = []
     for m in COLLECTIVE.finditer(hlo):
@@ -522,16 +524,22 @@ CHECKS = {
     # meet in one all-reduce of [N, D] partial sums, so the grouped dispatch needs as many
     # collectives as the dense one).
     # A hybrid target (Qwen3-Next: a Gated DeltaNet layer, then gated attention with experts) on
-    # (2, 2): greedy TEV and AR equal unsharded, the linear state's rows split over `data`.
+    # (2, 2): greedy AR and TEV equal unsharded; the linear mixer and its state split by heads over
+    # `model` (whole key-head groups on each device) and the state's rows over `data`; the loop moves
+    # no weight slice.
     "hybrid_2x2": """
         target, drafter = models("qwen3_next")
         mesh = make_mesh(2, 2)
-        for verifier in ("tev", "ar"):
+        for verifier in ("ar", "tev"):
             want = tokens(decoder(target, drafter, verifier))
             dec = decoder(target, drafter, verifier, mesh=mesh)
             assert tokens(dec) == want, (verifier, tokens(dec), want)
+        qkv = dec.tstate["linear_layers"]["linear_attn"]["in_proj_qkv"]["kernel"][...]
+        assert qkv.addressable_shards[0].data.shape[-1] * 2 == qkv.shape[-1], qkv.sharding
         state = dec.prefill(PROMPTS)
-        assert state.target_cache.linear.state.sharding.spec[1] == "data", state.target_cache.linear.state.sharding
+        spec = state.target_cache.linear.state.sharding.spec
+        assert spec[1] == "data" and spec[2] in ("model", ("expert", "model")), spec
+        check_loop_hlo(dec, mesh)
     """,
     "moe_meshes": """
         import jax.numpy as jnp

@@ -85,11 +85,13 @@ LOGICAL_RULES: Mapping[str, str | tuple[str, ...] | None] = {
     "cache_slots": None,
     "layers": None,
     "linear_layers": None,  # a hybrid target's linear-attention layers (stacked apart from `layers`)
-    # Their mixer's axes (`_LINEAR_AXES`), whole on every device: the conv's channels and the fused
-    # q|k|v projection's outputs (C), the values' H * Dv, the value heads H, the conv's width and Dv.
-    "linear_qkv": None,
-    "linear_values": None,
-    "linear_heads": None,
+    # Their mixer's axes (`_LINEAR_AXES`, `LINEAR_CACHE_AXES`): the q|k|v channels (C, in key-head
+    # groups), the values' Hv * Dv, the value heads Hv and the key heads Hk, split as attention's heads;
+    # the conv's width and Dv whole.
+    "linear_qkv": _TENSOR,
+    "linear_values": _TENSOR,
+    "linear_heads": _TENSOR,
+    "linear_key_heads": _TENSOR,
     "linear_conv": None,
     "linear_value_dim": None,
 }
@@ -136,9 +138,9 @@ _LAYER_AXES: Mapping[str, tuple[str, ...]] = {
     "mlp.shared_expert_gate.kernel": ("embed", "gate"),
 }
 
-# A hybrid target's linear-attention mixer (Qwen3-Next's Gated DeltaNet): kept whole on each device
-# for now. Its fused q|k|v projection and conv channels would split over `model` only by head
-# groups of each part, which one contiguous split of the fused axis does not give.
+# A hybrid target's linear-attention mixer (Qwen3-Next's Gated DeltaNet), split by heads as attention
+# is: its q|k|v channels run key-head group by group (`GatedDeltaNet`), so a contiguous split of them
+# gives each device whole groups, and with them the value heads those groups serve.
 _LINEAR_AXES: Mapping[str, tuple[str, ...]] = {
     "linear_attn.in_proj_qkv.kernel": ("embed", "linear_qkv"),
     "linear_attn.in_proj_z.kernel": ("embed", "linear_values"),
@@ -173,15 +175,15 @@ DRAFTER_AXES: Mapping[str, tuple[str, ...]] = {
 }
 # `KVCache.k` / `.v` [L, B, K, S, Dh] (the target's cache and the drafter's context cache).
 CACHE_AXES: tuple[str, ...] = ("layers", "batch", "kv_heads", "cache_slots", "head_dim")
-# `KVCache.linear`'s fields (`LinearState`, a hybrid target's linear layers): rows over `data`, the
-# rest kept whole on each device (a row's recurrent state is [H, Dk, Dv], read and written whole).
+# `KVCache.linear`'s fields (`LinearState`, a hybrid target's linear layers): rows over `data`, heads
+# (and the q|k|v channels, by key-head group) over `model`, as the mixer's weights split.
 LINEAR_CACHE_AXES: dict[str, tuple[str | None, ...]] = {
-    "state": ("linear_layers", "batch", None, None, None),
-    "conv": ("linear_layers", "batch", None, None),
-    "tree_x": ("linear_layers", "batch", None, None),
-    "tree_k": ("linear_layers", "batch", None, None, None),
-    "tree_v": ("linear_layers", "batch", None, None, None),
-    "tree_gb": ("linear_layers", "batch", None, None, None),
+    "state": ("linear_layers", "batch", "linear_heads", None, None),
+    "conv": ("linear_layers", "batch", None, "linear_qkv"),
+    "tree_x": ("linear_layers", "batch", None, "linear_qkv"),
+    "tree_k": ("linear_layers", "batch", None, "linear_key_heads", None),
+    "tree_v": ("linear_layers", "batch", None, "linear_heads", None),
+    "tree_gb": ("linear_layers", "batch", None, None, "linear_heads"),
 }
 
 # What a sharded logical axis counts, for error messages: splitting must not cut one of these.
@@ -190,7 +192,11 @@ _UNITS = {"heads": "query heads (num_heads)", "attn_heads": "query heads (num_he
           "vocab": "vocabulary entries (vocab_size)",
           "batch": "batch rows", "embed": "model width (hidden_size)", "experts": "experts (num_experts)",
           "router": "router outputs (num_experts)",
-          "shared_mlp": "shared expert width (shared_expert_size)"}
+          "shared_mlp": "shared expert width (shared_expert_size)",
+          "linear_qkv": "linear layers' key heads (linear_key_heads)",
+          "linear_key_heads": "linear layers' key heads (linear_key_heads)",
+          "linear_values": "linear layers' value heads (linear_value_heads)",
+          "linear_heads": "linear layers' value heads (linear_value_heads)"}
 
 
 def logical_spec(*names: str | None) -> PartitionSpec:
@@ -254,9 +260,11 @@ def _dims(cfg) -> dict[str, tuple[int, int]]:
             # a hybrid target stacks its attention layers and its linear ones apart
             "layers": same(getattr(cfg, "num_attention_layers", cfg.num_layers)),
             "linear_layers": same(len(getattr(cfg, "linear_layers", ()))),
-            "linear_qkv": same(getattr(cfg, "linear_conv_channels", 0)),
-            "linear_values": same(getattr(cfg, "linear_value_heads", 0) * getattr(cfg, "linear_value_dim", 0)),
+            "linear_qkv": (getattr(cfg, "linear_conv_channels", 0), getattr(cfg, "linear_key_heads", 0)),
+            "linear_values": (getattr(cfg, "linear_value_heads", 0) * getattr(cfg, "linear_value_dim", 0),
+                              getattr(cfg, "linear_value_heads", 0)),
             "linear_heads": same(getattr(cfg, "linear_value_heads", 0)),
+            "linear_key_heads": same(getattr(cfg, "linear_key_heads", 0)),
             "linear_conv": same(getattr(cfg, "linear_conv", 0)),
             "linear_value_dim": same(getattr(cfg, "linear_value_dim", 0)),
             "head_dim": same(dh), "experts": same(getattr(cfg, "num_experts", 0)),

@@ -91,8 +91,15 @@ class WeightRule:
     # attention layers and its linear-attention layers apart.
     layer_ids: tuple[int, ...] | None = None
     # Rows picked, in this order, from a tensor whose parts interleave in groups (Qwen3-Next's
-    # in_proj_qkvz: q, k, v and z per key-head group); saving puts them back at those rows.
+    # in_proj_qkvz: q, k, v and z per key-head group), or reordered (a linear layer's q|k|v channels,
+    # regrouped by key head); saving puts them back at those rows. A Conv1d weight's [C, 1, W] rows are
+    # its channels (axis 0).
     row_index: tuple[int, ...] | None = None
+
+    @property
+    def rows_axis(self) -> int:
+        """The axis `row_index` picks along: a depthwise Conv1d weight's channels, else axis -2."""
+        return 0 if self.transform == "conv" else -2
 
     def names(self, num_layers: int) -> list[str]:
         """Concrete HF names this rule consumes, in layer order (and expert order within a layer)."""
@@ -124,7 +131,7 @@ class WeightRule:
         if self.columns is not None:
             x = x[..., self.columns[0]::self.columns[1]]
         if self.row_index is not None:
-            x = x[..., list(self.row_index), :]
+            x = np.take(x, list(self.row_index), axis=self.rows_axis)
         return _TRANSFORMS[self.transform][0](x)
 
     @property
@@ -142,7 +149,7 @@ class WeightRule:
         if self.columns is not None:
             want[-1] //= self.columns[1]
         if self.row_index is not None:
-            want[-2] = len(self.row_index)
+            want[self.rows_axis] = len(self.row_index)
         want = tuple(want)
         if tuple(y.shape) != want:
             raise CheckpointError(f"{self.hf_name}: would save shape {tuple(y.shape)}, expected {want}")
@@ -241,7 +248,8 @@ def target_weight_rules(cfg: ModelConfig) -> list[WeightRule]:
 def _hybrid_rules(cfg: ModelConfig, rules: list[WeightRule], pre: str) -> list[WeightRule]:
     """Qwen3-Next's and Qwen3.5's table: the per-layer rules above for the attention layers only; the
     MLP and norm rules again for the linear layers, into `linear_layers`; and their linear attention's
-    own. Qwen3.5 stores the projections apart, as tevjax does.
+    own. Qwen3.5 stores the projections apart, as tevjax does; tevjax's q|k|v channels run key-head
+    group by group (`GatedDeltaNet`).
 
     Qwen3-Next's `in_proj_qkvz` [2 Hk Dk + 2 Hv Dv, D] holds, per key head, that head's q and k rows and
     the rows of the Hv / Hk value heads it serves for v and then z; `in_proj_ba` [2 Hv, D] holds b
@@ -259,12 +267,18 @@ def _hybrid_rules(cfg: ModelConfig, rules: list[WeightRule], pre: str) -> list[W
     group = 2 * dk + 2 * r * dv  # one key head's rows of in_proj_qkvz
     parts = {"q": (0, dk), "k": (dk, 2 * dk), "v": (2 * dk, 2 * dk + r * dv), "z": (2 * dk + r * dv, group)}
 
-    def rows(part, size, offsets):  # every group's rows of one part, in head order
-        lo, hi = offsets[part]
-        return tuple(g * size + j for g in range(kh) for j in range(lo, hi))
+    def rows(parts_of_group, size, offsets):  # the rows of those parts, key-head group after group
+        return tuple(g * size + j for g in range(kh) for part in parts_of_group
+                     for j in range(*offsets[part]))
 
     qkvz = (kh * group, d)
     ba_parts = {"b": (0, r), "a": (r, 2 * r)}
+    # tevjax's q|k|v channels (projection outputs, conv channels) run group by group, each key head's
+    # q and k and then its value heads' v, so that a `model` split of them keeps whole groups on each
+    # device; on disk they run part by part (all q, all k, all v), in each part head after head.
+    kd, vd = kh * dk, hv * dv
+    grouped = tuple(j for g in range(kh) for j in (*range(g * dk, (g + 1) * dk), *range(kd + g * dk, kd + (g + 1) * dk),
+                                                   *range(2 * kd + g * r * dv, 2 * kd + (g + 1) * r * dv)))
 
     def rule(hf, param, transform, shape, **kw):
         return WeightRule(pre + "linear_attn." + hf, ("linear_layers", "linear_attn", *param), transform, shape,
@@ -273,19 +287,20 @@ def _hybrid_rules(cfg: ModelConfig, rules: list[WeightRule], pre: str) -> list[W
     if cfg.architecture == "qwen3_next":
         out += [
             rule("in_proj_qkvz.weight", ("in_proj_qkv", "kernel"), "transpose", qkvz,
-                 row_index=rows("q", group, parts) + rows("k", group, parts) + rows("v", group, parts)),
-            rule("in_proj_qkvz.weight", ("in_proj_z", "kernel"), "transpose", qkvz,
-                 row_index=rows("z", group, parts)),
+                 row_index=rows("qkv", group, parts)),
+            rule("in_proj_qkvz.weight", ("in_proj_z", "kernel"), "transpose", qkvz, row_index=rows("z", group, parts)),
             rule("in_proj_ba.weight", ("in_proj_b", "kernel"), "transpose", (2 * hv, d),
                  row_index=rows("b", 2 * r, ba_parts)),
             rule("in_proj_ba.weight", ("in_proj_a", "kernel"), "transpose", (2 * hv, d),
                  row_index=rows("a", 2 * r, ba_parts)),
         ]
-    else:  # Qwen3.5: apart already, in tevjax's layout
+    else:  # Qwen3.5: apart, q|k|v part by part
+        out += [rule("in_proj_qkv.weight", ("in_proj_qkv", "kernel"), "transpose", (2 * kd + vd, d),
+                     row_index=grouped)]
         out += [rule(f"in_proj_{name}.weight", (f"in_proj_{name}", "kernel"), "transpose", (rows_n, d))
-                for name, rows_n in (("qkv", cfg.linear_conv_channels), ("z", hv * dv), ("b", hv), ("a", hv))]
+                for name, rows_n in (("z", vd), ("b", hv), ("a", hv))]
     out += [
-        rule("conv1d.weight", ("conv",), "conv", (cfg.linear_conv_channels, 1, w)),
+        rule("conv1d.weight", ("conv",), "conv", (cfg.linear_conv_channels, 1, w), row_index=grouped),
         rule("dt_bias", ("dt_bias",), "identity", (hv,)),
         rule("A_log", ("A_log",), "identity", (hv,)),
         rule("norm.weight", ("norm", "scale"), "identity", (dv,)),
@@ -602,10 +617,11 @@ def save_hf_target(model: Transformer, path: str | os.PathLike) -> None:
     for name, parts in fused.items():
         if parts[0][0].row_index is not None:  # parts picked by rows: put each back at its rows
             joined = np.zeros(parts[0][0].hf_shape, parts[0][1].dtype)
+            axis = parts[0][0].rows_axis
             for rule, y in parts:
-                joined[..., list(rule.row_index), :] = y
-            if sum(len(rule.row_index) for rule, _ in parts) != joined.shape[-2]:
-                raise CheckpointError(f"{name}: its parts do not cover its {joined.shape[-2]} rows")
+                np.moveaxis(joined, axis, 0)[list(rule.row_index)] = np.moveaxis(y, axis, 0)
+            if sum(len(rule.row_index) for rule, _ in parts) != joined.shape[axis]:
+                raise CheckpointError(f"{name}: its parts do not cover its {joined.shape[axis]} rows")
         elif parts[0][0].columns is not None:  # interleaved: part i in columns i::n
             ys = [y for _, y in sorted(parts, key=lambda p: p[0].columns[0])]
             joined = np.stack(ys, axis=-1).reshape(*ys[0].shape[:-1], -1)

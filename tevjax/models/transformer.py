@@ -214,8 +214,11 @@ class GatedDeltaNet(nnx.Module):
     causal depthwise conv and SiLU; q and k unit-normed per head; a decay g = -exp(A_log) *
     softplus(a + dt_bias) and a write strength beta = sigmoid(b) per value head and token; the
     gated delta rule (`linear_attention.gated_delta`); each head's output RMS-normed and gated by
-    SiLU(z); out_proj. Parameters in Qwen3.5's layout (q/k/v fused, z, b and a apart); Qwen3-Next's
-    fused per-head-group layout is reordered on loading (`convert.hf`)."""
+    SiLU(z); out_proj. q, k and v are projected together, z, b and a apart, as Qwen3.5 stores them;
+    their channels (the projection's outputs, the conv's, the conv state's) run key-head group by
+    group: each key head's q and k, then the v of the Hv / Hk value heads it serves. Splitting that
+    axis over `model` keeps whole groups on each device, so the layer runs head-parallel and ends in
+    out_proj's one all-reduce. Loading reorders the checkpoints' q|k|v (`convert.hf`)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         d = cfg.hidden_size
@@ -244,8 +247,8 @@ class GatedDeltaNet(nnx.Module):
         (state, conv_state) past its valid tokens; a tree pass's is what `LinearState.tree_*` keep
         of each node, (x, k, v, gb)."""
         b, t, _ = x.shape
-        kd, kh, hv = self.key_heads * self.key_dim, self.key_heads, self.value_heads
-        mixed = self.in_proj_qkv(x)  # [B, T, C]
+        kh, hv, dk = self.key_heads, self.value_heads, self.key_dim
+        mixed = self.in_proj_qkv(x)  # [B, T, C], key-head group by group
         w = self.conv[...]
         if mask is None:
             conv = causal_conv(mixed, conv_state, w)
@@ -253,10 +256,9 @@ class GatedDeltaNet(nnx.Module):
             conv = tree_conv(mixed, conv_state, w, mask, depth)
         # In the compute dtype, as transformers keeps it: the keys and values this pass attends with are
         # then the ones `LinearState.tree_*` records and the commit runs into the state.
-        conv = jax.nn.silu(conv).astype(x.dtype)
-        q = conv[..., :kd].reshape(b, t, kh, self.key_dim)
-        k = conv[..., kd:2 * kd].reshape(b, t, kh, self.key_dim)
-        v = conv[..., 2 * kd:].reshape(b, t, hv, self.value_dim)
+        conv = jax.nn.silu(conv).astype(x.dtype).reshape(b, t, kh, -1)
+        q, k = conv[..., :dk], conv[..., dk:2 * dk]
+        v = conv[..., 2 * dk:].reshape(b, t, hv, self.value_dim)  # value head g * rep + j: group g's j-th
         f32 = jnp.float32
         beta = jax.nn.sigmoid(self.in_proj_b(x).astype(f32))  # [B, T, Hv]
         g = -jnp.exp(self.A_log[...].astype(f32)) * jax.nn.softplus(self.in_proj_a(x).astype(f32)
