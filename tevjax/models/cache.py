@@ -75,9 +75,11 @@ class LinearState:
     """What a model's linear-attention layers carry (Qwen3-Next; `tevjax.models.linear_attention`).
 
     A recurrent state cannot be cut back to a prefix the way slots above a length are ignored, so
-    a tree pass leaves `state` and `conv` as they were and records what each tree node fed its
-    layers (`tree_*`, N node entries); `advance` then runs the accepted path into them. A causal
-    run (prefill) updates them itself. Shape letters: the legend in `tevjax/__init__.py`.
+    a tree pass leaves `state` and `conv` as they were (emptied for a row whose pass starts at slot
+    0) and records what each tree node fed its layers (`tree_*`, N node entries); `advance` then
+    runs the accepted path into them. A causal run (prefill) updates them itself. The q|k|v channels
+    (C) run key-head group by group, as `GatedDeltaNet`'s. Shape letters: the legend in
+    `tevjax/__init__.py`.
     """
 
     state: jax.Array  # [Ll, B, Hv, Dk, Dv] float32 the recurrent state after the committed tokens
