@@ -286,6 +286,7 @@ def test_a_multimodal_qwen3_5_checkpoint_loads_its_text_model(tmp_path):
     assert load_hf_target(nxt)[0].architecture == "qwen3_next"
 
 
+@pytest.mark.slow
 def test_a_drafter_trains_on_a_qwen3_next_target(pair, tmp_path):
     """`tevjax data` on a hybrid target stores the greedy answers and their tapped features (equal to a
     forward pass of each whole sequence), and the token loss trains a drafter on them, with the exit
