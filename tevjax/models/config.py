@@ -471,6 +471,9 @@ class ModelConfig:
                              f"[0, {self.num_layers})")
         if len(layers) == self.num_layers:
             raise ValueError("ModelConfig.linear_layers: at least one layer must be full attention")
+        if not self.qk_norm or self.qkv_biased:
+            raise ValueError(f"ModelConfig: architecture {self.architecture!r} has per-head q/k norms and no attention "
+                             f"biases")
         if not layers:
             return
         for name, value in dims.items():
@@ -481,9 +484,6 @@ class ModelConfig:
                              f"linear_key_heads={self.linear_key_heads}")
         if self.linear_conv < 2:
             raise ValueError(f"ModelConfig.linear_conv={self.linear_conv} must be at least 2")
-        if not self.qk_norm or self.qkv_biased:
-            raise ValueError(f"ModelConfig: architecture {self.architecture!r} has per-head q/k norms and no attention "
-                             f"biases")
 
     @property
     def layer_period(self) -> tuple[str, ...]:
