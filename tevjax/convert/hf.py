@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from tevjax.models.config import ModelConfig, read_config_json
+from tevjax.models.config import HYBRID, ModelConfig, read_config_json
 from tevjax.models.transformer import Transformer
 from tevjax.sharding import place, shardings_by_path
 
@@ -253,8 +253,8 @@ def _hybrid_rules(cfg: ModelConfig, rules: list[WeightRule], pre: str) -> list[W
 
     Qwen3-Next's `in_proj_qkvz` [2 Hk Dk + 2 Hv Dv, D] holds, per key head, that head's q and k rows and
     the rows of the Hv / Hk value heads it serves for v and then z; `in_proj_ba` [2 Hv, D] holds b
-    then a, likewise per key head. They are read into the fused q|k|v projection in head order (the
-    conv's channel order), z, b and a (`GatedDeltaNet`)."""
+    then a, likewise per key head. They are read into the fused q|k|v projection (key-head group by
+    group, the conv's channel order), z, b and a (`GatedDeltaNet`)."""
     d, lin = cfg.hidden_size, cfg.linear_layers
     att = tuple(i for i in range(cfg.num_layers) if i not in lin)
     shared = ("mlp", "input_layernorm", "post_attention_layernorm")
@@ -523,7 +523,7 @@ def load_hf_target(path: str | os.PathLike, *, dtype: str | None = None, mesh=No
     overrides = {} if dtype is None else {"dtype": dtype, "param_dtype": dtype}
     cfg = ModelConfig.from_hf_config(config_path, **overrides)
     state = read_safetensors_dir(path)
-    if cfg.linear_layers:
+    if cfg.architecture in HYBRID:
         state = _text_model_tensors(state)
     if _quantization(config_path) == "mxfp4":
         state = _dequantize_mxfp4_experts(state)
