@@ -368,7 +368,7 @@ def shard_model(model, mesh: Mesh):
 
 def cache_shardings(mesh: Mesh, cache, what: str = "the KV cache"):
     """A `KVCache` of NamedShardings for `cache` (arrays or shapes, [L, B, K, S, Dh]): rows over
-    `data`, key/value heads over `model` (see `CACHE_AXES`); a linear state's rows over `data`."""
+    `data`, key/value heads over `model` (see `CACHE_AXES`); a linear state likewise (`LINEAR_CACHE_AXES`)."""
     from tevjax.models.cache import KVCache
 
     s = logical_sharding(mesh, CACHE_AXES, cache.k.shape, what=what)
