@@ -483,10 +483,18 @@ class Transformer(nnx.Module):
         periods = cfg.num_layers // len(period)
         graphdef, layer_state = nnx.split(self.layers)
         lin_graphdef, lin_state = nnx.split(self.linear_layers) if n_lin else (None, None)
-        # Each scan step runs one period of layers: the stacks regrouped [periods, per period, ...].
-        grouped = (jax.tree.map(lambda a: a.reshape(periods, n_att, *a.shape[1:]), layer_state),
-                   None if lin_state is None else jax.tree.map(lambda a: a.reshape(periods, n_lin, *a.shape[1:]),
-                                                               lin_state))
+        # Each scan step runs one period of layers: a stack with several layers a period regrouped
+        # [periods, per period, ...]; one with one a period (every family's attention but a hybrid's
+        # linear layers) scanned as it is stacked.
+        def per_period(stack, n):
+            if stack is None or n == 1:
+                return stack
+            return jax.tree.map(lambda a: a.reshape(periods, n, *a.shape[1:]), stack)
+
+        def layer_of(stack, n, i):  # the i-th layer of a period from the scanned slice
+            return stack if n == 1 else jax.tree.map(lambda a: a[i], stack)
+
+        grouped = (per_period(layer_state, n_att), per_period(lin_state, n_lin))
         linear_run = None
         if n_lin:
             linear_run = dict(fresh=write_pos == 0, mask=None if block_mask is None else block_mask.astype(bool),
@@ -501,7 +509,7 @@ class Transformer(nnx.Module):
             for kind in period:
                 layer = step * len(period) + a_i + l_i  # the global layer index
                 if kind == "linear":
-                    x, lin = nnx.merge(lin_graphdef, jax.tree.map(lambda a: a[l_i], lins))(
+                    x, lin = nnx.merge(lin_graphdef, layer_of(lins, n_lin, l_i))(
                         x, lin=lin, layer=step * n_lin + l_i, **linear_run)
                     l_i += 1
                 else:
@@ -511,7 +519,7 @@ class Transformer(nnx.Module):
                         inv_freq, scale = ropes
                         layer_rope = Rope(jnp.asarray(inv_freq)[layer],
                                           scale if isinstance(scale, float) else jnp.asarray(scale)[layer])
-                    x, ck, cv = nnx.merge(graphdef, jax.tree.map(lambda a: a[a_i], att))(
+                    x, ck, cv = nnx.merge(graphdef, layer_of(att, n_att, a_i))(
                         x, positions=positions, rope=layer_rope, mask=mask, cache_k=ck, cache_v=cv,
                         layer=step * n_att + a_i, write_idx=write_idx, write_pos=write_pos, window=window,
                         distance=distance)
