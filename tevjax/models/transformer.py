@@ -483,18 +483,29 @@ class Transformer(nnx.Module):
         periods = cfg.num_layers // len(period)
         graphdef, layer_state = nnx.split(self.layers)
         lin_graphdef, lin_state = nnx.split(self.linear_layers) if n_lin else (None, None)
-        # Each scan step runs one period of layers: a stack with several layers a period regrouped
-        # [periods, per period, ...]; one with one a period (every family's attention but a hybrid's
-        # linear layers) scanned as it is stacked.
-        def per_period(stack, n):
-            if stack is None or n == 1:
-                return stack
-            return jax.tree.map(lambda a: a.reshape(periods, n, *a.shape[1:]), stack)
+        # Each scan step runs one period of layers. A stack with one layer a period (every family's
+        # attention but a hybrid's linear layers) is scanned as it is stacked. One with several is
+        # indexed layer by layer inside the step, from the whole stack, at an index that reads the
+        # layer's input x: XLA:CPU copies every slice of the weights it takes, and it took them all
+        # as the step began, so a period's layers' copies left the cache before they were used (a
+        # one-token pass of Qwen3.5's layout, 12 layers: 56 ms against 30 with the index reading x;
+        # regrouping [L, ...] as [periods, n, ...] and slicing that was as slow). The index moves
+        # only where every entry of x is NaN, and then no weights change the NaN output. Only on the
+        # CPU backend: a GPU runs a program's kernels in order, and on a mesh the test is a collective.
+        on_cpu = jax.default_backend() == "cpu"
 
-        def layer_of(stack, n, i):  # the i-th layer of a period from the scanned slice
-            return stack if n == 1 else jax.tree.map(lambda a: a[i], stack)
+        def scanned(stack, n):
+            return stack if n == 1 else None
 
-        grouped = (per_period(layer_state, n_att), per_period(lin_state, n_lin))
+        def layer_of(scanned_slice, stack, n, step, i, x):  # the i-th layer of period `step`
+            if n == 1:
+                return scanned_slice
+            idx = step * n + i
+            if on_cpu:
+                idx = idx + jnp.all(jnp.isnan(x)).astype(jnp.int32)
+            return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, idx, 0, False), stack)
+
+        grouped = (scanned(layer_state, n_att), scanned(lin_state, n_lin))
         linear_run = None
         if n_lin:
             linear_run = dict(fresh=write_pos == 0, mask=None if block_mask is None else block_mask.astype(bool),
@@ -509,7 +520,8 @@ class Transformer(nnx.Module):
             for kind in period:
                 layer = step * len(period) + a_i + l_i  # the global layer index
                 if kind == "linear":
-                    x, lin = nnx.merge(lin_graphdef, layer_of(lins, n_lin, l_i))(
+                    weights = layer_of(lins, lin_state, n_lin, step, l_i, x)
+                    x, lin = nnx.merge(lin_graphdef, weights)(
                         x, lin=lin, layer=step * n_lin + l_i, **linear_run)
                     l_i += 1
                 else:
@@ -519,7 +531,8 @@ class Transformer(nnx.Module):
                         inv_freq, scale = ropes
                         layer_rope = Rope(jnp.asarray(inv_freq)[layer],
                                           scale if isinstance(scale, float) else jnp.asarray(scale)[layer])
-                    x, ck, cv = nnx.merge(graphdef, layer_of(att, n_att, a_i))(
+                    weights = layer_of(att, layer_state, n_att, step, a_i, x)
+                    x, ck, cv = nnx.merge(graphdef, weights)(
                         x, positions=positions, rope=layer_rope, mask=mask, cache_k=ck, cache_v=cv,
                         layer=step * n_att + a_i, write_idx=write_idx, write_pos=write_pos, window=window,
                         distance=distance)
