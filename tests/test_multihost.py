@@ -668,6 +668,9 @@ def test_hosts_with_other_software_are_refused_as_they_join():
     assert all("joined" in log.splitlines() for log in logs), logs
 
 
+# ~23 s of two processes: the slow suite's. The default suite's two-process decoding check is
+# `test_two_processes_generate_train_resume_and_decode_as_one`, which decodes as one process does.
+@pytest.mark.slow
 def test_cli_eval_on_two_processes_measures_what_one_does(text_target_dir, tmp_path):
     """`tevjax eval` on two processes (batches of 2 prompts over a data=2 mesh) reports on both
     the per-prompt rounds and block lengths of a one-process run, with every greedy output equal
