@@ -177,7 +177,7 @@ class DecoderLayer(nnx.Module):
         return (y.astype(jnp.float32) * self.residual_multiplier).astype(y.dtype)  # a float32 factor, as torch's
 
     def __call__(self, x, *, positions, rope, mask, cache_k, cache_v, layer, write_idx, write_pos,
-                 window=None, distance=None):
+                 window=None, distance=None, mlp=None):
         """One layer over the new tokens.
 
         x [B, T, D]; mask [B, T, S], or None for a causal run starting at slots write_pos [B];
@@ -185,7 +185,9 @@ class DecoderLayer(nnx.Module):
         scatter of T entries, not a copy of the layer's slab); layer: traced layer index;
         write_idx [B, T] slot of each new token (S = dropped). A model with sliding windows also
         passes window, the layer's (traced scalar, 0 = none), and distance [B, T, S], each query's
-        position minus each slot's (for a mask; a causal run compares slots).
+        position minus each slot's (for a mask; a causal run compares slots). mlp: None, or a
+        function of the MLP's input that gives the MLP to run in place of self.mlp (the layer
+        scan's, so that its weights are sliced once attention has run).
         """
         h = x if self.input_layernorm is None else self.input_layernorm(x)
         q, k, v = self.self_attn.qkv(h, positions, rope)
@@ -204,7 +206,8 @@ class DecoderLayer(nnx.Module):
             a = attention(q, k_all, v_all, mask, **scores)
         a = self.self_attn.out(a, gate)
         x = x + self._branch(a if self.attn_output_norm is None else self.attn_output_norm(a))
-        m = self.mlp(x if self.post_attention_layernorm is None else self.post_attention_layernorm(x))
+        h = x if self.post_attention_layernorm is None else self.post_attention_layernorm(x)
+        m = (self.mlp if mlp is None else mlp(h))(h)
         x = x + self._branch(m if self.mlp_output_norm is None else self.mlp_output_norm(m))
         return x, cache_k, cache_v
 
@@ -291,17 +294,19 @@ class LinearDecoderLayer(nnx.Module):
         self.linear_attn = GatedDeltaNet(cfg, rngs=rngs)
         self.mlp = _mlp(cfg, kw)
 
-    def __call__(self, x, *, lin: LinearState, layer, fresh, mask, depth, valid):
+    def __call__(self, x, *, lin: LinearState, layer, fresh, mask, depth, valid, mlp=None):
         """One layer over the new tokens. lin: the whole `LinearState` (scan carry); layer: this
         layer's traced index among the linear layers; fresh [B]: rows whose run starts at slot 0,
-        with no prefix, whose state starts empty (a prompt placed in a reused row)."""
+        with no prefix, whose state starts empty (a prompt placed in a reused row); mlp: as
+        `DecoderLayer`'s."""
         keep = ~fresh
         state = jnp.where(keep[:, None, None, None], jax.lax.dynamic_index_in_dim(lin.state, layer, 0, False), 0.0)
         conv_state = jnp.where(keep[:, None, None], jax.lax.dynamic_index_in_dim(lin.conv, layer, 0, False), 0.0)
         a, after = self.linear_attn(self.input_layernorm(x), state=state, conv_state=conv_state.astype(x.dtype),
                                     mask=mask, depth=depth, valid=valid)
         x = x + a
-        x = x + self.mlp(self.post_attention_layernorm(x))
+        h = self.post_attention_layernorm(x)
+        x = x + (self.mlp if mlp is None else mlp(h))(h)
 
         def put(buf, value):  # this layer's entry of a [Ll, B, ...] buffer (a tree's T nodes: the first T)
             return jax.lax.dynamic_update_slice(buf, value.astype(buf.dtype)[None], (layer,) + (0,) * (buf.ndim - 1))
@@ -484,26 +489,37 @@ class Transformer(nnx.Module):
         graphdef, layer_state = nnx.split(self.layers)
         lin_graphdef, lin_state = nnx.split(self.linear_layers) if n_lin else (None, None)
         # Each scan step runs one period of layers. A stack with one layer a period (every family's
-        # attention but a hybrid's linear layers) is scanned as it is stacked. One with several is
-        # indexed layer by layer inside the step, from the whole stack, at an index that reads the
-        # layer's input x: XLA:CPU copies every slice of the weights it takes, and it took them all
-        # as the step began, so a period's layers' copies left the cache before they were used (a
-        # one-token pass of Qwen3.5's layout, 12 layers: 56 ms against 30 with the index reading x;
-        # regrouping [L, ...] as [periods, n, ...] and slicing that was as slow). The index moves
-        # only where every entry of x is NaN, and then no weights change the NaN output. Only on the
-        # CPU backend: a GPU runs a program's kernels in order, and on a mesh the test is a collective.
-        on_cpu = jax.default_backend() == "cpu"
+        # attention but a hybrid's linear layers) is scanned as it is stacked; one with several is
+        # indexed layer by layer inside the step, from the whole stack.
+        #
+        # XLA:CPU copies every slice of the weights it takes, and takes a slice as soon as its index
+        # is known: all of a period's layers' as the step began, so their copies left the cache
+        # before they were used (a one-token pass of Qwen3.5's layout, 12 layers: 56 ms against 30),
+        # and each layer's MLP weights before its attention had run. On one CPU device the index of
+        # a layer's weights, and of its MLP's, reads the input they are applied to, so each slice is
+        # taken just before its use (SmolLM2's shape, 30 layers: 5-9% off the one-token pass and a
+        # 9-node tree pass, prefill unchanged). The index moves only where every entry of that input
+        # is NaN, and then no weights change the NaN output. Not on a GPU, which runs a program's
+        # kernels in order, nor over several devices, where the test would be a collective.
+        ordered = jax.default_backend() == "cpu" and jax.device_count() == 1
+
+        def at(idx, x):  # a layer index that reads x where slices are ordered
+            return idx + jnp.all(jnp.isnan(x)).astype(jnp.int32) if ordered else idx
+
+        def index(stack, idx):
+            return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, idx, 0, False), stack)
 
         def scanned(stack, n):
             return stack if n == 1 else None
 
         def layer_of(scanned_slice, stack, n, step, i, x):  # the i-th layer of period `step`
-            if n == 1:
-                return scanned_slice
-            idx = step * n + i
-            if on_cpu:
-                idx = idx + jnp.all(jnp.isnan(x)).astype(jnp.int32)
-            return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, idx, 0, False), stack)
+            return scanned_slice if n == 1 else index(stack, at(step * n + i, x))
+
+        def mlp_of(stacked_module, stack, n, step, i):  # `DecoderLayer`'s mlp argument
+            if not ordered:
+                return None
+            mlp_graphdef = nnx.graphdef(stacked_module.mlp)
+            return lambda h: nnx.merge(mlp_graphdef, index(stack["mlp"], at(step * n + i, h)))
 
         grouped = (scanned(layer_state, n_att), scanned(lin_state, n_lin))
         linear_run = None
@@ -522,7 +538,8 @@ class Transformer(nnx.Module):
                 if kind == "linear":
                     weights = layer_of(lins, lin_state, n_lin, step, l_i, x)
                     x, lin = nnx.merge(lin_graphdef, weights)(
-                        x, lin=lin, layer=step * n_lin + l_i, **linear_run)
+                        x, lin=lin, layer=step * n_lin + l_i,
+                        mlp=mlp_of(self.linear_layers, lin_state, n_lin, step, l_i), **linear_run)
                     l_i += 1
                 else:
                     window = None if windows is None else jnp.asarray(windows)[layer]
@@ -535,7 +552,7 @@ class Transformer(nnx.Module):
                     x, ck, cv = nnx.merge(graphdef, weights)(
                         x, positions=positions, rope=layer_rope, mask=mask, cache_k=ck, cache_v=cv,
                         layer=step * n_att + a_i, write_idx=write_idx, write_pos=write_pos, window=window,
-                        distance=distance)
+                        distance=distance, mlp=mlp_of(self.layers, layer_state, n_att, step, a_i))
                     a_i += 1
                 if wanted.size:
                     # Buffer of R slots written only where the layer index matches: O(R), not O(L).
