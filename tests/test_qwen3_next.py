@@ -114,6 +114,30 @@ def test_whole_model_parity_causal_and_tree_form(pair):
                                        rtol=0, err_msg=f"layer {i}")
 
 
+def test_ordered_weight_slices_change_no_value(pair, monkeypatch):
+    """On one CPU device the layer scan indexes each layer's weights, and its MLP's, at an index
+    that reads their input (`ORDER_WEIGHT_SLICES`, a speed matter only): the logits and the state a
+    prefill leaves are the ones the plain indexing gives, to float32 rounding (XLA compiles the two
+    programs' products apart: 6e-5 on logits of 3.5); a layer's weights taken for another's would
+    move them by O(1). 2 periods of 4 layers."""
+    import tevjax.models.transformer as transformer
+    from tevjax.testing import random_model
+
+    hf, cfg, _, _ = pair
+    assert jax.device_count() == 1 and jax.default_backend() == "cpu"
+    cfg = dataclasses.replace(cfg, num_layers=8, linear_layers=(0, 1, 2, 4, 5, 6))
+    model = random_model(cfg, seed=3)
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 7)), jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(7, dtype=jnp.int32), (2, 7))
+    outs = []
+    for ordered in (True, False):
+        monkeypatch.setattr(transformer, "ORDER_WEIGHT_SLICES", ordered)
+        out = model(tokens, pos, KVCache.init(cfg, 2, 16), jnp.zeros((2,), jnp.int32), None)
+        outs.append(jax.tree.map(np.asarray, (out.logits, out.cache.linear.state, out.cache.k)))
+    for got, want in zip(*outs):
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+
+
 def test_chunks_with_padding_tree_pass_and_commit_match_the_sequence(pair):
     """Two rows share one sequence, prefilled to 8 and 6 tokens in two chunks (the second padded
     past each row's length). A tree pass whose path 0 -> 2 -> 5 -> 6 spells the sequence's next

@@ -59,6 +59,11 @@ __all__ = [
     "full_mask",
 ]
 
+# On one CPU device, whether the layer scan takes each layer's weight slices just before their use
+# (`Transformer.__call__`). Read when a forward is traced; `experiments/weight_slices.py` turns it
+# off to measure what it is worth.
+ORDER_WEIGHT_SLICES = True
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -494,14 +499,15 @@ class Transformer(nnx.Module):
         #
         # XLA:CPU copies every slice of the weights it takes, and takes a slice as soon as its index
         # is known: all of a period's layers' as the step began, so their copies left the cache
-        # before they were used (a one-token pass of Qwen3.5's layout, 12 layers: 56 ms against 30),
-        # and each layer's MLP weights before its attention had run. On one CPU device the index of
-        # a layer's weights, and of its MLP's, reads the input they are applied to, so each slice is
-        # taken just before its use (SmolLM2's shape, 30 layers: 5-9% off the one-token pass and a
-        # 9-node tree pass, prefill unchanged). The index moves only where every entry of that input
-        # is NaN, and then no weights change the NaN output. Not on a GPU, which runs a program's
-        # kernels in order, nor over several devices, where the test would be a collective.
-        ordered = jax.default_backend() == "cpu" and jax.device_count() == 1
+        # before they were used, and each layer's MLP weights before its attention had run. On one
+        # CPU device the index of a layer's weights, and of its MLP's, reads the input they are
+        # applied to, so each slice is taken just before its use (`experiments/weight_slices.py`:
+        # SmolLM2's one-token pass in 0.87x the time, a 9-node tree pass in 0.91x, a hybrid's step
+        # in 0.47x). The index moves only where every entry of that input is NaN, and then no
+        # weights change the NaN output. Not on a GPU, which runs a program's kernels in order, nor
+        # over several devices, where the test would be a collective (`ORDER_WEIGHT_SLICES` turns
+        # it off).
+        ordered = ORDER_WEIGHT_SLICES and jax.default_backend() == "cpu" and jax.device_count() == 1
 
         def at(idx, x):  # a layer index that reads x where slices are ordered
             return idx + jnp.all(jnp.isnan(x)).astype(jnp.int32) if ordered else idx
