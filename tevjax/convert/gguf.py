@@ -4,16 +4,18 @@ A GGUF file holds a llama.cpp model: hyper-parameters and the tokenizer as key/v
 weights as tensors under llama.cpp names, often block-quantized. tevjax does not load GGUF directly:
 `gguf_to_hf_dir` turns one into an ordinary HF checkpoint directory (config.json, float32
 model.safetensors with standard `LlamaForCausalLM` / `Qwen2ForCausalLM` / `Qwen3ForCausalLM` /
-`MixtralForCausalLM` / `Qwen3MoeForCausalLM` / `Qwen2MoeForCausalLM` names,
+`MixtralForCausalLM` / `Qwen3MoeForCausalLM` / `Qwen2MoeForCausalLM` / `Gemma2ForCausalLM` /
+`Gemma3ForCausalLM` / `Phi3ForCausalLM` names,
 tokenizer.json, tokenizer_config.json with the file's chat template, generation_config.json), so
 the HF loader -- and transformers itself, in the tests -- treat it like any other checkpoint.
 Architectures: `llama` (SmolLM2 among them; Llama 3.1 onwards with the rope scaling it stores as
 `rope_freqs.weight`, `_llama3_scaling`), `qwen2` (Qwen2 and Qwen2.5: q/k/v biases) and `qwen3`
 (per-head q/k norms, a head size of its own), `qwen3moe` (Qwen3's attention with routed experts,
 each projection of a layer's experts stacked in one tensor), `qwen2moe` (Qwen2's attention,
-routed experts and a shared expert), and Mixtral, which llama.cpp writes as `llama` with an
-expert count (`_MIXTRAL`). `rope.scaling.type` linear and yarn become HF's
-`rope_scaling` of the same name (`_rope_scaling`).
+routed experts and a shared expert), Mixtral, which llama.cpp writes as `llama` with an
+expert count (`_MIXTRAL`), `gemma2` and `gemma3` (Gemma 2, Gemma 3's text model: `_gemma_config`)
+and `phi3` (Phi-3: fused q|k|v and gate|up tensors, `_phi3_config`).
+`rope.scaling.type` linear and yarn become HF's `rope_scaling` of the same name (`_rope_scaling`).
 
 Two layout facts matter (both from llama.cpp's `convert_hf_to_gguf.py`):
 
@@ -29,8 +31,13 @@ Two layout facts matter (both from llama.cpp's `convert_hf_to_gguf.py`):
       HF rows    [q0, q1, q2, q3]    halves (q0, q1) and (q2, q3)
       GGUF rows  [q0, q2, q1, q3]    rope pairs (q0, q2) and (q1, q3) made adjacent
 
-  Qwen2 and Qwen3 run llama.cpp's NEOX rope, which rotates halves as HF does: their rows are
-  stored unpermuted (`_Arch.permuted_rope`).
+  Qwen2, Qwen3, Gemma and Phi-3 run llama.cpp's NEOX rope, which rotates halves as HF does: their
+  rows are stored unpermuted (`_Arch.permuted_rope`).
+
+Gemma's RMSNorms scale by (1 + weight) in HF and by the weight in llama.cpp, so its converter adds
+1 to every `*norm.weight`; reading subtracts it (`_Arch.norm_offset`). Some of what a Gemma file
+runs with is not in its metadata but in llama.cpp's code, keyed by architecture and block count:
+which layers slide, the sliding layers' rope base, and the query scale (`_gemma_config`).
 
 Quantized tensors are dequantized to float32 with the `gguf` package; quantization blocks run along
 a row, so the row permutation above commutes with dequantization. Besides the 32-value blocks
@@ -69,7 +76,7 @@ __all__ = [
     "unpermute_rope_rows",
 ]
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "qwen2moe")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "qwen2moe", "gemma2", "gemma3", "phi3")
 # ggml type names accepted by `read_gguf`; each is covered by a round-trip test. Others (Q2_K,
 # Q3_K, Q5_0/Q5_1, IQ-quants, ...) are refused by name rather than dequantized untested.
 SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q8_K")
@@ -108,6 +115,15 @@ class _Arch:
     width_field: str = "moe_intermediate_size"
     # HF names where the architecture's differ from the table's Qwen-MoE names (substring swaps).
     renames: tuple[tuple[str, str], ...] = ()
+    # Gemma: what llama.cpp's converter added to every `*norm.weight` (HF's norms scale by 1 + w).
+    norm_offset: float = 0.0
+    # Gemma: a norm after attention (`post_attention_norm`), and the MLP's input and output norms
+    # (`ffn_norm`, `post_ffw_norm`), where the others' `ffn_norm` is the post-attention one.
+    post_norms: bool = False
+    # Phi-3: q|k|v in one tensor (`attn_qkv`) and gate|up in one (`ffn_up`), as HF stores them.
+    fused: bool = False
+    # The family's own HF config fields, from the metadata and the generic fields (`cfg`).
+    family_config: Callable[[Path, Mapping[str, Any], dict], dict] | None = None
 
     def hf(self, name: str) -> str:
         for old, new in self.renames:
@@ -129,6 +145,12 @@ _ARCHS: dict[str, _Arch] = {
     "qwen2moe": _Arch("Qwen2MoeForCausalLM", False, True, False,
                       (("use_sliding_window", False), ("norm_topk_prob", False), ("decoder_sparse_step", 1)),
                       model_type="qwen2_moe", experts=True, shared_expert=True),
+    "gemma2": _Arch("Gemma2ForCausalLM", False, False, False, (("attention_bias", False),),
+                    norm_offset=1.0, post_norms=True, family_config=lambda p, m, c: _gemma_config(p, m, c, "gemma2")),
+    "gemma3": _Arch("Gemma3ForCausalLM", False, False, True, (("attention_bias", False),), model_type="gemma3_text",
+                    norm_offset=1.0, post_norms=True, family_config=lambda p, m, c: _gemma_config(p, m, c, "gemma3")),
+    "phi3": _Arch("Phi3ForCausalLM", False, False, False, (("attention_bias", False),), fused=True,
+                  family_config=lambda p, m, c: _phi3_config(p, m, c)),
 }
 assert set(_ARCHS) == set(SUPPORTED_ARCHITECTURES)
 # Mixtral: llama.cpp writes it as `llama` with an expert count (convert_hf_to_gguf's LlamaModel:
@@ -309,7 +331,7 @@ def _config_from_metadata(path: Path, meta: Mapping[str, Any], tensor_names: set
     for key, field in _TOKEN_ID_TABLE:
         if key in meta:
             cfg[field] = int(meta[key])
-    return cfg
+    return conv.family_config(path, meta, cfg) if conv.family_config else cfg
 
 
 def _expert_config(path: Path, meta: Mapping[str, Any], arch: str) -> dict[str, Any]:
@@ -338,6 +360,77 @@ def _expert_config(path: Path, meta: Mapping[str, Any], arch: str) -> dict[str, 
         raise GGUFError(f"{path}: {arch}.expert_used_count {out['num_experts_per_tok']} must be in "
                         f"[1, expert_count {out[kind.experts_field]}]")
     return out
+
+
+def _positive(path: Path, key: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise GGUFError(f"{path}: metadata {key} should be a positive number, got {value!r}")
+    return float(value)
+
+
+# llama.cpp's block counts of the Gemma models that scale queries by hidden / heads instead of the head
+# size (the 27B models; llama-model.cpp, after gemma_pytorch's config). Their HF configs say the same
+# through query_pre_attn_scalar (144 and 168), which the metadata does not carry.
+_GEMMA_HIDDEN_OVER_HEADS_LAYERS = {"gemma2": 46, "gemma3": 62}
+# What llama.cpp hard-codes for Gemma 3's sliding layers: every sixth layer (5, 11, ...) attends fully,
+# the others slide and rotate with base 10000, unscaled. Gemma 2: layers 0, 2, 4, ... slide.
+_GEMMA_FULL_EVERY = {"gemma2": 2, "gemma3": 6}
+_GEMMA3_LOCAL_ROPE_THETA = 10000.0
+
+
+def _gemma_config(path: Path, meta: Mapping[str, Any], cfg: dict, arch: str) -> dict:
+    """A Gemma 2 or Gemma 3 file's HF config fields besides the generic ones, as llama.cpp runs the
+    file (`llama-model.cpp`): the GELU MLP; the query scale; which layers slide and their window
+    (Gemma 2's default 4096; Gemma 3's is required, as llama.cpp requires it); the soft caps
+    (Gemma 2: attention 50 and logits 30 unless the file says otherwise; Gemma 3: logits only,
+    where the file has the key); and Gemma 3's two ropes as transformers 5 nests them."""
+    cfg = dict(cfg)
+    del cfg["hidden_act"]
+    cfg["hidden_activation"] = "gelu_pytorch_tanh"
+    layers, hidden, heads = cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_attention_heads"]
+    if layers == _GEMMA_HIDDEN_OVER_HEADS_LAYERS[arch]:
+        cfg["query_pre_attn_scalar"] = hidden // heads  # llama.cpp's integer division
+    else:
+        cfg["query_pre_attn_scalar"] = cfg["head_dim"]
+    key = f"{arch}.attention.sliding_window"
+    if key in meta:
+        window = _uniform_int(path, key, meta[key])
+        if window <= 0:
+            raise GGUFError(f"{path}: metadata {key} should be positive, got {window}")
+    elif arch == "gemma2":
+        window = 4096
+    else:
+        raise GGUFError(f"{path}: required metadata {key} is missing")
+    every = _GEMMA_FULL_EVERY[arch]
+    cfg["sliding_window"] = window
+    cfg["layer_types"] = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(layers)]
+    caps = {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0} if arch == "gemma2" else {}
+    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+        full = f"{arch}.{name}"
+        if arch == "gemma3" and name == "attn_logit_softcapping" and full in meta:
+            raise GGUFError(f"{path}: metadata {full}: Gemma 3 has no attention soft cap")
+        cfg[name] = _positive(path, full, meta[full]) if full in meta else caps.get(name)
+    if arch == "gemma3":
+        scaling = cfg.pop("rope_scaling")
+        theta = cfg.pop("rope_theta")
+        full_rope = {"rope_type": "default"} if scaling is None else dict(scaling)
+        cfg["rope_parameters"] = {"full_attention": dict(full_rope, rope_theta=theta),
+                                  "sliding_attention": {"rope_type": "default", "rope_theta": _GEMMA3_LOCAL_ROPE_THETA}}
+    return cfg
+
+
+def _phi3_config(path: Path, meta: Mapping[str, Any], cfg: dict) -> dict:
+    """A Phi-3 file's HF config fields besides the generic ones: its window over every layer (0, as
+    the converter writes for Phi-4, is none) and the context its rope was trained for."""
+    cfg = dict(cfg)
+    window = _uniform_int(path, "phi3.attention.sliding_window", meta.get("phi3.attention.sliding_window", 0))
+    cfg["sliding_window"] = window if window > 0 else None
+    key = "phi3.rope.scaling.original_context_length"
+    cfg["original_max_position_embeddings"] = (_uniform_int(path, key, meta[key]) if key in meta
+                                               else cfg["max_position_embeddings"])
+    # Phi3Config's default pad id (32000) is a token of Phi-3's vocabulary, not of every file's.
+    cfg.setdefault("pad_token_id", None)
+    return cfg
 
 
 # llama.cpp's `rope.scaling.*` keys and the values under which its rope equals transformers' (the
@@ -502,6 +595,26 @@ def _dense(arch: _Arch) -> bool:
     return not arch.experts
 
 
+def _split(arch: _Arch) -> bool:  # separate q / k / v and gate / up tensors (all but Phi-3)
+    return not arch.fused
+
+
+def _dense_split(arch: _Arch) -> bool:
+    return _dense(arch) and _split(arch)
+
+
+def _fused(arch: _Arch) -> bool:
+    return arch.fused
+
+
+def _post_norms(arch: _Arch) -> bool:
+    return arch.post_norms
+
+
+def _pre_norms_only(arch: _Arch) -> bool:
+    return not arch.post_norms
+
+
 def _shared(arch: _Arch) -> bool:
     return arch.shared_expert
 
@@ -516,19 +629,31 @@ _TENSOR_TABLE: tuple[_TensorRule, ...] = tuple(
         (r"blk\.(\d+)\.attn_norm\.weight", "model.layers.{layer}.input_layernorm.weight",
          lambda c: (c["hidden_size"],), None, None),
         (r"blk\.(\d+)\.ffn_norm\.weight", "model.layers.{layer}.post_attention_layernorm.weight",
-         lambda c: (c["hidden_size"],), None, None),
+         lambda c: (c["hidden_size"],), None, _pre_norms_only),
+        # Gemma: the attention's output norm, and the MLP's input and output norms.
+        (r"blk\.(\d+)\.post_attention_norm\.weight", "model.layers.{layer}.post_attention_layernorm.weight",
+         lambda c: (c["hidden_size"],), None, _post_norms),
+        (r"blk\.(\d+)\.ffn_norm\.weight", "model.layers.{layer}.pre_feedforward_layernorm.weight",
+         lambda c: (c["hidden_size"],), None, _post_norms),
+        (r"blk\.(\d+)\.post_ffw_norm\.weight", "model.layers.{layer}.post_feedforward_layernorm.weight",
+         lambda c: (c["hidden_size"],), None, _post_norms),
         (r"blk\.(\d+)\.attn_q\.weight", "model.layers.{layer}.self_attn.q_proj.weight",
-         lambda c: (_q_dim(c), c["hidden_size"]), _rope_rows("num_attention_heads"), None),
+         lambda c: (_q_dim(c), c["hidden_size"]), _rope_rows("num_attention_heads"), _split),
         (r"blk\.(\d+)\.attn_k\.weight", "model.layers.{layer}.self_attn.k_proj.weight",
-         lambda c: (_kv_dim(c), c["hidden_size"]), _rope_rows("num_key_value_heads"), None),
+         lambda c: (_kv_dim(c), c["hidden_size"]), _rope_rows("num_key_value_heads"), _split),
         (r"blk\.(\d+)\.attn_v\.weight", "model.layers.{layer}.self_attn.v_proj.weight",
-         lambda c: (_kv_dim(c), c["hidden_size"]), None, None),
+         lambda c: (_kv_dim(c), c["hidden_size"]), None, _split),
+        # Phi-3: q | k | v rows in one tensor, and gate | up rows in one, as HF stores them.
+        (r"blk\.(\d+)\.attn_qkv\.weight", "model.layers.{layer}.self_attn.qkv_proj.weight",
+         lambda c: (_q_dim(c) + 2 * _kv_dim(c), c["hidden_size"]), None, _fused),
+        (r"blk\.(\d+)\.ffn_up\.weight", "model.layers.{layer}.mlp.gate_up_proj.weight",
+         lambda c: (2 * c["intermediate_size"], c["hidden_size"]), None, _fused),
         (r"blk\.(\d+)\.attn_output\.weight", "model.layers.{layer}.self_attn.o_proj.weight",
          lambda c: (c["hidden_size"], _q_dim(c)), None, None),
         (r"blk\.(\d+)\.ffn_gate\.weight", "model.layers.{layer}.mlp.gate_proj.weight",
-         lambda c: (c["intermediate_size"], c["hidden_size"]), None, _dense),
+         lambda c: (c["intermediate_size"], c["hidden_size"]), None, _dense_split),
         (r"blk\.(\d+)\.ffn_up\.weight", "model.layers.{layer}.mlp.up_proj.weight",
-         lambda c: (c["intermediate_size"], c["hidden_size"]), None, _dense),
+         lambda c: (c["intermediate_size"], c["hidden_size"]), None, _dense_split),
         (r"blk\.(\d+)\.ffn_down\.weight", "model.layers.{layer}.mlp.down_proj.weight",
          lambda c: (c["hidden_size"], c["intermediate_size"]), None, _dense),
         # Qwen3-MoE, Qwen2-MoE and Mixtral: the router, and each projection of every expert in one
@@ -617,6 +742,10 @@ def _read(path: Path) -> tuple[dict[str, Any], dict[str, np.ndarray], dict[str, 
     cfg = _config_from_metadata(path, meta, set(by_name), embed_rows)
     arch = _arch_of(meta)  # checked by _config_from_metadata
 
+    factors = sorted(n for n in by_name if n in ("rope_factors_long.weight", "rope_factors_short.weight"))
+    if factors:
+        raise GGUFError(f"{path}: tensors {', '.join(factors)} scale the rope per frequency (LongRoPE, Phi-3's "
+                        "long-context models), which is not supported")
     if "rope_freqs.weight" in by_name:  # only a Llama file gets here with one
         cfg["rope_scaling"] = _llama3_scaling(path, _dequantize(path, by_name.pop("rope_freqs.weight")), cfg)
 
@@ -641,6 +770,8 @@ def _read(path: Path) -> tuple[dict[str, Any], dict[str, np.ndarray], dict[str, 
             raise GGUFError(f"{path}: tensor {name!r} ({hf_name}) has shape {values.shape}, "
                             f"expected {want} from the metadata")
         values = rule.transform(values, cfg, arch) if rule.transform else values
+        if arch.norm_offset and name.endswith("norm.weight"):  # Gemma: see the module docstring
+            values = values - np.float32(arch.norm_offset)
         if "{expert}" in hf_name:  # one HF tensor per expert
             state.update((hf_name.format(expert=e), np.ascontiguousarray(v)) for e, v in enumerate(values))
         else:
@@ -658,14 +789,14 @@ def _read(path: Path) -> tuple[dict[str, Any], dict[str, np.ndarray], dict[str, 
 
 
 def read_gguf(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """Read a GGUF file of a supported architecture (Llama, Qwen2, Qwen3, Mixtral, Qwen2/3-MoE) as an HF
-    config dict and float32 state dict.
+    """Read a GGUF file of a supported architecture (Llama, Qwen2, Qwen3, Mixtral, Qwen2/3-MoE, Gemma 2,
+    Gemma 3, Phi-3) as an HF config dict and float32 state dict.
 
     Returns `(config, state)`: `config` holds the HF config fields (sizes, head_dim, rope_theta,
     rms_norm_eps, tie_word_embeddings, bos/eos/pad ids, max_position_embeddings, vocab_size);
     `state` maps standard HF names (`model.layers.0.self_attn.q_proj.weight`, ...) to float32
     arrays in HF layout (Llama's q/k rows un-permuted; Qwen2's biases, Qwen3's q/k norms, Qwen3-MoE's
-    router and one tensor per expert). With
+    router and one tensor per expert, Gemma's norms less the 1 llama.cpp adds, Phi-3's fused tensors). With
     tied embeddings there is no `lm_head.weight`.
     Raises `GGUFError` naming the file and the offending field or tensor.
     """

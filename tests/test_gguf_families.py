@@ -1,0 +1,306 @@
+"""GGUF files of Gemma 2, Gemma 3 and Phi-3, written from a tiny random transformers model the way
+llama.cpp's converter writes them: tensor names from llama.cpp's own table
+(`gguf.get_tensor_name_map`, not tevjax's), 1 added to every Gemma norm, Phi-3's fused q|k|v and
+gate|up tensors as HF stores them, and only the metadata keys the converter writes for the family
+(what llama.cpp takes from its code instead -- which layers slide, Gemma 3's local rope base, the
+query scale -- is left out of the file, as it is in released files).
+
+The converted checkpoint must run, in tevjax and in transformers, like the original model with
+its weights rounded through the file's storage types.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import gguf
+from gguf import GGMLQuantizationType as Q
+
+from test_gguf import CHAT_TEMPLATE, MERGES, SPECIALS, encode_tensor, expected_values, tiny_vocab
+from tevjax.convert.gguf import GGUFError, _config_from_metadata, gguf_to_hf_dir, read_gguf
+
+SIZES = dict(vocab_size=272, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6)
+
+# Each family's tiny model. Its values are chosen so that a reader falling back on a default would
+# be caught: Gemma's query scale is its head size (32; transformers' default is 256), the soft caps
+# are low enough to bite, the windows are shorter than the test sequence, Gemma 3's full layers
+# rotate with a base and a linear scaling of their own.
+FAMILIES = {
+    "gemma2": dict(SIZES, num_hidden_layers=3, head_dim=32, query_pre_attn_scalar=32, sliding_window=4,
+                   attn_logit_softcapping=5.0, final_logit_softcapping=3.0, rope_theta=10000.0),
+    "gemma3": dict(SIZES, num_hidden_layers=6, head_dim=32, query_pre_attn_scalar=32, sliding_window=4,
+                   final_logit_softcapping=3.0,
+                   rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100.0},
+                                    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
+    "phi3": dict(SIZES, num_hidden_layers=2, sliding_window=4, original_max_position_embeddings=128,
+                 rope_theta=100.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=None),
+}
+CLASSES = {"gemma2": ("Gemma2Config", "Gemma2ForCausalLM"), "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+           "phi3": ("Phi3Config", "Phi3ForCausalLM")}
+IDS = np.array([[5, 17, 42, 99, 3, 250, 7, 64, 11, 200, 31, 8]], np.int32)  # longer than every window
+
+
+def hf_model(arch: str, seed: int = 0):
+    """A tiny transformers model of the family with every weight random (norms included, so that
+    an offset would show)."""
+    import torch
+    import transformers
+
+    config = getattr(transformers, CLASSES[arch][0])(**FAMILIES[arch])
+    config._attn_implementation = "eager"  # soft caps need it in transformers
+    torch.manual_seed(seed)
+    model = getattr(transformers, CLASSES[arch][1])(config).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    return model
+
+
+def hf_state(model) -> dict[str, np.ndarray]:
+    """The model's tensors as its checkpoint holds them (a tied head is the embedding)."""
+    state = {k: v.detach().numpy().astype(np.float32) for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    return state
+
+
+def storage_type(name: str, shape: tuple[int, ...]) -> Q:
+    """Norms and vectors in F32 as llama.cpp keeps them; matrices alternate Q8_0 / F16 / BF16."""
+    if len(shape) == 1:
+        return Q.F32
+    return (Q.Q8_0, Q.F16, Q.BF16)[sum(map(ord, name)) % 3]
+
+
+def write_family_gguf(path: Path, arch: str, state: dict[str, np.ndarray], *, meta_drop: tuple[str, ...] = (),
+                      meta_extra: dict | None = None, extra_tensors: dict[str, np.ndarray] | None = None
+                      ) -> tuple[Path, dict[str, Q]]:
+    """`state` written as convert_hf_to_gguf writes the family; returns the file and each HF
+    tensor's storage type."""
+    c = FAMILIES[arch]
+    n = c["num_hidden_layers"]
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], n)
+    w = gguf.GGUFWriter(str(path), arch)
+    keys = {
+        "context_length": c["max_position_embeddings"], "embedding_length": c["hidden_size"], "block_count": n,
+        "feed_forward_length": c["intermediate_size"], "attention.head_count": c["num_attention_heads"],
+        "attention.head_count_kv": c["num_key_value_heads"],
+        "attention.layer_norm_rms_epsilon": c["rms_norm_eps"], "attention.sliding_window": c["sliding_window"],
+    }
+    if arch.startswith("gemma"):
+        keys.update({"attention.key_length": c["head_dim"], "attention.value_length": c["head_dim"],
+                     "final_logit_softcapping": c["final_logit_softcapping"]})
+    if arch == "gemma2":
+        keys["attn_logit_softcapping"] = c["attn_logit_softcapping"]
+    if arch == "gemma3":
+        full = c["rope_parameters"]["full_attention"]
+        keys.update({"rope.freq_base": full["rope_theta"], "rope.scaling.type": "linear",
+                     "rope.scaling.factor": full["factor"]})
+    if arch == "phi3":
+        head = c["hidden_size"] // c["num_attention_heads"]
+        keys.update({"rope.scaling.original_context_length": c["original_max_position_embeddings"],
+                     "rope.dimension_count": head, "rope.freq_base": c["rope_theta"]})
+    keys.update(meta_extra or {})
+    for key, value in keys.items():
+        if key in meta_drop:
+            continue
+        full_key = f"{arch}.{key}"
+        if isinstance(value, str):
+            w.add_string(full_key, value)
+        elif isinstance(value, float):
+            w.add_float32(full_key, value)
+        else:
+            w.add_uint32(full_key, value)
+    tokens = tiny_vocab()
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
+    w.add_token_merges(MERGES)
+    w.add_chat_template(CHAT_TEMPLATE)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_pad_token_id(0)  # as released files have one (transformers' Phi-3 default, 32000, is outside this vocabulary)
+    types = {}
+    for hf, value in state.items():
+        name = names.get_name(hf, try_suffixes=(".weight", ".bias"))
+        assert name is not None, hf
+        if arch.startswith("gemma") and hf.endswith("norm.weight"):
+            value = value + np.float32(1.0)  # the converter's Gemma norm shift
+        types[hf] = storage_type(hf, value.shape)
+        data, raw = encode_tensor(value, types[hf])
+        w.add_tensor(name, data, raw_dtype=raw)
+    for name, value in (extra_tensors or {}).items():
+        w.add_tensor(name, value)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path, types
+
+
+def stored_values(arch: str, state: dict[str, np.ndarray], types: dict[str, Q]) -> dict[str, np.ndarray]:
+    """What an exact reader returns: each tensor rounded through its storage type, and a Gemma norm
+    as (w + 1) - 1 in float32."""
+    shifted = {k: (v + np.float32(1.0) if arch.startswith("gemma") and k.endswith("norm.weight") else v)
+               for k, v in state.items()}
+    out = expected_values(shifted, types)
+    return {k: (v - np.float32(1.0) if arch.startswith("gemma") and k.endswith("norm.weight") else v)
+            for k, v in out.items()}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family_file(request, tmp_path_factory):
+    arch = request.param
+    model = hf_model(arch, seed=3)
+    state = hf_state(model)
+    path, types = write_family_gguf(tmp_path_factory.mktemp(arch) / f"{arch}.gguf", arch, state)
+    return arch, path, model, stored_values(arch, state, types)
+
+
+def test_family_files_read_in_hf_layout(family_file):
+    """Every tensor comes back under its HF name, exactly its storage type's rounding (Gemma's
+    norms less the 1 the converter added); the config holds what llama.cpp runs the file with,
+    which here is what the original model's config says."""
+    arch, path, model, want = family_file
+    cfg, got = read_gguf(path)
+    assert set(got) == set(want)
+    for name, value in got.items():
+        np.testing.assert_array_equal(value, want[name], err_msg=name)
+    hf = model.config
+    assert cfg["architectures"] == [CLASSES[arch][1]]
+    assert cfg["model_type"] == hf.model_type
+    assert cfg["sliding_window"] == hf.sliding_window
+    if arch.startswith("gemma"):
+        assert cfg["hidden_activation"] == "gelu_pytorch_tanh" and "hidden_act" not in cfg
+        assert cfg["query_pre_attn_scalar"] == hf.query_pre_attn_scalar == 32
+        assert cfg["layer_types"] == hf.layer_types
+        assert (cfg["attn_logit_softcapping"], cfg["final_logit_softcapping"]) == (
+            hf.attn_logit_softcapping, hf.final_logit_softcapping)
+        assert cfg["tie_word_embeddings"] is True
+    if arch == "gemma3":
+        assert cfg["rope_parameters"] == hf.rope_parameters
+        assert "rope_theta" not in cfg and "rope_scaling" not in cfg
+    if arch == "phi3":
+        assert cfg["original_max_position_embeddings"] == 128 and cfg["tie_word_embeddings"] is False
+
+
+def test_family_conversion_runs_like_the_original(family_file, tmp_path):
+    """The converted directory, loaded by tevjax and by transformers, gives the original model's
+    logits (its weights rounded as the file stores them) over a sequence longer than the windows."""
+    import jax.numpy as jnp
+    import torch
+    import transformers
+
+    from tevjax.convert.hf import load_hf_target
+    from tevjax.models import KVCache
+
+    arch, path, model, want = family_file
+    with torch.no_grad():
+        model.load_state_dict({k: torch.as_tensor(v) for k, v in want.items()}, strict=False)
+        if model.config.tie_word_embeddings:
+            model.tie_weights()
+        reference = model(torch.as_tensor(IDS, dtype=torch.long)).logits.numpy()
+    out = gguf_to_hf_dir(path, tmp_path / "hf")
+    _, target = load_hf_target(out)
+    assert target.cfg.architecture == model.config.model_type
+    ours = target(jnp.asarray(IDS), jnp.arange(IDS.shape[1])[None], KVCache.init(target.cfg, 1, 16),
+                  jnp.zeros((1,), jnp.int32), None).logits
+    np.testing.assert_allclose(np.asarray(ours), reference, atol=2e-4, rtol=2e-4)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32,
+                                                               attn_implementation="eager")
+    with torch.no_grad():
+        converted = theirs(torch.as_tensor(IDS, dtype=torch.long)).logits.numpy()
+    np.testing.assert_allclose(converted, reference, atol=2e-4, rtol=2e-4)
+
+
+def test_family_tensors_read_like_transformers_gguf_loader(family_file):
+    """transformers' own GGUF reader, a second reader of the same file, agrees on every tensor it
+    loads."""
+    import torch
+    import transformers
+
+    arch, path, _, _ = family_file
+    _, got = read_gguf(path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                              dtype=torch.float32)
+    theirs = {k: v.numpy() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        theirs.pop("lm_head.weight", None)
+    assert set(theirs) == set(got)
+    for name, value in got.items():
+        np.testing.assert_array_equal(value, theirs[name], err_msg=name)
+
+
+def _meta(arch: str, layers: int, hidden: int, heads: int, head: int, **extra) -> dict:
+    meta = {"general.architecture": arch, f"{arch}.block_count": layers, f"{arch}.embedding_length": hidden,
+            f"{arch}.feed_forward_length": 4 * hidden, f"{arch}.attention.head_count": heads,
+            f"{arch}.attention.head_count_kv": heads // 2, f"{arch}.attention.layer_norm_rms_epsilon": 1e-6,
+            f"{arch}.context_length": 8192, f"{arch}.attention.key_length": head,
+            f"{arch}.attention.value_length": head, f"{arch}.attention.sliding_window": 4096,
+            f"{arch}.vocab_size": 256}
+    meta.update({f"{arch}.{k}": v for k, v in extra.items()})
+    return meta
+
+
+@pytest.mark.parametrize("arch, layers, hidden, heads, head, scalar", [
+    ("gemma2", 26, 2304, 8, 256, 256),   # Gemma 2 2B: the head size
+    ("gemma2", 46, 4608, 32, 128, 144),  # Gemma 2 27B: hidden / heads, as its HF config says
+    ("gemma3", 26, 1152, 4, 256, 256),   # Gemma 3 1B
+    ("gemma3", 62, 5376, 32, 128, 168),  # Gemma 3 27B
+])
+def test_gemma_query_scale_follows_llama_cpp(arch, layers, hidden, heads, head, scalar):
+    """The query scale is not in the metadata: llama.cpp takes hidden / heads for the 27B models (by
+    block count) and the head size otherwise, which is what each released HF config says."""
+    cfg = _config_from_metadata(Path("x.gguf"), _meta(arch, layers, hidden, heads, head), set(), None)
+    assert cfg["query_pre_attn_scalar"] == scalar
+
+
+def test_gemma_defaults_where_the_file_is_silent():
+    """Gemma 2 without the keys: llama.cpp's (and transformers') window 4096 and caps 50 / 30, layers
+    0, 2, 4, ... sliding; Gemma 3 without a logit cap has none, and its sliding layers rotate with
+    base 10000 whatever the file's base."""
+    meta = _meta("gemma2", 4, 64, 4, 16)
+    del meta["gemma2.attention.sliding_window"]
+    cfg = _config_from_metadata(Path("x.gguf"), meta, set(), None)
+    assert (cfg["sliding_window"], cfg["attn_logit_softcapping"], cfg["final_logit_softcapping"]) == (4096, 50.0, 30.0)
+    assert cfg["layer_types"] == ["sliding_attention", "full_attention"] * 2
+    cfg = _config_from_metadata(Path("x.gguf"), _meta("gemma3", 7, 64, 4, 16, **{"rope.freq_base": 1e6}), set(), None)
+    assert (cfg["attn_logit_softcapping"], cfg["final_logit_softcapping"]) == (None, None)
+    assert cfg["layer_types"] == ["sliding_attention"] * 5 + ["full_attention", "sliding_attention"]
+    assert cfg["rope_parameters"] == {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                      "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+
+
+@pytest.mark.parametrize("arch, change, match", [
+    ("gemma3", {"drop": "gemma3.attention.sliding_window"}, "sliding_window is missing"),
+    ("gemma3", {"gemma3.attn_logit_softcapping": 50.0}, "no attention soft cap"),
+    ("gemma2", {"gemma2.final_logit_softcapping": 0.0}, "final_logit_softcapping should be a positive"),
+    ("gemma2", {"gemma2.attention.sliding_window": 0}, "sliding_window should be positive"),
+])
+def test_gemma_metadata_refused_by_name(arch, change, match):
+    meta = _meta(arch, 4, 64, 4, 16)
+    meta.pop(change.pop("drop", None), None)
+    meta.update(change)
+    with pytest.raises(GGUFError, match=match):
+        _config_from_metadata(Path("x.gguf"), meta, set(), None)
+
+
+def test_phi3_without_a_window_and_longrope_refused(tmp_path):
+    """Phi-4's files say window 0: none. Phi-3's long-context files carry LongRoPE's per-frequency
+    factors as tensors, which are refused by name."""
+    meta = _meta("phi3", 2, 64, 4, 16, **{"attention.sliding_window": 0})
+    cfg = _config_from_metadata(Path("x.gguf"), meta, set(), None)
+    # No window; and no pad token where the file names none (Phi3Config's default, 32000, is Phi-3's).
+    assert cfg["sliding_window"] is None and cfg["pad_token_id"] is None
+    state = hf_state(hf_model("phi3"))
+    head = SIZES["hidden_size"] // SIZES["num_attention_heads"]
+    factors = {name: np.ones(head // 2, np.float32) for name in ("rope_factors_long.weight",
+                                                                  "rope_factors_short.weight")}
+    path, _ = write_family_gguf(tmp_path / "phi3.gguf", "phi3", state, extra_tensors=factors)
+    with pytest.raises(GGUFError, match="rope_factors_long.weight, rope_factors_short.weight .*LongRoPE"):
+        read_gguf(path)
