@@ -3,7 +3,7 @@
 The files are written the way llama.cpp's converter writes them: llama.cpp tensor names, q/k rows
 permuted per head for llama.cpp's rope (`llamacpp_permute`, written here from that converter's
 published formula, independently of the inverse in `tevjax.convert.gguf`), and a mix of
-F32/F16/BF16/Q8_0/Q4_0/Q4_1 tensors. `read_gguf` must return the original HF layout: exactly the
+F32/F16/BF16/Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 tensors. `read_gguf` must return the original HF layout: exactly the
 float32 dequantization of each quantized HF tensor, within the quantizer's error bound of the
 original. transformers' own GGUF loader is a second, independent reader of the same files.
 
@@ -150,8 +150,8 @@ TYPES = {
     "model.layers.1.self_attn.q_proj.weight": Q.Q8_0,
     "model.layers.1.self_attn.k_proj.weight": Q.Q4_1,
     "model.layers.1.self_attn.v_proj.weight": Q.F32,
-    "model.layers.1.self_attn.o_proj.weight": Q.Q4_0,
-    "model.layers.1.mlp.gate_proj.weight": Q.F16,
+    "model.layers.1.self_attn.o_proj.weight": Q.Q5_0,
+    "model.layers.1.mlp.gate_proj.weight": Q.Q5_1,
     "model.layers.1.mlp.up_proj.weight": Q.BF16,
     "model.layers.1.mlp.down_proj.weight": Q.Q4_1,
 }
@@ -171,7 +171,7 @@ def encode_tensor(w: np.ndarray, t: Q) -> tuple[np.ndarray, Q | None]:
         return w.astype(np.float16), None
     if t in K_QUANTS:
         return k_pack(t, k_quantize(w, t)), t
-    if t in (Q.Q2_K, Q.Q3_K):  # all-zero blocks: the reader must refuse the type, not the data
+    if t in (Q.Q2_K, Q.Q3_K, Q.IQ4_NL):  # all-zero blocks: the reader must refuse the type, not the data
         return np.zeros(gguf.quant_shape_to_byte_shape(w.shape, t), np.uint8), t
     return gguf.quants.quantize(w, t), t
 
@@ -594,12 +594,13 @@ def error_bound(w: np.ndarray, t: Q) -> np.ndarray:
         return np.abs(w) * 2.0 ** -8
     blocks = w.reshape(w.shape[0], -1, 32)
     amax = np.abs(blocks).max(-1, keepdims=True)
-    step = {Q.Q8_0: amax / 127, Q.Q4_0: amax / 8,
-            Q.Q4_1: (blocks.max(-1, keepdims=True) - blocks.min(-1, keepdims=True)) / 15}[t]
-    levels = {Q.Q8_0: 127, Q.Q4_0: 8, Q.Q4_1: 15}[t]
-    # Q4_0 maps [-amax, amax] onto 16 levels -8..7, so a value near the side opposite the extreme
-    # is clamped to level 7: up to one full step of error there, half a step elsewhere.
-    steps = 1.0 if t == Q.Q4_0 else 0.5
+    spread = blocks.max(-1, keepdims=True) - blocks.min(-1, keepdims=True)
+    step = {Q.Q8_0: amax / 127, Q.Q4_0: amax / 8, Q.Q5_0: amax / 16, Q.Q4_1: spread / 15, Q.Q5_1: spread / 31}[t]
+    levels = {Q.Q8_0: 127, Q.Q4_0: 8, Q.Q5_0: 16, Q.Q4_1: 15, Q.Q5_1: 31}[t]
+    # Q4_0 (Q5_0) maps [-amax, amax] onto 16 (32) levels -8..7 (-16..15), so a value near the side
+    # opposite the extreme is clamped to the top level: up to one full step of error there, half a
+    # step elsewhere.
+    steps = 1.0 if t in (Q.Q4_0, Q.Q5_0) else 0.5
     bound = step * (steps + levels * 2.0 ** -10) + 1e-6
     return np.broadcast_to(bound, blocks.shape).reshape(w.shape)
 
@@ -1054,9 +1055,9 @@ def test_unsupported_architecture(tmp_path):
 
 
 def test_unsupported_tensor_type(tmp_path):
-    types = dict(TYPES, **{"model.layers.1.mlp.up_proj.weight": Q.Q5_0})
-    path = write_gguf(tmp_path / "q5.gguf", tiny_state(), types=types)
-    with pytest.raises(GGUFError, match=r"'blk\.1\.ffn_up\.weight' has ggml type Q5_0"):
+    types = dict(TYPES, **{"model.layers.1.mlp.up_proj.weight": Q.IQ4_NL})
+    path = write_gguf(tmp_path / "iq4.gguf", tiny_state(), types=types)
+    with pytest.raises(GGUFError, match=r"'blk\.1\.ffn_up\.weight' has ggml type IQ4_NL"):
         read_gguf(path)
 
 
@@ -1233,7 +1234,7 @@ def test_gguf_to_hf_dir_refuses_existing_and_overwrites(tiny_file, tmp_path):
 
 
 def test_failed_conversion_leaves_nothing(tmp_path):
-    types = dict(TYPES, **{"model.embed_tokens.weight": Q.Q5_0})
+    types = dict(TYPES, **{"model.embed_tokens.weight": Q.IQ4_NL})
     path = write_gguf(tmp_path / "bad.gguf", tiny_state(), types=types)
     with pytest.raises(GGUFError):
         gguf_to_hf_dir(path, tmp_path / "out" / "hf")
