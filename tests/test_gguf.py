@@ -557,11 +557,28 @@ def write_gguf(path: Path, state: dict[str, np.ndarray], *, arch: str = "llama",
             w.add_tensor(name, data, raw_dtype=raw)
         else:
             w.add_tensor(name, value)
+    return close_gguf(w, path)
+
+
+def close_gguf(w: gguf.GGUFWriter, path: Path) -> Path:
+    """Write out what `w` holds to `path`."""
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def add_byte_level_tokenizer(w: gguf.GGUFWriter, tokens: list[str], pre: str) -> None:
+    """The tiny byte-level vocabulary's metadata (`tokens` may extend it), <|endoftext|> as bos and
+    <|im_start|> as eos as the other files here have them."""
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
+    w.add_token_merges(MERGES)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
 
 
 def expected_values(state: dict[str, np.ndarray], types=None) -> dict[str, np.ndarray]:
@@ -1050,7 +1067,7 @@ def test_truncated_file(tiny_file, tmp_path, keep):
 def test_unsupported_architecture(tmp_path):
     path = write_gguf(tmp_path / "g.gguf", tiny_state(), arch="olmo2")
     with pytest.raises(GGUFError, match=r"architecture 'olmo2' is not supported \(supported: llama, qwen2, qwen3, "
-                                       r"qwen3moe, qwen2moe, gemma2, gemma3, phi3\)"):
+                                       r"qwen3moe, qwen2moe, gemma2, gemma3, phi3, qwen3next, qwen35, qwen35moe\)"):
         read_gguf(path)
 
 

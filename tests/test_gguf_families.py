@@ -19,7 +19,8 @@ import pytest
 import gguf
 from gguf import GGMLQuantizationType as Q
 
-from test_gguf import CHAT_TEMPLATE, MERGES, SPECIALS, encode_tensor, expected_values, tiny_vocab
+from test_gguf import (CHAT_TEMPLATE, add_byte_level_tokenizer, close_gguf, encode_tensor, expected_values,
+                       tiny_vocab)
 from tevjax.convert.gguf import GGUFError, _config_from_metadata, gguf_to_hf_dir, read_gguf
 
 SIZES = dict(vocab_size=272, hidden_size=64, intermediate_size=96, num_attention_heads=4,
@@ -115,15 +116,8 @@ def write_family_gguf(path: Path, arch: str, state: dict[str, np.ndarray], *, me
             w.add_float32(full_key, value)
         else:
             w.add_uint32(full_key, value)
-    tokens = tiny_vocab()
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("smollm")
-    w.add_token_list(tokens)
-    w.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
-    w.add_token_merges(MERGES)
+    add_byte_level_tokenizer(w, tiny_vocab(), "smollm")
     w.add_chat_template(CHAT_TEMPLATE)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
     w.add_pad_token_id(0)  # as released files have one (transformers' Phi-3 default, 32000, is outside this vocabulary)
     types = {}
     for hf, value in state.items():
@@ -136,11 +130,7 @@ def write_family_gguf(path: Path, arch: str, state: dict[str, np.ndarray], *, me
         w.add_tensor(name, data, raw_dtype=raw)
     for name, value in (extra_tensors or {}).items():
         w.add_tensor(name, value)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path, types
+    return close_gguf(w, path), types
 
 
 def stored_values(arch: str, state: dict[str, np.ndarray], types: dict[str, Q]) -> dict[str, np.ndarray]:

@@ -5,7 +5,7 @@ weights as tensors under llama.cpp names, often block-quantized. tevjax does not
 `gguf_to_hf_dir` turns one into an ordinary HF checkpoint directory (config.json, float32
 model.safetensors with standard `LlamaForCausalLM` / `Qwen2ForCausalLM` / `Qwen3ForCausalLM` /
 `MixtralForCausalLM` / `Qwen3MoeForCausalLM` / `Qwen2MoeForCausalLM` / `Gemma2ForCausalLM` /
-`Gemma3ForCausalLM` / `Phi3ForCausalLM` names,
+`Gemma3ForCausalLM` / `Phi3ForCausalLM` / `Qwen3NextForCausalLM` / `Qwen3_5(Moe)ForCausalLM` names,
 tokenizer.json, tokenizer_config.json with the file's chat template, generation_config.json), so
 the HF loader -- and transformers itself, in the tests -- treat it like any other checkpoint.
 Architectures: `llama` (SmolLM2 among them; Llama 3.1 onwards with the rope scaling it stores as
@@ -13,8 +13,10 @@ Architectures: `llama` (SmolLM2 among them; Llama 3.1 onwards with the rope scal
 (per-head q/k norms, a head size of its own), `qwen3moe` (Qwen3's attention with routed experts,
 each projection of a layer's experts stacked in one tensor), `qwen2moe` (Qwen2's attention,
 routed experts and a shared expert), Mixtral, which llama.cpp writes as `llama` with an
-expert count (`_MIXTRAL`), `gemma2` and `gemma3` (Gemma 2, Gemma 3's text model: `_gemma_config`)
-and `phi3` (Phi-3: fused q|k|v and gate|up tensors, `_phi3_config`).
+expert count (`_MIXTRAL`), `gemma2` and `gemma3` (Gemma 2, Gemma 3's text model: `_gemma_config`),
+`phi3` (Phi-3: fused q|k|v and gate|up tensors, `_phi3_config`), and the hybrids `qwen3next`,
+`qwen35` and `qwen35moe` (Gated DeltaNet layers beside gated attention: `_hybrid_config`,
+`_linear_tensor`, `_join_qkvz`).
 `rope.scaling.type` linear and yarn become HF's `rope_scaling` of the same name (`_rope_scaling`).
 
 Two layout facts matter (both from llama.cpp's `convert_hf_to_gguf.py`):
@@ -77,7 +79,8 @@ __all__ = [
     "unpermute_rope_rows",
 ]
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "qwen2moe", "gemma2", "gemma3", "phi3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "qwen2moe", "gemma2", "gemma3", "phi3",
+                           "qwen3next", "qwen35", "qwen35moe")
 # ggml type names accepted by `read_gguf`; each is covered by a round-trip test. Others (Q2_K,
 # Q3_K, Q5_0/Q5_1, IQ-quants, ...) are refused by name rather than dequantized untested.
 SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "Q8_K")
@@ -125,6 +128,12 @@ class _Arch:
     fused: bool = False
     # The family's own HF config fields, from the metadata and the generic fields (`cfg`).
     family_config: Callable[[Path, Mapping[str, Any], dict], dict] | None = None
+    # Qwen3-Next and Qwen3.5: Gated DeltaNet layers beside gated attention (`_hybrid_config`).
+    hybrid: bool = False
+    # Qwen3.5: value heads stored tiled rather than grouped by key head (`_untile_value_heads`).
+    tiled_value_heads: bool = False
+    # What becomes of the HF state once every tensor is read (Qwen3-Next's in_proj_qkvz).
+    finish: Callable[[dict, dict], dict] | None = None
 
     def hf(self, name: str) -> str:
         for old, new in self.renames:
@@ -152,6 +161,25 @@ _ARCHS: dict[str, _Arch] = {
                     norm_offset=1.0, post_norms=True, family_config=lambda p, m, c: _gemma_config(p, m, c, "gemma3")),
     "phi3": _Arch("Phi3ForCausalLM", False, False, False, (("attention_bias", False),), fused=True,
                   family_config=lambda p, m, c: _phi3_config(p, m, c)),
+    # Qwen3-Next and Qwen3.5: llama.cpp's converter (its Qwen3NextModel and, for Qwen3.5, the value
+    # head reordering base it derives from it) writes their zero-centred norms plus 1 (the gated
+    # norm of the linear layers, `ssm_norm`, as it is), A_log as -exp(A_log), dt_bias as
+    # `ssm_dt.bias`, the conv kernel without its middle axis, and Qwen3-Next's in_proj_qkvz as q|k|v
+    # part by part (`attn_qkv`) and z (`attn_gate`). Its experts: Qwen2-MoE's layout, renormalised.
+    "qwen3next": _Arch("Qwen3NextForCausalLM", False, False, True,
+                       (("attention_bias", False), ("norm_topk_prob", True), ("decoder_sparse_step", 1),
+                        ("mlp_only_layers", ())),
+                       model_type="qwen3_next", experts=True, shared_expert=True, norm_offset=1.0, hybrid=True,
+                       family_config=lambda p, m, c: _hybrid_config(p, m, c, "qwen3next"),
+                       finish=lambda c, s: _join_qkvz(c, s)),
+    "qwen35": _Arch("Qwen3_5ForCausalLM", False, False, True, (("attention_bias", False),),
+                    model_type="qwen3_5_text", norm_offset=1.0, hybrid=True, tiled_value_heads=True,
+                    family_config=lambda p, m, c: _hybrid_config(p, m, c, "qwen35")),
+    "qwen35moe": _Arch("Qwen3_5MoeForCausalLM", False, False, True,
+                       (("attention_bias", False), ("norm_topk_prob", True)),
+                       model_type="qwen3_5_moe_text", experts=True, shared_expert=True, norm_offset=1.0,
+                       hybrid=True, tiled_value_heads=True,
+                       family_config=lambda p, m, c: _hybrid_config(p, m, c, "qwen35moe")),
 }
 assert set(_ARCHS) == set(SUPPORTED_ARCHITECTURES)
 # Mixtral: llama.cpp writes it as `llama` with an expert count (convert_hf_to_gguf's LlamaModel:
@@ -282,6 +310,9 @@ def _config_from_metadata(path: Path, meta: Mapping[str, Any], tensor_names: set
             elif not isinstance(value, (int, float)) or isinstance(value, bool):
                 raise GGUFError(f"{path}: metadata {full} should be a number, got {value!r}")
             value = kind(value)
+        elif key == "feed_forward_length" and conv.experts and conv.width_field != "intermediate_size":
+            continue  # its experts' width is its own key, and llama.cpp's converter writes this only when the
+            # HF config has a dense width (Qwen3.5-MoE's has none)
         elif default is _REQUIRED:
             raise GGUFError(f"{path}: required metadata {full} is missing")
         else:
@@ -303,7 +334,7 @@ def _config_from_metadata(path: Path, meta: Mapping[str, Any], tensor_names: set
         raise GGUFError(f"{path}: head size {head_dim} is odd, so rope pairs cannot be formed")
     cfg["head_dim"] = head_dim
     rope_dims = meta.get(f"{arch}.rope.dimension_count", head_dim)
-    if rope_dims != head_dim:
+    if rope_dims != head_dim and not conv.hybrid:
         raise GGUFError(f"{path}: rope.dimension_count {rope_dims} != head size {head_dim}; "
                         f"partial rotary embeddings are not supported for {arch}")
     # Llama 3.1 onwards carries its scaling as the tensor rope_freqs.weight (`_llama3_scaling`).
@@ -432,6 +463,127 @@ def _phi3_config(path: Path, meta: Mapping[str, Any], cfg: dict) -> dict:
     # Phi3Config's default pad id (32000) is a token of Phi-3's vocabulary, not of every file's.
     cfg.setdefault("pad_token_id", None)
     return cfg
+
+
+# The HF names of the hybrids' linear-attention fields and the llama.cpp `ssm.*` keys they come from
+# (llama.cpp's converter: state size = the key head size, group count = key heads, time step rank =
+# value heads, inner size = value heads x the value head size).
+_LINEAR_TABLE = (("ssm.conv_kernel", "linear_conv_kernel_dim"), ("ssm.state_size", "linear_key_head_dim"),
+                 ("ssm.group_count", "linear_num_key_heads"), ("ssm.time_step_rank", "linear_num_value_heads"))
+
+
+def _hybrid_config(path: Path, meta: Mapping[str, Any], cfg: dict, arch: str) -> dict:
+    """A Qwen3-Next or Qwen3.5 file's HF config fields besides the generic ones: which layers are
+    linear (every `full_attention_interval`-th one attends; 4 when absent, as in llama.cpp), the
+    linear layers' heads and conv width (`_LINEAR_TABLE`), and the rotated share of each attention
+    head (`rope.dimension_count` over the head size). A file whose block count includes
+    multi-token-prediction blocks (`nextn_predict_layers`) has them left out."""
+    cfg = dict(cfg)
+    nextn = _uniform_int(path, f"{arch}.nextn_predict_layers", meta.get(f"{arch}.nextn_predict_layers", 0))
+    layers = cfg["num_hidden_layers"] - nextn
+    if layers <= 0:
+        raise GGUFError(f"{path}: {arch}.nextn_predict_layers {nextn} leaves no layers of block_count "
+                        f"{cfg['num_hidden_layers']}")
+    cfg["num_hidden_layers"] = layers
+    for key, field in _LINEAR_TABLE:
+        if f"{arch}.{key}" not in meta:
+            raise GGUFError(f"{path}: required metadata {arch}.{key} is missing")
+        cfg[field] = _uniform_int(path, f"{arch}.{key}", meta[f"{arch}.{key}"])
+    inner = _uniform_int(path, f"{arch}.ssm.inner_size", meta.get(f"{arch}.ssm.inner_size", 0))
+    heads, kheads = cfg["linear_num_value_heads"], cfg["linear_num_key_heads"]
+    if inner <= 0 or inner % heads or heads % kheads:
+        raise GGUFError(f"{path}: {arch}.ssm.inner_size {inner} must be a positive multiple of "
+                        f"ssm.time_step_rank {heads}, itself a multiple of ssm.group_count {kheads}")
+    cfg["linear_value_head_dim"] = inner // heads
+    every = _uniform_int(path, f"{arch}.full_attention_interval", meta.get(f"{arch}.full_attention_interval", 4))
+    if every <= 0:
+        raise GGUFError(f"{path}: {arch}.full_attention_interval should be positive, got {every}")
+    cfg["layer_types"] = ["linear_attention" if (i + 1) % every else "full_attention" for i in range(layers)]
+    rotated = _uniform_int(path, f"{arch}.rope.dimension_count",
+                           meta.get(f"{arch}.rope.dimension_count", cfg["head_dim"]))
+    if not 0 < rotated <= cfg["head_dim"] or rotated % 2:
+        raise GGUFError(f"{path}: {arch}.rope.dimension_count {rotated} must be even and in (0, head size "
+                        f"{cfg['head_dim']}]")
+    cfg["partial_rotary_factor"] = rotated / cfg["head_dim"]
+    if cfg.get("rope_scaling") is not None:
+        raise GGUFError(f"{path}: rope scaling ({cfg['rope_scaling']['rope_type']}) is not supported for {arch}")
+    del cfg["rope_scaling"]
+    if arch != "qwen3next":  # Qwen3.5's interleaved multimodal rope, which text positions make a plain one
+        sections = meta.get(f"{arch}.rope.dimension_sections")
+        rope = {"rope_type": "default", "rope_theta": cfg.pop("rope_theta"),
+                "partial_rotary_factor": cfg["partial_rotary_factor"], "mrope_interleaved": True}
+        if isinstance(sections, list) and len(sections) >= 3:
+            rope["mrope_section"] = [int(x) for x in sections[:3]]
+        cfg["rope_parameters"] = rope
+    return cfg
+
+
+def _untile_value_heads(w: np.ndarray, axis: int, c: dict, size: int) -> np.ndarray:
+    """Undo llama.cpp's Qwen3.5 value-head order along `axis` (heads of `size` entries each).
+
+    HF groups the value heads by the key head they serve, [g0 v0, g0 v1, ..., g1 v0, ...]; the
+    converter stores them tiled, [g0 v0, g1 v0, ..., g0 v1, ...], where a model has fewer key heads
+    than value heads (it did `reshape(Hk, r, size).swapaxes` on that axis; this swaps back)."""
+    kheads, heads = c["linear_num_key_heads"], c["linear_num_value_heads"]
+    if kheads == heads:
+        return w
+    r = heads // kheads
+    shape = w.shape
+    tiled = w.reshape(*shape[:axis], r, kheads, size, *shape[axis + 1:])
+    return np.ascontiguousarray(np.swapaxes(tiled, axis, axis + 1).reshape(shape))
+
+
+def _linear_dims(c: dict) -> tuple[int, int]:
+    """(key channels, value channels) of a linear layer: Hk x Dk and Hv x Dv."""
+    return (c["linear_num_key_heads"] * c["linear_key_head_dim"],
+            c["linear_num_value_heads"] * c["linear_value_head_dim"])
+
+
+def _linear_tensor(kind: str) -> Callable[[np.ndarray, dict, _Arch], np.ndarray]:
+    """The transform of a linear layer's tensor: Qwen3.5's value heads back in HF's order, and
+    A_log and the conv kernel back from what the converter made of them."""
+    def transform(w: np.ndarray, c: dict, arch: _Arch) -> np.ndarray:
+        kd, vd = _linear_dims(c)
+        dv = c["linear_value_head_dim"]
+        tiled = arch.tiled_value_heads
+        if kind == "qkv" and tiled:  # q | k | v rows; only v's heads were reordered
+            w = np.concatenate([w[:2 * kd], _untile_value_heads(w[2 * kd:], 0, c, dv)])
+        elif kind == "z" and tiled:
+            w = _untile_value_heads(w, 0, c, dv)
+        elif kind in ("a", "b", "dt") and tiled:
+            w = _untile_value_heads(w, 0, c, 1)
+        elif kind == "A":  # stored as -exp(A_log)
+            if not np.all(w < 0):
+                raise GGUFError(f"ssm_a holds {w.max():g}: llama.cpp stores -exp(A_log), which is negative")
+            w = np.log(-w.astype(np.float64)).astype(np.float32)
+            w = _untile_value_heads(w, 0, c, 1) if tiled else w
+        elif kind == "conv":  # [C, K] -> HF's [C, 1, K]; the v channels' heads reordered like v's rows
+            if tiled:
+                w = np.concatenate([w[:2 * kd], _untile_value_heads(w[2 * kd:], 0, c, dv)])
+            w = w[:, None, :]
+        elif kind == "out" and tiled:  # columns are value channels
+            w = _untile_value_heads(w, 1, c, dv)
+        return w
+    return transform
+
+
+def _join_qkvz(cfg: dict, state: dict) -> dict:
+    """Qwen3-Next: HF's in_proj_qkvz from the converter's q|k|v (part by part) and z. HF holds, per
+    key head, its q rows, its k rows, then the v and the z rows of the value heads it serves."""
+    kheads, dk = cfg["linear_num_key_heads"], cfg["linear_key_head_dim"]
+    served = cfg["linear_num_value_heads"] // kheads * cfg["linear_value_head_dim"]
+    kd = kheads * dk
+    state = dict(state)
+    for i in range(cfg["num_hidden_layers"]):
+        pre = f"model.layers.{i}.linear_attn."
+        if pre + "in_proj_qkv.weight" not in state:
+            continue
+        qkv, z = state.pop(pre + "in_proj_qkv.weight"), state.pop(pre + "in_proj_z.weight")
+        d = qkv.shape[1]
+        parts = [qkv[:kd].reshape(kheads, dk, d), qkv[kd:2 * kd].reshape(kheads, dk, d),
+                 qkv[2 * kd:].reshape(kheads, served, d), z.reshape(kheads, served, d)]
+        state[pre + "in_proj_qkvz.weight"] = np.ascontiguousarray(np.concatenate(parts, axis=1).reshape(-1, d))
+    return state
 
 
 # llama.cpp's `rope.scaling.*` keys and the values under which its rope equals transformers' (the
@@ -589,7 +741,7 @@ def _n_experts(c):
 
 
 def _expert_width(c):
-    return c.get("moe_intermediate_size", c["intermediate_size"])
+    return c["moe_intermediate_size"] if "moe_intermediate_size" in c else c["intermediate_size"]
 
 
 def _dense(arch: _Arch) -> bool:
@@ -613,7 +765,32 @@ def _post_norms(arch: _Arch) -> bool:
 
 
 def _pre_norms_only(arch: _Arch) -> bool:
-    return not arch.post_norms
+    return not arch.post_norms and not arch.hybrid
+
+
+def _post_attention_norm(arch: _Arch) -> bool:  # Gemma's output norm; the hybrids' MLP input norm
+    return arch.post_norms or arch.hybrid
+
+
+def _hybrid(arch: _Arch) -> bool:
+    return arch.hybrid
+
+
+def _plain_attention(arch: _Arch) -> bool:  # separate q / k / v, no output gate in q
+    return not arch.fused and not arch.hybrid
+
+
+def _qwen3next(arch: _Arch) -> bool:  # b and a in one tensor
+    return arch.model_type == "qwen3_next"
+
+
+def _qwen35(arch: _Arch) -> bool:  # b and a apart
+    return arch.hybrid and arch.model_type != "qwen3_next"
+
+
+def _linear_rule(pattern: str, hf: str, shape: Callable[[dict], tuple[int, ...]], kind: str,
+                 applies: Callable[[_Arch], bool] = _hybrid) -> tuple:
+    return (pattern, "model.layers.{layer}.linear_attn." + hf, shape, _linear_tensor(kind), applies)
 
 
 def _shared(arch: _Arch) -> bool:
@@ -631,15 +808,19 @@ _TENSOR_TABLE: tuple[_TensorRule, ...] = tuple(
          lambda c: (c["hidden_size"],), None, None),
         (r"blk\.(\d+)\.ffn_norm\.weight", "model.layers.{layer}.post_attention_layernorm.weight",
          lambda c: (c["hidden_size"],), None, _pre_norms_only),
-        # Gemma: the attention's output norm, and the MLP's input and output norms.
+        # Gemma: the attention's output norm, and the MLP's input and output norms. Qwen3-Next and
+        # Qwen3.5 name their MLP's input norm as Gemma's attention output norm.
         (r"blk\.(\d+)\.post_attention_norm\.weight", "model.layers.{layer}.post_attention_layernorm.weight",
-         lambda c: (c["hidden_size"],), None, _post_norms),
+         lambda c: (c["hidden_size"],), None, _post_attention_norm),
         (r"blk\.(\d+)\.ffn_norm\.weight", "model.layers.{layer}.pre_feedforward_layernorm.weight",
          lambda c: (c["hidden_size"],), None, _post_norms),
         (r"blk\.(\d+)\.post_ffw_norm\.weight", "model.layers.{layer}.post_feedforward_layernorm.weight",
          lambda c: (c["hidden_size"],), None, _post_norms),
         (r"blk\.(\d+)\.attn_q\.weight", "model.layers.{layer}.self_attn.q_proj.weight",
-         lambda c: (_q_dim(c), c["hidden_size"]), _rope_rows("num_attention_heads"), _split),
+         lambda c: (_q_dim(c), c["hidden_size"]), _rope_rows("num_attention_heads"), _plain_attention),
+        # The hybrids' gated attention: each head's q rows, then its output gate's.
+        (r"blk\.(\d+)\.attn_q\.weight", "model.layers.{layer}.self_attn.q_proj.weight",
+         lambda c: (2 * _q_dim(c), c["hidden_size"]), None, _hybrid),
         (r"blk\.(\d+)\.attn_k\.weight", "model.layers.{layer}.self_attn.k_proj.weight",
          lambda c: (_kv_dim(c), c["hidden_size"]), _rope_rows("num_key_value_heads"), _split),
         (r"blk\.(\d+)\.attn_v\.weight", "model.layers.{layer}.self_attn.v_proj.weight",
@@ -647,6 +828,26 @@ _TENSOR_TABLE: tuple[_TensorRule, ...] = tuple(
         # Phi-3: q | k | v rows in one tensor, and gate | up rows in one, as HF stores them.
         (r"blk\.(\d+)\.attn_qkv\.weight", "model.layers.{layer}.self_attn.qkv_proj.weight",
          lambda c: (_q_dim(c) + 2 * _kv_dim(c), c["hidden_size"]), None, _fused),
+        # Qwen3-Next's and Qwen3.5's linear layers (the arch's comment in `_ARCHS`, `_linear_tensor`);
+        # Qwen3-Next's q|k|v and z are joined into its in_proj_qkvz at the end (`_join_qkvz`).
+        _linear_rule(r"blk\.(\d+)\.attn_qkv\.weight", "in_proj_qkv.weight",
+                     lambda c: (2 * _linear_dims(c)[0] + _linear_dims(c)[1], c["hidden_size"]), "qkv"),
+        _linear_rule(r"blk\.(\d+)\.attn_gate\.weight", "in_proj_z.weight",
+                     lambda c: (_linear_dims(c)[1], c["hidden_size"]), "z"),
+        _linear_rule(r"blk\.(\d+)\.ssm_ba\.weight", "in_proj_ba.weight",
+                     lambda c: (2 * c["linear_num_value_heads"], c["hidden_size"]), "ba", _qwen3next),
+        _linear_rule(r"blk\.(\d+)\.ssm_beta\.weight", "in_proj_b.weight",
+                     lambda c: (c["linear_num_value_heads"], c["hidden_size"]), "b", _qwen35),
+        _linear_rule(r"blk\.(\d+)\.ssm_alpha\.weight", "in_proj_a.weight",
+                     lambda c: (c["linear_num_value_heads"], c["hidden_size"]), "a", _qwen35),
+        _linear_rule(r"blk\.(\d+)\.ssm_a", "A_log", lambda c: (c["linear_num_value_heads"],), "A"),
+        _linear_rule(r"blk\.(\d+)\.ssm_dt\.bias", "dt_bias", lambda c: (c["linear_num_value_heads"],), "dt"),
+        _linear_rule(r"blk\.(\d+)\.ssm_conv1d\.weight", "conv1d.weight",
+                     lambda c: (2 * _linear_dims(c)[0] + _linear_dims(c)[1], c["linear_conv_kernel_dim"]), "conv"),
+        _linear_rule(r"blk\.(\d+)\.ssm_norm\.weight", "norm.weight", lambda c: (c["linear_value_head_dim"],),
+                     "norm"),
+        _linear_rule(r"blk\.(\d+)\.ssm_out\.weight", "out_proj.weight",
+                     lambda c: (c["hidden_size"], _linear_dims(c)[1]), "out"),
         (r"blk\.(\d+)\.ffn_up\.weight", "model.layers.{layer}.mlp.gate_up_proj.weight",
          lambda c: (2 * c["intermediate_size"], c["hidden_size"]), None, _fused),
         (r"blk\.(\d+)\.attn_output\.weight", "model.layers.{layer}.self_attn.o_proj.weight",
@@ -701,6 +902,10 @@ def _expected_hf_names(cfg: dict, arch: _Arch) -> set[str]:
         if "{layer}" in rule.hf_name and rule.for_arch(arch):
             names.update(arch.hf(rule.hf_name).format(layer=i, expert=e) for i in range(cfg["num_hidden_layers"])
                          for e in (range(_n_experts(cfg)) if "{expert}" in rule.hf_name else [None]))
+    if arch.hybrid:  # a linear layer has no self_attn tensors, an attention layer no linear_attn ones
+        kinds = cfg["layer_types"]
+        names = {n for n in names if not n.startswith("model.layers.") or
+                 (".self_attn." if kinds[int(n.split(".")[2])] == "linear_attention" else ".linear_attn.") not in n}
     return names
 
 
@@ -752,26 +957,40 @@ def _read(path: Path) -> tuple[dict[str, Any], dict[str, np.ndarray], dict[str, 
 
     state: dict[str, np.ndarray] = {}
     unmapped: list[str] = []
+    blocks = _uniform_int(path, f"{meta['general.architecture']}.block_count",
+                          meta[f"{meta['general.architecture']}.block_count"])
     for name, tensor in by_name.items():
         for rule in _TENSOR_TABLE:
             m = rule.pattern.fullmatch(name) if rule.for_arch(arch) else None
             if m:
                 break
         else:
+            if blocks > cfg["num_hidden_layers"] and re.match(r"blk\.(\d+)\.", name) and int(
+                    name.split(".")[1]) in range(cfg["num_hidden_layers"], blocks):
+                continue  # a multi-token-prediction block's own tensors (nextn.*)
             unmapped.append(name)
             continue
         layer = int(m.group(1)) if m.groups() else None
         if layer is not None and layer >= cfg["num_hidden_layers"]:
+            if layer < blocks:  # a multi-token-prediction block (`nextn_predict_layers`), not loaded
+                continue
             raise GGUFError(f"{path}: tensor {name!r} belongs to layer {layer}, but block_count "
-                            f"is {cfg['num_hidden_layers']}")
+                            f"is {blocks}")
         hf_name = arch.hf(rule.hf_name).format(layer=layer, expert="{expert}")
         values = _dequantize(path, tensor)
         want = rule.shape(cfg)
+        if values.shape == (1, *want):  # e.g. a shared expert's gate as HF's [1, D] (the converter
+            values = values.reshape(want)  # writes it as it is); older files store the vector
         if values.shape != want:
             raise GGUFError(f"{path}: tensor {name!r} ({hf_name}) has shape {values.shape}, "
                             f"expected {want} from the metadata")
-        values = rule.transform(values, cfg, arch) if rule.transform else values
-        if arch.norm_offset and name.endswith("norm.weight"):  # Gemma: see the module docstring
+        try:
+            values = rule.transform(values, cfg, arch) if rule.transform else values
+        except GGUFError as e:
+            raise GGUFError(f"{path}: tensor {name!r}: {e}") from None
+        # Gemma's and the hybrids' zero-centred norms (the module docstring); not the hybrids' gated
+        # norm, which scales by its weight as it is.
+        if arch.norm_offset and name.endswith("norm.weight") and not name.endswith("ssm_norm.weight"):
             values = values - np.float32(arch.norm_offset)
         if "{expert}" in hf_name:  # one HF tensor per expert
             state.update((hf_name.format(expert=e), np.ascontiguousarray(v)) for e, v in enumerate(values))
@@ -783,15 +1002,22 @@ def _read(path: Path) -> tuple[dict[str, Any], dict[str, np.ndarray], dict[str, 
                 "llama.cpp, which stacks them (ffn_gate_exps, ...)") if early else ""
         raise GGUFError(f"{path}: tensors with no {meta['general.architecture']} mapping: "
                         f"{', '.join(sorted(unmapped))}{hint}")
-    missing = _expected_hf_names(cfg, arch) - set(state)
+    expected = _expected_hf_names(cfg, arch)
+    missing = expected - set(state)
     if missing:
         raise GGUFError(f"{path}: missing tensors for {', '.join(sorted(missing))}")
+    extra = set(state) - expected
+    if extra:
+        raise GGUFError(f"{path}: tensors for {', '.join(sorted(extra))}, which this {meta['general.architecture']} "
+                        "model does not have (a layer of the other kind?)")
+    if arch.finish:
+        state = arch.finish(cfg, state)
     return cfg, state, meta
 
 
 def read_gguf(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """Read a GGUF file of a supported architecture (Llama, Qwen2, Qwen3, Mixtral, Qwen2/3-MoE, Gemma 2,
-    Gemma 3, Phi-3) as an HF config dict and float32 state dict.
+    Gemma 3, Phi-3, Qwen3-Next, Qwen3.5) as an HF config dict and float32 state dict.
 
     Returns `(config, state)`: `config` holds the HF config fields (sizes, head_dim, rope_theta,
     rms_norm_eps, tie_word_embeddings, bos/eos/pad ids, max_position_embeddings, vocab_size);
