@@ -795,6 +795,25 @@ def test_qwen2_pre_tokenizer_splits_like_transformers(tmp_path):
     assert gpt2.encode("12").ids == [ours.convert_tokens_to_ids("12")]
 
 
+def test_qwen35_pre_tokenizer_keeps_combining_marks_in_words(tmp_path):
+    """`tokenizer.ggml.pre` "qwen35" (Qwen3.5's files): Qwen2's split, except that combining marks
+    (Devanagari's vowel signs and virama, a decomposed accent) stay inside their word, where Qwen2's
+    split cuts the word at each of them."""
+    from tevjax.convert.gguf import read_gguf_metadata
+    from tevjax.convert.tokenizer import build_tokenizer
+
+    path = write_gguf(tmp_path / "q35.gguf", tiny_state(seed=2, arch="qwen2"), arch="qwen2", pre="qwen35")
+    meta = read_gguf_metadata(path)
+
+    def words(pre: str, text: str) -> list[str]:
+        tok = build_tokenizer(dict(meta, **{"tokenizer.ggml.pre": pre}))
+        return [text[a:b] for _, (a, b) in tok.pre_tokenizer.pre_tokenize_str(text)]
+
+    text = "नमस्ते दुनिया, cafe\u0301 12!"
+    assert words("qwen35", text) == ["नमस्ते", " दुनिया", ",", " cafe\u0301", " ", "1", "2", "!"]
+    assert words("qwen2", text)[:4] == ["नमस", "्त", "े", " द"]
+
+
 def llamacpp_rope_freqs(head_dim: int, theta: float, factor: float, low: float, high: float,
                         context: float) -> np.ndarray:
     """llama.cpp convert_hf_to_gguf's `rope_freqs` for a Llama 3.1+ `rope_scaling` (written here from

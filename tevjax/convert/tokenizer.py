@@ -25,6 +25,7 @@ The pre-tokenizer decides where BPE may not merge across. llama.cpp names it in
   non-letter, one digit at a time, punctuation runs with their line breaks, whitespace), then
   byte-level BPE with no regex of its own, as Qwen2's `tokenizer.json` has it.
 * "llama-bpe" and "llama3" (Llama 3): the same, but digits in runs of up to three (`LLAMA3_SPLIT`).
+* "qwen35" (Qwen3.5): Qwen2's, with combining marks kept inside letter runs (`QWEN35_SPLIT`).
 
 Note: transformers' own GGUF tokenizer conversion (5.x) does not know "smollm" and falls back to
 the plain GPT-2 split, which lets whitespace before a number character join its piece. With
@@ -53,6 +54,7 @@ __all__ = [
     "TokenizerConversionError",
     "SUPPORTED_PRE_TOKENIZERS",
     "QWEN2_SPLIT",
+    "QWEN35_SPLIT",
     "LLAMA3_SPLIT",
     "build_tokenizer",
     "tokenizer_files_from_gguf",
@@ -70,6 +72,10 @@ QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[
                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 # Llama 3's: Qwen2's, but digits in runs of up to three (llama.cpp's LLAMA_VOCAB_PRE_TYPE_LLAMA3).
 LLAMA3_SPLIT = QWEN2_SPLIT.replace(r"|\p{N}|", r"|\p{N}{1,3}|", 1)
+# Qwen3.5's: Qwen2's, with combining marks (\p{M}: accents, vowel signs) inside a letter run rather
+# than split off it (its tokenizer.json, and llama.cpp's LLAMA_VOCAB_PRE_TYPE_QWEN35).
+QWEN35_SPLIT = (QWEN2_SPLIT.replace(r"?\p{L}+|", r"?[\p{L}\p{M}]+|", 1)
+                .replace(r"[^\s\p{L}\p{N}]+", r"[^\s\p{L}\p{M}\p{N}]+", 1))
 # tokenizer.ggml.pre -> the split before byte-level BPE (see module docstring): "gpt2" (ByteLevel's
 # GPT-2 regex), "digits" (every digit isolated, then the GPT-2 regex), or a regex of its own.
 SUPPORTED_PRE_TOKENIZERS: dict[str, str] = {
@@ -80,6 +86,7 @@ SUPPORTED_PRE_TOKENIZERS: dict[str, str] = {
     "codeshell": "digits",
     "qwen2": QWEN2_SPLIT,
     "deepseek-r1-qwen": QWEN2_SPLIT,
+    "qwen35": QWEN35_SPLIT,
     "llama-bpe": LLAMA3_SPLIT,
     "llama3": LLAMA3_SPLIT,
 }
