@@ -814,6 +814,27 @@ def test_qwen35_pre_tokenizer_keeps_combining_marks_in_words(tmp_path):
     assert words("qwen2", text)[:4] == ["नमस", "्त", "े", " द"]
 
 
+def test_llama3_group_takes_whole_tokens_and_adds_bos(tmp_path):
+    """llama.cpp's Llama 3 pre-tokenizers ("llama-bpe", "llama3", "llama-v3") take a piece that is
+    itself a token whole even where no merge makes it, and add BOS when the file does not say; "smaug-bpe"
+    (SmolLM3) splits the same way but merges as BPE does and adds nothing unasked."""
+    from tevjax.convert.gguf import read_gguf_metadata
+    from tevjax.convert.tokenizer import build_tokenizer
+
+    path = write_gguf(tmp_path / "l3.gguf", tiny_state(seed=2), pre="llama-bpe")
+    meta = dict(read_gguf_metadata(path))
+    # a normal token no merge reaches ("wor" is only a step towards " world")
+    meta["tokenizer.ggml.tokens"] = [*meta["tokenizer.ggml.tokens"], "wor"]
+    meta["tokenizer.ggml.token_type"] = [*meta["tokenizer.ggml.token_type"], 1]
+    whole = len(meta["tokenizer.ggml.tokens"]) - 1
+    for pre in ("llama-bpe", "llama3", "llama-v3"):
+        assert build_tokenizer(dict(meta, **{"tokenizer.ggml.pre": pre})).encode("wor").ids == [1, whole], pre
+    smaug = build_tokenizer(dict(meta, **{"tokenizer.ggml.pre": "smaug-bpe"}))
+    assert smaug.encode("wor").ids == [meta["tokenizer.ggml.tokens"].index(t) for t in ("w", "or")]  # "o r" merges
+    asked = build_tokenizer(dict(meta, **{"tokenizer.ggml.add_bos_token": False}))
+    assert asked.encode("wor").ids == [whole]
+
+
 def llamacpp_rope_freqs(head_dim: int, theta: float, factor: float, low: float, high: float,
                         context: float) -> np.ndarray:
     """llama.cpp convert_hf_to_gguf's `rope_freqs` for a Llama 3.1+ `rope_scaling` (written here from

@@ -24,7 +24,9 @@ The pre-tokenizer decides where BPE may not merge across. llama.cpp names it in
   regex (`QWEN2_SPLIT`: case-insensitive contractions, a letter run with at most one leading
   non-letter, one digit at a time, punctuation runs with their line breaks, whitespace), then
   byte-level BPE with no regex of its own, as Qwen2's `tokenizer.json` has it.
-* "llama-bpe" and "llama3" (Llama 3): the same, but digits in runs of up to three (`LLAMA3_SPLIT`).
+* "llama-bpe", "llama3" and "llama-v3" (Llama 3): the same, but digits in runs of up to three
+  (`LLAMA3_SPLIT`); a piece that is a token is taken whole (`ignore_merges`), and BOS is added
+  unless the file says otherwise. "smaug-bpe" (SmolLM3) and "dbrx": the same split only.
 * "qwen35" (Qwen3.5): Qwen2's, with combining marks kept inside letter runs (`QWEN35_SPLIT`).
 
 Note: transformers' own GGUF tokenizer conversion (5.x) does not know "smollm" and falls back to
@@ -89,7 +91,14 @@ SUPPORTED_PRE_TOKENIZERS: dict[str, str] = {
     "qwen35": QWEN35_SPLIT,
     "llama-bpe": LLAMA3_SPLIT,
     "llama3": LLAMA3_SPLIT,
+    "llama-v3": LLAMA3_SPLIT,
+    "smaug-bpe": LLAMA3_SPLIT,  # SmolLM3's files
+    "dbrx": LLAMA3_SPLIT,
 }
+# llama.cpp's Llama 3 group: a piece that is itself a token is taken whole, without merging
+# (`ignore_merges`, as Llama 3's tokenizer.json has it), and BOS is added unless the file says not to.
+# Not "smaug-bpe" or "dbrx", which share only the split.
+_LLAMA3_GROUP = ("llama-bpe", "llama3", "llama-v3")
 
 
 class TokenizerConversionError(ValueError):
@@ -141,7 +150,7 @@ def build_tokenizer(meta: Mapping[str, Any], *, source: str = "GGUF metadata"):
     def added(which):  # the id llama.cpp adds to any text when the file says so (`add_bos_token`), else None
         i = meta.get(f"tokenizer.ggml.{which}_token_id")
         # A SentencePiece vocabulary that does not say gets BOS, as llama.cpp gives it.
-        default = which == "bos" and kind == "llama"
+        default = which == "bos" and (kind == "llama" or meta.get("tokenizer.ggml.pre") in _LLAMA3_GROUP)
         wanted = meta.get(f"tokenizer.ggml.add_{which}_token", default) and i is not None and 0 <= int(i) < len(tokens)
         return int(i) if wanted else None
 
@@ -200,7 +209,8 @@ def _byte_level(meta: Mapping[str, Any], tokens: list[str], types: list[int], me
                                            "'left right'")
         merges.append((parts[0], parts[1]))
 
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False,
+                               ignore_merges=pre in _LLAMA3_GROUP))
     split = SUPPORTED_PRE_TOKENIZERS[pre]
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=split in ("gpt2", "digits"))
     if split == "digits":
