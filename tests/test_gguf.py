@@ -1107,7 +1107,8 @@ def test_truncated_file(tiny_file, tmp_path, keep):
 def test_unsupported_architecture(tmp_path):
     path = write_gguf(tmp_path / "g.gguf", tiny_state(), arch="olmo2")
     with pytest.raises(GGUFError, match=r"architecture 'olmo2' is not supported \(supported: llama, qwen2, qwen3, "
-                                       r"qwen3moe, qwen2moe, gemma2, gemma3, phi3, qwen3next, qwen35, qwen35moe\)"):
+                                       r"qwen3moe, qwen2moe, gemma2, gemma3, phi3, qwen3next, qwen35, qwen35moe, smollm3, granite, "
+                                       r"granitemoe\)"):
         read_gguf(path)
 
 

@@ -20,7 +20,7 @@ import gguf
 from gguf import GGMLQuantizationType as Q
 
 from test_gguf import (CHAT_TEMPLATE, add_byte_level_tokenizer, close_gguf, encode_tensor, expected_values,
-                       tiny_vocab)
+                       llamacpp_permute, tiny_vocab)
 from tevjax.convert.gguf import GGUFError, _config_from_metadata, gguf_to_hf_dir, read_gguf
 
 SIZES = dict(vocab_size=272, hidden_size=64, intermediate_size=96, num_attention_heads=4,
@@ -39,9 +39,28 @@ FAMILIES = {
                                     "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
     "phi3": dict(SIZES, num_hidden_layers=2, sliding_window=4, original_max_position_embeddings=128,
                  rope_theta=100.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=None),
+    # SmolLM3: layer 3 of 4 unrotated; Granite: all four scalars away from 1.
+    "smollm3": dict(SIZES, num_hidden_layers=4, rope_parameters={"rope_type": "default", "rope_theta": 100.0},
+                    bos_token_id=1, eos_token_id=2, pad_token_id=None),
+    "granite": dict(SIZES, num_hidden_layers=2, rope_parameters={"rope_type": "default", "rope_theta": 100.0},
+                    attention_multiplier=0.3, embedding_multiplier=2.0, residual_multiplier=0.5, logits_scaling=4.0,
+                    tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=None),
+    "granitemoe": dict(SIZES, num_hidden_layers=2, rope_parameters={"rope_type": "default", "rope_theta": 100.0},
+                       attention_multiplier=0.3, embedding_multiplier=2.0, residual_multiplier=0.5,
+                       logits_scaling=4.0, num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False,
+                       bos_token_id=1, eos_token_id=2, pad_token_id=None),
 }
 CLASSES = {"gemma2": ("Gemma2Config", "Gemma2ForCausalLM"), "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
-           "phi3": ("Phi3Config", "Phi3ForCausalLM")}
+           "phi3": ("Phi3Config", "Phi3ForCausalLM"), "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM"),
+           "granite": ("GraniteConfig", "GraniteForCausalLM"),
+           "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM")}
+# Families written as llama.cpp's LlamaModel writes them: q and k rows permuted for its rope.
+PERMUTED = ("smollm3", "granite", "granitemoe")
+# transformers' in-memory names of Granite MoE's tensors, and its checkpoints' (what GGUF files are
+# converted from, and what tevjax reads).
+GRANITE_MOE_NAMES = {"block_sparse_moe.router.weight": "block_sparse_moe.router.layer.weight",
+                     "block_sparse_moe.experts.gate_up_proj": "block_sparse_moe.input_linear.weight",
+                     "block_sparse_moe.experts.down_proj": "block_sparse_moe.output_linear.weight"}
 IDS = np.array([[5, 17, 42, 99, 3, 250, 7, 64, 11, 200, 31, 8]], np.int32)  # longer than every window
 
 
@@ -62,9 +81,16 @@ def hf_model(arch: str, seed: int = 0):
     return model
 
 
+def checkpoint_name(name: str, back: bool = False) -> str:
+    """transformers' in-memory name -> the checkpoint's (`back`: the other way)."""
+    for memory, disk in GRANITE_MOE_NAMES.items():
+        name = name.replace(disk, memory) if back else name.replace(memory, disk)
+    return name
+
+
 def hf_state(model) -> dict[str, np.ndarray]:
     """The model's tensors as its checkpoint holds them (a tied head is the embedding)."""
-    state = {k: v.detach().numpy().astype(np.float32) for k, v in model.state_dict().items()}
+    state = {checkpoint_name(k): v.detach().numpy().astype(np.float32) for k, v in model.state_dict().items()}
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     return state
@@ -84,14 +110,22 @@ def write_family_gguf(path: Path, arch: str, state: dict[str, np.ndarray], *, me
     tensor's storage type."""
     c = FAMILIES[arch]
     n = c["num_hidden_layers"]
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], n)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[{"granitemoe": "GRANITE_MOE"}.get(arch, arch.upper())], n)
     w = gguf.GGUFWriter(str(path), arch)
     keys = {
         "context_length": c["max_position_embeddings"], "embedding_length": c["hidden_size"], "block_count": n,
         "feed_forward_length": c["intermediate_size"], "attention.head_count": c["num_attention_heads"],
-        "attention.head_count_kv": c["num_key_value_heads"],
-        "attention.layer_norm_rms_epsilon": c["rms_norm_eps"], "attention.sliding_window": c["sliding_window"],
+        "attention.head_count_kv": c["num_key_value_heads"], "attention.layer_norm_rms_epsilon": c["rms_norm_eps"],
     }
+    if "sliding_window" in c:
+        keys["attention.sliding_window"] = c["sliding_window"]
+    if arch in PERMUTED:
+        keys["rope.freq_base"] = c["rope_parameters"]["rope_theta"]
+    if arch.startswith("granite"):
+        keys.update({"attention.scale": c["attention_multiplier"], "embedding_scale": c["embedding_multiplier"],
+                     "residual_scale": c["residual_multiplier"], "logit_scale": c["logits_scaling"]})
+    if arch == "granitemoe":
+        keys.update({"expert_count": c["num_local_experts"], "expert_used_count": c["num_experts_per_tok"]})
     if arch.startswith("gemma"):
         keys.update({"attention.key_length": c["head_dim"], "attention.value_length": c["head_dim"],
                      "final_logit_softcapping": c["final_logit_softcapping"]})
@@ -121,11 +155,19 @@ def write_family_gguf(path: Path, arch: str, state: dict[str, np.ndarray], *, me
     w.add_pad_token_id(0)  # as released files have one (transformers' Phi-3 default, 32000, is outside this vocabulary)
     types = {}
     for hf, value in state.items():
+        types[hf] = storage_type(hf, value.shape)
+        if hf.endswith("input_linear.weight"):  # Granite MoE: gate and up experts apart
+            layer = hf.split(".")[2]
+            for part, half in zip(("gate", "up"), np.split(value, 2, axis=1), strict=True):
+                data, raw = encode_tensor(np.ascontiguousarray(half), types[hf])
+                w.add_tensor(f"blk.{layer}.ffn_{part}_exps.weight", data, raw_dtype=raw)
+            continue
         name = names.get_name(hf, try_suffixes=(".weight", ".bias"))
         assert name is not None, hf
         if arch.startswith("gemma") and hf.endswith("norm.weight"):
             value = value + np.float32(1.0)  # the converter's Gemma norm shift
-        types[hf] = storage_type(hf, value.shape)
+        if arch in PERMUTED and hf.endswith(("q_proj.weight", "k_proj.weight")):
+            value = llamacpp_permute(value, c["num_attention_heads" if "q_proj" in hf else "num_key_value_heads"])
         data, raw = encode_tensor(value, types[hf])
         w.add_tensor(name, data, raw_dtype=raw)
     for name, value in (extra_tensors or {}).items():
@@ -164,7 +206,7 @@ def test_family_files_read_in_hf_layout(family_file):
     hf = model.config
     assert cfg["architectures"] == [CLASSES[arch][1]]
     assert cfg["model_type"] == hf.model_type
-    assert cfg["sliding_window"] == hf.sliding_window
+    assert cfg.get("sliding_window") == getattr(hf, "sliding_window", None)
     if arch.startswith("gemma"):
         assert cfg["hidden_activation"] == "gelu_pytorch_tanh" and "hidden_act" not in cfg
         assert cfg["query_pre_attn_scalar"] == hf.query_pre_attn_scalar == 32
@@ -177,6 +219,11 @@ def test_family_files_read_in_hf_layout(family_file):
         assert "rope_theta" not in cfg and "rope_scaling" not in cfg
     if arch == "phi3":
         assert cfg["original_max_position_embeddings"] == 128 and cfg["tie_word_embeddings"] is False
+    if arch == "smollm3":
+        assert cfg["no_rope_layers"] == hf.no_rope_layers == [1, 1, 1, 0]
+    if arch.startswith("granite"):
+        for field in ("attention_multiplier", "embedding_multiplier", "residual_multiplier", "logits_scaling"):
+            assert cfg[field] == pytest.approx(getattr(hf, field)), field
 
 
 def test_family_conversion_runs_like_the_original(family_file, tmp_path):
@@ -191,7 +238,9 @@ def test_family_conversion_runs_like_the_original(family_file, tmp_path):
 
     arch, path, model, want = family_file
     with torch.no_grad():
-        model.load_state_dict({k: torch.as_tensor(v) for k, v in want.items()}, strict=False)
+        loaded = model.load_state_dict({checkpoint_name(k, back=True): torch.as_tensor(v) for k, v in want.items()},
+                                       strict=False)
+        assert not loaded.unexpected_keys and set(loaded.missing_keys) <= {"lm_head.weight"}, loaded
         if model.config.tie_word_embeddings:
             model.tie_weights()
         reference = model(torch.as_tensor(IDS, dtype=torch.long)).logits.numpy()
@@ -215,6 +264,8 @@ def test_family_tensors_read_like_transformers_gguf_loader(family_file):
     import transformers
 
     arch, path, _, _ = family_file
+    if arch not in ("gemma2", "gemma3", "phi3"):
+        pytest.skip(f"transformers has no GGUF reader for {arch}")
     _, got = read_gguf(path)
     model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                                               dtype=torch.float32)

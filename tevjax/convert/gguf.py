@@ -5,7 +5,7 @@ weights as tensors under llama.cpp names, often block-quantized. tevjax does not
 `gguf_to_hf_dir` turns one into an ordinary HF checkpoint directory (config.json, float32
 model.safetensors with standard `LlamaForCausalLM` / `Qwen2ForCausalLM` / `Qwen3ForCausalLM` /
 `MixtralForCausalLM` / `Qwen3MoeForCausalLM` / `Qwen2MoeForCausalLM` / `Gemma2ForCausalLM` /
-`Gemma3ForCausalLM` / `Phi3ForCausalLM` / `Qwen3NextForCausalLM` / `Qwen3_5(Moe)ForCausalLM` names,
+`Gemma3ForCausalLM` / `Phi3ForCausalLM` / ... / `Qwen3_5(Moe)ForCausalLM` names,
 tokenizer.json, tokenizer_config.json with the file's chat template, generation_config.json), so
 the HF loader -- and transformers itself, in the tests -- treat it like any other checkpoint.
 Architectures: `llama` (SmolLM2 among them; Llama 3.1 onwards with the rope scaling it stores as
@@ -14,7 +14,8 @@ Architectures: `llama` (SmolLM2 among them; Llama 3.1 onwards with the rope scal
 each projection of a layer's experts stacked in one tensor), `qwen2moe` (Qwen2's attention,
 routed experts and a shared expert), Mixtral, which llama.cpp writes as `llama` with an
 expert count (`_MIXTRAL`), `gemma2` and `gemma3` (Gemma 2, Gemma 3's text model: `_gemma_config`),
-`phi3` (Phi-3: fused q|k|v and gate|up tensors, `_phi3_config`), and the hybrids `qwen3next`,
+`phi3` (Phi-3: fused q|k|v and gate|up tensors, `_phi3_config`), `smollm3`, `granite` and
+`granitemoe` (Llama's files with a family's own fields), and the hybrids `qwen3next`,
 `qwen35` and `qwen35moe` (Gated DeltaNet layers beside gated attention: `_hybrid_config`,
 `_linear_tensor`, `_join_qkvz`).
 `rope.scaling.type` linear and yarn become HF's `rope_scaling` of the same name (`_rope_scaling`).
@@ -80,7 +81,7 @@ __all__ = [
 ]
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "qwen2moe", "gemma2", "gemma3", "phi3",
-                           "qwen3next", "qwen35", "qwen35moe")
+                           "qwen3next", "qwen35", "qwen35moe", "smollm3", "granite", "granitemoe")
 # ggml type names accepted by `read_gguf`; each is covered by a round-trip test. Others (Q2_K,
 # Q3_K, Q5_0/Q5_1, IQ-quants, ...) are refused by name rather than dequantized untested.
 SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "Q8_K")
@@ -134,6 +135,8 @@ class _Arch:
     tiled_value_heads: bool = False
     # What becomes of the HF state once every tensor is read (Qwen3-Next's in_proj_qkvz).
     finish: Callable[[dict, dict], dict] | None = None
+    # Granite MoE: the experts stay stacked, as its HF checkpoints store them (`_GRANITE_MOE_RULES`).
+    stacked_experts: bool = False
 
     def hf(self, name: str) -> str:
         for old, new in self.renames:
@@ -161,6 +164,18 @@ _ARCHS: dict[str, _Arch] = {
                     norm_offset=1.0, post_norms=True, family_config=lambda p, m, c: _gemma_config(p, m, c, "gemma3")),
     "phi3": _Arch("Phi3ForCausalLM", False, False, False, (("attention_bias", False),), fused=True,
                   family_config=lambda p, m, c: _phi3_config(p, m, c)),
+    # SmolLM3: Llama's layers and file, but every fourth layer unrotated, which llama.cpp hard-codes
+    # (`n_no_rope_layer_step = 4`; no key says so).
+    "smollm3": _Arch("SmolLM3ForCausalLM", True, False, False,
+                     (("attention_bias", False), ("mlp_bias", False), ("use_sliding_window", False)),
+                     family_config=lambda p, m, c: _smollm3_config(c)),
+    # Granite 3.x: Llama's layers and file with four scalars, which llama.cpp requires.
+    "granite": _Arch("GraniteForCausalLM", True, False, False, (("attention_bias", False), ("mlp_bias", False)),
+                     family_config=lambda p, m, c: _granite_config(p, m, c, "granite")),
+    "granitemoe": _Arch("GraniteMoeForCausalLM", True, False, False, (("attention_bias", False),),
+                        experts=True, experts_field="num_local_experts", width_field="intermediate_size",
+                        stacked_experts=True, finish=lambda c, s: _join_granite_experts(c, s),
+                        family_config=lambda p, m, c: _granite_config(p, m, c, "granitemoe")),
     # Qwen3-Next and Qwen3.5: llama.cpp's converter (its Qwen3NextModel and, for Qwen3.5, the value
     # head reordering base it derives from it) writes their zero-centred norms plus 1 (the gated
     # norm of the linear layers, `ssm_norm`, as it is), A_log as -exp(A_log), dt_bias as
@@ -451,6 +466,37 @@ def _gemma_config(path: Path, meta: Mapping[str, Any], cfg: dict, arch: str) -> 
     return cfg
 
 
+def _smollm3_config(cfg: dict) -> dict:
+    """SmolLM3's unrotated layers as its HF config lists them (1: rotated), llama.cpp's every fourth."""
+    return dict(cfg, no_rope_layers=[int((i + 1) % 4 != 0) for i in range(cfg["num_hidden_layers"])])
+
+
+# Granite's four scalars: the GGUF key (under the architecture) and the HF config field.
+_GRANITE_TABLE = (("attention.scale", "attention_multiplier"), ("embedding_scale", "embedding_multiplier"),
+                  ("residual_scale", "residual_multiplier"), ("logit_scale", "logits_scaling"))
+
+
+def _granite_config(path: Path, meta: Mapping[str, Any], cfg: dict, arch: str) -> dict:
+    """Granite's scalars, each required as llama.cpp requires it."""
+    cfg = dict(cfg)
+    for key, field in _GRANITE_TABLE:
+        if f"{arch}.{key}" not in meta:
+            raise GGUFError(f"{path}: required metadata {arch}.{key} is missing")
+        cfg[field] = _positive(path, f"{arch}.{key}", meta[f"{arch}.{key}"])
+    return cfg
+
+
+def _join_granite_experts(cfg: dict, state: dict) -> dict:
+    """Granite MoE: HF's input_linear [E, 2 I, D] from the converter's gate and up experts (gate rows
+    first, as GraniteMoe splits it)."""
+    state = dict(state)
+    for i in range(cfg["num_hidden_layers"]):
+        pre = f"model.layers.{i}.block_sparse_moe.input_linear."
+        state[pre + "weight"] = np.ascontiguousarray(np.concatenate([state.pop(pre + "gate"), state.pop(pre + "up")],
+                                                                    axis=1))
+    return state
+
+
 def _phi3_config(path: Path, meta: Mapping[str, Any], cfg: dict) -> dict:
     """A Phi-3 file's HF config fields besides the generic ones: its window over every layer (0, as
     the converter writes for Phi-4, is none) and the context its rope was trained for."""
@@ -732,10 +778,6 @@ def _qk_norm(arch: _Arch) -> bool:
     return arch.qk_norm
 
 
-def _experts(arch: _Arch) -> bool:
-    return arch.experts
-
-
 def _n_experts(c):
     return c.get("num_experts", c.get("num_local_experts"))
 
@@ -746,6 +788,14 @@ def _expert_width(c):
 
 def _dense(arch: _Arch) -> bool:
     return not arch.experts
+
+
+def _split_experts(arch: _Arch) -> bool:  # one HF tensor per expert
+    return arch.experts and not arch.stacked_experts
+
+
+def _stacked_experts(arch: _Arch) -> bool:
+    return arch.stacked_experts
 
 
 def _split(arch: _Arch) -> bool:  # separate q / k / v and gate / up tensors (all but Phi-3)
@@ -862,13 +912,23 @@ _TENSOR_TABLE: tuple[_TensorRule, ...] = tuple(
         # [E, out, in] tensor, split into HF's one tensor per expert (Qwen-MoE names; Mixtral's by
         # `_Arch.renames`).
         (r"blk\.(\d+)\.ffn_gate_inp\.weight", "model.layers.{layer}.mlp.gate.weight",
-         lambda c: (_n_experts(c), c["hidden_size"]), None, _experts),
+         lambda c: (_n_experts(c), c["hidden_size"]), None, _split_experts),
         (r"blk\.(\d+)\.ffn_gate_exps\.weight", "model.layers.{layer}.mlp.experts.{expert}.gate_proj.weight",
-         lambda c: (_n_experts(c), _expert_width(c), c["hidden_size"]), None, _experts),
+         lambda c: (_n_experts(c), _expert_width(c), c["hidden_size"]), None, _split_experts),
         (r"blk\.(\d+)\.ffn_up_exps\.weight", "model.layers.{layer}.mlp.experts.{expert}.up_proj.weight",
-         lambda c: (_n_experts(c), _expert_width(c), c["hidden_size"]), None, _experts),
+         lambda c: (_n_experts(c), _expert_width(c), c["hidden_size"]), None, _split_experts),
         (r"blk\.(\d+)\.ffn_down_exps\.weight", "model.layers.{layer}.mlp.experts.{expert}.down_proj.weight",
-         lambda c: (_n_experts(c), c["hidden_size"], _expert_width(c)), None, _experts),
+         lambda c: (_n_experts(c), c["hidden_size"], _expert_width(c)), None, _split_experts),
+        # Granite MoE: its router, and its experts stacked as HF stores them; gate and up are joined
+        # into input_linear at the end (`_join_granite_experts`).
+        (r"blk\.(\d+)\.ffn_gate_inp\.weight", "model.layers.{layer}.block_sparse_moe.router.layer.weight",
+         lambda c: (_n_experts(c), c["hidden_size"]), None, _stacked_experts),
+        (r"blk\.(\d+)\.ffn_gate_exps\.weight", "model.layers.{layer}.block_sparse_moe.input_linear.gate",
+         lambda c: (_n_experts(c), _expert_width(c), c["hidden_size"]), None, _stacked_experts),
+        (r"blk\.(\d+)\.ffn_up_exps\.weight", "model.layers.{layer}.block_sparse_moe.input_linear.up",
+         lambda c: (_n_experts(c), _expert_width(c), c["hidden_size"]), None, _stacked_experts),
+        (r"blk\.(\d+)\.ffn_down_exps\.weight", "model.layers.{layer}.block_sparse_moe.output_linear.weight",
+         lambda c: (_n_experts(c), c["hidden_size"], _expert_width(c)), None, _stacked_experts),
         # Qwen2-MoE's shared expert, and its gate's one row, stored as a vector.
         (r"blk\.(\d+)\.ffn_gate_shexp\.weight", "model.layers.{layer}.mlp.shared_expert.gate_proj.weight",
          lambda c: (c["shared_expert_intermediate_size"], c["hidden_size"]), None, _shared),
@@ -1016,8 +1076,9 @@ def _read(path: Path) -> tuple[dict[str, Any], dict[str, np.ndarray], dict[str, 
 
 
 def read_gguf(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """Read a GGUF file of a supported architecture (Llama, Qwen2, Qwen3, Mixtral, Qwen2/3-MoE, Gemma 2,
-    Gemma 3, Phi-3, Qwen3-Next, Qwen3.5) as an HF config dict and float32 state dict.
+    """Read a GGUF file of a supported architecture (`SUPPORTED_ARCHITECTURES`: Llama, Qwen2, Qwen3,
+    Mixtral, Qwen2/3-MoE, Gemma 2, Gemma 3, Phi-3, SmolLM3, Granite, Granite MoE, Qwen3-Next, Qwen3.5) as an HF
+    config dict and float32 state dict.
 
     Returns `(config, state)`: `config` holds the HF config fields (sizes, head_dim, rope_theta,
     rms_norm_eps, tie_word_embeddings, bos/eos/pad ids, max_position_embeddings, vocab_size);
