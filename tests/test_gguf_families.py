@@ -49,11 +49,23 @@ FAMILIES = {
                        attention_multiplier=0.3, embedding_multiplier=2.0, residual_multiplier=0.5,
                        logits_scaling=4.0, num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False,
                        bos_token_id=1, eos_token_id=2, pad_token_id=None),
+    # OLMo 3: layers 0-2 slide, 3 attends fully; both rotate with the file's base (llama.cpp's graph).
+    "olmo2": dict(SIZES, num_hidden_layers=2, rope_parameters={"rope_type": "default", "rope_theta": 100.0},
+                  bos_token_id=1, eos_token_id=2, pad_token_id=None),
+    "olmo3": dict(SIZES, num_hidden_layers=4, sliding_window=4,
+                  rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 100.0},
+                                   "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}},
+                  bos_token_id=1, eos_token_id=2, pad_token_id=None),
+    "olmoe": dict(SIZES, num_hidden_layers=2, rope_parameters={"rope_type": "default", "rope_theta": 100.0},
+                  num_experts=4, num_experts_per_tok=2, bos_token_id=1, eos_token_id=2, pad_token_id=None),
 }
+# The GGUF architecture of each family, where it is not the family's name.
+GGUF_ARCH = {"olmo3": "olmo2"}
 CLASSES = {"gemma2": ("Gemma2Config", "Gemma2ForCausalLM"), "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
            "phi3": ("Phi3Config", "Phi3ForCausalLM"), "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM"),
            "granite": ("GraniteConfig", "GraniteForCausalLM"),
-           "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM")}
+           "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM"), "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
+           "olmo3": ("Olmo3Config", "Olmo3ForCausalLM"), "olmoe": ("OlmoeConfig", "OlmoeForCausalLM")}
 # Families written as llama.cpp's LlamaModel writes them: q and k rows permuted for its rope.
 PERMUTED = ("smollm3", "granite", "granitemoe")
 # transformers' in-memory names of Granite MoE's tensors, and its checkpoints' (what GGUF files are
@@ -89,8 +101,20 @@ def checkpoint_name(name: str, back: bool = False) -> str:
 
 
 def hf_state(model) -> dict[str, np.ndarray]:
-    """The model's tensors as its checkpoint holds them (a tied head is the embedding)."""
-    state = {checkpoint_name(k): v.detach().numpy().astype(np.float32) for k, v in model.state_dict().items()}
+    """The model's tensors as its checkpoint holds them (a tied head is the embedding; OLMoE's
+    experts one tensor each, which transformers stacks in memory)."""
+    state = {}
+    for k, v in model.state_dict().items():
+        w = v.detach().numpy().astype(np.float32)
+        if k.endswith("mlp.experts.gate_up_proj"):
+            f = w.shape[1] // 2
+            for e in range(w.shape[0]):
+                state[k.replace("gate_up_proj", f"{e}.gate_proj.weight")] = w[e, :f]
+                state[k.replace("gate_up_proj", f"{e}.up_proj.weight")] = w[e, f:]
+        elif k.endswith("mlp.experts.down_proj"):
+            state.update((k.replace("down_proj", f"{e}.down_proj.weight"), w[e]) for e in range(w.shape[0]))
+        else:
+            state[checkpoint_name(k)] = w
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     return state
@@ -110,6 +134,7 @@ def write_family_gguf(path: Path, arch: str, state: dict[str, np.ndarray], *, me
     tensor's storage type."""
     c = FAMILIES[arch]
     n = c["num_hidden_layers"]
+    family, arch = arch, GGUF_ARCH.get(arch, arch)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[{"granitemoe": "GRANITE_MOE"}.get(arch, arch.upper())], n)
     w = gguf.GGUFWriter(str(path), arch)
     keys = {
@@ -126,6 +151,12 @@ def write_family_gguf(path: Path, arch: str, state: dict[str, np.ndarray], *, me
                      "residual_scale": c["residual_multiplier"], "logit_scale": c["logits_scaling"]})
     if arch == "granitemoe":
         keys.update({"expert_count": c["num_local_experts"], "expert_used_count": c["num_experts_per_tok"]})
+    if arch.startswith("olmo"):
+        keys["rope.freq_base"] = 100.0
+    if family == "olmo3":  # the converter's flag per layer
+        w.add_array("olmo2.attention.sliding_window_pattern", [(i + 1) % 4 != 0 for i in range(n)])
+    if arch == "olmoe":
+        keys.update({"expert_count": c["num_experts"], "expert_used_count": c["num_experts_per_tok"]})
     if arch.startswith("gemma"):
         keys.update({"attention.key_length": c["head_dim"], "attention.value_length": c["head_dim"],
                      "final_logit_softcapping": c["final_logit_softcapping"]})
@@ -154,8 +185,14 @@ def write_family_gguf(path: Path, arch: str, state: dict[str, np.ndarray], *, me
     w.add_chat_template(CHAT_TEMPLATE)
     w.add_pad_token_id(0)  # as released files have one (transformers' Phi-3 default, 32000, is outside this vocabulary)
     types = {}
+    experts: dict[str, list] = {}
     for hf, value in state.items():
         types[hf] = storage_type(hf, value.shape)
+        if ".mlp.experts." in hf:  # stacked per projection, expert after expert, in one storage type
+            layer, e, proj = hf.split(".")[2], int(hf.split(".")[5]), hf.split(".")[6]
+            types[hf] = storage_type(f"{layer}.{proj}", value.shape)
+            experts.setdefault(f"blk.{layer}.ffn_{proj.removesuffix('_proj')}_exps.weight", []).append((e, value, hf))
+            continue
         if hf.endswith("input_linear.weight"):  # Granite MoE: gate and up experts apart
             layer = hf.split(".")[2]
             for part, half in zip(("gate", "up"), np.split(value, 2, axis=1), strict=True):
@@ -169,6 +206,9 @@ def write_family_gguf(path: Path, arch: str, state: dict[str, np.ndarray], *, me
         if arch in PERMUTED and hf.endswith(("q_proj.weight", "k_proj.weight")):
             value = llamacpp_permute(value, c["num_attention_heads" if "q_proj" in hf else "num_key_value_heads"])
         data, raw = encode_tensor(value, types[hf])
+        w.add_tensor(name, data, raw_dtype=raw)
+    for name, parts in experts.items():
+        data, raw = encode_tensor(np.stack([v for _, v, _ in sorted(parts, key=lambda x: x[0])]), types[parts[0][2]])
         w.add_tensor(name, data, raw_dtype=raw)
     for name, value in (extra_tensors or {}).items():
         w.add_tensor(name, value)
@@ -224,6 +264,11 @@ def test_family_files_read_in_hf_layout(family_file):
     if arch.startswith("granite"):
         for field in ("attention_multiplier", "embedding_multiplier", "residual_multiplier", "logits_scaling"):
             assert cfg[field] == pytest.approx(getattr(hf, field)), field
+    if arch == "olmo3":
+        assert cfg["layer_types"] == hf.layer_types == ["sliding_attention"] * 3 + ["full_attention"]
+        assert cfg["rope_parameters"] == hf.rope_parameters
+    if arch == "olmoe":
+        assert (cfg["num_experts"], cfg["num_experts_per_tok"], cfg["norm_topk_prob"]) == (4, 2, False)
 
 
 def test_family_conversion_runs_like_the_original(family_file, tmp_path):
@@ -237,9 +282,17 @@ def test_family_conversion_runs_like_the_original(family_file, tmp_path):
     from tevjax.models import KVCache
 
     arch, path, model, want = family_file
+    memory = {checkpoint_name(k, back=True): v for k, v in want.items() if ".mlp.experts." not in k}
+    for layer in range(model.config.num_hidden_layers):  # OLMoE: back to transformers' stacked experts
+        pre = f"model.layers.{layer}.mlp.experts."
+        count = sum(k.startswith(pre) and k.endswith(".down_proj.weight") for k in want)
+        if count:
+            memory[pre + "gate_up_proj"] = np.stack([np.concatenate([want[f"{pre}{e}.gate_proj.weight"],
+                                                                     want[f"{pre}{e}.up_proj.weight"]])
+                                                     for e in range(count)])
+            memory[pre + "down_proj"] = np.stack([want[f"{pre}{e}.down_proj.weight"] for e in range(count)])
     with torch.no_grad():
-        loaded = model.load_state_dict({checkpoint_name(k, back=True): torch.as_tensor(v) for k, v in want.items()},
-                                       strict=False)
+        loaded = model.load_state_dict({k: torch.as_tensor(v) for k, v in memory.items()}, strict=False)
         assert not loaded.unexpected_keys and set(loaded.missing_keys) <= {"lm_head.weight"}, loaded
         if model.config.tie_word_embeddings:
             model.tie_weights()

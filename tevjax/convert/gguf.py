@@ -15,7 +15,8 @@ each projection of a layer's experts stacked in one tensor), `qwen2moe` (Qwen2's
 routed experts and a shared expert), Mixtral, which llama.cpp writes as `llama` with an
 expert count (`_MIXTRAL`), `gemma2` and `gemma3` (Gemma 2, Gemma 3's text model: `_gemma_config`),
 `phi3` (Phi-3: fused q|k|v and gate|up tensors, `_phi3_config`), `smollm3`, `granite` and
-`granitemoe` (Llama's files with a family's own fields), and the hybrids `qwen3next`,
+`granitemoe` (Llama's files with a family's own fields), `olmo2` (OLMo 2, and OLMo 3 with its
+windows: `_olmo2_config`) and `olmoe`, and the hybrids `qwen3next`,
 `qwen35` and `qwen35moe` (Gated DeltaNet layers beside gated attention: `_hybrid_config`,
 `_linear_tensor`, `_join_qkvz`).
 `rope.scaling.type` linear and yarn become HF's `rope_scaling` of the same name (`_rope_scaling`).
@@ -81,7 +82,8 @@ __all__ = [
 ]
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "qwen2moe", "gemma2", "gemma3", "phi3",
-                           "qwen3next", "qwen35", "qwen35moe", "smollm3", "granite", "granitemoe")
+                           "qwen3next", "qwen35", "qwen35moe", "smollm3", "granite", "granitemoe", "olmo2",
+                           "olmoe")
 # ggml type names accepted by `read_gguf`; each is covered by a round-trip test. Others (Q2_K,
 # Q3_K, Q5_0/Q5_1, IQ-quants, ...) are refused by name rather than dequantized untested.
 SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "Q8_K")
@@ -135,8 +137,12 @@ class _Arch:
     tiled_value_heads: bool = False
     # What becomes of the HF state once every tensor is read (Qwen3-Next's in_proj_qkvz).
     finish: Callable[[dict, dict], dict] | None = None
-    # Granite MoE: the experts stay stacked, as its HF checkpoints store them (`_GRANITE_MOE_RULES`).
+    # Granite MoE: the experts stay stacked, as its HF checkpoints store them (`_join_granite_experts`).
     stacked_experts: bool = False
+    # OLMo: q and k normed over each whole projection (`attn_q_norm` [H Dh]), not per head.
+    whole_qk_norm: bool = False
+    # OLMo 2 and 3: norms after the attention and the MLP only, none before them.
+    output_norms_only: bool = False
 
     def hf(self, name: str) -> str:
         for old, new in self.renames:
@@ -176,6 +182,14 @@ _ARCHS: dict[str, _Arch] = {
                         experts=True, experts_field="num_local_experts", width_field="intermediate_size",
                         stacked_experts=True, finish=lambda c, s: _join_granite_experts(c, s),
                         family_config=lambda p, m, c: _granite_config(p, m, c, "granitemoe")),
+    # OLMo 2 (and OLMo 3, which llama.cpp writes as olmo2 with windows: `_olmo2_config`) and OLMoE: no
+    # q/k permutation (llama.cpp runs them with its NEOX rope); OLMoE's picked experts' weights are not
+    # renormalised (its graph, as OlmoeConfig's default).
+    "olmo2": _Arch("Olmo2ForCausalLM", False, False, True, (("attention_bias", False),), whole_qk_norm=True,
+                   output_norms_only=True, family_config=lambda p, m, c: _olmo2_config(p, m, c)),
+    "olmoe": _Arch("OlmoeForCausalLM", False, False, True,
+                   (("attention_bias", False), ("norm_topk_prob", False), ("clip_qkv", None)),
+                   experts=True, width_field="intermediate_size", whole_qk_norm=True),
     # Qwen3-Next and Qwen3.5: llama.cpp's converter (its Qwen3NextModel and, for Qwen3.5, the value
     # head reordering base it derives from it) writes their zero-centred norms plus 1 (the gated
     # norm of the linear layers, `ssm_norm`, as it is), A_log as -exp(A_log), dt_bias as
@@ -463,6 +477,34 @@ def _gemma_config(path: Path, meta: Mapping[str, Any], cfg: dict, arch: str) -> 
         full_rope = {"rope_type": "default"} if scaling is None else dict(scaling)
         cfg["rope_parameters"] = {"full_attention": dict(full_rope, rope_theta=theta),
                                   "sliding_attention": {"rope_type": "default", "rope_theta": _GEMMA3_LOCAL_ROPE_THETA}}
+    return cfg
+
+
+def _olmo2_config(path: Path, meta: Mapping[str, Any], cfg: dict) -> dict:
+    """OLMo 2, or OLMo 3 where the file has a window: the layers `sliding_window_pattern` marks (a
+    flag per layer, as the converter writes it; a number is llama.cpp's period, every period-th layer
+    full; absent, 4) slide, and rotate with `rope.freq_base_swa` or else the full layers' base,
+    unscaled (llama.cpp's olmo2 graph)."""
+    window = meta.get("olmo2.attention.sliding_window", 0)
+    if not window:
+        return cfg
+    cfg = dict(cfg, architectures=["Olmo3ForCausalLM"], model_type="olmo3",
+               sliding_window=_uniform_int(path, "olmo2.attention.sliding_window", window))
+    layers = cfg["num_hidden_layers"]
+    pattern = meta.get("olmo2.attention.sliding_window_pattern", 4)
+    if isinstance(pattern, list):
+        if len(pattern) != layers:
+            raise GGUFError(f"{path}: olmo2.attention.sliding_window_pattern has {len(pattern)} entries for "
+                            f"{layers} layers")
+        sliding = [bool(x) for x in pattern]
+    else:
+        period = _uniform_int(path, "olmo2.attention.sliding_window_pattern", pattern)
+        sliding = [period > 0 and i % period < period - 1 for i in range(layers)]
+    cfg["layer_types"] = ["sliding_attention" if x else "full_attention" for x in sliding]
+    theta, scaling = cfg.pop("rope_theta"), cfg.pop("rope_scaling")
+    local = float(meta.get("olmo2.rope.freq_base_swa", theta))
+    cfg["rope_parameters"] = {"full_attention": dict(scaling or {"rope_type": "default"}, rope_theta=theta),
+                              "sliding_attention": {"rope_type": "default", "rope_theta": local}}
     return cfg
 
 
@@ -774,8 +816,16 @@ def _bias(arch: _Arch) -> bool:
     return arch.qkv_bias
 
 
-def _qk_norm(arch: _Arch) -> bool:
-    return arch.qk_norm
+def _qk_norm(arch: _Arch) -> bool:  # per head
+    return arch.qk_norm and not arch.whole_qk_norm
+
+
+def _whole_qk_norm(arch: _Arch) -> bool:
+    return arch.whole_qk_norm
+
+
+def _input_norm(arch: _Arch) -> bool:
+    return not arch.output_norms_only
 
 
 def _n_experts(c):
@@ -815,11 +865,15 @@ def _post_norms(arch: _Arch) -> bool:
 
 
 def _pre_norms_only(arch: _Arch) -> bool:
-    return not arch.post_norms and not arch.hybrid
+    return not arch.post_norms and not arch.hybrid and not arch.output_norms_only
 
 
-def _post_attention_norm(arch: _Arch) -> bool:  # Gemma's output norm; the hybrids' MLP input norm
-    return arch.post_norms or arch.hybrid
+def _post_attention_norm(arch: _Arch) -> bool:  # Gemma's and OLMo's output norm; the hybrids' MLP input norm
+    return arch.post_norms or arch.hybrid or arch.output_norms_only
+
+
+def _post_ffw_norm(arch: _Arch) -> bool:
+    return arch.post_norms or arch.output_norms_only
 
 
 def _hybrid(arch: _Arch) -> bool:
@@ -855,7 +909,7 @@ _TENSOR_TABLE: tuple[_TensorRule, ...] = tuple(
         (r"output_norm\.weight", "model.norm.weight", lambda c: (c["hidden_size"],), None, None),
         (r"output\.weight", "lm_head.weight", lambda c: (c["vocab_size"], c["hidden_size"]), None, None),
         (r"blk\.(\d+)\.attn_norm\.weight", "model.layers.{layer}.input_layernorm.weight",
-         lambda c: (c["hidden_size"],), None, None),
+         lambda c: (c["hidden_size"],), None, _input_norm),
         (r"blk\.(\d+)\.ffn_norm\.weight", "model.layers.{layer}.post_attention_layernorm.weight",
          lambda c: (c["hidden_size"],), None, _pre_norms_only),
         # Gemma: the attention's output norm, and the MLP's input and output norms. Qwen3-Next and
@@ -865,7 +919,7 @@ _TENSOR_TABLE: tuple[_TensorRule, ...] = tuple(
         (r"blk\.(\d+)\.ffn_norm\.weight", "model.layers.{layer}.pre_feedforward_layernorm.weight",
          lambda c: (c["hidden_size"],), None, _post_norms),
         (r"blk\.(\d+)\.post_ffw_norm\.weight", "model.layers.{layer}.post_feedforward_layernorm.weight",
-         lambda c: (c["hidden_size"],), None, _post_norms),
+         lambda c: (c["hidden_size"],), None, _post_ffw_norm),
         (r"blk\.(\d+)\.attn_q\.weight", "model.layers.{layer}.self_attn.q_proj.weight",
          lambda c: (_q_dim(c), c["hidden_size"]), _rope_rows("num_attention_heads"), _plain_attention),
         # The hybrids' gated attention: each head's q rows, then its output gate's.
@@ -950,6 +1004,11 @@ _TENSOR_TABLE: tuple[_TensorRule, ...] = tuple(
          lambda c: (c["head_dim"],), None, _qk_norm),
         (r"blk\.(\d+)\.attn_k_norm\.weight", "model.layers.{layer}.self_attn.k_norm.weight",
          lambda c: (c["head_dim"],), None, _qk_norm),
+        # OLMo: one q and one k RMSNorm over each whole projection.
+        (r"blk\.(\d+)\.attn_q_norm\.weight", "model.layers.{layer}.self_attn.q_norm.weight",
+         lambda c: (_q_dim(c),), None, _whole_qk_norm),
+        (r"blk\.(\d+)\.attn_k_norm\.weight", "model.layers.{layer}.self_attn.k_norm.weight",
+         lambda c: (_kv_dim(c),), None, _whole_qk_norm),
     )
 )
 
@@ -1077,8 +1136,8 @@ def _read(path: Path) -> tuple[dict[str, Any], dict[str, np.ndarray], dict[str, 
 
 def read_gguf(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """Read a GGUF file of a supported architecture (`SUPPORTED_ARCHITECTURES`: Llama, Qwen2, Qwen3,
-    Mixtral, Qwen2/3-MoE, Gemma 2, Gemma 3, Phi-3, SmolLM3, Granite, Granite MoE, Qwen3-Next, Qwen3.5) as an HF
-    config dict and float32 state dict.
+    Mixtral, Qwen2/3-MoE, Gemma 2, Gemma 3, Phi-3, SmolLM3, Granite, Granite MoE, OLMo 2/3, OLMoE, Qwen3-Next,
+    Qwen3.5) as an HF config dict and float32 state dict.
 
     Returns `(config, state)`: `config` holds the HF config fields (sizes, head_dim, rope_theta,
     rms_norm_eps, tie_word_embeddings, bos/eos/pad ids, max_position_embeddings, vocab_size);
