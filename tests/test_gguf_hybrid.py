@@ -24,6 +24,7 @@ import pytest
 import gguf
 
 from test_gguf import add_byte_level_tokenizer, close_gguf, tiny_vocab
+from test_gguf_families import hf_state
 from test_qwen3_next import BASE, VARIANTS, build_hf, hf_logits
 from tevjax.convert.gguf import GGUFError, gguf_to_hf_dir, read_gguf
 
@@ -36,25 +37,6 @@ def tile(w: np.ndarray, axis: int, kheads: int, r: int, size: int) -> np.ndarray
     shape = w.shape
     grouped = w.reshape(*shape[:axis], kheads, r, size, *shape[axis + 1:])
     return np.swapaxes(grouped, axis, axis + 1).reshape(shape)
-
-
-def hf_tensors(model) -> dict[str, np.ndarray]:
-    """The checkpoint's tensors as the Hub stores them: transformers' stacked experts split into one
-    gate / up / down tensor per expert."""
-    out = {}
-    for name, t in model.state_dict().items():
-        w = t.detach().numpy().astype(np.float32)
-        if name.endswith("mlp.experts.gate_up_proj"):
-            f = w.shape[1] // 2
-            for e in range(w.shape[0]):
-                out[name.replace("gate_up_proj", f"{e}.gate_proj.weight")] = w[e, :f]
-                out[name.replace("gate_up_proj", f"{e}.up_proj.weight")] = w[e, f:]
-        elif name.endswith("mlp.experts.down_proj"):
-            for e in range(w.shape[0]):
-                out[name.replace("down_proj", f"{e}.down_proj.weight")] = w[e]
-        else:
-            out[name] = w
-    return out
 
 
 def converted(variant: str, hf: dict[str, np.ndarray], c: dict) -> dict[str, np.ndarray]:
@@ -148,7 +130,7 @@ def write_hybrid_gguf(path: Path, variant: str, model, *, meta_drop: tuple[str, 
         w.add_array(f"{arch}.rope.dimension_sections", [11, 11, 10, 0])
     tokens = tiny_vocab() + [f"<extra_{i}>" for i in range(c["vocab_size"] - len(tiny_vocab()))]
     add_byte_level_tokenizer(w, tokens, "qwen2")
-    for name, value in (tensors if tensors is not None else converted(variant, hf_tensors(model), c)).items():
+    for name, value in (tensors if tensors is not None else converted(variant, hf_state(model), c)).items():
         w.add_tensor(name, value)
     return close_gguf(w, path)
 
@@ -168,7 +150,7 @@ def test_hybrid_files_read_in_hf_layout(hybrid_file):
     heads and rotated share."""
     variant, path, model = hybrid_file
     cfg, got = read_gguf(path)
-    want = hf_tensors(model)
+    want = hf_state(model)
     assert set(got) == set(want)
     for name, value in got.items():
         # float32 round trips: (w + 1) - 1 for the norms, log(exp(A_log)) for A_log
@@ -206,12 +188,12 @@ def test_hybrid_files_refused_by_name(tmp_path):
     path = write_hybrid_gguf(tmp_path / "a.gguf", "qwen3_5_text", model, meta_drop=("ssm.state_size",))
     with pytest.raises(GGUFError, match="qwen35.ssm.state_size is missing"):
         read_gguf(path)
-    tensors = converted("qwen3_5_text", hf_tensors(model), c)
+    tensors = converted("qwen3_5_text", hf_state(model), c)
     tensors["blk.0.ssm_a"] = np.abs(tensors["blk.0.ssm_a"])
     path = write_hybrid_gguf(tmp_path / "b.gguf", "qwen3_5_text", model, tensors=tensors)
     with pytest.raises(GGUFError, match=r"'blk\.0\.ssm_a'.*negative"):
         read_gguf(path)
-    tensors = converted("qwen3_5_text", hf_tensors(model), c)
+    tensors = converted("qwen3_5_text", hf_state(model), c)
     tensors["blk.1.attn_k.weight"] = tensors["blk.3.attn_k.weight"]
     path = write_hybrid_gguf(tmp_path / "c.gguf", "qwen3_5_text", model, tensors=tensors)
     with pytest.raises(GGUFError, match=r"model\.layers\.1\.self_attn\.k_proj\.weight.*does not have"):
