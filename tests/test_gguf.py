@@ -1112,6 +1112,14 @@ def test_unsupported_architecture(tmp_path):
         read_gguf(path)
 
 
+def test_cli_help_names_every_supported_architecture():
+    from tevjax.cli import TARGET_HELP
+    from tevjax.convert.gguf import SUPPORTED_ARCHITECTURES
+
+    listed = TARGET_HELP.split(".gguf file (", 1)[1].rstrip(")").split(", ")
+    assert listed == list(SUPPORTED_ARCHITECTURES)
+
+
 def test_unsupported_tensor_type(tmp_path):
     types = dict(TYPES, **{"model.layers.1.mlp.up_proj.weight": Q.IQ4_NL})
     path = write_gguf(tmp_path / "iq4.gguf", tiny_state(), types=types)

