@@ -90,7 +90,7 @@ SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", 
 # Written last into a converted directory; its presence means the directory is complete.
 CONVERSION_MARKER = "tevjax_conversion.json"
 # Bumped whenever the produced directory would change, so cached conversions are redone.
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2  # 2: Llama 3 files' tokenizers take whole tokens (ignore_merges) and add BOS by default
 
 
 class GGUFError(ValueError):
