@@ -814,6 +814,25 @@ def test_qwen35_pre_tokenizer_keeps_combining_marks_in_words(tmp_path):
     assert words("qwen2", text)[:4] == ["नमस", "्त", "े", " द"]
 
 
+def test_pre_tokenizer_aliases_split_as_their_group(tmp_path):
+    """llama.cpp's other names for GPT-2's split ("phi-2", "mpt", "olmo") and Llama 3's ("smaug-bpe",
+    "dbrx") split text exactly as the group's first name does."""
+    from tevjax.convert.gguf import read_gguf_metadata
+    from tevjax.convert.tokenizer import build_tokenizer
+
+    meta = read_gguf_metadata(write_gguf(tmp_path / "a.gguf", tiny_state(seed=2)))
+    text = "Hello world's 12345 times!!\n\n  tabs\tand CamelCase"
+
+    def split(pre):
+        tok = build_tokenizer(dict(meta, **{"tokenizer.ggml.pre": pre}))
+        return [piece for piece, _ in tok.pre_tokenizer.pre_tokenize_str(text)]
+
+    for group, aliases in (("gpt-2", ("phi-2", "mpt", "olmo")), ("llama-bpe", ("smaug-bpe", "dbrx"))):
+        for alias in aliases:
+            assert split(alias) == split(group), alias
+    assert split("gpt-2") != split("llama-bpe")  # the two groups differ on this text
+
+
 def test_llama3_group_takes_whole_tokens_and_adds_bos(tmp_path):
     """llama.cpp's Llama 3 pre-tokenizers ("llama-bpe", "llama3", "llama-v3") take a piece that is
     itself a token whole even where no merge makes it, and add BOS when the file does not say; "smaug-bpe"

@@ -15,7 +15,7 @@ about pre-tokenizers is byte-level BPE's.
 The pre-tokenizer decides where BPE may not merge across. llama.cpp names it in
 `tokenizer.ggml.pre` and implements each name as a list of split regexes (`llama-vocab.cpp`):
 
-* "gpt-2" (and friends): the GPT-2 split
+* "gpt-2" (and "phi-2", "mpt", "olmo"): the GPT-2 split
   `'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)`.
 * "smollm", "starcoder", "refact", "codeshell": first isolate every digit (`\\p{N}`), then the GPT-2
   split. This is also what SmolLM2's original `tokenizer.json` does (a `Digits(individual_digits)`
@@ -82,6 +82,9 @@ QWEN35_SPLIT = (QWEN2_SPLIT.replace(r"?\p{L}+|", r"?[\p{L}\p{M}]+|", 1)
 # GPT-2 regex), "digits" (every digit isolated, then the GPT-2 regex), or a regex of its own.
 SUPPORTED_PRE_TOKENIZERS: dict[str, str] = {
     "gpt-2": "gpt2",
+    "phi-2": "gpt2",  # these three are llama.cpp's names for GPT-2's split too
+    "mpt": "gpt2",
+    "olmo": "gpt2",
     "smollm": "digits",
     "starcoder": "digits",
     "refact": "digits",
