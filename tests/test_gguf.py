@@ -833,6 +833,25 @@ def test_pre_tokenizer_aliases_split_as_their_group(tmp_path):
     assert split("gpt-2") != split("llama-bpe")  # the two groups differ on this text
 
 
+def test_tekken_pre_tokenizer_splits_by_case_as_llama_cpp(tmp_path):
+    """`tokenizer.ggml.pre` "tekken" (Mistral Nemo / Small 3 files, `llama` architecture): a word
+    splits where a capital follows lower case, digits one at a time, a slash stays with its
+    punctuation; a capital that is not ASCII counts as llama.cpp's regex counts it (with lower case)."""
+    from tevjax.convert.gguf import read_gguf_metadata
+    from tevjax.convert.tokenizer import build_tokenizer
+
+    meta = read_gguf_metadata(write_gguf(tmp_path / "t.gguf", tiny_state(seed=2)))
+    tok = build_tokenizer(dict(meta, **{"tokenizer.ggml.pre": "tekken"}))
+
+    def words(text):
+        return [text[a:b] for _, (a, b) in tok.pre_tokenizer.pre_tokenize_str(text)]
+
+    assert words("HTTPServer CamelCase hello 123 a/b") == [
+        "HTTPServer", " Camel", "Case", " hello", " ", "1", "2", "3", " a", "/b"]
+    assert words("aÉb") == ["aÉb"]  # the original tokenizer.json splits "a" | "Éb"
+    assert tok.encode("hello").ids[0] == 1  # BOS, as llama.cpp adds it for Tekken
+
+
 def test_llama3_group_takes_whole_tokens_and_adds_bos(tmp_path):
     """llama.cpp's Llama 3 pre-tokenizers ("llama-bpe", "llama3", "llama-v3") take a piece that is
     itself a token whole even where no merge makes it, and add BOS when the file does not say; "smaug-bpe"

@@ -28,6 +28,8 @@ The pre-tokenizer decides where BPE may not merge across. llama.cpp names it in
   (`LLAMA3_SPLIT`); a piece that is a token is taken whole (`ignore_merges`), and BOS is added
   unless the file says otherwise. "smaug-bpe" (SmolLM3) and "dbrx": the same split only.
 * "qwen35" (Qwen3.5): Qwen2's, with combining marks kept inside letter runs (`QWEN35_SPLIT`).
+* "tekken" (Mistral Nemo, Mistral Small 3): letter runs split by case, as llama.cpp approximates
+  them (`TEKKEN_SPLIT`); whole tokens and BOS as Llama 3's.
 
 Note: transformers' own GGUF tokenizer conversion (5.x) does not know "smollm" and falls back to
 the plain GPT-2 split, which lets whitespace before a number character join its piece. With
@@ -58,6 +60,7 @@ __all__ = [
     "QWEN2_SPLIT",
     "QWEN35_SPLIT",
     "LLAMA3_SPLIT",
+    "TEKKEN_SPLIT",
     "build_tokenizer",
     "tokenizer_files_from_gguf",
     "load_tokenizer",
@@ -78,6 +81,14 @@ LLAMA3_SPLIT = QWEN2_SPLIT.replace(r"|\p{N}|", r"|\p{N}{1,3}|", 1)
 # than split off it (its tokenizer.json, and llama.cpp's LLAMA_VOCAB_PRE_TYPE_QWEN35).
 QWEN35_SPLIT = (QWEN2_SPLIT.replace(r"?\p{L}+|", r"?[\p{L}\p{M}]+|", 1)
                 .replace(r"[^\s\p{L}\p{N}]+", r"[^\s\p{L}\p{M}\p{N}]+", 1))
+# Mistral's Tekken (Mistral Nemo, Mistral Small 3), as llama.cpp runs it: its tokenizer.json splits
+# letters by case classes (\p{Lu}... / \p{Ll}...), which llama.cpp's regex engine lacks, so it runs
+# "a letter that is not ASCII lowercase" / "not ASCII uppercase" instead (LLAMA_VOCAB_PRE_TYPE_TEKKEN).
+# The two agree on ASCII text; on other capitals they differ ("aÉb" is one piece here, two in the
+# original), and this is llama.cpp's.
+TEKKEN_SPLIT = (r"[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))*((?=[\p{L}])([^A-Z]))+"
+                r"|[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))+((?=[\p{L}])([^A-Z]))*"
+                r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 # tokenizer.ggml.pre -> the split before byte-level BPE (see module docstring): "gpt2" (ByteLevel's
 # GPT-2 regex), "digits" (every digit isolated, then the GPT-2 regex), or a regex of its own.
 SUPPORTED_PRE_TOKENIZERS: dict[str, str] = {
@@ -97,11 +108,12 @@ SUPPORTED_PRE_TOKENIZERS: dict[str, str] = {
     "llama-v3": LLAMA3_SPLIT,
     "smaug-bpe": LLAMA3_SPLIT,  # SmolLM3's files
     "dbrx": LLAMA3_SPLIT,
+    "tekken": TEKKEN_SPLIT,
 }
-# llama.cpp's Llama 3 group: a piece that is itself a token is taken whole, without merging
-# (`ignore_merges`, as Llama 3's tokenizer.json has it), and BOS is added unless the file says not to.
-# Not "smaug-bpe" or "dbrx", which share only the split.
-_LLAMA3_GROUP = ("llama-bpe", "llama3", "llama-v3")
+# llama.cpp's Llama 3 group and Tekken: a piece that is itself a token is taken whole, without
+# merging (`ignore_merges`, as their tokenizer.json files have it), and BOS is added unless the file
+# says not to. Not "smaug-bpe" or "dbrx", which share only Llama 3's split.
+_LLAMA3_GROUP = ("llama-bpe", "llama3", "llama-v3", "tekken")
 
 
 class TokenizerConversionError(ValueError):
