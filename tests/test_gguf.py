@@ -165,6 +165,8 @@ def gguf_name(hf: str) -> str:
 
 
 def encode_tensor(w: np.ndarray, t: Q) -> tuple[np.ndarray, Q | None]:
+    if w.dtype == np.uint8:  # blocks packed already, in storage type t
+        return w, t
     if t == Q.F32:
         return w, None
     if t == Q.F16:
@@ -852,6 +854,20 @@ def test_tekken_pre_tokenizer_splits_by_case_as_llama_cpp(tmp_path):
     assert tok.encode("hello").ids[0] == 1  # BOS, as llama.cpp adds it for Tekken
 
 
+def test_gpt4o_pre_tokenizer_keeps_contractions_and_digit_triples(tmp_path):
+    """`tokenizer.ggml.pre` "gpt-4o" (GPT-OSS's o200k): letter runs split by case with an English
+    contraction kept on the word, digits in runs of up to three, no BOS unless the file asks."""
+    from tevjax.convert.gguf import read_gguf_metadata
+    from tevjax.convert.tokenizer import build_tokenizer
+
+    meta = read_gguf_metadata(write_gguf(tmp_path / "o.gguf", tiny_state(seed=2)))
+    tok = build_tokenizer(dict(meta, **{"tokenizer.ggml.pre": "gpt-4o"}))
+    text = "I'm HTTPServer 12345 can't CamelCase"
+    words = [text[a:b] for _, (a, b) in tok.pre_tokenizer.pre_tokenize_str(text)]
+    assert words == ["I'm", " HTTPServer", " ", "123", "45", " can't", " Camel", "Case"]
+    assert tok.encode("hello").ids[0] != 1
+
+
 def test_llama3_group_takes_whole_tokens_and_adds_bos(tmp_path):
     """llama.cpp's Llama 3 pre-tokenizers ("llama-bpe", "llama3", "llama-v3") take a piece that is
     itself a token whole even where no merge makes it, and add BOS when the file does not say; "smaug-bpe"
@@ -1110,7 +1126,7 @@ def test_other_k_quants_refused_by_name(tmp_path, t):
     path = write_gguf(tmp_path / "k.gguf", tiny_state(sizes=K_SIZES), types=types,
                       meta_overrides=K_SIZES)
     with pytest.raises(GGUFError, match=rf"'blk\.1\.ffn_up\.weight' has ggml type {t.name}, which is "
-                                        r"not supported \(supported: .*Q4_K, Q5_K, Q6_K, Q8_K\)"):
+                                        r"not supported \(supported: .*Q4_K, Q5_K, Q6_K, Q8_K, MXFP4\)"):
         read_gguf(path)
 
 
@@ -1146,8 +1162,28 @@ def test_unsupported_architecture(tmp_path):
     path = write_gguf(tmp_path / "g.gguf", tiny_state(), arch="gptneox")
     with pytest.raises(GGUFError, match=r"architecture 'gptneox' is not supported \(supported: llama, qwen2, qwen3, "
                                        r"qwen3moe, qwen2moe, gemma2, gemma3, phi3, qwen3next, qwen35, qwen35moe, "
-                                       r"smollm3, granite, granitemoe, olmo2, olmoe\)"):
+                                       r"smollm3, granite, granitemoe, olmo2, olmoe, gpt-oss\)"):
         read_gguf(path)
+
+
+def test_mxfp4_tensors_read_as_the_block_format_says(tmp_path):
+    """MXFP4 (GPT-OSS's experts in llama.cpp's files): each block of 32 values is one E8M0 scale byte
+    e and 16 bytes of 4-bit E2M1 codes, value j from the low nibble of byte j and value j + 16 from
+    its high nibble; a code k means FP4[k] * 2^(e - 127), FP4 = 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their
+    negatives (ggml-common.h's block_mxfp4, decoded here from the integer codes, not the gguf package)."""
+    rng = np.random.default_rng(4)
+    rows, cols = TINY["intermediate_size"], TINY["hidden_size"]
+    scales = rng.integers(120, 135, size=(rows, cols // 32)).astype(np.uint8)
+    codes = rng.integers(0, 16, size=(rows, cols // 32, 32)).astype(np.uint8)
+    packed = np.concatenate([scales[..., None], codes[..., :16] | (codes[..., 16:] << 4)], axis=-1)
+    fp4 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, 0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float64)
+    want = (fp4[codes] * 2.0 ** (scales[..., None].astype(np.float64) - 127)).reshape(rows, cols)
+    state = tiny_state(seed=9)
+    name = "model.layers.1.mlp.gate_proj.weight"
+    del state[name]
+    path = write_gguf(tmp_path / "mx.gguf", state, extra_tensors={"blk.1.ffn_gate.weight": (
+        packed.reshape(rows, -1), Q.MXFP4)}, types={k: Q.F32 for k in state})
+    np.testing.assert_array_equal(read_gguf(path)[1][name], want.astype(np.float32))
 
 
 def test_cli_help_names_every_supported_architecture():

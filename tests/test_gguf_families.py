@@ -11,6 +11,7 @@ its weights rounded through the file's storage types.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -58,14 +59,21 @@ FAMILIES = {
                   bos_token_id=1, eos_token_id=2, pad_token_id=None),
     "olmoe": dict(SIZES, num_hidden_layers=2, rope_parameters={"rope_type": "default", "rope_theta": 100.0},
                   num_experts=4, num_experts_per_tok=2, bos_token_id=1, eos_token_id=2, pad_token_id=None),
+    # GPT-OSS: YaRN as llama.cpp runs it (truncated ramp bounds, transformers' default but not
+    # GPT-OSS's own config's), experts in MXFP4 as released files store them.
+    "gpt_oss": dict(SIZES, intermediate_size=64, num_hidden_layers=2, head_dim=16, num_local_experts=4,
+                    num_experts_per_tok=2, sliding_window=4, bos_token_id=1, eos_token_id=2, pad_token_id=None,
+                    rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
+                                     "beta_fast": 32.0, "beta_slow": 1.0, "truncate": True, "rope_theta": 1000.0}),
 }
 # The GGUF architecture of each family, where it is not the family's name.
-GGUF_ARCH = {"olmo3": "olmo2"}
+GGUF_ARCH = {"olmo3": "olmo2", "gpt_oss": "gpt-oss"}
 CLASSES = {"gemma2": ("Gemma2Config", "Gemma2ForCausalLM"), "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
            "phi3": ("Phi3Config", "Phi3ForCausalLM"), "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM"),
            "granite": ("GraniteConfig", "GraniteForCausalLM"),
            "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM"), "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
-           "olmo3": ("Olmo3Config", "Olmo3ForCausalLM"), "olmoe": ("OlmoeConfig", "OlmoeForCausalLM")}
+           "olmo3": ("Olmo3Config", "Olmo3ForCausalLM"), "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"),
+           "gpt_oss": ("GptOssConfig", "GptOssForCausalLM")}
 # Families written as llama.cpp's LlamaModel writes them: q and k rows permuted for its rope.
 PERMUTED = ("smollm3", "granite", "granitemoe")
 # transformers' in-memory names of Granite MoE's tensors, and its checkpoints' (what GGUF files are
@@ -106,7 +114,9 @@ def hf_state(model) -> dict[str, np.ndarray]:
     state = {}
     for k, v in model.state_dict().items():
         w = v.detach().numpy().astype(np.float32)
-        if k.endswith("mlp.experts.gate_up_proj"):
+        if model.config.model_type == "gpt_oss":  # its checkpoints stack the experts as transformers does
+            state[k] = w
+        elif k.endswith("mlp.experts.gate_up_proj"):
             f = w.shape[1] // 2
             for e in range(w.shape[0]):
                 state[k.replace("gate_up_proj", f"{e}.gate_proj.weight")] = w[e, :f]
@@ -135,7 +145,8 @@ def write_family_gguf(path: Path, arch: str, state: dict[str, np.ndarray], *, me
     c = FAMILIES[arch]
     n = c["num_hidden_layers"]
     family, arch = arch, GGUF_ARCH.get(arch, arch)
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[{"granitemoe": "GRANITE_MOE"}.get(arch, arch.upper())], n)
+    names = gguf.get_tensor_name_map(
+        gguf.MODEL_ARCH[{"granitemoe": "GRANITE_MOE", "gpt-oss": "GPT_OSS"}.get(arch, arch.upper())], n)
     w = gguf.GGUFWriter(str(path), arch)
     keys = {
         "context_length": c["max_position_embeddings"], "embedding_length": c["hidden_size"], "block_count": n,
@@ -157,6 +168,13 @@ def write_family_gguf(path: Path, arch: str, state: dict[str, np.ndarray], *, me
         w.add_array("olmo2.attention.sliding_window_pattern", [(i + 1) % 4 != 0 for i in range(n)])
     if arch == "olmoe":
         keys.update({"expert_count": c["num_experts"], "expert_used_count": c["num_experts_per_tok"]})
+    if arch == "gpt-oss":
+        rope = c["rope_parameters"]
+        keys.update({"expert_count": c["num_local_experts"], "expert_used_count": c["num_experts_per_tok"],
+                     "expert_feed_forward_length": c["intermediate_size"], "attention.key_length": c["head_dim"],
+                     "attention.value_length": c["head_dim"], "rope.freq_base": rope["rope_theta"],
+                     "rope.scaling.type": "yarn", "rope.scaling.factor": rope["factor"],
+                     "rope.scaling.original_context_length": rope["original_max_position_embeddings"]})
     if arch.startswith("gemma"):
         keys.update({"attention.key_length": c["head_dim"], "attention.value_length": c["head_dim"],
                      "final_logit_softcapping": c["final_logit_softcapping"]})
@@ -188,6 +206,11 @@ def write_family_gguf(path: Path, arch: str, state: dict[str, np.ndarray], *, me
     experts: dict[str, list] = {}
     for hf, value in state.items():
         types[hf] = storage_type(hf, value.shape)
+        if arch == "gpt-oss" and ".mlp.experts." in hf:  # the converter's split, each [E, I, D] / [E, D, I]
+            for name, part in gpt_oss_experts(hf, value).items():
+                data, raw = encode_tensor(part, Q.MXFP4 if part.ndim == 3 else Q.F32)
+                w.add_tensor(name, data, raw_dtype=raw)
+            continue
         if ".mlp.experts." in hf:  # stacked per projection, expert after expert, in one storage type
             layer, e, proj = hf.split(".")[2], int(hf.split(".")[5]), hf.split(".")[6]
             types[hf] = storage_type(f"{layer}.{proj}", value.shape)
@@ -199,7 +222,7 @@ def write_family_gguf(path: Path, arch: str, state: dict[str, np.ndarray], *, me
                 data, raw = encode_tensor(np.ascontiguousarray(half), types[hf])
                 w.add_tensor(f"blk.{layer}.ffn_{part}_exps.weight", data, raw_dtype=raw)
             continue
-        name = names.get_name(hf, try_suffixes=(".weight", ".bias"))
+        name = names.get_name(hf + (".weight" if hf.endswith(".sinks") else ""), try_suffixes=(".weight", ".bias"))
         assert name is not None, hf
         if arch.startswith("gemma") and hf.endswith("norm.weight"):
             value = value + np.float32(1.0)  # the converter's Gemma norm shift
@@ -215,12 +238,39 @@ def write_family_gguf(path: Path, arch: str, state: dict[str, np.ndarray], *, me
     return close_gguf(w, path), types
 
 
+def gpt_oss_experts(hf: str, value: np.ndarray) -> dict[str, np.ndarray]:
+    """llama.cpp's converter on a GPT-OSS expert tensor: HF's gate_up_proj [E, D, 2 I] (gate in the
+    even columns) becomes ffn_gate_exps and ffn_up_exps [E, I, D], its bias two [E, I]; down_proj
+    [E, I, D] becomes ffn_down_exps [E, D, I]."""
+    layer = hf.split(".")[2]
+    if hf.endswith("gate_up_proj"):
+        rows = value.transpose(0, 2, 1)
+        return {f"blk.{layer}.ffn_gate_exps.weight": np.ascontiguousarray(rows[:, 0::2]),
+                f"blk.{layer}.ffn_up_exps.weight": np.ascontiguousarray(rows[:, 1::2])}
+    if hf.endswith("gate_up_proj_bias"):
+        return {f"blk.{layer}.ffn_gate_exps.bias": np.ascontiguousarray(value[:, 0::2]),
+                f"blk.{layer}.ffn_up_exps.bias": np.ascontiguousarray(value[:, 1::2])}
+    if hf.endswith("down_proj"):
+        return {f"blk.{layer}.ffn_down_exps.weight": np.ascontiguousarray(value.transpose(0, 2, 1))}
+    return {f"blk.{layer}.ffn_down_exps.bias": value}
+
+
+def mxfp4_round(w: np.ndarray) -> np.ndarray:
+    """`w` [E, rows, cols] through MXFP4 and back, row by row (blocks of 32 along the last axis)."""
+    return gguf.quants.dequantize(gguf.quants.quantize(w, Q.MXFP4), Q.MXFP4).reshape(w.shape)
+
+
 def stored_values(arch: str, state: dict[str, np.ndarray], types: dict[str, Q]) -> dict[str, np.ndarray]:
     """What an exact reader returns: each tensor rounded through its storage type, and a Gemma norm
     as (w + 1) - 1 in float32."""
     shifted = {k: (v + np.float32(1.0) if arch.startswith("gemma") and k.endswith("norm.weight") else v)
                for k, v in state.items()}
     out = expected_values(shifted, types)
+    for k, v in state.items():  # GPT-OSS's experts: rounded as the converter's [E, I, D] / [E, D, I] rows
+        if k.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+            out[k] = mxfp4_round(np.ascontiguousarray(v.transpose(0, 2, 1))).transpose(0, 2, 1)
+        elif k.endswith(("mlp.experts.gate_up_proj_bias", "mlp.experts.down_proj_bias")):
+            out[k] = v
     return {k: (v - np.float32(1.0) if arch.startswith("gemma") and k.endswith("norm.weight") else v)
             for k, v in out.items()}
 
@@ -269,6 +319,11 @@ def test_family_files_read_in_hf_layout(family_file):
         assert cfg["rope_parameters"] == hf.rope_parameters
     if arch == "olmoe":
         assert (cfg["num_experts"], cfg["num_experts_per_tok"], cfg["norm_topk_prob"]) == (4, 2, False)
+    if arch == "gpt_oss":
+        assert cfg["layer_types"] == hf.layer_types == ["sliding_attention", "full_attention"]
+        assert (cfg["num_local_experts"], cfg["intermediate_size"]) == (4, 64)
+        assert cfg["rope_scaling"] == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
+                                       "beta_fast": 32.0, "beta_slow": 1.0}
 
 
 def test_family_conversion_runs_like_the_original(family_file, tmp_path):
@@ -282,7 +337,7 @@ def test_family_conversion_runs_like_the_original(family_file, tmp_path):
     from tevjax.models import KVCache
 
     arch, path, model, want = family_file
-    memory = {checkpoint_name(k, back=True): v for k, v in want.items() if ".mlp.experts." not in k}
+    memory = {checkpoint_name(k, back=True): v for k, v in want.items() if not re.search(r"\.mlp\.experts\.\d+\.", k)}
     for layer in range(model.config.num_hidden_layers):  # OLMoE: back to transformers' stacked experts
         pre = f"model.layers.{layer}.mlp.experts."
         count = sum(k.startswith(pre) and k.endswith(".down_proj.weight") for k in want)

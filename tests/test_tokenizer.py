@@ -138,8 +138,8 @@ def test_chat_prompt_ids_bad_messages(tmp_path):
 def test_unsupported_tokenizers():
     with pytest.raises(TokenizerConversionError, match="tokenizer.ggml.model='t5'"):
         build_tokenizer(dict(tiny_meta(), **{"tokenizer.ggml.model": "t5"}), source="x.gguf")
-    with pytest.raises(TokenizerConversionError, match="x.gguf: tokenizer.ggml.pre='gpt-4o' is not supported"):
-        build_tokenizer(tiny_meta("gpt-4o"), source="x.gguf")
+    with pytest.raises(TokenizerConversionError, match="x.gguf: tokenizer.ggml.pre='deepseek-llm' is not supported"):
+        build_tokenizer(tiny_meta("deepseek-llm"), source="x.gguf")
     meta = tiny_meta()
     del meta["tokenizer.ggml.merges"]
     with pytest.raises(TokenizerConversionError, match="tokenizer.ggml.merges is missing"):

@@ -296,7 +296,7 @@ def _add_mesh_args(parser, default: str) -> None:
 # that the CLI starts without loading the converter (a test keeps the two lists equal).
 TARGET_HELP = ("'smollm2' (embedded default), a Hugging Face model directory or a .gguf file (llama, qwen2, qwen3, "
                "qwen3moe, qwen2moe, gemma2, gemma3, phi3, qwen3next, qwen35, qwen35moe, smollm3, granite, granitemoe, "
-               "olmo2, olmoe)")
+               "olmo2, olmoe, gpt-oss)")
 
 
 MOE_DISPATCH_HELP = ("a mixture-of-experts target's experts: 'dense' runs every expert on every token, 'ragged' "

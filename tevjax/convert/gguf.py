@@ -16,7 +16,8 @@ routed experts and a shared expert), Mixtral, which llama.cpp writes as `llama` 
 expert count (`_MIXTRAL`), `gemma2` and `gemma3` (Gemma 2, Gemma 3's text model: `_gemma_config`),
 `phi3` (Phi-3: fused q|k|v and gate|up tensors, `_phi3_config`), `smollm3`, `granite` and
 `granitemoe` (Llama's files with a family's own fields), `olmo2` (OLMo 2, and OLMo 3 with its
-windows: `_olmo2_config`) and `olmoe`, and the hybrids `qwen3next`,
+windows: `_olmo2_config`), `olmoe`, `gpt-oss` (MXFP4 experts, `_join_gpt_oss_experts`), and the
+hybrids `qwen3next`,
 `qwen35` and `qwen35moe` (Gated DeltaNet layers beside gated attention: `_hybrid_config`,
 `_linear_tensor`, `_join_qkvz`).
 `rope.scaling.type` linear and yarn become HF's `rope_scaling` of the same name (`_rope_scaling`).
@@ -45,11 +46,11 @@ which layers slide, the sliding layers' rope base, and the query scale (`_gemma_
 
 Quantized tensors are dequantized to float32 with the `gguf` package; quantization blocks run along
 a row, so the row permutation above commutes with dequantization. Besides the 32-value blocks
-(Q8_0, Q4_0, Q4_1, and Q5_0 / Q5_1, which K-quant files use for rows that are not a multiple of
-256 wide), the K-quants that make up llama.cpp's Q4_K_M / Q5_K_M / Q6_K files are read:
-256-value super-blocks with 6-bit (Q4_K, Q5_K) or 8-bit (Q6_K) sub-block scales, and Q8_K (a
-float32 scale and int8 values), which the `gguf` package cannot dequantize, so
-`_dequantize_q8_k` does it here.
+(Q8_0, Q4_0, Q4_1, Q5_0 / Q5_1, which K-quant files use for rows that are not a multiple of 256
+wide, and MXFP4, GPT-OSS's experts: a power-of-two scale and 32 four-bit floats), the K-quants
+that make up llama.cpp's Q4_K_M / Q5_K_M / Q6_K files are read: 256-value super-blocks with 6-bit
+(Q4_K, Q5_K) or 8-bit (Q6_K) sub-block scales, and Q8_K (a float32 scale and int8 values), which
+the `gguf` package cannot dequantize, so `_dequantize_q8_k` does it here.
 """
 
 from __future__ import annotations
@@ -83,10 +84,11 @@ __all__ = [
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "qwen2moe", "gemma2", "gemma3", "phi3",
                            "qwen3next", "qwen35", "qwen35moe", "smollm3", "granite", "granitemoe", "olmo2",
-                           "olmoe")
+                           "olmoe", "gpt-oss")
 # ggml type names accepted by `read_gguf`; each is covered by a round-trip test. Others (Q2_K,
 # Q3_K, Q5_0/Q5_1, IQ-quants, ...) are refused by name rather than dequantized untested.
-SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "Q8_K")
+SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "Q8_K",
+                          "MXFP4")
 # Written last into a converted directory; its presence means the directory is complete.
 CONVERSION_MARKER = "tevjax_conversion.json"
 # Bumped whenever the produced directory would change, so cached conversions are redone.
@@ -143,6 +145,9 @@ class _Arch:
     whole_qk_norm: bool = False
     # OLMo 2 and 3: norms after the attention and the MLP only, none before them.
     output_norms_only: bool = False
+    # GPT-OSS: attention sinks and an output bias; a biased router and biased experts, gate and up
+    # interleaved in HF's one stacked tensor (`_join_gpt_oss_experts`).
+    gpt_oss: bool = False
 
     def hf(self, name: str) -> str:
         for old, new in self.renames:
@@ -190,6 +195,12 @@ _ARCHS: dict[str, _Arch] = {
     "olmoe": _Arch("OlmoeForCausalLM", False, False, True,
                    (("attention_bias", False), ("norm_topk_prob", False), ("clip_qkv", None)),
                    experts=True, width_field="intermediate_size", whole_qk_norm=True),
+    # GPT-OSS: llama.cpp's converter splits HF's interleaved gate|up experts into ffn_gate_exps and
+    # ffn_up_exps (MXFP4 in released files), each [E, I, D] as ggml stores a matrix per expert.
+    "gpt-oss": _Arch("GptOssForCausalLM", False, True, False, (("attention_bias", True),), model_type="gpt_oss",
+                     experts=True, experts_field="num_local_experts", width_field="intermediate_size", gpt_oss=True,
+                     finish=lambda c, s: _join_gpt_oss_experts(c, s),
+                     family_config=lambda p, m, c: _gpt_oss_config(p, m, c)),
     # Qwen3-Next and Qwen3.5: llama.cpp's converter (its Qwen3NextModel and, for Qwen3.5, the value
     # head reordering base it derives from it) writes their zero-centred norms plus 1 (the gated
     # norm of the linear layers, `ssm_norm`, as it is), A_log as -exp(A_log), dt_bias as
@@ -506,6 +517,35 @@ def _olmo2_config(path: Path, meta: Mapping[str, Any], cfg: dict) -> dict:
     cfg["rope_parameters"] = {"full_attention": dict(scaling or {"rope_type": "default"}, rope_theta=theta),
                               "sliding_attention": {"rope_type": "default", "rope_theta": local}}
     return cfg
+
+
+def _gpt_oss_config(path: Path, meta: Mapping[str, Any], cfg: dict) -> dict:
+    """GPT-OSS: its window (required, as llama.cpp requires it) in layers 0, 2, 4, ... (llama.cpp's
+    swa pattern 2), the others attending fully."""
+    key = "gpt-oss.attention.sliding_window"
+    if key not in meta:
+        raise GGUFError(f"{path}: required metadata {key} is missing")
+    window = _uniform_int(path, key, meta[key])
+    layers = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(cfg["num_hidden_layers"])]
+    return dict(cfg, sliding_window=window, layer_types=layers)
+
+
+def _join_gpt_oss_experts(cfg: dict, state: dict) -> dict:
+    """GPT-OSS: HF's gate_up_proj [E, D, 2 I] (gate in the even columns, up in the odd) and its bias,
+    and down_proj [E, I, D], from the converter's per-projection [E, I, D] / [E, D, I] tensors."""
+    state = dict(state)
+    for i in range(cfg["num_hidden_layers"]):
+        pre = f"model.layers.{i}.mlp.experts."
+        gate, up = state.pop(pre + "gate"), state.pop(pre + "up")
+        joined = np.empty((gate.shape[0], gate.shape[2], 2 * gate.shape[1]), np.float32)
+        joined[..., 0::2], joined[..., 1::2] = gate.transpose(0, 2, 1), up.transpose(0, 2, 1)
+        state[pre + "gate_up_proj"] = joined
+        gate_b, up_b = state.pop(pre + "gate_bias"), state.pop(pre + "up_bias")
+        bias = np.empty((gate_b.shape[0], 2 * gate_b.shape[1]), np.float32)
+        bias[:, 0::2], bias[:, 1::2] = gate_b, up_b
+        state[pre + "gate_up_proj_bias"] = bias
+        state[pre + "down_proj"] = np.ascontiguousarray(state.pop(pre + "down").transpose(0, 2, 1))
+    return state
 
 
 def _smollm3_config(cfg: dict) -> dict:
@@ -841,7 +881,11 @@ def _dense(arch: _Arch) -> bool:
 
 
 def _split_experts(arch: _Arch) -> bool:  # one HF tensor per expert
-    return arch.experts and not arch.stacked_experts
+    return arch.experts and not arch.stacked_experts and not arch.gpt_oss
+
+
+def _gpt_oss(arch: _Arch) -> bool:
+    return arch.gpt_oss
 
 
 def _stacked_experts(arch: _Arch) -> bool:
@@ -865,11 +909,11 @@ def _post_norms(arch: _Arch) -> bool:
 
 
 def _pre_norms_only(arch: _Arch) -> bool:
-    return not arch.post_norms and not arch.hybrid and not arch.output_norms_only
+    return not (arch.post_norms or arch.hybrid or arch.output_norms_only or arch.gpt_oss)
 
 
-def _post_attention_norm(arch: _Arch) -> bool:  # Gemma's and OLMo's output norm; the hybrids' MLP input norm
-    return arch.post_norms or arch.hybrid or arch.output_norms_only
+def _post_attention_norm(arch: _Arch) -> bool:  # Gemma's and OLMo's output norm; the others' MLP input norm
+    return arch.post_norms or arch.hybrid or arch.output_norms_only or arch.gpt_oss
 
 
 def _post_ffw_norm(arch: _Arch) -> bool:
@@ -973,6 +1017,28 @@ _TENSOR_TABLE: tuple[_TensorRule, ...] = tuple(
          lambda c: (_n_experts(c), _expert_width(c), c["hidden_size"]), None, _split_experts),
         (r"blk\.(\d+)\.ffn_down_exps\.weight", "model.layers.{layer}.mlp.experts.{expert}.down_proj.weight",
          lambda c: (_n_experts(c), c["hidden_size"], _expert_width(c)), None, _split_experts),
+        # GPT-OSS: the router and its bias, each projection's experts and biases (joined at the end,
+        # `_join_gpt_oss_experts`), the attention's sinks and output bias.
+        (r"blk\.(\d+)\.ffn_gate_inp\.weight", "model.layers.{layer}.mlp.router.weight",
+         lambda c: (_n_experts(c), c["hidden_size"]), None, _gpt_oss),
+        (r"blk\.(\d+)\.ffn_gate_inp\.bias", "model.layers.{layer}.mlp.router.bias",
+         lambda c: (_n_experts(c),), None, _gpt_oss),
+        (r"blk\.(\d+)\.ffn_gate_exps\.weight", "model.layers.{layer}.mlp.experts.gate",
+         lambda c: (_n_experts(c), _expert_width(c), c["hidden_size"]), None, _gpt_oss),
+        (r"blk\.(\d+)\.ffn_up_exps\.weight", "model.layers.{layer}.mlp.experts.up",
+         lambda c: (_n_experts(c), _expert_width(c), c["hidden_size"]), None, _gpt_oss),
+        (r"blk\.(\d+)\.ffn_down_exps\.weight", "model.layers.{layer}.mlp.experts.down",
+         lambda c: (_n_experts(c), c["hidden_size"], _expert_width(c)), None, _gpt_oss),
+        (r"blk\.(\d+)\.ffn_gate_exps\.bias", "model.layers.{layer}.mlp.experts.gate_bias",
+         lambda c: (_n_experts(c), _expert_width(c)), None, _gpt_oss),
+        (r"blk\.(\d+)\.ffn_up_exps\.bias", "model.layers.{layer}.mlp.experts.up_bias",
+         lambda c: (_n_experts(c), _expert_width(c)), None, _gpt_oss),
+        (r"blk\.(\d+)\.ffn_down_exps\.bias", "model.layers.{layer}.mlp.experts.down_proj_bias",
+         lambda c: (_n_experts(c), c["hidden_size"]), None, _gpt_oss),
+        (r"blk\.(\d+)\.attn_sinks\.weight", "model.layers.{layer}.self_attn.sinks",
+         lambda c: (c["num_attention_heads"],), None, _gpt_oss),
+        (r"blk\.(\d+)\.attn_output\.bias", "model.layers.{layer}.self_attn.o_proj.bias",
+         lambda c: (c["hidden_size"],), None, _gpt_oss),
         # Granite MoE: its router, and its experts stacked as HF stores them; gate and up are joined
         # into input_linear at the end (`_join_granite_experts`).
         (r"blk\.(\d+)\.ffn_gate_inp\.weight", "model.layers.{layer}.block_sparse_moe.router.layer.weight",
@@ -1136,8 +1202,8 @@ def _read(path: Path) -> tuple[dict[str, Any], dict[str, np.ndarray], dict[str, 
 
 def read_gguf(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """Read a GGUF file of a supported architecture (`SUPPORTED_ARCHITECTURES`: Llama, Qwen2, Qwen3,
-    Mixtral, Qwen2/3-MoE, Gemma 2, Gemma 3, Phi-3, SmolLM3, Granite, Granite MoE, OLMo 2/3, OLMoE, Qwen3-Next,
-    Qwen3.5) as an HF config dict and float32 state dict.
+    Mixtral, Qwen2/3-MoE, Gemma 2, Gemma 3, Phi-3, SmolLM3, Granite, Granite MoE, OLMo 2/3, OLMoE, GPT-OSS,
+    Qwen3-Next, Qwen3.5) as an HF config dict and float32 state dict.
 
     Returns `(config, state)`: `config` holds the HF config fields (sizes, head_dim, rope_theta,
     rms_norm_eps, tie_word_embeddings, bos/eos/pad ids, max_position_embeddings, vocab_size);

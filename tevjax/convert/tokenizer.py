@@ -30,6 +30,8 @@ The pre-tokenizer decides where BPE may not merge across. llama.cpp names it in
 * "qwen35" (Qwen3.5): Qwen2's, with combining marks kept inside letter runs (`QWEN35_SPLIT`).
 * "tekken" (Mistral Nemo, Mistral Small 3): letter runs split by case, as llama.cpp approximates
   them (`TEKKEN_SPLIT`); whole tokens and BOS as Llama 3's.
+* "gpt-4o" and "llama4" (o200k: GPT-OSS): Tekken's letter runs with their contractions, digits in
+  threes (`GPT4O_SPLIT`).
 
 Note: transformers' own GGUF tokenizer conversion (5.x) does not know "smollm" and falls back to
 the plain GPT-2 split, which lets whitespace before a number character join its piece. With
@@ -61,6 +63,7 @@ __all__ = [
     "QWEN35_SPLIT",
     "LLAMA3_SPLIT",
     "TEKKEN_SPLIT",
+    "GPT4O_SPLIT",
     "build_tokenizer",
     "tokenizer_files_from_gguf",
     "load_tokenizer",
@@ -89,6 +92,12 @@ QWEN35_SPLIT = (QWEN2_SPLIT.replace(r"?\p{L}+|", r"?[\p{L}\p{M}]+|", 1)
 TEKKEN_SPLIT = (r"[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))*((?=[\p{L}])([^A-Z]))+"
                 r"|[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))+((?=[\p{L}])([^A-Z]))*"
                 r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# o200k (GPT-OSS, Llama 4), as llama.cpp runs it: Tekken's letter runs, each with a trailing English
+# contraction, and digits in runs of up to three (LLAMA_VOCAB_PRE_TYPE_GPT4O).
+_CONTRACTION = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?"
+GPT4O_SPLIT = (r"[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))*((?=[\p{L}])([^A-Z]))+" + _CONTRACTION
+               + r"|[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))+((?=[\p{L}])([^A-Z]))*" + _CONTRACTION
+               + r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 # tokenizer.ggml.pre -> the split before byte-level BPE (see module docstring): "gpt2" (ByteLevel's
 # GPT-2 regex), "digits" (every digit isolated, then the GPT-2 regex), or a regex of its own.
 SUPPORTED_PRE_TOKENIZERS: dict[str, str] = {
@@ -109,6 +118,8 @@ SUPPORTED_PRE_TOKENIZERS: dict[str, str] = {
     "smaug-bpe": LLAMA3_SPLIT,  # SmolLM3's files
     "dbrx": LLAMA3_SPLIT,
     "tekken": TEKKEN_SPLIT,
+    "gpt-4o": GPT4O_SPLIT,
+    "llama4": GPT4O_SPLIT,
 }
 # llama.cpp's Llama 3 group and Tekken: a piece that is itself a token is taken whole, without
 # merging (`ignore_merges`, as their tokenizer.json files have it), and BOS is added unless the file
