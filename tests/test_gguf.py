@@ -173,7 +173,7 @@ def encode_tensor(w: np.ndarray, t: Q) -> tuple[np.ndarray, Q | None]:
         return w.astype(np.float16), None
     if t in K_QUANTS:
         return k_pack(t, k_quantize(w, t)), t
-    if t in (Q.Q2_K, Q.Q3_K, Q.IQ4_NL):  # all-zero blocks: the reader must refuse the type, not the data
+    if t in (Q.IQ4_NL, Q.IQ4_XS, Q.IQ2_XXS):  # all-zero blocks: the reader must refuse the type, not the data
         return np.zeros(gguf.quant_shape_to_byte_shape(w.shape, t), np.uint8), t
     return gguf.quants.quantize(w, t), t
 
@@ -1120,13 +1120,59 @@ def test_k_quants_match_transformers_gguf_loader(tmp_path):
                                              types=types, meta_overrides=K_SIZES))
 
 
+def low_k_blocks(t: Q, n: int, rng) -> tuple[np.ndarray, np.ndarray]:
+    """`n` random Q2_K or Q3_K super-blocks: their ggml bytes [n, type_size] and their 256 values
+    each, computed from the integer codes (ggml-common.h's block_q2_K / block_q3_K and
+    dequantize_row_q2_K / q3_K as read there, not the gguf package). Value v of a block sits in
+    16-value sub-block v // 16; its low two bits in qs[32 (v // 128) + v % 32] at bit 2 ((v % 128) // 32);
+    Q3_K's third bit in hmask[v % 32] at bit v // 32, set meaning +0 and clear meaning -4."""
+    v = np.arange(QK_K)
+    low = rng.integers(0, 4, (n, QK_K))
+    qs = np.zeros((n, 64), np.uint8)
+    np.add.at(qs, (slice(None), 32 * (v // 128) + v % 32), (low << (2 * ((v % 128) // 32))).astype(np.uint8))
+    d = rng.uniform(0.01, 0.1, (n, 1)).astype(np.float16).astype(np.float32)
+    if t == Q.Q2_K:  # uint8 scales[16] (scale | min << 4); uint8 qs[64]; half d; half dmin
+        sc, mn = rng.integers(0, 16, (n, 16)), rng.integers(0, 16, (n, 16))
+        dmin = rng.uniform(0.01, 0.1, (n, 1)).astype(np.float16).astype(np.float32)
+        values = (d * sc[:, v // 16]).astype(np.float32) * low - (dmin * mn[:, v // 16]).astype(np.float32)
+        parts = [(sc | (mn << 4)).astype(np.uint8), qs, d.astype("<f2").view(np.uint8),
+                 dmin.astype("<f2").view(np.uint8)]
+    else:  # uint8 hmask[32]; uint8 qs[64]; uint8 scales[12] (16 six-bit scales, offset 32); half d
+        high = rng.integers(0, 2, (n, QK_K))
+        hmask = np.zeros((n, 32), np.uint8)
+        np.add.at(hmask, (slice(None), v % 32), (high << (v // 32)).astype(np.uint8))
+        s6 = rng.integers(0, 64, (n, 16))
+        packed = np.zeros((n, 12), np.uint8)
+        packed[:, :8] = (s6[:, :8] & 0xF) | ((s6[:, 8:] & 0xF) << 4)
+        packed[:, 8:] = ((s6[:, 0:4] >> 4) | ((s6[:, 4:8] >> 4) << 2) | ((s6[:, 8:12] >> 4) << 4)
+                         | ((s6[:, 12:16] >> 4) << 6))
+        values = (d * (s6[:, v // 16] - 32)).astype(np.float32) * (low - 4 * (1 - high))
+        parts = [hmask, qs, packed, d.astype("<f2").view(np.uint8)]
+    out = np.concatenate(parts, axis=1)
+    assert out.shape[1] == gguf.GGML_QUANT_SIZES[t][1], (t.name, out.shape)
+    return out, values.astype(np.float32)
+
+
 @pytest.mark.parametrize("t", [Q.Q2_K, Q.Q3_K])
+def test_q2_k_and_q3_k_read_as_their_block_formats_say(tmp_path, t):
+    """Q2_K and Q3_K tensors (llama.cpp's Q2_K and Q3_K_M files) read back as the codes their
+    bytes hold say (`low_k_blocks`); one 256-wide row is one super-block."""
+    rows = K_SIZES["intermediate_size"]
+    data, want = low_k_blocks(t, rows, np.random.default_rng(int(t)))
+    state = tiny_state(seed=7, sizes=K_SIZES)
+    del state["model.layers.1.mlp.up_proj.weight"]
+    path = write_gguf(tmp_path / "low.gguf", state, types={k: Q.F32 for k in state}, meta_overrides=K_SIZES,
+                      extra_tensors={"blk.1.ffn_up.weight": (data, t)})
+    np.testing.assert_allclose(read_gguf(path)[1]["model.layers.1.mlp.up_proj.weight"], want, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("t", [Q.IQ4_XS, Q.IQ2_XXS])
 def test_other_k_quants_refused_by_name(tmp_path, t):
     types = dict(K_TYPES, **{"model.layers.1.mlp.up_proj.weight": t})
     path = write_gguf(tmp_path / "k.gguf", tiny_state(sizes=K_SIZES), types=types,
                       meta_overrides=K_SIZES)
     with pytest.raises(GGUFError, match=rf"'blk\.1\.ffn_up\.weight' has ggml type {t.name}, which is "
-                                        r"not supported \(supported: .*Q4_K, Q5_K, Q6_K, Q8_K, MXFP4\)"):
+                                        r"not supported \(supported: .*Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_K, MXFP4\)"):
         read_gguf(path)
 
 

@@ -48,8 +48,8 @@ Quantized tensors are dequantized to float32 with the `gguf` package; quantizati
 a row, so the row permutation above commutes with dequantization. Besides the 32-value blocks
 (Q8_0, Q4_0, Q4_1, Q5_0 / Q5_1, which K-quant files use for rows that are not a multiple of 256
 wide, and MXFP4, GPT-OSS's experts: a power-of-two scale and 32 four-bit floats), the K-quants
-that make up llama.cpp's Q4_K_M / Q5_K_M / Q6_K files are read: 256-value super-blocks with 6-bit
-(Q4_K, Q5_K) or 8-bit (Q6_K) sub-block scales, and Q8_K (a float32 scale and int8 values), which
+of llama.cpp's Q2_K to Q6_K files are read: 256-value super-blocks with 4-bit (Q2_K), 6-bit (Q3_K,
+Q4_K, Q5_K) or 8-bit (Q6_K) sub-block scales, and Q8_K (a float32 scale and int8 values), which
 the `gguf` package cannot dequantize, so `_dequantize_q8_k` does it here.
 """
 
@@ -87,8 +87,8 @@ SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "qwen2moe", "g
                            "olmoe", "gpt-oss")
 # ggml type names accepted by `read_gguf`; each is covered by a round-trip test. Others (Q2_K,
 # Q3_K, Q5_0/Q5_1, IQ-quants, ...) are refused by name rather than dequantized untested.
-SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "Q8_K",
-                          "MXFP4")
+SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
+                          "Q6_K", "Q8_K", "MXFP4")
 # Written last into a converted directory; its presence means the directory is complete.
 CONVERSION_MARKER = "tevjax_conversion.json"
 # Bumped whenever the produced directory would change, so cached conversions are redone.
