@@ -936,6 +936,17 @@ def _qwen35(arch: _Arch) -> bool:  # b and a apart
     return arch.hybrid and arch.model_type != "qwen3_next"
 
 
+def _expert_rows(router: str, gate: str, up: str, down: str, applies: Callable[[_Arch], bool]) -> tuple:
+    """A mixture of experts' router [E, D] and its experts' gate, up [E, I, D] and down [E, D, I]
+    projections, each stacked in one tensor, under the family's HF names (after `model.layers.N.`)."""
+    return tuple((rf"blk\.(\d+)\.{name}\.weight", "model.layers.{layer}." + hf, shape, None, applies)
+                 for name, hf, shape in (
+                     ("ffn_gate_inp", router, lambda c: (_n_experts(c), c["hidden_size"])),
+                     ("ffn_gate_exps", gate, lambda c: (_n_experts(c), _expert_width(c), c["hidden_size"])),
+                     ("ffn_up_exps", up, lambda c: (_n_experts(c), _expert_width(c), c["hidden_size"])),
+                     ("ffn_down_exps", down, lambda c: (_n_experts(c), c["hidden_size"], _expert_width(c)))))
+
+
 def _linear_rule(pattern: str, hf: str, shape: Callable[[dict], tuple[int, ...]], kind: str,
                  applies: Callable[[_Arch], bool] = _hybrid) -> tuple:
     return (pattern, "model.layers.{layer}.linear_attn." + hf, shape, _linear_tensor(kind), applies)
@@ -1009,26 +1020,13 @@ _TENSOR_TABLE: tuple[_TensorRule, ...] = tuple(
         # Qwen3-MoE, Qwen2-MoE and Mixtral: the router, and each projection of every expert in one
         # [E, out, in] tensor, split into HF's one tensor per expert (Qwen-MoE names; Mixtral's by
         # `_Arch.renames`).
-        (r"blk\.(\d+)\.ffn_gate_inp\.weight", "model.layers.{layer}.mlp.gate.weight",
-         lambda c: (_n_experts(c), c["hidden_size"]), None, _split_experts),
-        (r"blk\.(\d+)\.ffn_gate_exps\.weight", "model.layers.{layer}.mlp.experts.{expert}.gate_proj.weight",
-         lambda c: (_n_experts(c), _expert_width(c), c["hidden_size"]), None, _split_experts),
-        (r"blk\.(\d+)\.ffn_up_exps\.weight", "model.layers.{layer}.mlp.experts.{expert}.up_proj.weight",
-         lambda c: (_n_experts(c), _expert_width(c), c["hidden_size"]), None, _split_experts),
-        (r"blk\.(\d+)\.ffn_down_exps\.weight", "model.layers.{layer}.mlp.experts.{expert}.down_proj.weight",
-         lambda c: (_n_experts(c), c["hidden_size"], _expert_width(c)), None, _split_experts),
+        *_expert_rows("mlp.gate.weight", "mlp.experts.{expert}.gate_proj.weight",
+                      "mlp.experts.{expert}.up_proj.weight", "mlp.experts.{expert}.down_proj.weight", _split_experts),
         # GPT-OSS: the router and its bias, each projection's experts and biases (joined at the end,
         # `_join_gpt_oss_experts`), the attention's sinks and output bias.
-        (r"blk\.(\d+)\.ffn_gate_inp\.weight", "model.layers.{layer}.mlp.router.weight",
-         lambda c: (_n_experts(c), c["hidden_size"]), None, _gpt_oss),
         (r"blk\.(\d+)\.ffn_gate_inp\.bias", "model.layers.{layer}.mlp.router.bias",
          lambda c: (_n_experts(c),), None, _gpt_oss),
-        (r"blk\.(\d+)\.ffn_gate_exps\.weight", "model.layers.{layer}.mlp.experts.gate",
-         lambda c: (_n_experts(c), _expert_width(c), c["hidden_size"]), None, _gpt_oss),
-        (r"blk\.(\d+)\.ffn_up_exps\.weight", "model.layers.{layer}.mlp.experts.up",
-         lambda c: (_n_experts(c), _expert_width(c), c["hidden_size"]), None, _gpt_oss),
-        (r"blk\.(\d+)\.ffn_down_exps\.weight", "model.layers.{layer}.mlp.experts.down",
-         lambda c: (_n_experts(c), c["hidden_size"], _expert_width(c)), None, _gpt_oss),
+        *_expert_rows("mlp.router.weight", "mlp.experts.gate", "mlp.experts.up", "mlp.experts.down", _gpt_oss),
         (r"blk\.(\d+)\.ffn_gate_exps\.bias", "model.layers.{layer}.mlp.experts.gate_bias",
          lambda c: (_n_experts(c), _expert_width(c)), None, _gpt_oss),
         (r"blk\.(\d+)\.ffn_up_exps\.bias", "model.layers.{layer}.mlp.experts.up_bias",
@@ -1041,14 +1039,8 @@ _TENSOR_TABLE: tuple[_TensorRule, ...] = tuple(
          lambda c: (c["hidden_size"],), None, _gpt_oss),
         # Granite MoE: its router, and its experts stacked as HF stores them; gate and up are joined
         # into input_linear at the end (`_join_granite_experts`).
-        (r"blk\.(\d+)\.ffn_gate_inp\.weight", "model.layers.{layer}.block_sparse_moe.router.layer.weight",
-         lambda c: (_n_experts(c), c["hidden_size"]), None, _stacked_experts),
-        (r"blk\.(\d+)\.ffn_gate_exps\.weight", "model.layers.{layer}.block_sparse_moe.input_linear.gate",
-         lambda c: (_n_experts(c), _expert_width(c), c["hidden_size"]), None, _stacked_experts),
-        (r"blk\.(\d+)\.ffn_up_exps\.weight", "model.layers.{layer}.block_sparse_moe.input_linear.up",
-         lambda c: (_n_experts(c), _expert_width(c), c["hidden_size"]), None, _stacked_experts),
-        (r"blk\.(\d+)\.ffn_down_exps\.weight", "model.layers.{layer}.block_sparse_moe.output_linear.weight",
-         lambda c: (_n_experts(c), c["hidden_size"], _expert_width(c)), None, _stacked_experts),
+        *_expert_rows("block_sparse_moe.router.layer.weight", "block_sparse_moe.input_linear.gate",
+                      "block_sparse_moe.input_linear.up", "block_sparse_moe.output_linear.weight", _stacked_experts),
         # Qwen2-MoE's shared expert, and its gate's one row, stored as a vector.
         (r"blk\.(\d+)\.ffn_gate_shexp\.weight", "model.layers.{layer}.mlp.shared_expert.gate_proj.weight",
          lambda c: (c["shared_expert_intermediate_size"], c["hidden_size"]), None, _shared),
@@ -1145,20 +1137,18 @@ def _read(path: Path) -> tuple[dict[str, Any], dict[str, np.ndarray], dict[str, 
     blocks = _uniform_int(path, f"{meta['general.architecture']}.block_count",
                           meta[f"{meta['general.architecture']}.block_count"])
     for name, tensor in by_name.items():
+        block = re.match(r"blk\.(\d+)\.", name)
+        if block and cfg["num_hidden_layers"] <= int(block.group(1)) < blocks:
+            continue  # a multi-token-prediction block (`nextn_predict_layers`), not loaded
         for rule in _TENSOR_TABLE:
             m = rule.pattern.fullmatch(name) if rule.for_arch(arch) else None
             if m:
                 break
         else:
-            if blocks > cfg["num_hidden_layers"] and re.match(r"blk\.(\d+)\.", name) and int(
-                    name.split(".")[1]) in range(cfg["num_hidden_layers"], blocks):
-                continue  # a multi-token-prediction block's own tensors (nextn.*)
             unmapped.append(name)
             continue
         layer = int(m.group(1)) if m.groups() else None
         if layer is not None and layer >= cfg["num_hidden_layers"]:
-            if layer < blocks:  # a multi-token-prediction block (`nextn_predict_layers`), not loaded
-                continue
             raise GGUFError(f"{path}: tensor {name!r} belongs to layer {layer}, but block_count "
                             f"is {blocks}")
         hf_name = arch.hf(rule.hf_name).format(layer=layer, expert="{expert}")
