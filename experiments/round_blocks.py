@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from tevjax.stats import Z95, paired_gain
+from tevjax.tree import valid_temperature
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from real_trees import load_prompt_ids, machine_facts, versions  # noqa: E402
@@ -97,8 +98,8 @@ def parse_args(argv):
     require_positive(p, args, "num_prompts", "budget", "max_new_tokens", "shown")
     if args.first_prompt < 0:
         p.error(f"--first-prompt must be >= 0, got {args.first_prompt}")
-    if not (args.temperature >= 0 and np.isfinite(args.temperature)):
-        p.error(f"--temperature must be a finite number >= 0, got {args.temperature}")
+    if not valid_temperature(args.temperature):
+        p.error(f"--temperature must be a finite float32 number >= 0, got {args.temperature}")
     drafters_and_labels(p, args, default_label="shipped")
     return args
 

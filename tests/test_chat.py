@@ -179,3 +179,22 @@ def test_sampled_replies_replay_and_the_last_seed_wraps(text_target_dir, monkeyp
     first, err = _chat(monkeypatch, capsys, text_target_dir, lines, *flags)
     again, _ = _chat(monkeypatch, capsys, text_target_dir, lines, *flags)
     assert first == again and err.count("[tevjax] ") == 2, err
+
+
+def test_a_line_that_is_not_utf8_costs_that_line_only(text_target_dir, monkeypatch, capsys):
+    """Python reads a byte that is not UTF-8 from stdin as a lone surrogate, which no tokenizer
+    encodes: that line is refused by name and the chat goes on as if it had not been typed."""
+    flags = ("--max-new-tokens", "6", "--verifier", "ar")
+    want, _ = _chat(monkeypatch, capsys, text_target_dir, ["hello world", "12 hello"], *flags)
+    got, err = _chat(monkeypatch, capsys, text_target_dir, ["hello world", "\udcff\udcfe bad", "12 hello"], *flags)
+    assert got == want
+    assert "tevjax: error: this message is not UTF-8 text (byte 0xff at character 0); it was not sent" in err, err
+
+
+def test_a_system_message_that_leaves_no_room_is_refused_before_any_turn(text_target_dir, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello\n"))
+    code = main(["chat", "--target", str(text_target_dir), "--system", "x" * 3000, "--max-new-tokens", "8",
+                 "--verifier", "ar"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--system: the system message makes a" in err and "before any message" in err, err
+    assert "this message makes" not in err

@@ -37,8 +37,12 @@ def _run(capsys, *argv):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["generate", "--prompt", "hi", "--temperature", "-1"], "temperature must be a finite number >= 0"),
-        (["generate", "--prompt", "hi", "--temperature", "nan"], "temperature must be a finite number >= 0"),
+        (["generate", "--prompt", "hi", "--temperature", "-1"], "temperature must be a finite float32 number >= 0"),
+        (["generate", "--prompt", "hi", "--temperature", "nan"], "temperature must be a finite float32 number >= 0"),
+        (["generate", "--prompt", "hi", "--temperature", "1e39"], "temperature must be a finite float32 number >= 0"),
+        # What Python makes of bytes that are not UTF-8 on the command line (surrogate escapes).
+        (["generate", "--prompt", "hi \udcff"], "--prompt is not UTF-8 text (byte 0xff at character 3)"),
+        (["generate", "--prompt", "hi", "--stop", "\udcfe"], "--stop is not UTF-8 text (byte 0xfe at character 0)"),
         (["generate", "--prompt", "hi", "--verifier", "eagle"], "--verifier 'eagle' is not one of"),
         (["generate", "--prompt", "   "], "--prompt is empty"),
         (["generate", "--prompt-ids", "1,x"], "--prompt-ids must be comma-separated integers"),
@@ -289,7 +293,9 @@ def test_jsonl_batch_file_gives_each_prompt_its_temperature_and_length(tmp_path,
                           ('{"prompt_ids": [1], "temp": 1}', "line 2: unknown key(s) 'temp'"),
                           ('{"prompt": "a", "prompt_ids": [1]}', 'line 2: give one of "prompt" (text) and'),
                           ('{"prompt_ids": [1], "temperature": -1}',
-                           'line 2: "temperature" must be a finite number >= 0'),
+                           'line 2: "temperature" must be a finite float32 number >= 0'),
+                          ('{"prompt_ids": [1], "temperature": 1e39}',  # inf in float32
+                           'line 2: "temperature" must be a finite float32 number >= 0'),
                           ('{"prompt_ids": [1], "max_new_tokens": 9}',
                            'line 2: "max_new_tokens" must be an integer in [1, 8]'),
                           ('{"prompt_ids": []}', 'line 2: "prompt_ids" must be a non-empty list of token ids'),

@@ -198,8 +198,9 @@ def test_rows_take_their_own_temperatures(models, ar_greedy, verifier):
                                 (0.5, ValueError, r"sampling_per_row=True")]:
         with pytest.raises(error, match=message):
             fixed.generate(PROMPTS, temperature=bad)
-    for bad, error, message in [([0.0, -1.0, 0.0, 0.0], ValueError, r"temperature\[1\] = -1.0 is not a finite number"),
+    for bad, error, message in [([0.0, -1.0, 0.0, 0.0], ValueError, r"temperature\[1\] = -1.0 is not a finite float32"),
                                 ([float("nan")] * 4, ValueError, r"temperature\[0\] = nan"),
+                                ([0.0, 0.0, 1e39, 0.0], ValueError, r"temperature\[2\] = 1e\+39 is not a finite float32"),
                                 ([0.0, 1.0], ValueError, "2 values for 4 prompts"),
                                 ([0.0, "hot", 0.0, 0.0], TypeError, r"temperature\[1\] must be a number"),
                                 ("hot", TypeError, "must be a number, a list of numbers or None, got str")]:
@@ -563,8 +564,9 @@ def test_a_broken_verifier_is_detected(small_models, exact_first3, monkeypatch):
     [
         ({"verifier": "nope"}, "unknown verifier 'nope'"),
         ({"verifier": "ar"}, r"autoregressive decoding pass no drafter, Decoder\(target, None, cfg\)"),
-        ({"temperature": -1.0}, "temperature must be a finite number >= 0"),
-        ({"temperature": float("nan")}, "temperature must be a finite number >= 0"),
+        ({"temperature": -1.0}, "temperature must be a finite float32 number >= 0"),
+        ({"temperature": float("nan")}, "temperature must be a finite float32 number >= 0"),
+        ({"temperature": 1e39}, "temperature must be a finite float32 number >= 0"),
         ({"budget": 0}, "budget must be >= 1"),
         ({"budget": 4, "lookup": 5}, r"lookup must be between 0 and the budget \(4\), got 5"),
         ({"lookup": -1}, "lookup must be between 0 and the budget"),

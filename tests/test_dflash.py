@@ -260,6 +260,9 @@ def test_for_target_defaults():
         (lambda c: c["dflash_config"].pop("mask_token_id"), "dflash_config.mask_token_id"),
         (lambda c: c.update(layer_types=["sliding_attention"] * 2), "sliding_attention"),
         (lambda c: c["dflash_config"].update(mask_token_id=300), "mask_token_id"),
+        # A negative or NaN epsilon would pass loading and quietly ruin every draft.
+        (lambda c: c.update(rms_norm_eps=-1e-6), "rms_norm_eps must be a finite number >= 0"),
+        (lambda c: c.update(rms_norm_eps=float("nan")), "rms_norm_eps must be a finite number >= 0"),
     ],
 )
 def test_bad_config_is_rejected_by_name(edit, message):

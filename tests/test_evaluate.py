@@ -79,3 +79,25 @@ def test_evaluate_interleaves_methods_and_reports_consistent_numbers():
     corpus = evaluate(with_table, texts, budgets=(2, 5), max_new_tokens=12, corpus=4, log=lines.append)
     assert [row["corpus"] for row in corpus["budgets"]] == [2, 4] and corpus["mismatches"] == 0
     assert sum(r["tau"] for r in corpus["budgets"]) > sum(r["tau"] for r in result["budgets"])
+
+
+def test_a_damaged_heldout_file_is_named(tmp_path):
+    """`--prompts heldout:DIR` reads DIR/heldout.jsonl: an empty file, a line that is not JSON, a
+    record without its text and bytes that are not UTF-8 are each an error naming the file."""
+    from tevjax.evaluate import HELDOUT_FILE, load_eval_prompts
+
+    path = tmp_path / HELDOUT_FILE
+    spec = f"heldout:{tmp_path}"
+    for content, message in ((b"\n\n", "holds no prompts"), (b'{"text": "a"}\n{bad\n', "line 2: not JSON"),
+                             (b"[1]\n", 'line 1: not an object with a non-empty "text"'),
+                             (b'{"x": 1}\n', 'line 1: not an object with a non-empty "text"'),
+                             (b'{"text": "\xff"}\n', "is not UTF-8 text")):
+        path.write_bytes(content)
+        with pytest.raises(ValueError, match=message) as e:
+            load_eval_prompts(spec, 4)
+        assert str(path) in str(e.value)
+    path.write_bytes(b'{"text": "first"}\n\n{"text": "second", "id": 7}\n')
+    assert load_eval_prompts(spec, 4) == ["first", "second"]
+    (tmp_path / "p.txt").write_bytes(b"ok\n\xff\n")
+    with pytest.raises(ValueError, match="p.txt is not UTF-8 text"):
+        load_eval_prompts(str(tmp_path / "p.txt"), 4)

@@ -219,8 +219,9 @@ def test_round_blocks_rejects_bad_drafters_and_labels(tmp_path, capsys):
     assert "one label per --drafter" in error_of(
         round_blocks.parse_args, ["--drafter", str(tmp_path), "--label", "a", "--label", "b"], capsys)
     assert "--budget must be >= 1" in error_of(round_blocks.parse_args, ["--budget", "0"], capsys)
-    assert "--temperature must be a finite number >= 0" in error_of(
-        round_blocks.parse_args, ["--temperature", "-1"], capsys)
+    for bad in ("-1", "1e39"):
+        assert "--temperature must be a finite float32 number >= 0" in error_of(
+            round_blocks.parse_args, ["--temperature", bad], capsys)
     assert "--first-prompt must be >= 0" in error_of(round_blocks.parse_args, ["--first-prompt", "-1"], capsys)
 
 

@@ -219,7 +219,7 @@ def test_two_processes_generate_train_resume_and_decode_as_one(tmp_path):
 
 
 # Slow (three processes, ~20 s): the default suite joins jobs by the environment
-# (test_cli_eval_on_two_processes_measures_what_one_does) and parses the flags in
+# (test_two_processes_generate_train_resume_and_decode_as_one) and parses the flags in
 # test_a_job_that_never_assembles_stops_at_the_join_timeout.
 @pytest.mark.slow
 def test_cli_generate_joins_two_processes_by_its_flags(tiny_llama_dir):

@@ -201,6 +201,10 @@ def test_mesh_parsing_and_device_count_errors():
     assert dict(make_mesh(1, 1, one, expert=1).shape) == {"data": 1, "model": 1}
     with pytest.raises(ValueError, match="expected entries like data=2,model=1"):
         parse_mesh("data=two")
+    with pytest.raises(ValueError, match="data is given twice"):
+        parse_mesh("data=2,data=1")
+    with pytest.raises(ValueError, match="expected entries like data=2,model=1"):
+        parse_mesh(" , ")
     n = len(jax.devices())
     with pytest.raises(ValueError, match=f"needs {4 * n} devices, {n} are present"):
         make_mesh(4 * n, 1)

@@ -30,7 +30,7 @@ from tevjax.testing import forced_devices_env, random_model, tiny_config
 from tevjax.train.dataset import Batch, TrainData
 from tevjax.train.heldout import HeldoutEval, greedy_accepted_depth, trajectory_blocks
 from tevjax.train.rollout import RolloutConfig, generate_data, read_manifest
-from tevjax.train.run import RunError, export_run, train
+from tevjax.train.run import DivergedError, RunError, export_run, train
 from tevjax.train.step import TrainConfig, Trainer, teacher_logits
 
 TAPS = (1, 3)
@@ -458,6 +458,90 @@ def test_exact_resume_and_checkpoint_safety(tmp_path, data_dir, target):
         export_run(tmp_path / "a", tmp_path / "x", target.cfg)
 
 
+def test_a_damaged_data_directory_is_named(tmp_path, data_dir):
+    """Token ids outside the target's vocabulary (which the embedding gather would clamp in silence)
+    and a manifest that is not the object `tevjax data` writes are errors naming the file."""
+    bad = tmp_path / "d"
+    shutil.copytree(data_dir, bad)
+    shard = sorted((bad / "shards").glob("train-*"))[1]
+    tokens = np.load(shard / "tokens.npy")
+    tokens[3] = read_manifest(bad)["target_config"]["vocab_size"]
+    np.save(shard / "tokens.npy", tokens)
+    with pytest.raises(ValueError, match=f"{shard}: damaged shard: token ids .* not all in the target's vocabulary"):
+        TrainData(bad, "train")
+    TrainData(bad, "heldout")  # the other split's shards are intact
+    manifest = bad / "manifest.json"
+    saved = json.loads(manifest.read_text())
+    for content, message in (("[]", "a JSON list, not an object"),
+                             (json.dumps({k: v for k, v in saved.items() if k != "rollout"}),
+                              "damaged manifest: 'rollout' must be an object with 'taps'")):
+        manifest.write_text(content)
+        with pytest.raises(ValueError, match=message):
+            read_manifest(bad)
+
+
+def _all_finite(tree) -> bool:
+    return all(np.isfinite(np.asarray(v)).all() for v in jax.tree.leaves(tree))
+
+
+def test_a_diverged_run_saves_nothing_non_finite(tmp_path, data_dir, target, monkeypatch):
+    """A run whose weights turn NaN (lr 1e30) stops with DivergedError and never writes that state:
+    checkpoints (one after every step here) stop at the last finite one, which exports and resumes.
+    A NaN checkpoint written before tevjax checked (simulated) is refused by resume and export."""
+    import tevjax.train.run as run_mod
+
+    quiet = dict(progress=False, log=lambda _: None, target_name="tiny", heldout_records=4, eval_every_s=1e9)
+    cfg = dataclasses.replace(CFG, lr=1e30, steps=6, warmup=0.0)
+    with pytest.raises(DivergedError, match=r"step \d: training diverged .*the last checkpoint, step \d, is"):
+        train(target, _drafter(target), data_dir, tmp_path / "d", cfg, checkpoint_every_s=0.0, **quiet)
+    steps = sorted(int(p.name) for p in (tmp_path / "d" / "checkpoints").iterdir())
+    assert steps and steps[-1] < cfg.steps, steps
+    exported = _params(tmp_path / "d", target)
+    assert _all_finite(exported)
+    # The kept checkpoint resumes (and diverges again, saving nothing new).
+    with pytest.raises(DivergedError):
+        train(target, _drafter(target), data_dir, tmp_path / "d", cfg, resume=True, checkpoint_every_s=0.0,
+              **quiet)
+    assert sorted(int(p.name) for p in (tmp_path / "d" / "checkpoints").iterdir())[-1] == steps[-1]
+
+    # Before the check: the same run saved its NaN state at the end.
+    monkeypatch.setattr(run_mod, "_finite", lambda state: True)
+    with pytest.raises(DivergedError, match="non-finite training metrics"):
+        train(target, _drafter(target), data_dir, tmp_path / "old", cfg, **quiet)
+    monkeypatch.undo()
+    with pytest.raises(RunError, match="checkpoint holds non-finite values"):
+        train(target, _drafter(target), data_dir, tmp_path / "old", cfg, resume=True, **quiet)
+    with pytest.raises(RunError, match="holds non-finite values .*nothing was exported"):
+        export_run(tmp_path / "old", tmp_path / "old-export", target.cfg)
+    assert not (tmp_path / "old-export").exists()
+
+
+def test_export_paths(tmp_path, data_dir, target, monkeypatch):
+    """`export_run` reads a run given by a relative path, replaces an earlier export, and refuses
+    to write over another model, a run or a data directory."""
+    from tevjax.convert.hf import save_hf_target
+
+    quiet = dict(progress=False, log=lambda _: None, target_name="tiny", heldout_records=4)
+    train(target, _drafter(target), data_dir, tmp_path / "r", dataclasses.replace(CFG, steps=1), **quiet)
+    monkeypatch.chdir(tmp_path)
+    export_run("r", "out", target.cfg)
+    first = (tmp_path / "out" / "model.safetensors").read_bytes()
+    (tmp_path / "out" / "notes.txt").write_text("kept")
+    export_run("r", "out", target.cfg, dtype="float32")  # an earlier export: replaced, other files kept
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() != first
+    assert (tmp_path / "out" / "notes.txt").read_text() == "kept"
+    save_hf_target(target, tmp_path / "model")
+    before = {f.name: f.read_bytes() for f in (tmp_path / "model").iterdir()}
+    with pytest.raises(RunError, match="holds another model's config.json"):
+        export_run("r", "model", target.cfg)
+    assert {f.name: f.read_bytes() for f in (tmp_path / "model").iterdir()} == before
+    for where, message in (("r", "inside the training run"), ("r/sub", "inside the training run"),
+                           (str(data_dir), "holds a data directory")):
+        with pytest.raises(RunError, match=message):
+            export_run("r", where, target.cfg)
+    assert not (tmp_path / "r" / "config.json").exists() and not (tmp_path / "r" / "sub").exists()
+
+
 def test_two_device_step_equals_one_device_step(tmp_path, data_dir):
     script = textwrap.dedent(f"""
         import sys, jax, numpy as np
@@ -502,6 +586,16 @@ def test_two_device_step_equals_one_device_step(tmp_path, data_dir):
      "--exit-temperature must be a finite number > 0"),
     (["train", "--data", ".", "--out", "/tmp/x", "--steps", "2", "--distill", "1.5"],
      "--distill must be a weight in [0, 1]"),
+    # TrainConfig's own checks, named by their flags, before the target or the data is read.
+    (["train", "--data", ".", "--out", "/tmp/x", "--steps", "2", "--exit-temperature", "1e39"],
+     "--exit-temperature must be a finite float32 number > 0, got 1e+39"),
+    (["train", "--data", ".", "--out", "/tmp/x", "--steps", "2", "--warmup", "5"],
+     "--warmup must be a fraction in [0, 1)"),
+    (["train", "--data", ".", "--out", "/tmp/x", "--steps", "2", "--seed", "-1"], "--seed must be in [0, 2**64)"),
+    (["train", "--data", ".", "--out", "/tmp/x", "--steps", "2", "--init", ".", "--mask-token", "3"],
+     "--mask-token chooses a fresh drafter's mask token"),
+    (["data", "--num-prompts", "3", "--out", "/tmp/x", "--seed", "18446744073709551616"], "--seed must be in [0, 2**64)"),
+    (["eval", "--seed", "x"], "--seed must be an integer"),
     (["train", "export", "/nonexistent", "/tmp/y"], "no run.json"),
     (["eval", "--verifier", "ar"], "--verifier 'ar'"),
     (["eval", "--prompts", "/nonexistent.txt"], "not a file"),

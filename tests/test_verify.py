@@ -331,10 +331,12 @@ def test_one_temperature_rule_for_tiny_and_invalid_values():
     # At 1e-5 itself it samples, and stays finite (a proper, very peaked law).
     law = exit_law(tree, logits, GREEDY_BELOW)
     assert np.all(np.isfinite(np.asarray(law.exit_prob))) and abs(float(law.exit_prob.sum()) - 1) < 1e-5
-    for bad in (-1.0, float("nan"), float("inf")):
-        with pytest.raises(ValueError, match="temperature must be a finite number >= 0"):
+    # 1e39 is a finite float64 but inf in float32, where logits are divided by it.
+    assert is_greedy(3.4e38) is False
+    for bad in (-1.0, float("nan"), float("inf"), 1e39):
+        with pytest.raises(ValueError, match="temperature must be a finite float32 number >= 0"):
             verify(jax.random.key(0), tree, logits, bad)
-        with pytest.raises(ValueError, match="temperature must be a finite number >= 0"):
+        with pytest.raises(ValueError, match="temperature must be a finite float32 number >= 0"):
             exit_law(tree, logits, bad)
     # Traced invalid values cannot raise: NaN and negative decode greedily, +inf samples uniformly.
     assert not bool(samples(jnp.float32(float("nan")))) and not bool(samples(jnp.float32(-1.0)))

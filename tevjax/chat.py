@@ -42,6 +42,13 @@ class Conversation:
     messages: list[dict[str, str]] = dataclasses.field(default_factory=list)
     _before_ask: list[dict[str, str]] | None = dataclasses.field(default=None, init=False, repr=False)
 
+    def __post_init__(self):
+        if self.system:  # a system message that leaves no room would refuse every turn instead
+            ids = self._render([{"role": "user", "content": "."}])
+            if len(ids) + self.reserve > self.limit:
+                raise ValueError(f"the system message makes a {len(ids)}-token prompt before any message: with the "
+                                 f"reply's {self.reserve} positions it exceeds the target's {self.limit} positions")
+
     def _render(self, messages: list[dict[str, str]]) -> list[int]:
         from tevjax.convert.tokenizer import chat_prompt_ids
 

@@ -11,11 +11,13 @@ import argparse
 import functools
 import json
 import math
+import re
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from tevjax.tree import valid_temperature
 from tevjax.verifiers import VERIFIERS
 
 EXIT_USAGE = 2
@@ -201,8 +203,8 @@ def _temperature(text):
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"temperature must be a number, got {text!r}") from None
-    if not value >= 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"temperature must be a finite number >= 0, got {text!r}")
+    if not valid_temperature(value):
+        raise argparse.ArgumentTypeError(f"temperature must be a finite float32 number >= 0, got {text!r}")
     return value
 
 
@@ -409,7 +411,7 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--batch-size", type=_positive_int("--batch-size"), default=64, help="prompts per generate call (= per shard)")
     data.add_argument("--taps", type=_int_list("--taps", 0), default=None,
                       help="target layers whose hidden states are stored (default: 5 evenly spaced from 1 to L-3, plus L-1)")
-    data.add_argument("--seed", type=int, default=0, help="prompt order")
+    data.add_argument("--seed", type=_seed, default=0, help="prompt order")
     data.add_argument("--responses", choices=["target", "sharegpt"], default="target",
                       help="training responses: the target's greedy continuations (default), or ShareGPT's original "
                            "first replies (cheap extra text: one prefill per record); held-out records are always the target's")
@@ -436,6 +438,9 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--taps", type=_int_list("--taps", 0), default=None,
                     help="target layers the drafter reads (default: every layer stored in --data)")
     tr.add_argument("--init", default=None, help="start from this DFlash drafter directory instead of a fresh one")
+    tr.add_argument("--mask-token", type=_nonnegative_int("--mask-token"), default=None,
+                    help="the fresh drafter's mask token id, one that text never contains (default: chosen from the "
+                         "target's tokenizer)")
     tr.add_argument("--draft-vocab", type=_nonnegative_int("--draft-vocab"), default=0,
                     help="fresh drafter: score only the K most frequent response tokens of --data (plus end-of-turn) "
                          "through those rows of the target's LM head; 0 = the whole vocabulary")
@@ -466,7 +471,7 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--batch", type=_positive_int("--batch"), default=8, help="sequences per global batch")
     tr.add_argument("--anchors", type=_positive_int("--anchors"), default=32, help="anchor blocks per sequence")
     tr.add_argument("--seq-len", type=_positive_int("--seq-len"), default=512)
-    tr.add_argument("--seed", type=int, default=0)
+    tr.add_argument("--seed", type=_seed, default=0)
     tr.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
     tr.add_argument("--until", type=_positive_int("--until"), default=None, help="stop (with a checkpoint) after this step")
     tr.add_argument("--checkpoint-every", type=_positive_float("--checkpoint-every"), default=300.0, help="seconds")
@@ -502,7 +507,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_fallback_args(ev, "0, so that tau measures the trees")
     ev.add_argument("--max-new-tokens", type=_positive_int("--max-new-tokens"), default=128)
     ev.add_argument("--batch-size", type=_positive_int("--batch-size"), default=1)
-    ev.add_argument("--seed", type=int, default=0)
+    ev.add_argument("--seed", type=_seed, default=0)
     ev.add_argument("--json", action="store_true", help="one JSON object on stdout")
     _add_mesh_args(ev, "one device")
     ev.set_defaults(func=cmd_eval)
@@ -525,13 +530,24 @@ def build_parser() -> argparse.ArgumentParser:
 # ------------------------------------------------------------------------------------- generate
 
 
+def _utf8(text: str, what: str) -> str:
+    """`text` from the command line or stdin, which Python decodes with surrogate escapes: a byte
+    that is not UTF-8 shows up as a lone surrogate, which no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise CliError(f"{what} is not UTF-8 text (byte 0x{ord(text[e.start]) - 0xDC00:02x} at character "
+                       f"{e.start})") from None
+    return text
+
+
 def _read_prompts(args) -> tuple[list[str | list[int]], list[str], list[dict[str, Any]]]:
     """(prompts, where each came from -- "--prompt", or "line 3 of FILE" for error messages -- and
     each prompt's own settings: a .jsonl batch file's sampling settings, "max_new_tokens" and "stop")."""
     if args.prompt_ids is not None:
         return [args.prompt_ids], ["--prompt-ids"], [{}]
     if args.prompt is not None:
-        if not args.prompt.strip():
+        if not _utf8(args.prompt, "--prompt").strip():
             raise CliError("--prompt is empty")
         return [args.prompt], ["--prompt"], [{}]
     name = str(args.batch_file)
@@ -597,8 +613,8 @@ def _jsonl_record(line: str, where: str, args) -> tuple[str | list[int], dict[st
     own: dict[str, Any] = {}
     if "temperature" in record:
         t = record["temperature"]
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
-            raise CliError(f"{where}: \"temperature\" must be a finite number >= 0, got {t!r}")
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not valid_temperature(t):
+            raise CliError(f"{where}: \"temperature\" must be a finite float32 number >= 0, got {t!r}")
         own["temperature"] = float(t)
     for key, (ok, what) in _TRUNCATION_CHECKS.items():
         if key in record:
@@ -683,6 +699,8 @@ def cmd_generate(args) -> int:
     # the union of all (DecodeConfig.stop), which one automaton holds.
     from tevjax.decode.stops import MAX_STOPS
 
+    for stop in args.stop or ():
+        _utf8(stop, "--stop")
     row_stops = [own.get("stop", tuple(args.stop or ())) for own in settings]
     stops = tuple(dict.fromkeys(s for row in [tuple(args.stop or ()), *row_stops] for s in row))
     if len(stops) > MAX_STOPS:
@@ -874,7 +892,7 @@ CHAT_PROMPT_BUCKET, CHAT_CAPACITY_BUCKET = 256, 512
 def cmd_chat(args) -> int:
     _check_verifier(args.verifier, autoregressive=True)
     speculative = args.verifier != AUTOREGRESSIVE
-    if args.system is not None and not args.system.strip():
+    if args.system is not None and not _utf8(args.system, "--system").strip():
         raise CliError("--system is empty")
     if args.budget is None:
         args.budget = _default_budget()
@@ -901,16 +919,24 @@ def cmd_chat(args) -> int:
     cfg = _decode_config(args, models, speculative, prompt_bucket=CHAT_PROMPT_BUCKET,
                          capacity_bucket=CHAT_CAPACITY_BUCKET)
     decoder = _decoder(models.target, models.drafter if speculative else None, cfg, None, models.ngrams)
-    conversation = Conversation(tok, models.target_cfg.max_position_embeddings,
-                                args.max_new_tokens + decoder.tree_slots, system=args.system)
+    try:
+        conversation = Conversation(tok, models.target_cfg.max_position_embeddings,
+                                    args.max_new_tokens + decoder.tree_slots, system=args.system)
+    except ValueError as e:
+        raise CliError(f"--system: {e} (--max-new-tokens and the tree)") from None
     interactive = sys.stdin.isatty()
 
     def read():
-        try:
-            return input("user> ") if interactive else (sys.stdin.readline() or None)
-        except EOFError:
-            print(file=sys.stderr)
-            return None
+        while True:
+            try:
+                line = input("user> ") if interactive else (sys.stdin.readline() or None)
+            except EOFError:
+                print(file=sys.stderr)
+                return None
+            try:
+                return line if line is None else _utf8(line, "this message")
+            except CliError as e:  # one bad line costs that line, not the conversation
+                print(f"tevjax: error: {e}; it was not sent", file=sys.stderr, flush=True)
 
     def write(text):
         print(text, end="", flush=True)
@@ -953,6 +979,21 @@ def _decoder(target, drafter, cfg, mesh, ngrams=None, spellings=None):
         if mesh is None:
             raise
         raise CliError(f"--mesh {dict(mesh.shape)}: {e}") from None
+
+
+def _mask_token(args, loaded) -> int:
+    """`train --mask-token`, checked against the target's vocabulary, or the tokenizer's choice."""
+    from tevjax.loading import mask_token_for
+
+    if args.mask_token is None:
+        try:
+            return mask_token_for(loaded.target_cfg, loaded.tokenizer)
+        except ValueError as e:
+            raise CliError(f"{e} (--mask-token ID)") from None
+    if args.mask_token >= loaded.target_cfg.vocab_size:
+        raise CliError(f"--mask-token {args.mask_token} is not in the target's vocabulary "
+                       f"[0, {loaded.target_cfg.vocab_size})")
+    return args.mask_token
 
 
 def cmd_data(args) -> int:
@@ -1030,6 +1071,8 @@ def cmd_train(args) -> int:
         raise CliError(f"--init {args.init!r}: no such drafter directory")
     if args.init is not None and args.draft_vocab:
         raise CliError("--draft-vocab chooses a fresh drafter's vocabulary; an --init drafter keeps its own")
+    if args.init is not None and args.mask_token is not None:
+        raise CliError("--mask-token chooses a fresh drafter's mask token; an --init drafter keeps its own")
     if args.init is not None and args.layers is not None:  # checked before the target is loaded
         from tevjax.models.config import read_config_json
 
@@ -1043,12 +1086,26 @@ def cmd_train(args) -> int:
     from flax import nnx
 
     from tevjax.convert.dflash_ckpt import load_dflash
-    from tevjax.loading import load_target, mask_token_for
+    from tevjax.loading import load_target
     from tevjax.models.dflash import DFlashConfig, DFlashDrafter, draft_vocab_from_counts, grow_drafter
     from tevjax.train.rollout import read_manifest
     from tevjax.train.run import train
     from tevjax.train.step import TrainConfig
 
+    # Before the target loads: a setting TrainConfig refuses is named by its flag, at once.
+    try:
+        cfg = TrainConfig(steps=args.steps, batch_size=args.batch, anchors=args.anchors, seq_len=args.seq_len,
+                          lr=args.lr, warmup=args.warmup, weight_decay=args.weight_decay,
+                          gamma=args.gamma or None, distill=args.distill, exit_lambda=args.exit_lambda,
+                          exit_weight=args.exit_weight,
+                          exit_budget=args.exit_budget, exit_anchors=args.exit_anchors or min(8, args.anchors),
+                          exit_sequences=args.exit_sequences, exit_temperature=args.exit_temperature,
+                          exit_top_k=args.exit_top_k, exit_top_p=args.exit_top_p, exit_min_p=args.exit_min_p,
+                          seed=args.seed)
+    except (TypeError, ValueError) as e:
+        flags = {"batch_size": "batch"}
+        raise CliError(re.sub(r"TrainConfig\.(\w+)", lambda m: "--" + flags.get(m[1], m[1]).replace("_", "-"),
+                              str(e))) from None
     manifest = read_manifest(args.data)
     mesh = _mesh(args, default_all=True)
     loaded = load_target(args.target, dtype=args.dtype, mesh=mesh)
@@ -1065,7 +1122,7 @@ def cmd_train(args) -> int:
         if args.draft_vocab > vocab_size:
             raise CliError(f"--draft-vocab {args.draft_vocab} exceeds the target's vocabulary ({vocab_size})")
         dcfg = DFlashConfig.for_target(loaded.target_cfg, num_layers=args.layers or 1, block_size=args.block_size,
-                                       mask_token_id=mask_token_for(loaded.target_cfg, loaded.tokenizer),
+                                       mask_token_id=_mask_token(args, loaded),
                                        target_layer_ids=taps, dtype=args.dtype, param_dtype="float32",
                                        draft_vocab_size=args.draft_vocab or None)
         vocab = None
@@ -1075,14 +1132,6 @@ def cmd_train(args) -> int:
             counts = TrainData(args.data, "train").token_counts(vocab_size)
             vocab = draft_vocab_from_counts(counts, args.draft_vocab, always=loaded.eos_ids, never=(dcfg.mask_token_id,))
         drafter = DFlashDrafter(dcfg, rngs=nnx.Rngs(args.seed), draft_vocab=vocab)
-    cfg = TrainConfig(steps=args.steps, batch_size=args.batch, anchors=args.anchors, seq_len=args.seq_len,
-                      lr=args.lr, warmup=args.warmup, weight_decay=args.weight_decay,
-                      gamma=args.gamma or None, distill=args.distill, exit_lambda=args.exit_lambda,
-                      exit_weight=args.exit_weight,
-                      exit_budget=args.exit_budget, exit_anchors=args.exit_anchors or min(8, args.anchors),
-                      exit_sequences=args.exit_sequences, exit_temperature=args.exit_temperature,
-                      exit_top_k=args.exit_top_k, exit_top_p=args.exit_top_p, exit_min_p=args.exit_min_p,
-                      seed=args.seed)
     state = train(loaded.target, drafter, args.data, args.out, cfg, target_name=args.target, resume=args.resume,
                   until=args.until, mesh=mesh, checkpoint_every_s=args.checkpoint_every,
                   eval_every_s=args.eval_every, progress=not args.no_progress,

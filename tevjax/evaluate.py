@@ -29,6 +29,13 @@ __all__ = ["evaluate", "format_table", "load_eval_prompts", "HELDOUT_FILE"]
 HELDOUT_FILE = "heldout.jsonl"
 
 
+def _read_text(path: Path, spec: str) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--prompts {spec}: {path} is not UTF-8 text ({e})") from None
+
+
 def load_eval_prompts(spec: str, n: int, *, seed: int = 0) -> list[str]:
     """Prompt texts for `spec`: heldout (the shipped drafter's held-out prompts), heldout:DATA_DIR,
     mtbench, humaneval, gsm, or a text file with one prompt per line."""
@@ -41,14 +48,26 @@ def load_eval_prompts(spec: str, n: int, *, seed: int = 0) -> list[str]:
             path = Path(spec.split(":", 1)[1]) / HELDOUT_FILE
         if not path.is_file():
             raise FileNotFoundError(f"--prompts {spec}: {path} does not exist")
-        rows = [json.loads(line) for line in path.read_text(encoding="utf-8").split("\n") if line.strip()]
-        return [r["text"] for r in rows[:n]]
+        texts = []
+        for i, line in enumerate(_read_text(path, spec).split("\n")):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--prompts {spec}: {path}, line {i + 1}: not JSON ({e})") from None
+            if not isinstance(row, dict) or not isinstance(row.get("text"), str) or not row["text"].strip():
+                raise ValueError(f"--prompts {spec}: {path}, line {i + 1}: not an object with a non-empty \"text\"")
+            texts.append(row["text"])
+        if not texts:
+            raise ValueError(f"--prompts {spec}: {path} holds no prompts")
+        return texts[:n]
     if spec in DATASETS:
         return [p.text for p in load_prompt_sets([spec], n, seed=seed)[spec]]
     path = Path(spec)
     if not path.is_file():
         raise FileNotFoundError(f"--prompts {spec!r}: not a file and not one of heldout, {', '.join(DATASETS)}")
-    lines = [ln for ln in path.read_text(encoding="utf-8").split("\n") if ln.strip()]
+    lines = [ln for ln in _read_text(path, spec).split("\n") if ln.strip()]
     if not lines:
         raise ValueError(f"--prompts {spec!r} holds no prompts")
     return lines[:n]

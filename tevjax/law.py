@@ -24,14 +24,13 @@ run in TF32 on GPUs. Shape letters follow the legend in `tevjax/__init__.py`.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 
 from tevjax import sampling
-from tevjax.tree import DraftTree, check_tree_logits
+from tevjax.tree import DraftTree, check_tree_logits, valid_temperature
 
 __all__ = ["GREEDY_BELOW", "PROPAGATION", "ExitLaw", "exit_law", "is_greedy", "samples"]
 
@@ -86,13 +85,13 @@ GREEDY_BELOW = 1e-5
 
 def is_greedy(temperature: Any) -> bool | None:
     """True (temperature < GREEDY_BELOW) or False for a concrete temperature, None when it is traced
-    (decided at run time by `samples`). A concrete negative, NaN or infinite temperature raises."""
+    (decided at run time by `samples`). A concrete negative, NaN or infinite (in float32) temperature raises."""
     try:
         t = float(temperature)
     except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError, TypeError):
         return None
-    if not math.isfinite(t) or t < 0:
-        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+    if not valid_temperature(t):
+        raise ValueError(f"temperature must be a finite float32 number >= 0, got {temperature!r}")
     return t < GREEDY_BELOW
 
 

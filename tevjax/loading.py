@@ -25,7 +25,7 @@ from flax import nnx
 from tevjax.builder import NGRAM_CALIBRATION, NGRAM_ORDERS, NgramTable, ngram_table
 from tevjax.convert.dflash_ckpt import load_dflash
 from tevjax.convert.embedded import default_cache_dir, prepare_gguf, prepare_smollm2
-from tevjax.convert.hf import load_hf_target
+from tevjax.convert.hf import CheckpointError, load_hf_target
 from tevjax.convert.tokenizer import load_tokenizer
 from tevjax.models.config import ModelConfig
 from tevjax.models.dflash import DFlashConfig, DFlashDrafter
@@ -137,7 +137,13 @@ def load_target(target: str = EMBEDDED, *, dtype: str | None = None, mesh=None) 
             raise FileNotFoundError(f"--target {target!r}: not a directory (use 'smollm2', a Hugging Face model "
                                     "directory or a .gguf file)")
     check_same_files(f"the target {str(target)!r}", hf_dir, CHECKPOINT_FILES)  # multi-host: every host's copy
-    target_cfg, model = load_hf_target(hf_dir, dtype=dtype, mesh=mesh)
+    try:
+        target_cfg, model = load_hf_target(hf_dir, dtype=dtype, mesh=mesh)
+    except CheckpointError as e:
+        if Path(hf_dir) == Path(target):
+            raise
+        why = str(e).removeprefix(f"{hf_dir}: ")
+        raise CheckpointError(f"--target {str(target)!r} (converted to {hf_dir}): {why}") from None
     tokenizer = None
     if (Path(hf_dir) / "tokenizer.json").exists() or (Path(hf_dir) / "tokenizer_config.json").exists():
         tokenizer = load_tokenizer(hf_dir)

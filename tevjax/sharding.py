@@ -418,7 +418,11 @@ def parse_mesh(text: str) -> dict[str, int]:
         if name not in ("data", "expert", "model") or not size.isdigit() or int(size) < 1:
             raise ValueError(f"--mesh {text!r}: expected entries like data=2,model=1 (or expert=2) with "
                              "positive sizes")
+        if name in out:
+            raise ValueError(f"--mesh {text!r}: {name} is given twice")
         out[name] = int(size)
+    if not out:
+        raise ValueError(f"--mesh {text!r}: expected entries like data=2,model=1 (or expert=2)")
     return out
 
 

@@ -37,7 +37,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["DraftTree", "TreeValidationError", "check_tree_logits", "validate_tree"]
+__all__ = ["DraftTree", "TreeValidationError", "check_tree_logits", "valid_temperature", "validate_tree"]
+
+# Logits are divided by the temperature in float32, so a temperature must be a float32 number: a
+# larger one (1e39) becomes inf there, and 1 / inf turns every logit to 0 (or NaN).
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
+def valid_temperature(t: float) -> bool:
+    """A concrete temperature is valid when it is >= 0 and finite in float32 (NaN is not)."""
+    return 0 <= t <= _F32_MAX
 
 
 @jax.tree_util.register_dataclass
@@ -242,5 +251,5 @@ def validate_tree(
                 )
     if temperature is not None:
         t = float(temperature)
-        if math.isnan(t) or t < 0 or math.isinf(t):
-            raise TreeValidationError(f"temperature must be a finite number >= 0, got {temperature!r}")
+        if not valid_temperature(t):
+            raise TreeValidationError(f"temperature must be a finite float32 number >= 0, got {temperature!r}")

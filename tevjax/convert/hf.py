@@ -59,7 +59,9 @@ def checked_tensor(name: str, x) -> np.ndarray:
         raise CheckpointError(f"tensor {name!r} has non-float dtype {x.dtype}")
     # A float64 sum is finite when every value is (it cannot overflow from float32 or narrower
     # values), at a tenth of np.isfinite's cost; a sum that is not is checked value by value.
-    if not np.isfinite(x.sum(dtype=np.float64)):
+    with np.errstate(invalid="ignore", over="ignore"):  # inf + -inf is NaN: found below, not warned about
+        total = x.sum(dtype=np.float64)
+    if not np.isfinite(total):
         bad = int(x.size - np.count_nonzero(np.isfinite(x)))
         if bad:
             raise CheckpointError(f"tensor {name!r} holds {bad:,} non-finite value(s) (NaN or inf) among its "

@@ -89,7 +89,7 @@ from tevjax.decode.stops import StopTable, advance, check_stops, stop_table
 from tevjax.seeding import seed_key
 from tevjax.sharding import (CACHE_AXES, check_batch, frozen, host_array, linear_shardings, logical_sharding,
                              mesh_axes, param_shardings, put, thawed, traced_on)
-from tevjax.tree import DraftTree
+from tevjax.tree import DraftTree, valid_temperature
 from tevjax.verifiers import VERIFIERS, verify
 
 __all__ = ["CALL_SECONDS", "DecodeConfig", "DecodeState", "Decoder", "Generation", "Interrupted", "STATE_AXES",
@@ -192,8 +192,8 @@ class DecodeConfig:
             raise TypeError(f"DecodeConfig.temperature must be a number, got {self.temperature!r} "
                             f"({type(self.temperature).__name__})")
         t = float(self.temperature)
-        if not math.isfinite(t) or t < 0:
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not valid_temperature(t):
+            raise ValueError(f"temperature must be a finite float32 number >= 0, got {self.temperature!r}")
         top_k, top_p, min_p = check_truncation(self.top_k, self.top_p, self.min_p)
         object.__setattr__(self, "top_k", top_k)
         object.__setattr__(self, "top_p", top_p)
@@ -1319,8 +1319,8 @@ class Decoder:
             columns[name] = values
         for i, row in enumerate(zip(*columns.values())):
             temperature, top_k, top_p, min_p = row
-            if not math.isfinite(float(temperature)) or float(temperature) < 0:
-                raise ValueError(f"temperature[{i}] = {temperature!r} is not a finite number >= 0")
+            if not valid_temperature(float(temperature)):
+                raise ValueError(f"temperature[{i}] = {temperature!r} is not a finite float32 number >= 0")
             try:
                 check_truncation(top_k, top_p, min_p)
             except (TypeError, ValueError) as e:

@@ -373,6 +373,8 @@ class ModelConfig:
                 )
         # Tuples keep the config hashable (it is a static argument of jitted functions).
         object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
+        if not (math.isfinite(float(self.rms_norm_eps)) and float(self.rms_norm_eps) >= 0):
+            raise ValueError(f"ModelConfig.rms_norm_eps must be a finite number >= 0, got {self.rms_norm_eps!r}")
         object.__setattr__(self, "sliding_layers", tuple(int(i) for i in self.sliding_layers))
         object.__setattr__(self, "nope_layers", tuple(int(i) for i in self.nope_layers))
         nope = self.nope_layers

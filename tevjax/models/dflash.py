@@ -169,6 +169,8 @@ class DFlashConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"DFlashConfig.head_dim={self.head_dim} must be even for RoPE")
+        if not (math.isfinite(float(self.rms_norm_eps)) and float(self.rms_norm_eps) >= 0):
+            raise ValueError(f"DFlashConfig.rms_norm_eps must be a finite number >= 0, got {self.rms_norm_eps!r}")
         ids = tuple(int(i) for i in self.target_layer_ids)
         if not ids or any(i < 0 for i in ids):
             raise ValueError(f"DFlashConfig.target_layer_ids must be non-empty and >= 0, got {self.target_layer_ids!r}")

@@ -65,6 +65,12 @@ class TrainData:
             except (OSError, ValueError) as e:
                 raise ValueError(f"{path}: unreadable shard ({e})") from None
             self._shards.append(arrays)
+            tokens = np.asarray(arrays["tokens"])
+            vocab = int(self.manifest["target_config"]["vocab_size"])
+            # An id outside the vocabulary would not fail: the embedding gather clamps it.
+            if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab):
+                raise ValueError(f"{path}: damaged shard: token ids {int(tokens.min())}..{int(tokens.max())} "
+                                 f"are not all in the target's vocabulary [0, {vocab})")
             offsets = np.asarray(arrays["offsets"])
             index += [(s, int(offsets[r]), int(offsets[r + 1])) for r in range(len(offsets) - 1)]
         self.index = index  # (shard, start, end) per record

@@ -131,8 +131,16 @@ def read_manifest(data_dir: str | os.PathLike) -> dict:
         manifest = json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"{path}: unreadable manifest ({e})") from None
+    if not isinstance(manifest, dict):
+        raise ValueError(f"{path}: unreadable manifest (a JSON {type(manifest).__name__}, not an object)")
     if manifest.get("format") != FORMAT_VERSION:
         raise ValueError(f"{path}: data format {manifest.get('format')!r}, this tevjax reads {FORMAT_VERSION}")
+    # What readers index without looking (training, `tevjax data --resume`, `tevjax train`).
+    for key, inner in (("rollout", ("taps",)), ("target_config", ("hidden_size", "vocab_size", "num_layers")),
+                       ("shards", ())):
+        if not isinstance(manifest.get(key), dict) or any(k not in manifest[key] for k in inner):
+            raise ValueError(f"{path}: damaged manifest: {key!r} must be an object"
+                             + (f" with {', '.join(map(repr, inner))}" if inner else ""))
     return manifest
 
 

@@ -21,6 +21,7 @@ import json
 import math
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -74,9 +75,26 @@ def _checkpoint_manager(run_dir: Path, keep: int = 3):
     return ocp.CheckpointManager((run_dir / CKPT_DIR).absolute(), options=options)
 
 
+@jax.jit
+def _finite(state) -> jax.Array:
+    """One scalar, the same on every process: every float of the state (weights and optimizer
+    moments) is finite. A diverged step turns them to NaN, and such a state is never saved."""
+    leaves = [x for x in jax.tree.leaves(state) if jax.numpy.issubdtype(x.dtype, jax.numpy.inexact)]
+    return jax.numpy.all(jax.numpy.stack([jax.numpy.isfinite(x).all() for x in leaves]))
+
+
+class DivergedError(RunError):
+    """The training state stopped being finite; nothing of it was saved."""
+
+
 def _save(mgr, state: TrainState, meta: dict) -> None:
     import orbax.checkpoint as ocp
 
+    if not bool(_finite(state)):
+        last = mgr.latest_step()
+        kept = f"the last checkpoint, step {last}, is finite and kept" if last is not None else "no checkpoint was written"
+        raise DivergedError(f"step {meta['step']}: training diverged (non-finite weights or optimizer state; lower "
+                            f"--lr?): not saved; {kept}")
     mgr.save(int(state.step), args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                       meta=ocp.args.JsonSave(meta)))
 
@@ -97,6 +115,9 @@ def _restore(mgr, abstract: TrainState, run_dir: Path) -> tuple[TrainState, dict
     want = jax.tree.map(lambda x: (x.shape, x.dtype), abstract)
     if got != want:
         raise RunError(f"{run_dir / CKPT_DIR / str(step)}: checkpoint shapes do not match this drafter")
+    if not bool(_finite(out.state)):  # written by a run that diverged before tevjax refused to save it
+        raise RunError(f"{run_dir / CKPT_DIR / str(step)}: checkpoint holds non-finite values (the run diverged); "
+                       "remove that step's directory to resume from the one before it")
     return out.state, out.meta
 
 
@@ -248,7 +269,11 @@ def train(target, drafter: DFlashDrafter, data_dir: str | os.PathLike, run_dir: 
             if bar is not None or (step + 1) % 10 == 0 or step + 1 == last_step:
                 m = {k: float(v) for k, v in jax.device_get(metrics).items()}
                 if any(not math.isfinite(v) for v in m.values()):
-                    raise RunError(f"step {step + 1}: non-finite training metrics {m} (lower --lr?)")
+                    last = mgr.latest_step()
+                    kept = (f"the last checkpoint, step {last}, is kept" if last is not None
+                            else "no checkpoint was written")
+                    raise DivergedError(f"step {step + 1}: training diverged (lower --lr?): non-finite training "
+                                        f"metrics {m}; {kept}")
                 rate = float(blocks) / max(time.monotonic() - t0, 1e-9)
                 entry = {"step": step + 1, **{k: round(v, 5) for k, v in m.items()}, "blocks_per_s": round(rate, 2)}
                 write_log(entry)
@@ -277,6 +302,7 @@ def train(target, drafter: DFlashDrafter, data_dir: str | os.PathLike, run_dir: 
         log(json.dumps({"event": "interrupted", "last_checkpoint": mgr.latest_step()}))
         raise
     finally:
+        unwinding = sys.exc_info()[1] is not None  # an error or interrupt is on its way out
         for sig, handler in old_handlers.items():
             signal.signal(sig, handler)
         if bar is not None:
@@ -285,6 +311,9 @@ def train(target, drafter: DFlashDrafter, data_dir: str | os.PathLike, run_dir: 
             final = int(state.step)
             if mgr.latest_step() != final:
                 _save(mgr, state, meta_now(final))
+        except DivergedError:  # not saved; the error on its way out (if any) already says so
+            if not unwinding:
+                raise
         except RuntimeError:  # the state was donated to a step that never finished
             pass
         mgr.wait_until_finished()
@@ -296,15 +325,45 @@ def train(target, drafter: DFlashDrafter, data_dir: str | os.PathLike, run_dir: 
     return state
 
 
+def _check_export_dir(out: Path, run: Path) -> None:
+    """Refuses an export that would replace another model's files or write into a run or data
+    directory (`save_dflash` replaces config.json and model.safetensors in an existing one)."""
+    from tevjax.train.rollout import MANIFEST
+
+    out = out.absolute()
+    if out == run or run in out.parents:
+        raise RunError(f"{out}: that is inside the training run {run}; export into a directory of its own")
+    if out.exists() and not out.is_dir():
+        raise RunError(f"{out} exists and is not a directory")
+    for name, what in ((RUN_FILE, "a training run"), (MANIFEST, "a data directory")):
+        if (out / name).exists():
+            raise RunError(f"{out} holds {what} ({name}); export into a new directory")
+    config = out / "config.json"
+    if config.exists():
+        try:
+            held = json.loads(config.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            held = None
+        if not isinstance(held, dict) or "dflash_config" not in held:
+            kind = held.get("architectures") if isinstance(held, dict) else None
+            raise RunError(f"{out} holds another model's config.json{f' ({kind})' if kind else ''}, not a DFlash "
+                           "drafter's; export into a new or empty directory")
+
+
 def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, target_cfg=None, *,
                dtype: str = "bfloat16") -> DFlashConfig:
-    """Writes the latest checkpoint's drafter in the public DFlash format (bf16 by default)."""
+    """Writes the latest checkpoint's drafter in the public DFlash format (bf16 by default).
+
+    `out_dir` may be new, empty, or an earlier export (its config.json and weights are replaced,
+    other files kept); a directory with another model's config.json, a training run or a data
+    directory is refused before anything is read."""
     import orbax.checkpoint as ocp
 
     from tevjax.convert.dflash_ckpt import save_dflash
 
-    run = Path(run_dir)
+    run = Path(run_dir).absolute()  # orbax reads absolute paths only
     record = load_run(run)
+    _check_export_dir(Path(out_dir), run)
     dcfg = DFlashConfig.from_hf_config(record["drafter"], **record["drafter_dtype"])
     if target_cfg is not None:
         dcfg.check_target(target_cfg)
@@ -340,6 +399,9 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, target_cf
         if value.shape != var.get_value().shape:
             raise RunError(f"{where}: parameter {'.'.join(map(str, path))} has shape {value.shape}, "
                            f"the run's drafter expects {var.get_value().shape}")
+        if not np.isfinite(value).all():  # a checkpoint of a diverged run, written before tevjax refused them
+            raise RunError(f"{where}: parameter {'.'.join(map(str, path))} holds non-finite values (the run "
+                           "diverged); nothing was exported")
         var.set_value(jax.numpy.asarray(value, var.get_value().dtype))
     save_dflash(drafter, dcfg, out_dir, dtype=dtype)
     return dcfg

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Any
 
 import jax
@@ -48,12 +47,13 @@ from tevjax.models.cache import KVCache
 from tevjax.models.dflash import DFlashDrafter
 from tevjax.models.transformer import Transformer
 from tevjax.sampling import check_truncation, truncate_logits
+from tevjax.seeding import check_seed, seed_key
 from tevjax.sharding import (batch_sharding, check_batch, frozen, host_array, param_shardings, replicated, thawed,
                              traced_on)
 from tevjax.train.dataset import Batch
 from tevjax.train.objectives import (EXIT_WEIGHTS, distill_loss_terms, exit_loss_terms, exit_weights, ratio,
                                      sample_anchors, token_loss_terms)
-from tevjax.tree import DraftTree
+from tevjax.tree import DraftTree, valid_temperature
 
 __all__ = ["TrainConfig", "TrainState", "Trainer", "final_tap", "make_optimizer", "score_trees", "loss_terms",
            "teacher_logits"]
@@ -95,18 +95,22 @@ class TrainConfig:
     seed: int = 0
 
     def __post_init__(self):
+        try:
+            check_seed(self.seed)
+        except ValueError as e:
+            raise ValueError(f"TrainConfig.{e}") from None
         for name in ("steps", "batch_size", "anchors", "seq_len", "exit_budget", "exit_anchors"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"TrainConfig.{name} must be a positive int, got {value!r}")
         for name in ("lr", "clip_norm", "exit_temperature"):
             value = float(getattr(self, name))
-            if not (math.isfinite(value) and value > 0):
-                raise ValueError(f"TrainConfig.{name} must be a finite number > 0, got {getattr(self, name)!r}")
+            if not (valid_temperature(value) and value > 0):  # finite in float32, as the step computes
+                raise ValueError(f"TrainConfig.{name} must be a finite float32 number > 0, got {getattr(self, name)!r}")
         for name in ("weight_decay", "exit_lambda"):
             value = float(getattr(self, name))
-            if not (math.isfinite(value) and value >= 0):
-                raise ValueError(f"TrainConfig.{name} must be a finite number >= 0, got {getattr(self, name)!r}")
+            if not valid_temperature(value):  # >= 0 and finite in float32, as the step computes
+                raise ValueError(f"TrainConfig.{name} must be a finite float32 number >= 0, got {getattr(self, name)!r}")
         if not 0 <= float(self.distill) <= 1:
             raise ValueError(f"TrainConfig.distill must be a weight in [0, 1], got {self.distill!r}")
         if not 0 <= self.warmup < 1:
@@ -356,7 +360,7 @@ class Trainer:
 
     def init_state(self) -> TrainState:
         params, opt = self._init
-        key = jax.random.key_data(jax.random.key(self.cfg.seed))
+        key = jax.random.key_data(seed_key(self.cfg.seed))  # jax.random.key(seed) below 2**32, one-to-one above
         state = TrainState(params=params, opt=opt, step=jnp.zeros((), jnp.int32), key=key)
         return jax.device_put(state, self.state_shardings)
 
