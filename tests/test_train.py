@@ -611,6 +611,21 @@ def test_cli_errors_are_one_line(capsys, argv, message):
     assert message in err and len(err.splitlines()) == 1, err
 
 
+def test_train_mask_token_flag(target):
+    """--mask-token: taken as given inside the vocabulary, refused outside it; without it, a target
+    whose tokenizer offers no mask token is an error that names the flag."""
+    from types import SimpleNamespace
+
+    from tevjax.cli import CliError, _mask_token
+
+    loaded = SimpleNamespace(target_cfg=target.cfg, tokenizer=None)
+    assert _mask_token(SimpleNamespace(mask_token=7), loaded) == 7
+    with pytest.raises(CliError, match=rf"--mask-token {target.cfg.vocab_size} is not in the target's vocabulary"):
+        _mask_token(SimpleNamespace(mask_token=target.cfg.vocab_size), loaded)
+    with pytest.raises(CliError, match=r"needs the target's tokenizer .*\(--mask-token ID\)"):
+        _mask_token(SimpleNamespace(mask_token=None), loaded)
+
+
 def test_train_init_cannot_remove_layers(capsys, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 2}))
     assert main(["train", "--data", ".", "--out", str(tmp_path / "run"), "--steps", "2", "--init", str(tmp_path),
