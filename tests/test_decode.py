@@ -681,7 +681,24 @@ def test_prompt_and_config_types_are_checked(models):
         DecodeConfig(temperature="0.5")
     with pytest.raises(TypeError, match="budget must be an int"):
         DecodeConfig(budget=2.5)
+    # eos_ids: checked before a generation that would otherwise run and then fail or not stop.
+    for eos in (2, None, ("19",), (19.7,), (True,), (-1,)):
+        with pytest.raises(TypeError, match="DecodeConfig.eos_ids must be a tuple of token ids >= 0"):
+            DecodeConfig(eos_ids=eos)
+    assert DecodeConfig(eos_ids=[2, np.int64(3)]).eos_ids == (2, 3)  # a list is kept as a (hashable) tuple
     assert dec.generate([np.asarray([1, 5, 7], np.int64)])[0].tokens  # numpy ids are fine
+
+
+def test_an_ngram_table_of_another_vocabulary_is_refused(models):
+    """A corpus whose continuations are past the target's vocabulary would embed them (garbage, or
+    NaN rows reported as damaged weights): the Decoder refuses it by name."""
+    target, drafter = models
+    v = target.cfg.vocab_size
+    records = [[a, b, v + 5] for a in range(8) for b in range(8)] * 2
+    table = ngram_table(np.array(sum(records, [])), np.arange(len(records) + 1) * 3, np.zeros(len(records), int),
+                        orders=(2,))
+    with pytest.raises(ValueError, match=f"proposes token {v + 5}, outside the target's vocabulary"):
+        Decoder(target, drafter, DecodeConfig(budget=4, corpus=4, lookup=0, max_new_tokens=4), ngrams=table)
 
 
 def test_nonfinite_logits_stop_the_row_and_emit_nothing(models):

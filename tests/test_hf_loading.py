@@ -62,6 +62,21 @@ def _copy(saved, tmp_path):
 # --------------------------------------------------------------------------------- round trips
 
 
+def test_saving_over_a_sharded_checkpoint_is_what_loads(tmp_path):
+    """A directory that held a sharded checkpoint (an index and its shards) loads the model saved
+    into it afterwards, not the old shards its index lists."""
+    old, new = random_model(tiny_config(), seed=0), random_model(tiny_config(), seed=1)
+    save_hf_target(old, tmp_path)
+    os.rename(tmp_path / "model.safetensors", tmp_path / "model-00001-of-00001.safetensors")
+    names = load_file(tmp_path / "model-00001-of-00001.safetensors").keys()
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {n: "model-00001-of-00001.safetensors" for n in names}}))
+    save_hf_target(new, tmp_path)
+    _, loaded = load_hf_target(tmp_path)
+    np.testing.assert_array_equal(np.asarray(loaded.embed_tokens.embedding.get_value()),
+                                  np.asarray(new.embed_tokens.embedding.get_value()))
+
+
 @pytest.mark.parametrize("arch, overrides", [
     ("llama", dict(attention_bias=True)), ("mistral", {}), ("qwen2", {}), ("qwen3", {}),
     # windows: the 9-token logits below reach past them

@@ -202,3 +202,11 @@ def test_bad_truncation_settings_are_named(cut, error, message):
         check_truncation(**settings)
     with pytest.raises(error, match=message):
         truncate_logits(jnp.zeros((2, 8)), 1.0, **cut)
+
+
+@pytest.mark.parametrize("temperature", [float("nan"), -1.0, 1e39])
+def test_a_concrete_bad_temperature_is_refused_by_truncation(temperature):
+    """The one temperature rule (a traced value cannot be checked, and is not)."""
+    with pytest.raises(ValueError, match="temperature must be a finite float32 number >= 0"):
+        truncate_logits(jnp.zeros((2, 8)), temperature, top_k=2)
+    jax.jit(lambda t: truncate_logits(jnp.zeros((2, 8)), t, top_k=2))(temperature)

@@ -201,6 +201,9 @@ def test_mesh_parsing_and_device_count_errors():
     assert dict(make_mesh(1, 1, one, expert=1).shape) == {"data": 1, "model": 1}
     with pytest.raises(ValueError, match="expected entries like data=2,model=1"):
         parse_mesh("data=two")
+    for bad in (dict(model=0), dict(expert=0), dict(data=0), dict(model=-1), dict(model=1.5)):
+        with pytest.raises(ValueError, match=f"make_mesh: {next(iter(bad))} must be a positive int"):
+            make_mesh(**bad)
     with pytest.raises(ValueError, match="data is given twice"):
         parse_mesh("data=2,data=1")
     with pytest.raises(ValueError, match="expected entries like data=2,model=1"):

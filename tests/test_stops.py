@@ -110,6 +110,10 @@ def test_cut_text_cuts_the_stop_string_that_ends_first():
     assert cut_text("one", ("x",)) == ("one", False)
     assert cut_text("aa\na", ("\n", "a\na")) == ("aa", True)  # "a\na" starts first but ends later
     assert cut_text("xab", ("b", "ab")) == ("x", True)  # both end at once: the longer one goes
+    with pytest.raises(TypeError, match="got the single string 'bc'"):  # not the stops "b" and "c"
+        cut_text("xcb", "bc")
+    with pytest.raises(ValueError):
+        cut_text("abc", [""])
 
 
 # --------------------------------------------------------------------------------------- spellings

@@ -611,6 +611,12 @@ def test_cli_errors_are_one_line(capsys, argv, message):
     assert message in err and len(err.splitlines()) == 1, err
 
 
+def test_adam_decays_are_checked():
+    for name, bad in (("b1", 1.5), ("b1", -1.0), ("b2", float("nan")), ("b2", 1.0)):
+        with pytest.raises(ValueError, match=rf"TrainConfig.{name} must be in \[0, 1\)"):
+            dataclasses.replace(CFG, **{name: bad})
+
+
 def test_train_mask_token_flag(target):
     """--mask-token: taken as given inside the vocabulary, refused outside it; without it, a target
     whose tokenizer offers no mask token is an error that names the flag."""

@@ -101,7 +101,31 @@ def test_check_tree_logits_names_the_problem(shape, dtype, message):
     tree = DraftTree.from_parents([7, 11, 12, 0, 13], [-1, 0, 0, -1, 1])
     with pytest.raises(TreeValidationError, match=message):
         check_tree_logits(tree, jnp.zeros(shape, dtype), "verify")
-    check_tree_logits(tree, jnp.zeros((5, 8), jnp.bfloat16), "verify")  # the right layout passes
+    check_tree_logits(tree, jnp.zeros((5, 16), jnp.bfloat16), "verify")  # the right layout passes
+
+
+def test_eager_calls_get_the_data_checks():
+    """On concrete arrays, `verify` and `exit_law` check the data too: a token outside the
+    vocabulary (the gathers would clamp it to another token's probability), repeated sibling
+    tokens (the law would sum to more than 1) and NaN / +inf logits are errors naming the node.
+    Under jit the same calls trust their inputs (validate_tree is the check for untrusted ones)."""
+    from tevjax import exit_law, verify
+
+    key = jax.random.key(0)
+    ok = DraftTree.from_parents([7, 11, 12], [-1, 0, 0])
+    for tree, logits, message in [
+        (DraftTree.from_parents([7, 40], [-1, 0]), jnp.zeros((2, 32)), r"node 1: token 40 is outside the vocabulary"),
+        (DraftTree.from_parents([0, 5, 5], [-1, 0, 0]), jnp.zeros((3, 8)), "nodes 1 and 2 are siblings"),
+        (ok, jnp.zeros((3, 16)).at[0, 11].set(jnp.inf), "logits row of node 0 contains \\+inf"),
+        (ok, jnp.zeros((3, 16)).at[1, 2].set(jnp.nan), "logits row of node 1 contains NaN"),
+    ]:
+        for name, call in (("verify", lambda: verify(key, tree, logits, 1.0)),
+                           ("exit_law", lambda: exit_law(tree, logits, 1.0))):
+            with pytest.raises(TreeValidationError, match=f"{name}: {message}"):
+                call()
+    # Traced trees are not read (no host sync inside jit or vmap): the contract is the caller's.
+    trees = jax.tree.map(lambda a, b: jnp.stack([a, b]), ok, DraftTree.from_parents([7, 40, 12], [-1, 0, 0]))
+    jax.vmap(lambda t, lg: exit_law(t, lg, 1.0))(trees, jnp.zeros((2, 3, 16)))
 
 
 def test_check_tree_logits_under_jit_and_vmap():

@@ -30,6 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tevjax.tree import valid_temperature
+
 __all__ = ["categorical", "check_truncation", "scaled_logsumexp", "truncate_logits", "truncates", "vocab_block"]
 
 
@@ -161,6 +163,12 @@ def truncate_logits(logits: jax.Array, temperature=1.0, *, top_k=0, top_p=1.0, m
     a finite entry (padding) comes back all -inf. Jittable, vmap-composable; the dtype of `logits`
     is kept; with every static setting off, `logits` itself is returned.
     """
+    try:  # a concrete temperature follows the one rule (tevjax.tree.valid_temperature)
+        t_host = float(temperature)
+    except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError, TypeError):
+        t_host = None
+    if t_host is not None and not valid_temperature(t_host):
+        raise ValueError(f"temperature must be a finite float32 number >= 0, got {temperature!r}")
     per_row = any(isinstance(v, (jax.Array, np.ndarray)) for v in (top_k, top_p, min_p))
     if not per_row:
         top_k, top_p, min_p = check_truncation(top_k, top_p, min_p)

@@ -430,6 +430,9 @@ def make_mesh(data: int | None = None, model: int = 1, devices=None, *, expert: 
     """A (data, model) mesh over `devices` (default: all devices of all processes), or with
     `expert` > 1 a (data, expert, model) mesh for expert parallelism (`LOGICAL_RULES`); `data`
     None takes every device not used by the others."""
+    for name, size in (("data", data), ("model", model), ("expert", expert)):
+        if size is not None and (not isinstance(size, (int, np.integer)) or isinstance(size, bool) or size < 1):
+            raise ValueError(f"make_mesh: {name} must be a positive int, got {size!r}")
     devices = list(jax.devices() if devices is None else devices)
     group = model * expert  # the devices that share one row of the batch
     named = f"model={model}" if expert == 1 else f"expert={expert} x model={model}"

@@ -136,11 +136,25 @@ class TreeValidationError(ValueError):
 def check_tree_logits(tree: DraftTree, logits: Any, caller: str) -> None:
     """Raises `TreeValidationError` unless `logits` is a floating [N, V] array for `tree`'s N slots.
 
-    Only static shapes and dtypes are read, so this works under `jit` and `vmap` (where both the
-    tree and the logits have their batch axes removed): it runs at trace time and costs nothing
-    at run time. `caller` names the public function in the message ("exit_law", "verify").
+    Under `jit` and `vmap` (where both the tree and the logits have their batch axes removed) only
+    static shapes and dtypes are read: it runs at trace time and costs nothing at run time. A
+    call on concrete arrays (eager, outside any transformation) also gets `validate_tree`'s data
+    checks, since a token outside the vocabulary, a repeated sibling token or a NaN / +inf
+    logit would otherwise give a wrong answer, not an error: the gathers clamp, and the laws
+    assume distinct siblings. `caller` names the public function in the message ("exit_law",
+    "verify").
     """
     _check_logits_layout(tuple(tree.tokens.shape), logits, f"{caller}: ")
+    if isinstance(tree.tokens, jax.core.Tracer) or isinstance(tree.parents, jax.core.Tracer):
+        return
+    # The root's token (the last committed one) is never scored, so any id is harmless there.
+    tokens = np.array(tree.tokens)
+    tokens[..., :1] = 0
+    try:
+        validate_tree(tokens, tree.parents, logits=None if isinstance(logits, jax.core.Tracer) else logits,
+                      vocab_size=np.shape(logits)[-1])
+    except TreeValidationError as e:
+        raise TreeValidationError(f"{caller}: {e}") from None
 
 
 def _check_logits_layout(node_shape: tuple[int, ...], logits: Any, prefix: str) -> None:

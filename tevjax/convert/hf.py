@@ -633,3 +633,6 @@ def save_hf_target(model: Transformer, path: str | os.PathLike) -> None:
     with open(os.path.join(path, CONFIG_FILE), "w", encoding="utf-8") as f:
         json.dump(cfg.to_hf_config(), f, indent=2)
     save_file(tensors, os.path.join(path, SAFETENSORS_FILE), metadata={"format": "pt"})
+    # A sharded checkpoint's index, left behind, would be read instead of the file just written.
+    if os.path.exists(os.path.join(path, INDEX_FILE)):
+        os.remove(os.path.join(path, INDEX_FILE))

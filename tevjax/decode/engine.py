@@ -191,6 +191,11 @@ class DecodeConfig:
         if not isinstance(self.temperature, (int, float, np.integer, np.floating)) or isinstance(self.temperature, bool):
             raise TypeError(f"DecodeConfig.temperature must be a number, got {self.temperature!r} "
                             f"({type(self.temperature).__name__})")
+        eos = self.eos_ids
+        if (not isinstance(eos, (tuple, list)) or
+                not all(isinstance(e, (int, np.integer)) and not isinstance(e, bool) and e >= 0 for e in eos)):
+            raise TypeError(f"DecodeConfig.eos_ids must be a tuple of token ids >= 0, got {eos!r}")
+        object.__setattr__(self, "eos_ids", tuple(int(e) for e in eos))  # hashable: a static argument
         t = float(self.temperature)
         if not valid_temperature(t):
             raise ValueError(f"temperature must be a finite float32 number >= 0, got {self.temperature!r}")
@@ -1033,6 +1038,14 @@ class Decoder:
                              "(tevjax.builder.ngram_table, or load_models(...).ngrams)")
         # Only a round that merges a corpus chain reads the table; otherwise it does not travel.
         self.ngrams = ngrams if drafter is not None and cfg.corpus > 0 else None
+        if self.ngrams is not None:  # another target's table would embed ids past the vocabulary
+            real = jnp.isfinite(self.ngrams.log_reach)
+            low = int(jnp.min(jnp.where(real, self.ngrams.tokens, 0)))
+            high = int(jnp.max(jnp.where(real, self.ngrams.tokens, 0)))
+            if low < 0 or high >= target.cfg.vocab_size:
+                raise ValueError(f"the n-gram table proposes token {high if high >= target.cfg.vocab_size else low}, "
+                                 f"outside the target's vocabulary [0, {target.cfg.vocab_size}): is it another "
+                                 "target's corpus?")
         self.cfg = cfg
         self.target_cfg = target.cfg
         self.mesh = mesh

@@ -163,6 +163,7 @@ def cut_text(text: str, stops: Sequence[str]) -> tuple[str, bool]:
     """(`text` before the stop string that ends first in it, whether one does): the text a stopped
     row reports. Decoding stops where a stop string is first complete, so that one is cut out
     (with stops "\n" and "a\na", "aa\na" gives "aa"); of two ending at once, the longer."""
+    stops = check_stops(stops)  # a bare string would be taken as its characters
     found = [(i + len(s), -len(s)) for s, i in ((s, text.find(s)) for s in stops) if i >= 0]
     if not found:
         return text, False

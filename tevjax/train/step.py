@@ -107,6 +107,9 @@ class TrainConfig:
             value = float(getattr(self, name))
             if not (valid_temperature(value) and value > 0):  # finite in float32, as the step computes
                 raise ValueError(f"TrainConfig.{name} must be a finite float32 number > 0, got {getattr(self, name)!r}")
+        for name in ("b1", "b2"):  # Adam's moment decays
+            if not 0 <= float(getattr(self, name)) < 1:
+                raise ValueError(f"TrainConfig.{name} must be in [0, 1), got {getattr(self, name)!r}")
         for name in ("weight_decay", "exit_lambda"):
             value = float(getattr(self, name))
             if not valid_temperature(value):  # >= 0 and finite in float32, as the step computes
