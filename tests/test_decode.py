@@ -686,6 +686,12 @@ def test_prompt_and_config_types_are_checked(models):
         with pytest.raises(TypeError, match="DecodeConfig.eos_ids must be a tuple of token ids >= 0"):
             DecodeConfig(eos_ids=eos)
     assert DecodeConfig(eos_ids=[2, np.int64(3)]).eos_ids == (2, 3)  # a list is kept as a (hashable) tuple
+    target, drafter = models
+    for args, message in (((None, None, DecodeConfig()), "target must be a Transformer, got NoneType"),
+                          ((target, target, DecodeConfig()), "drafter must be a DFlashDrafter or None, got Transformer"),
+                          ((target, None, {"budget": 4}), "cfg must be a DecodeConfig, got dict")):
+        with pytest.raises(TypeError, match=f"Decoder: {message}"):
+            Decoder(*args)
     assert dec.generate([np.asarray([1, 5, 7], np.int64)])[0].tokens  # numpy ids are fine
 
 

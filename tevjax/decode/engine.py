@@ -1026,6 +1026,12 @@ class Decoder:
 
     def __init__(self, target: Transformer, drafter: DFlashDrafter | None, cfg: DecodeConfig, mesh=None, *,
                  ngrams: NgramTable | None = None, spellings: Sequence[bytes] | None = None):
+        for name, value, kind in (("target", target, Transformer), ("cfg", cfg, DecodeConfig),
+                                  ("drafter", drafter, (DFlashDrafter, type(None))),
+                                  ("ngrams", ngrams, (NgramTable, type(None)))):
+            if not isinstance(value, kind):
+                want = kind.__name__ if isinstance(kind, type) else f"{kind[0].__name__} or None"
+                raise TypeError(f"Decoder: {name} must be a {want}, got {type(value).__name__}")
         if drafter is not None:
             drafter.cfg.check_target(target.cfg)
         if cfg.stop and spellings is None:
@@ -1224,7 +1230,9 @@ class Decoder:
         the kept slots move to caches of that capacity. The kept K/V were written by the earlier
         rounds' tree passes, not by a prefill, so logits can differ from a fresh prefill's in the
         last bits: every output is still exactly verified against the target, and greedy outputs
-        differ only at near-ties.
+        differ only at near-ties. The state does not keep its prompts, so `earlier_prompts` is
+        taken on trust: prompts other than the ones it was prefilled with, or in another row
+        order, decode from the wrong cache (only the row count and the decoder are checked).
         """
         self._check_prompts(prompts)
         _, capacity = self.shapes([len(p) for p in prompts])
