@@ -87,14 +87,18 @@ class DivergedError(RunError):
     """The training state stopped being finite; nothing of it was saved."""
 
 
+def _kept(mgr) -> str:
+    """What a diverged run leaves: its last checkpoint (finite: no other kind is saved)."""
+    last = mgr.latest_step()
+    return f"the last checkpoint, step {last}, is finite and kept" if last is not None else "no checkpoint was written"
+
+
 def _save(mgr, state: TrainState, meta: dict) -> None:
     import orbax.checkpoint as ocp
 
     if not bool(_finite(state)):
-        last = mgr.latest_step()
-        kept = f"the last checkpoint, step {last}, is finite and kept" if last is not None else "no checkpoint was written"
         raise DivergedError(f"step {meta['step']}: training diverged (non-finite weights or optimizer state; lower "
-                            f"--lr?): not saved; {kept}")
+                            f"--lr?): not saved; {_kept(mgr)}")
     mgr.save(int(state.step), args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                       meta=ocp.args.JsonSave(meta)))
 
@@ -269,11 +273,8 @@ def train(target, drafter: DFlashDrafter, data_dir: str | os.PathLike, run_dir: 
             if bar is not None or (step + 1) % 10 == 0 or step + 1 == last_step:
                 m = {k: float(v) for k, v in jax.device_get(metrics).items()}
                 if any(not math.isfinite(v) for v in m.values()):
-                    last = mgr.latest_step()
-                    kept = (f"the last checkpoint, step {last}, is kept" if last is not None
-                            else "no checkpoint was written")
                     raise DivergedError(f"step {step + 1}: training diverged (lower --lr?): non-finite training "
-                                        f"metrics {m}; {kept}")
+                                        f"metrics {m}; {_kept(mgr)}")
                 rate = float(blocks) / max(time.monotonic() - t0, 1e-9)
                 entry = {"step": step + 1, **{k: round(v, 5) for k, v in m.items()}, "blocks_per_s": round(rate, 2)}
                 write_log(entry)
