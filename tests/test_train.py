@@ -671,3 +671,17 @@ def test_a_run_keeps_its_draft_vocabulary_and_its_shards(tmp_path, data_dir, tar
     export_run(tmp_path / "r", tmp_path / "x", target.cfg)
     _, exported = load_dflash(tmp_path / "x", target.cfg)
     np.testing.assert_array_equal(np.asarray(exported.vocab_ids()), ids)
+
+
+@pytest.mark.parametrize("change, error, message", [
+    ({"num_prompts": "12"}, TypeError, "RolloutConfig.num_prompts must be an int, got '12'"),
+    ({"heldout_records": 1.5}, TypeError, "RolloutConfig.heldout_records must be an int"),
+    ({"batch_size": 0}, ValueError, "batch_size must be >= 1"),
+    ({"seed": -1}, ValueError, r"RolloutConfig.seed must be in \[0, 2\*\*64\)"),
+    ({"taps": (1, -2)}, ValueError, "RolloutConfig.taps must be target layer indices >= 0"),
+    ({"taps": ()}, ValueError, "taps must name at least one target layer"),
+    ({"heldout_records": 5, "heldout_prompts": 4}, ValueError, r"need 0 <= heldout_records \(5\) <= heldout_prompts"),
+])
+def test_bad_rollout_settings_are_named(change, error, message):
+    with pytest.raises(error, match=message):
+        dataclasses.replace(ROLLOUT, **change)

@@ -111,9 +111,22 @@ class RolloutConfig:
             raise ValueError(f"exclusion must be one of {', '.join(EXCLUSIONS)}, got {self.exclusion!r}")
         if self.responses not in RESPONSES:
             raise ValueError(f"responses must be one of {', '.join(RESPONSES)}, got {self.responses!r}")
+        from tevjax.seeding import check_seed
+
+        for name in ("num_prompts", "heldout_prompts", "heldout_records", "max_new_tokens", "max_prompt_tokens",
+                     "batch_size"):  # a str or float here would pass comparisons and fail far later
+            value = getattr(self, name)
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
+                raise TypeError(f"RolloutConfig.{name} must be an int, got {value!r}")
         for name in ("num_prompts", "max_new_tokens", "max_prompt_tokens", "batch_size"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        try:
+            check_seed(self.seed)
+        except ValueError as e:
+            raise ValueError(f"RolloutConfig.{e}") from None
+        if any(not isinstance(t, (int, np.integer)) or isinstance(t, bool) or t < 0 for t in self.taps or ()):
+            raise ValueError(f"RolloutConfig.taps must be target layer indices >= 0, got {self.taps!r}")
         if self.heldout_prompts < 0 or not 0 <= self.heldout_records <= self.heldout_prompts:
             raise ValueError(f"need 0 <= heldout_records ({self.heldout_records}) <= heldout_prompts "
                              f"({self.heldout_prompts})")
