@@ -89,15 +89,19 @@ QWEN35_SPLIT = (QWEN2_SPLIT.replace(r"?\p{L}+|", r"?[\p{L}\p{M}]+|", 1)
 # "a letter that is not ASCII lowercase" / "not ASCII uppercase" instead (LLAMA_VOCAB_PRE_TYPE_TEKKEN).
 # The two agree on ASCII text; on other capitals they differ ("aÉb" is one piece here, two in the
 # original), and this is llama.cpp's.
-TEKKEN_SPLIT = (r"[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))*((?=[\p{L}])([^A-Z]))+"
-                r"|[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))+((?=[\p{L}])([^A-Z]))*"
-                r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+def _case_split(after_letters: str, digits: str) -> str:
+    """The split of Tekken's kind: two letter-run alternatives (capitals then lowercase, or the
+    reverse), each followed by `after_letters`, then digit runs `digits` and the rest."""
+    upper_then_lower = r"[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))*((?=[\p{L}])([^A-Z]))+"
+    lower_then_upper = r"[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))+((?=[\p{L}])([^A-Z]))*"
+    return (upper_then_lower + after_letters + "|" + lower_then_upper + after_letters + "|" + digits
+            + r"| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+TEKKEN_SPLIT = _case_split("", r"\p{N}")
 # o200k (GPT-OSS, Llama 4), as llama.cpp runs it: Tekken's letter runs, each with a trailing English
 # contraction, and digits in runs of up to three (LLAMA_VOCAB_PRE_TYPE_GPT4O).
-_CONTRACTION = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?"
-GPT4O_SPLIT = (r"[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))*((?=[\p{L}])([^A-Z]))+" + _CONTRACTION
-               + r"|[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))+((?=[\p{L}])([^A-Z]))*" + _CONTRACTION
-               + r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+GPT4O_SPLIT = _case_split(r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?", r"\p{N}{1,3}")
 # tokenizer.ggml.pre -> the split before byte-level BPE (see module docstring): "gpt2" (ByteLevel's
 # GPT-2 regex), "digits" (every digit isolated, then the GPT-2 regex), or a regex of its own.
 SUPPORTED_PRE_TOKENIZERS: dict[str, str] = {

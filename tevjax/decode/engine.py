@@ -1045,9 +1045,8 @@ class Decoder:
         # Only a round that merges a corpus chain reads the table; otherwise it does not travel.
         self.ngrams = ngrams if drafter is not None and cfg.corpus > 0 else None
         if self.ngrams is not None:  # another target's table would embed ids past the vocabulary
-            real = jnp.isfinite(self.ngrams.log_reach)
-            low = int(jnp.min(jnp.where(real, self.ngrams.tokens, 0)))
-            high = int(jnp.max(jnp.where(real, self.ngrams.tokens, 0)))
+            proposed = jnp.where(jnp.isfinite(self.ngrams.log_reach), self.ngrams.tokens, 0)  # padding: 0
+            low, high = int(proposed.min()), int(proposed.max())
             if low < 0 or high >= target.cfg.vocab_size:
                 raise ValueError(f"the n-gram table proposes token {high if high >= target.cfg.vocab_size else low}, "
                                  f"outside the target's vocabulary [0, {target.cfg.vocab_size}): is it another "
