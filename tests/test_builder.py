@@ -436,6 +436,45 @@ def test_merge_chain_with_a_confident_chain_holds_the_whole_chain():
     assert int(merged.size) == 7  # the root and 6 nodes: the chain took 4 of them
 
 
+def test_lookup_and_merge_inputs_are_named():
+    """Inputs that would give a wrong tree or chain, not an error (the gathers clamp, and a chain
+    score that grows with depth breaks the merge's prefix-closed selection), are refused by name on
+    concrete arrays. Under jit only shapes and dtypes are read, as the decoder calls them."""
+    seq = jnp.array([5, 1, 2, 3, 9, 1, 2])
+    table = ngram_table(np.array([1, 2, 3, 1, 2, 3]), np.array([0, 6]), np.array([0]), orders=(2,), min_count=1)
+    for call in (lambda s, n: context_chain(s, n, 3), lambda s, n: corpus_chain(s, n, 3, table)):
+        with pytest.raises(ValueError, match=r"seq must be one row.*shape \(0,\)"):
+            call(jnp.zeros((0,), jnp.int32), 1)
+        with pytest.raises(ValueError, match=r"seq must be one row.*\(2, 7\)"):
+            call(jnp.stack([seq, seq]), 7)  # a batch: vmap over rows instead
+        with pytest.raises(TypeError, match="integer token ids"):
+            call(seq.astype(jnp.float32), 7)
+        for length in (0, 8, 2.5):
+            with pytest.raises(ValueError, match=r"length must be an int in \[1, 7\]"):
+                call(seq, length)
+    with pytest.raises(ValueError, match="distinct"):
+        context_chain(seq, 7, 3, (2, 2))
+    with pytest.raises(TypeError, match="NgramTable"):
+        corpus_chain(seq, 7, 3, {"orders": (2,)})
+    lm = np.log(np.full((3, 5), 0.2, np.float32))
+    tree, scores = _build_jit(jnp.asarray(lm), jnp.int32(0), 4)
+    chain, reach = jnp.asarray([3, 1], jnp.int32), jnp.asarray([-0.5, -1.0])
+    merge_chain(tree, scores, chain, reach)  # well formed
+    cases = [((tree, scores, chain[:0], reach[:0]), ValueError, r"chain must be one row of token ids \[M\], M >= 1"),
+             ((tree, scores, chain, reach[:1]), ValueError, "chain_scores must have the chain's shape"),
+             ((tree, scores[:2], chain, reach), ValueError, r"scores must have shape \[N\] = \[5\]"),
+             ((tree, scores, chain.astype(jnp.float32), reach), TypeError, "integer token ids"),
+             ((tree, scores, chain, reach[::-1]), ValueError, "must not grow along the chain"),
+             ((tree, scores, chain, reach.at[0].set(jnp.nan)), ValueError, "chain_scores must be log estimates"),
+             ((tree, scores.at[1].set(jnp.inf), chain, reach), ValueError, "scores must be log estimates"),
+             ((tree.tokens, scores, chain, reach), TypeError, "tree must be a DraftTree")]
+    for args, error, match in cases:
+        with pytest.raises(error, match=match):
+            merge_chain(*args)
+    # A chain that stops (-inf from some depth on) is well formed.
+    merge_chain(tree, scores, chain, jnp.asarray([-0.5, -jnp.inf]))
+
+
 def test_merge_chain_scores_let_a_second_chain_merge():
     """`with_scores` returns each kept node's merged estimate (0 at the root, -inf for padding), so
     merging a second chain into the result keeps the best nodes of the tree and both chains."""

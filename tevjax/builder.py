@@ -48,8 +48,9 @@ import numpy as np
 
 from tevjax.tree import DraftTree
 
-__all__ = ["LOOKUP_ORDERS", "LOOKUP_SURVIVAL", "build_ddtree", "build_ddtree_from_top", "chain_log_reach",
-           "check_survival", "context_chain", "merge_chain"]
+__all__ = ["LOOKUP_ORDERS", "LOOKUP_SURVIVAL", "NGRAM_CALIBRATION", "NGRAM_ORDERS", "NgramTable", "build_ddtree",
+           "build_ddtree_from_top", "chain_log_reach", "check_survival", "context_chain", "corpus_chain", "merge_chain",
+           "ngram_table"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -207,6 +208,37 @@ LOOKUP_SURVIVAL = (
 )
 
 
+def _concrete(x) -> np.ndarray | None:
+    """`x` as a host array when it is concrete (eager, outside any transformation); None when traced."""
+    return None if isinstance(x, jax.core.Tracer) else np.asarray(x)
+
+
+def _check_ids_row(ids, name: str, letter: str, caller: str) -> tuple[int]:
+    """`ids`'s shape, after checking that it is one non-empty row of integer token ids (a batch is
+    vmapped over rows, not passed whole)."""
+    shape = tuple(np.shape(ids))
+    if len(shape) != 1 or shape[0] < 1:
+        raise ValueError(f"{caller}: {name} must be one row of token ids [{letter}], {letter} >= 1 (vmap over rows), "
+                         f"got shape {shape}")
+    if not jnp.issubdtype(jnp.result_type(ids), jnp.integer):
+        raise TypeError(f"{caller}: {name} must hold integer token ids, got {jnp.result_type(ids)}")
+    return shape
+
+
+def _check_context(seq, length, size, caller: str) -> None:
+    """The static checks of a lookup's inputs (`context_chain`, `corpus_chain`), plus the range of a
+    concrete `length`: one row of token ids (vmap over rows), a scalar length in [1, S]. Under jit
+    only shapes and dtypes are read; a traced length is clamped as the docstrings say."""
+    if not isinstance(size, (int, np.integer)) or isinstance(size, bool) or size < 1:
+        raise ValueError(f"{caller}: size must be a static int >= 1, got {size!r}")
+    shape = _check_ids_row(seq, "seq", "S", caller)
+    if np.ndim(length) != 0:
+        raise ValueError(f"{caller}: length must be a scalar (one row; vmap over rows), got shape {np.shape(length)}")
+    n = _concrete(length)
+    if n is not None and not (np.issubdtype(n.dtype, np.integer) and 1 <= int(n) <= shape[0]):
+        raise ValueError(f"{caller}: length must be an int in [1, {shape[0]}] (the slots of seq), got {length!r}")
+
+
 def context_chain(seq: jax.Array, length: jax.Array, size: int, orders: tuple[int, ...] = LOOKUP_ORDERS
                   ) -> tuple[jax.Array, jax.Array]:
     """The continuation of the context's latest earlier match, as a proposed chain of tokens.
@@ -227,10 +259,11 @@ def context_chain(seq: jax.Array, length: jax.Array, size: int, orders: tuple[in
 
     vmap over rows; every order is a masked comparison over the S slots, so there are no loops.
     """
-    if not isinstance(size, (int, np.integer)) or isinstance(size, bool) or size < 1:
-        raise ValueError(f"size must be a static int >= 1, got {size!r}")
-    if not orders or any(int(n) < 1 for n in orders) or list(orders) != sorted(orders, reverse=True):
-        raise ValueError(f"orders must be distinct suffix lengths >= 1, longest first; got {orders!r}")
+    _check_context(seq, length, size, "context_chain")
+    if (not isinstance(orders, (tuple, list)) or not orders
+            or any(not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1 for n in orders)
+            or list(orders) != sorted(set(orders), reverse=True)):
+        raise ValueError(f"context_chain: orders must be distinct suffix lengths >= 1, longest first; got {orders!r}")
     seq = jnp.asarray(seq, jnp.int32)
     length = jnp.asarray(length, jnp.int32)
     slots = jnp.arange(seq.shape[0], dtype=jnp.int32)
@@ -281,6 +314,34 @@ def chain_log_reach(order: jax.Array, size: int, survival=LOOKUP_SURVIVAL) -> ja
     return jnp.where(order > 0, logs[jnp.clip(order, 1, table.shape[0]) - 1], -jnp.inf)
 
 
+def _check_merge(tree, scores, chain, chain_scores) -> None:
+    """`merge_chain`'s input layout (one row: vmap over rows), and on concrete arrays the score laws
+    its prefix-closed selection rests on: a chain score that grows with depth, or a NaN, would pick
+    a node without its parent and give a malformed tree, not an error."""
+    if not isinstance(tree, DraftTree):
+        raise TypeError(f"merge_chain: tree must be a DraftTree, got {type(tree).__name__}")
+    if tree.tokens.ndim != 1:
+        raise ValueError(f"merge_chain: one tree of [N] slots (vmap over rows), got tokens of shape {tree.tokens.shape}")
+    n = tree.num_nodes
+    if tuple(np.shape(scores)) != (n,):
+        raise ValueError(f"merge_chain: scores must have shape [N] = [{n}], got {tuple(np.shape(scores))}")
+    shape = _check_ids_row(chain, "chain", "M", "merge_chain")
+    if tuple(np.shape(chain_scores)) != shape:
+        raise ValueError(f"merge_chain: chain_scores must have the chain's shape {shape}, got "
+                         f"{tuple(np.shape(chain_scores))}")
+    for name, values in (("scores", scores), ("chain_scores", chain_scores)):
+        v = _concrete(values)
+        if v is None:
+            continue
+        v = v.astype(np.float64)
+        if np.isnan(v).any() or (v == np.inf).any():
+            raise ValueError(f"merge_chain: {name} must be log estimates (finite or -inf), got {v.tolist()}")
+    cs = _concrete(chain_scores)
+    if cs is not None and np.any(np.diff(cs.astype(np.float64)) > 0):
+        raise ValueError("merge_chain: chain_scores must not grow along the chain (a token is reached only "
+                         f"through the ones before it), got {cs.tolist()}")
+
+
 def merge_chain(tree: DraftTree, scores: jax.Array, chain: jax.Array, chain_scores: jax.Array, *,
                 with_scores: bool = False) -> DraftTree | tuple[DraftTree, jax.Array]:
     """The best N - 1 nodes of the union of a best-first draft tree and a chain from its root.
@@ -303,6 +364,7 @@ def merge_chain(tree: DraftTree, scores: jax.Array, chain: jax.Array, chain_scor
 
     vmap over rows; O((N + M)^2) elementwise work, nothing next to a tree pass.
     """
+    _check_merge(tree, scores, chain, chain_scores)
     n, m = tree.num_nodes, chain.shape[0]
     chain = jnp.asarray(chain, jnp.int32)
     chain_scores = jnp.asarray(chain_scores, jnp.float32)
@@ -467,8 +529,9 @@ def corpus_chain(seq: jax.Array, length: jax.Array, size: int, table: NgramTable
 
     vmap over rows; each step is one binary search per order.
     """
-    if not isinstance(size, (int, np.integer)) or isinstance(size, bool) or size < 1:
-        raise ValueError(f"size must be a static int >= 1, got {size!r}")
+    _check_context(seq, length, size, "corpus_chain")
+    if not isinstance(table, NgramTable):
+        raise TypeError(f"corpus_chain: table must be an NgramTable (`ngram_table`), got {type(table).__name__}")
     longest = max(table.orders)
     seq = jnp.asarray(seq, jnp.int32)
     length = jnp.asarray(length, jnp.int32)
