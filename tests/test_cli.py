@@ -73,6 +73,7 @@ def _run(capsys, *argv):
         (["generate", "--prompt", "hi", *(a for i in range(33) for a in ("--stop", f"s{i}"))],
          "33 distinct stop strings in --stop and the batch file: at most 32"),
         (["generate", "--prompt", "hi", "--logprobs"], "--logprobs needs --json"),
+        (["data", "--out", "/no/such/data", "--resume", "--num-prompts", "4"], "--resume: /no/such/data holds no data directory to complete"),
         (["train", "--data", "d", "--out", "o", "--steps", "1", "--heartbeat-timeout", "2.5"],
          "--heartbeat-timeout must be an integer"),
     ],

@@ -123,6 +123,9 @@ def test_batch_features_on_the_device_are_the_stored_features(data_dir, target):
 def test_data_resume_loses_and_duplicates_nothing(tmp_path, data_dir, target):
     out = tmp_path / "d"
     loaded = _loaded(target)
+    with pytest.raises(FileNotFoundError, match="holds no data directory to complete"):  # a mistyped path
+        generate_data(loaded, ROLLOUT, out, prompts=PROMPTS, resume=True, progress=False, log=lambda _: None)
+    assert not out.exists()
     generate_data(loaded, ROLLOUT, out, prompts=PROMPTS, progress=False, log=lambda _: None, stop_after_shards=2)
     assert not read_manifest(out).get("complete")
     # A crash mid-shard leaves a temporary directory behind; it must not count.

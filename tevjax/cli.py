@@ -999,10 +999,11 @@ def _mask_token(args, loaded) -> int:
 def cmd_data(args) -> int:
     from tevjax.loading import load_target
     from tevjax.models.dflash import default_target_layer_ids
-    from tevjax.train.rollout import RolloutConfig, generate_data
+    from tevjax.train.rollout import RolloutConfig, check_data_out, generate_data
 
     if args.out.exists() and not args.out.is_dir():
         raise CliError(f"--out {str(args.out)!r} is a file, not a directory")
+    check_data_out(args.out, args.resume)  # before the target loads
     mesh = _mesh(args, default_all=False)
     loaded = load_target(args.target, dtype="float32", mesh=mesh)
     for note in loaded.notes:

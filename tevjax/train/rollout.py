@@ -377,6 +377,21 @@ def _check_resume(manifest: dict, expected: dict, data_dir: Path) -> None:
         raise ValueError(f"--resume: {data_dir} was generated with other settings: " + "; ".join(diffs))
 
 
+def check_data_out(out: str | os.PathLike, resume: bool) -> None:
+    """Raises unless `out` suits the mode, before anything is loaded or written: a new or empty
+    directory to start, or (`resume`) a data directory to complete. A `--resume` given a wrong
+    path would otherwise start a new run there, not complete the old one."""
+    out = Path(out)
+    if (out / MANIFEST).exists():
+        if not resume:
+            raise FileExistsError(f"{out} already holds a data directory: pass --resume to complete it, or choose a new --out")
+    elif resume:
+        raise FileNotFoundError(f"--resume: {out} holds no data directory to complete (no {MANIFEST}); "
+                                "leave out --resume to start one")
+    elif holds_files(out):
+        raise FileExistsError(f"{out} exists and is not empty: choose a new --out")
+
+
 def generate_data(loaded, cfg: RolloutConfig, out_dir: str | os.PathLike, *, resume: bool = False,
                   prompts: tuple[list[list[int]], list[list[int]]] | None = None, progress: bool = True,
                   log=print, stop_after_shards: int | None = None,
@@ -404,9 +419,8 @@ def generate_data(loaded, cfg: RolloutConfig, out_dir: str | os.PathLike, *, res
     # Multi-host: process 0 writes the directory and every process reads it, so every host must see
     # the same one (a host's own would fail, or resume from another state, in its own way).
     check_shared_dir("the data directory (--out)", out)
+    check_data_out(out, resume)
     if (out / MANIFEST).exists():
-        if not resume:
-            raise FileExistsError(f"{out} already holds a data directory: pass --resume to complete it, or choose a new --out")
         manifest = read_manifest(out)
         # The prompts are the directory's own (prompts.jsonl): it keeps the exclusion it was planned with.
         saved = manifest.get("rollout", {}) if isinstance(manifest.get("rollout"), dict) else {}
@@ -415,8 +429,6 @@ def generate_data(loaded, cfg: RolloutConfig, out_dir: str | os.PathLike, *, res
         _check_resume(manifest, expected, out)
     else:
         expected = _config_dict(cfg, loaded.name, tcfg)
-        if holds_files(out):
-            raise FileExistsError(f"{out} exists and is not empty: choose a new --out")
         if prompts is not None and cfg.responses == "sharegpt":
             raise ValueError("ShareGPT responses belong to ShareGPT prompts: given prompts need responses='target'")
         if prompts is None:
