@@ -65,7 +65,10 @@ def test_evaluate_interleaves_methods_and_reports_consistent_numbers():
     assert [row["tau_se"] for row in capped["budgets"]] == [None, None]  # one prompt: no spread to measure
     row = result["budgets"][0]
     lo, hi = row["tau"] - 1.959963984540054 * row["tau_se"], row["tau"] + 1.959963984540054 * row["tau_se"]
-    assert f"| {row['tau']:.3f} [{lo:.3f}, {hi:.3f}] |" in table
+    assert f"| {row['tau']:.3f} [{max(lo, 1.0):.3f}, {hi:.3f}] |" in table
+    # A round emits at least one token: the band stops at tau = 1.
+    wide = {**result, "budgets": [{**row, "tau": 1.1, "tau_se": 0.2}]}
+    assert "| 1.100 [1.000, 1.492] |" in format_table(wide)
     with pytest.raises(ValueError, match="lookup must be >= 0 or None"):
         evaluate(models, texts, budgets=(2,), lookup=-1)
     with pytest.raises(ValueError, match="corpus must be >= 0 or None"):

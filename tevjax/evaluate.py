@@ -193,7 +193,8 @@ def format_table(result: dict) -> str:
         same = "n/a" if r["mismatches"] is None else ("yes" if r["mismatches"] == 0 else f"NO ({r['mismatches']})")
         lo, hi = r["sr_range"]
         se = r.get("tau_se")
-        band = "" if se is None else f" [{r['tau'] - stats.Z95 * se:.3f}, {r['tau'] + stats.Z95 * se:.3f}]"
+        # A round emits at least one token, so tau >= 1: a few prompts' normal band is cut there.
+        band = "" if se is None else f" [{max(r['tau'] - stats.Z95 * se, 1.0):.3f}, {r['tau'] + stats.Z95 * se:.3f}]"
         lines.append(f"| {r['budget']} | {r.get('lookup', 0)} | {r.get('corpus', 0)} | {r['tau']:.3f}{band} "
                      f"| {r['tokens_per_s']:.2f} "
                      f"| {r['sr']:.3f} [{lo:.2f}-{hi:.2f}] "
