@@ -410,3 +410,20 @@ def test_reuse_of_a_foreign_state_is_a_clear_error(models):
         dec.prefill(prompts, reuse=(state, [[1.0, 2.0], [3]]))
     got = dec.prefill(prompts, reuse=(state, prompts))  # the state was not consumed by the refusals
     assert np.asarray(got.cache_len).tolist() == [2, 1]
+    # Earlier prompts other than the ones the state was prefilled with would decode from the wrong
+    # cache: each row's prompt fingerprint is kept and checked (nothing is consumed by a refusal).
+    with pytest.raises(ValueError, match="earlier prompt 0 is not the prompt row 0"):
+        dec.prefill(prompts, reuse=(got, [[1, 2, 4], [4, 5]]))
+    with pytest.raises(ValueError, match="earlier prompt 0 is not the prompt row 0"):
+        dec.prefill(prompts, reuse=(got, prompts[::-1]))  # another row order
+    with pytest.raises(ValueError, match="earlier prompt 1 is not the prompt row 1"):
+        dec.prefill(prompts, reuse=(got, [[1, 2, 3], [4, 5, 6]]))
+    # That reuse consumed `state` (its caches were donated): a second use is named, not XLA's
+    # "Array has been deleted" from inside the call.
+    for call in (lambda: dec.results(state), lambda: dec.run(state), lambda: dec.step(state),
+                 lambda: dec.prefill(prompts, reuse=(state, prompts))):
+        with pytest.raises(ValueError, match="was consumed by an earlier run, step or prefill"):
+            call()
+    with pytest.raises(TypeError, match=r"results: expected a DecodeState"):
+        dec.results({"out": 1})
+    assert len(dec.results(dec.run(got))) == 2  # the state it returned is the live one

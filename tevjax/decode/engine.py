@@ -65,6 +65,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import hashlib
 import math
 import signal
 import threading
@@ -279,6 +280,10 @@ class DecodeState:
     # [B, 4] float32 each row's temperature, top-k, top-p and min-p (`SAMPLING_COLUMNS`). None
     # without `cfg.sampling_per_row` (every row then decodes with the config's, static values).
     sampling: jax.Array | None = None
+    # [B] int32 a 32-bit fingerprint of each row's prompt (`prompt_fingerprint`), set by every
+    # prefill: `prefill(reuse=)` checks its earlier prompts against it, since the caches cannot say
+    # what text they hold. None only in states made by hand.
+    prompt_hash: jax.Array | None = None
 
 
 # Logical axes of every `DecodeState` field (`tevjax.sharding.LOGICAL_RULES` maps them to mesh axes).
@@ -308,6 +313,7 @@ STATE_AXES: dict[str, tuple[str | None, ...]] = {
     "stop_mask": ("batch",),
     "logprobs": ("batch", None),
     "sampling": ("batch", None),
+    "prompt_hash": ("batch",),
 }
 
 # The columns of `DecodeState.sampling`.
@@ -388,7 +394,14 @@ def _vocab_split(mesh) -> bool:
     return mesh is not None and math.prod(mesh.shape[a] for a in mesh_axes(mesh, "vocab")) > 1
 
 
-def _empty_state(tstate, dstate, roots, lengths, limits, sampling, stop_masks, key_data, *, tgd, dgd,
+def prompt_fingerprint(prompt: Sequence[int]) -> int:
+    """A 32-bit fingerprint (int32) of a prompt's token ids, as `DecodeState.prompt_hash` keeps it:
+    another prompt matches by chance with probability 2**-32."""
+    digest = hashlib.blake2b(np.asarray(prompt, "<i8").tobytes(), digest_size=4).digest()
+    return int.from_bytes(digest, "little", signed=True)
+
+
+def _empty_state(tstate, dstate, roots, lengths, limits, sampling, stop_masks, key_data, prompt_hash, *, tgd, dgd,
                  cfg: DecodeConfig, capacity: int, mesh=None) -> DecodeState:
     """The state before prefill: zero caches of `capacity` slots, each row's root (its last prompt
     token, roots [B]), cache_len = lengths - 1 (lengths [B] prompt lengths >= 1), its most new
@@ -396,7 +409,8 @@ def _empty_state(tstate, dstate, roots, lengths, limits, sampling, stop_masks, k
     kept with `cfg.sampling_per_row`) and the stop strings it watches (stop_masks [B], kept with
     `cfg.stop`); the prefill chunks then fill slots [0,
     cache_len). key_data: the seed's key data; row r samples with
-    fold_in(seed key, r), whatever the batch and its split over devices."""
+    fold_in(seed key, r), whatever the batch and its split over devices. prompt_hash [B]: each
+    row's `prompt_fingerprint`."""
     target: Transformer = nnx.merge(tgd, tstate)
     base = jax.random.wrap_key_data(key_data)
     keys = jax.vmap(lambda r: jax.random.fold_in(base, r))(jnp.arange(roots.shape[0]))
@@ -426,14 +440,15 @@ def _empty_state(tstate, dstate, roots, lengths, limits, sampling, stop_masks, k
         stop_mask=stop_masks.astype(jnp.int32) if cfg.stop else None,
         logprobs=jnp.zeros((b, cfg.max_new_tokens), jnp.float32) if cfg.logprobs else None,
         sampling=sampling.astype(jnp.float32) if cfg.sampling_per_row else None,
+        prompt_hash=prompt_hash.astype(jnp.int32),
         # Every row starts drafting, from an optimistic estimate: a first tree that pays keeps it.
         **(dict(expected_block=jnp.full((b,), float(drafter.cfg.block_size), jnp.float32), skip=zeros,
                 wait=zeros, plain_rounds=zeros) if _falls_back(drafter, cfg) else {}),
     )
 
 
-def _rebase(tstate, dstate, state: DecodeState, roots, lengths, limits, sampling, stop_masks, key_data, *, tgd,
-            dgd, cfg: DecodeConfig, capacity: int, mesh=None) -> DecodeState:
+def _rebase(tstate, dstate, state: DecodeState, roots, lengths, limits, sampling, stop_masks, key_data, prompt_hash,
+            *, tgd, dgd, cfg: DecodeConfig, capacity: int, mesh=None) -> DecodeState:
     """`state`'s caches (target K/V, drafter context, kept hidden states, history below each row's
     new cache_len) under a fresh start for prompts of `lengths` with `roots`: what `_empty_state`
     gives, but with the cache slots an earlier decoding filled kept, for `Decoder.prefill(...,
@@ -441,8 +456,8 @@ def _rebase(tstate, dstate, state: DecodeState, roots, lengths, limits, sampling
     new prompt does not share are rewritten by the chunks or lie at or above cache_len, where
     nothing reads them. Another `capacity` than `state`'s appends empty slots or drops the top
     ones (the kept prefix lies below the new cache_len, so below any capacity that fits it)."""
-    fresh = _empty_state(tstate, dstate, roots, lengths, limits, sampling, stop_masks, key_data, tgd=tgd,
-                         dgd=dgd, cfg=cfg, capacity=capacity, mesh=mesh)
+    fresh = _empty_state(tstate, dstate, roots, lengths, limits, sampling, stop_masks, key_data, prompt_hash,
+                         tgd=tgd, dgd=dgd, cfg=cfg, capacity=capacity, mesh=mesh)
 
     kept = _fit_capacity(state, capacity=capacity)
     history = fresh.history
@@ -1008,6 +1023,17 @@ def _jit(fn, statics: dict, donate: tuple[int, ...] = (), shardings: dict | None
     return _program(fn, tuple(sorted(statics.items())), donate, key)
 
 
+def _check_state(state, caller: str) -> None:
+    """TypeError / ValueError unless `state` is a DecodeState whose buffers are still alive. `run`,
+    `step` and `prefill(reuse=)` donate the state they are given (its caches are reused in place),
+    so reading it afterwards would give XLA's "Array has been deleted" from deep inside the call."""
+    if not isinstance(state, DecodeState):
+        raise TypeError(f"{caller}: expected a DecodeState (from Decoder.prefill), got {type(state).__name__}")
+    if any(getattr(leaf, "is_deleted", lambda: False)() for leaf in jax.tree.leaves(state)):
+        raise ValueError(f"{caller}: this DecodeState was consumed by an earlier run, step or prefill(reuse=) "
+                         "(its buffers were donated): use the state that call returned")
+
+
 class Decoder:
     """Speculative (or autoregressive) generation with a target and, optionally, a DFlash drafter.
 
@@ -1087,12 +1113,12 @@ class Decoder:
             self._chunk_shardings = dict(in_shardings=(tshard, dshard, sshard, logical_sharding(mesh, ("batch", None)),
                                                        scalar), out_shardings=sshard)
             self._empty_shardings = dict(in_shardings=(tshard, dshard, rows, rows, rows, rows, rows,
-                                                       logical_sharding(mesh, (None,))),
+                                                       logical_sharding(mesh, (None,)), rows),
                                          out_shardings=sshard)
             vector = logical_sharding(mesh, (None,))  # a small host vector, on every device
             self._place_shardings = dict(in_shardings=(sshard, sshard, vector, vector, vector), out_shardings=sshard)
             self._rebase_shardings = dict(in_shardings=(tshard, dshard, sshard, rows, rows, rows, rows, rows,
-                                                        logical_sharding(mesh, (None,))), out_shardings=sshard)
+                                                        logical_sharding(mesh, (None,)), rows), out_shardings=sshard)
         # Donating the state is safe: each call's output state replaces its input and nothing
         # else holds a reference, so XLA can update the caches in place instead of copying them.
         self._round = _jit(_round, statics, (2,), shard)
@@ -1229,9 +1255,9 @@ class Decoder:
         the kept slots move to caches of that capacity. The kept K/V were written by the earlier
         rounds' tree passes, not by a prefill, so logits can differ from a fresh prefill's in the
         last bits: every output is still exactly verified against the target, and greedy outputs
-        differ only at near-ties. The state does not keep its prompts, so `earlier_prompts` is
-        taken on trust: prompts other than the ones it was prefilled with, or in another row
-        order, decode from the wrong cache (only the row count and the decoder are checked).
+        differ only at near-ties. The state keeps a 32-bit fingerprint of each row's prompt, so
+        earlier prompts other than the ones it was prefilled with, or in another row order, are
+        refused (ValueError), as are another decoder's state and a state already consumed.
         """
         self._check_prompts(prompts)
         _, capacity = self.shapes([len(p) for p in prompts])
@@ -1262,12 +1288,14 @@ class Decoder:
         lengths = [len(p) for p in prompts]
         key_data = np.asarray(jax.random.key_data(seed_key(seed)))
         roots = np.asarray([p[-1] for p in prompts], np.int32)
+        hashes = np.asarray([prompt_fingerprint(p) for p in prompts], np.int32)
         if reuse is None:
             start, es = 0, self._empty_shardings
             state = self._empty_fn(capacity)(self.tstate, self.dstate, self._rows(roots, 2, es),
                                              self._rows(np.asarray(lengths, np.int32), 3, es),
                                              self._rows(limits, 4, es), self._rows(sampling, 5, es),
-                                             self._rows(stop_masks, 6, es), self._rows(key_data, 7, es))
+                                             self._rows(stop_masks, 6, es), self._rows(key_data, 7, es),
+                                             self._rows(hashes, 8, es))
             c = self.chunk_size(lengths)
         else:
             start, rs = self._reused_prefix(prompts, reuse), self._rebase_shardings
@@ -1275,7 +1303,7 @@ class Decoder:
             state = rebase(self.tstate, self.dstate, reuse[0], self._rows(roots, 3, rs),
                            self._rows(np.asarray(lengths, np.int32), 4, rs), self._rows(limits, 5, rs),
                            self._rows(sampling, 6, rs), self._rows(stop_masks, 7, rs),
-                           self._rows(key_data, 8, rs))
+                           self._rows(key_data, 8, rs), self._rows(hashes, 9, rs))
             c = self.chunk_size(lengths, start)  # sized to what is left: a few messages, not the conversation
         chunks = -(-(max(lengths) - 1 - start) // c)  # covers prompt[start:-1]; 0 when nothing is left
         tokens = np.zeros((len(prompts), chunks * c), np.int32)
@@ -1384,14 +1412,22 @@ class Decoder:
         if len(earlier) != len(prompts):
             raise ValueError(f"reuse: {len(earlier)} earlier prompts for {len(prompts)} prompts (one per row, "
                              "padding rows included)")
-        cache = getattr(state, "target_cache", None)
-        if not isinstance(state, DecodeState) or not isinstance(cache, KVCache):
-            raise TypeError(f"reuse: expected a DecodeState of this decoder, got {type(state).__name__}")
+        _check_state(state, "prefill(reuse=)")
+        cache = state.target_cache
+        if not isinstance(cache, KVCache):
+            raise TypeError(f"reuse: expected a DecodeState of this decoder, got one with a {type(cache).__name__} cache")
         want = self._abstract_state(len(prompts), cache.capacity)
         if jax.tree.structure(state) != jax.tree.structure(want) or any(
                 a.shape != b.shape for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(want))):
             raise ValueError("reuse: the state is not one of this decoder's for this batch (another decoder's "
                              "settings, or another number of rows)")
+        if state.prompt_hash is not None:
+            kept = host_array(state.prompt_hash)
+            for i, old in enumerate(earlier):
+                if prompt_fingerprint(old) != int(kept[i]):
+                    raise ValueError(f"reuse: earlier prompt {i} is not the prompt row {i} of the state was prefilled "
+                                     "with (pass the prompts of the prefill that made the state, padding rows "
+                                     "included, in its row order)")
         cache_len, out, num_out = host_array(state.cache_len), host_array(state.out), host_array(state.num_out)
         nonfinite = host_array(state.nonfinite)
         keep = []
@@ -1419,7 +1455,7 @@ class Decoder:
         """The shapes and dtypes of a `prefill` result, computed without running anything."""
         i32, f32 = jax.ShapeDtypeStruct((batch,), jnp.int32), jax.ShapeDtypeStruct((batch, 4), jnp.float32)
         return jax.eval_shape(self._empty_fn(capacity), self.tstate, self.dstate, i32, i32, i32, f32, i32,
-                              self._key_data_shape())
+                              self._key_data_shape(), i32)
 
     def compile(self, prompts: Sequence[Sequence[int]], *, streaming: bool = False, reuse: bool = False,
                 continuous: bool = False) -> float:
@@ -1438,12 +1474,12 @@ class Decoder:
         i32 = jax.ShapeDtypeStruct((), jnp.int32)
         i32_b, f32_b = jax.ShapeDtypeStruct((b,), jnp.int32), jax.ShapeDtypeStruct((b, 4), jnp.float32)
         self._empty_fn(capacity).lower(self.tstate, self.dstate, i32_b, i32_b, i32_b, f32_b, i32_b,
-                                       self._key_data_shape()).compile()
+                                       self._key_data_shape(), i32_b).compile()
         tokens = jax.ShapeDtypeStruct((b, self.chunk_size(lengths)), jnp.int32)
         self._prefill_chunk.lower(self.tstate, self.dstate, state, tokens, i32).compile()
         if reuse:
             self._rebase_fn(capacity, capacity).lower(self.tstate, self.dstate, state, i32_b, i32_b, i32_b, f32_b,
-                                                      i32_b, self._key_data_shape()).compile()
+                                                      i32_b, self._key_data_shape(), i32_b).compile()
             small = jax.ShapeDtypeStruct((b, min(self.chunk_size(lengths), MIN_CHUNK)), jnp.int32)
             self._prefill_chunk.lower(self.tstate, self.dstate, state, small, i32).compile()
         if streaming:
@@ -1469,6 +1505,7 @@ class Decoder:
         any host) is answered after the call in flight: `Interrupted` then carries the state, whose
         finished rows are complete.
         """
+        _check_state(state, "run")
         if rounds_per_call is not None and rounds_per_call < 1:
             raise ValueError(f"rounds_per_call must be >= 1, got {rounds_per_call}")
         rounds = rounds_per_call or 1
@@ -1491,10 +1528,12 @@ class Decoder:
 
     def step(self, state: DecodeState) -> DecodeState:
         """One jitted round (consumes `state`); the building block of `stream`."""
+        _check_state(state, "step")
         return self._round(self.tstate, self.dstate, state, self.ngrams, self.stops)
 
     def results(self, state: DecodeState, prompt_lengths: Sequence[int] | None = None) -> list[Generation]:
         """Per-row results; `Generation.hidden` needs `cfg.hidden_layers` and the prompt lengths."""
+        _check_state(state, "results")
         out, num_out = host_array(state.out), host_array(state.num_out)
         rounds, total = host_array(state.rounds), host_array(state.block_total)
         nonfinite = host_array(state.nonfinite)
