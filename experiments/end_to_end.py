@@ -355,7 +355,11 @@ def main(argv=None) -> int:
     date = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
     load_start = os.getloadavg()
 
-    prompt_sets = load_prompt_sets(args.datasets, args.prompts, seed=args.seed)
+    try:
+        prompt_sets = load_prompt_sets(args.datasets, args.prompts, seed=args.seed)
+    except FileNotFoundError as e:  # a prompt set's package (gsm: the experiments extra)
+        print(f"end_to_end.py: error: {e}", file=sys.stderr)
+        return 2
     t0 = time.perf_counter()
     models = load_models("smollm2", args.drafter, dtype="float32")
     print(f"loaded SmolLM2-135M-Instruct (fp32) + tokenizer + drafter in {time.perf_counter() - t0:.1f} s", flush=True)

@@ -108,6 +108,14 @@ def test_the_multi_host_timeouts_reach_the_join(monkeypatch, capsys, command):
     assert [(k["timeout_s"], k["heartbeat_timeout_s"]) for k in seen] == [(9.5, 7), (300.0, 100)]
 
 
+def test_help_lists_the_commands_users_type(capsys):
+    code, out, _ = _run(capsys, "--help")
+    assert code == 0 and "{generate,chat,data,train,eval,demo}" in out
+    assert "SUPPRESS" not in out and "train-export" not in out  # reached as `train export`
+    code, out, _ = _run(capsys, "train", "export", "--help")
+    assert code == 0 and out.startswith("usage: tevjax train export ")
+
+
 def test_verifier_choices_follow_the_library(monkeypatch, capsys):
     """--verifier takes the names in `VERIFIERS` (plus "ar", no drafter, for generate only)."""
     from tevjax import verifiers

@@ -358,7 +358,10 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="tevjax", description="Lossless tree speculative decoding in JAX.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks of unexpected errors")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    # The choices shown: `train-export` is reached as `tevjax train export RUN DIR` and not listed
+    # (before Python 3.13 a hidden subcommand still showed, with its help as "==SUPPRESS==").
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser,
+                                metavar="{generate,chat,data,train,eval,demo}")
 
     gen = sub.add_parser("generate", help="generate text with DFlash + DDTree + an exact verifier")
     src = gen.add_mutually_exclusive_group(required=True)
@@ -482,7 +485,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--no-progress", action="store_true")
     tr.set_defaults(func=cmd_train)
 
-    ex = sub.add_parser("train-export", help=argparse.SUPPRESS)  # reached as `tevjax train export RUN DIR`
+    ex = sub.add_parser("train-export", prog="tevjax train export")  # reached as `tevjax train export RUN DIR`
+    sub._choices_actions = [a for a in sub._choices_actions if a.dest != "train-export"]  # not listed
     ex.add_argument("run_dir", type=Path)
     ex.add_argument("drafter_dir", type=Path)
     ex.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
