@@ -157,6 +157,9 @@ def test_prepare_keys_on_the_source_content(tiny_gguf, tmp_path, monkeypatch):
     time.sleep(0.05)
     hashed.clear()
     assert prepare_gguf(other, name="tiny", cache_dir=cache) == a and hashed == []
+    # The same file under another name (the embedded target, then the same GGUF by its path): the
+    # sound entry serves, with no second conversion.
+    assert prepare_gguf(other, name="renamed", cache_dir=cache) == a and len(calls) == 1
     # Another file (other weights): its own entry.
     write_gguf(other, tiny_state(seed=6))
     b = prepare_gguf(other, name="tiny", cache_dir=cache)

@@ -241,9 +241,10 @@ def prepare_gguf(gguf_path: str | os.PathLike, *, name: str,
                  cache_dir: str | os.PathLike | None = None) -> Path:
     """Convert `gguf_path` to an HF directory once and cache it; returns the cached directory.
 
-    The entry is `<cache_dir>/<name>-v<converter>-<size>-<sha256[:16]>`. An entry that passes the
-    checks of the module docstring is returned without touching the GGUF; a damaged or
-    incomplete one is rebuilt, with a note on stderr naming the entry and the problem.
+    The entry is `<cache_dir>/<name>-v<converter>-<size>-<sha256[:16]>`; where it is absent, a
+    sound entry of the same file under another name serves. An entry that passes the checks of
+    the module docstring is returned without touching the GGUF; a damaged or incomplete one is
+    rebuilt, with a note on stderr naming the entry and the problem.
     """
     src = Path(gguf_path)
     if not src.is_file():
@@ -255,6 +256,12 @@ def prepare_gguf(gguf_path: str | os.PathLike, *, name: str,
     problem, refreshed = _check_entry(entry, size, digest)
     if problem is None and refreshed is None:
         return entry
+    if problem == _ABSENT and root.is_dir():
+        # The same file reached under another name (the embedded target, then its path): one
+        # conversion serves both, since the entry is keyed by the file's contents.
+        for other in sorted(root.glob(f"*-v{CONVERTER_VERSION}-{size}-{digest[:16]}")):
+            if other.is_dir() and _check_entry(other, size, digest) == (None, None):
+                return other
     root.mkdir(parents=True, exist_ok=True)
     with _locked(root / f".{entry.name}.lock"):
         # Another process may have finished (or repaired) the entry while we waited for the lock.
