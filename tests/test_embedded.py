@@ -282,6 +282,21 @@ def test_intact_entry_is_checked_without_hashing(tiny_gguf, tmp_path, monkeypatc
     assert hashed == []
 
 
+def test_the_embedded_gguf_is_recognised_by_its_contents(tiny_gguf, tmp_path, monkeypatch):
+    """A copy of the embedded GGUF given by path is the embedded model (so `load_models` gives it
+    the shipped drafter); a file of the same size with other bytes, or another GGUF, is not."""
+    link = tmp_path / "mine.gguf"
+    link.symlink_to(smollm2_gguf_path())
+    assert embedded.is_embedded_gguf(link, cache_dir=tmp_path / "cache")
+    same_size = tmp_path / "other.gguf"
+    with open(same_size, "wb") as f:  # sparse: as large as the real one, other contents
+        f.truncate(smollm2_gguf_path().stat().st_size)
+    assert not embedded.is_embedded_gguf(same_size, cache_dir=tmp_path / "cache")
+    assert not embedded.is_embedded_gguf(tiny_gguf, cache_dir=tmp_path / "cache")
+    monkeypatch.setattr(embedded.importlib.util, "find_spec", lambda name: None)  # package not installed
+    assert not embedded.is_embedded_gguf(link, cache_dir=tmp_path / "cache")
+
+
 def test_prepare_missing_source(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope.gguf"):
         prepare_gguf(tmp_path / "nope.gguf", name="x", cache_dir=tmp_path)

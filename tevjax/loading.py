@@ -24,7 +24,7 @@ from flax import nnx
 
 from tevjax.builder import NGRAM_CALIBRATION, NGRAM_ORDERS, NgramTable, ngram_table
 from tevjax.convert.dflash_ckpt import load_dflash
-from tevjax.convert.embedded import default_cache_dir, prepare_gguf, prepare_smollm2
+from tevjax.convert.embedded import default_cache_dir, is_embedded_gguf, prepare_gguf, prepare_smollm2
 from tevjax.convert.hf import CheckpointError, load_hf_target
 from tevjax.convert.tokenizer import load_tokenizer
 from tevjax.models.config import ModelConfig
@@ -170,13 +170,15 @@ def load_models(target: str = EMBEDDED, drafter: str | os.PathLike | None = None
                             drafter_trained=False, eos_ids=loaded.eos_ids, notes=notes)
 
     trained = True
+    # The embedded model reached by its GGUF's path is the same model: the shipped drafter serves it.
+    embedded = target == EMBEDDED or (str(target).lower().endswith(".gguf") and is_embedded_gguf(target))
     # The drafter computes in the target's dtype (it runs the target's embedding and LM head), not
     # in its storage dtype: a bf16 checkpoint next to an fp32 target runs in fp32.
     ddtype = dtype or target_cfg.dtype
     if drafter is not None:
         check_same_files(f"the drafter {str(drafter)!r}", drafter, CHECKPOINT_FILES)
         _, draft_model = load_dflash(Path(drafter), target_cfg, dtype=ddtype, param_dtype=ddtype, mesh=mesh)
-    elif target == EMBEDDED and (TRAINED_DRAFTERS[EMBEDDED] / "config.json").exists():
+    elif embedded and (TRAINED_DRAFTERS[EMBEDDED] / "config.json").exists():
         check_same_files("the shipped drafter", TRAINED_DRAFTERS[EMBEDDED], CHECKPOINT_FILES)
         _, draft_model = load_dflash(TRAINED_DRAFTERS[EMBEDDED], target_cfg, dtype=ddtype, param_dtype=ddtype,
                                      mesh=mesh)
@@ -196,7 +198,7 @@ def load_models(target: str = EMBEDDED, drafter: str | os.PathLike | None = None
         )
 
     ngrams = None
-    corpus_dir = Path(drafter) if drafter is not None else TRAINED_DRAFTERS.get(target) if trained else None
+    corpus_dir = Path(drafter) if drafter is not None else TRAINED_DRAFTERS[EMBEDDED] if trained else None
     if corpus_dir is not None and (corpus_dir / CORPUS_FILE).exists():
         ngrams = load_ngrams(corpus_dir / CORPUS_FILE, vocab_size=target_cfg.vocab_size)
         notes.append(f"corpus lookup: {ngrams.num_entries:,} n-grams from {corpus_dir / CORPUS_FILE}")

@@ -50,6 +50,7 @@ __all__ = [
     "SMOLLM2_INSTALL_COMMAND",
     "EmbeddedModelNotFound",
     "default_cache_dir",
+    "is_embedded_gguf",
     "smollm2_gguf_path",
     "prepare_gguf",
     "prepare_smollm2",
@@ -281,6 +282,20 @@ def prepare_gguf(gguf_path: str | os.PathLike, *, name: str,
         gguf_to_hf_dir(src, entry, source_sha256=digest)
         _write_manifest(entry)
     return entry
+
+
+def is_embedded_gguf(path: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> bool:
+    """Whether `path` is a copy of the embedded SmolLM2 GGUF (same size, then same SHA-256; each
+    digest is taken once per file and remembered, as `prepare_gguf` does)."""
+    try:
+        ours = smollm2_gguf_path()
+    except EmbeddedModelNotFound:  # not installed: any GGUF given is another one
+        return False
+    src = Path(path)
+    if not src.is_file() or src.stat().st_size != ours.stat().st_size:
+        return False
+    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    return _source_digest(src, root) == _source_digest(ours, root)
 
 
 def prepare_smollm2(cache_dir: str | os.PathLike | None = None) -> Path:
