@@ -454,6 +454,9 @@ def test_lookup_and_merge_inputs_are_named():
                 call(seq, length)
     with pytest.raises(ValueError, match="distinct"):
         context_chain(seq, 7, 3, (2, 2))
+    for got, want in ((context_chain(seq.tolist(), 7, 3), context_chain(seq, 7, 3)),  # a list is one row too
+                      (corpus_chain(seq.tolist(), 7, 3, table), corpus_chain(seq, 7, 3, table))):
+        assert [np.asarray(g).tolist() for g in got] == [np.asarray(w).tolist() for w in want]
     with pytest.raises(TypeError, match="NgramTable"):
         corpus_chain(seq, 7, 3, {"orders": (2,)})
     lm = np.log(np.full((3, 5), 0.2, np.float32))
@@ -473,6 +476,9 @@ def test_lookup_and_merge_inputs_are_named():
             merge_chain(*args)
     # A chain that stops (-inf from some depth on) is well formed.
     merge_chain(tree, scores, chain, jnp.asarray([-0.5, -jnp.inf]))
+    # Under jit only shapes are read (no host sync): traced values pass unchecked, as documented.
+    jax.jit(merge_chain)(tree, scores, chain, reach[::-1])
+    jax.jit(context_chain, static_argnums=2)(seq, 99, 3)
 
 
 def test_merge_chain_scores_let_a_second_chain_merge():

@@ -282,6 +282,19 @@ def test_intact_entry_is_checked_without_hashing(tiny_gguf, tmp_path, monkeypatc
     assert hashed == []
 
 
+def test_a_copied_cache_serves_the_same_file_under_another_name(tiny_gguf, tmp_path, monkeypatch):
+    """A cache copied elsewhere (new inodes and times: its manifest's fingerprints are stale) still
+    serves the same file under another name, once its contents check out; no second conversion."""
+    calls = _counting(monkeypatch)
+    entry = prepare_gguf(tiny_gguf, name="tiny", cache_dir=tmp_path / "old")
+    shutil.copytree(tmp_path / "old", tmp_path / "new")
+    time.sleep(0.05)  # a later timestamp tick than the copies
+    got = prepare_gguf(tiny_gguf, name="renamed", cache_dir=tmp_path / "new")
+    assert got == tmp_path / "new" / entry.name and len(calls) == 1
+    assert embedded._check_entry(got, tiny_gguf.stat().st_size,
+                                 hashlib.sha256(tiny_gguf.read_bytes()).hexdigest()) == (None, None)  # refreshed
+
+
 def test_the_embedded_gguf_is_recognised_by_its_contents(tiny_gguf, tmp_path, monkeypatch):
     """A copy of the embedded GGUF given by path is the embedded model (so `load_models` gives it
     the shipped drafter); a file of the same size with other bytes, or another GGUF, is not."""

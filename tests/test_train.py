@@ -126,6 +126,11 @@ def test_data_resume_loses_and_duplicates_nothing(tmp_path, data_dir, target):
     with pytest.raises(FileNotFoundError, match="holds no data directory to complete"):  # a mistyped path
         generate_data(loaded, ROLLOUT, out, prompts=PROMPTS, resume=True, progress=False, log=lambda _: None)
     assert not out.exists()
+    stray = tmp_path / "stray"  # files but no plan: nothing to complete, and not a place to start
+    stray.mkdir()
+    (stray / "heldout.jsonl").write_text("")
+    with pytest.raises(FileExistsError, match="holds files but no manifest.json.*remove it"):
+        generate_data(loaded, ROLLOUT, stray, prompts=PROMPTS, resume=True, progress=False, log=lambda _: None)
     generate_data(loaded, ROLLOUT, out, prompts=PROMPTS, progress=False, log=lambda _: None, stop_after_shards=2)
     assert not read_manifest(out).get("complete")
     # A crash mid-shard leaves a temporary directory behind; it must not count.

@@ -216,6 +216,8 @@ def _concrete(x) -> np.ndarray | None:
 def _check_ids_row(ids, name: str, letter: str, caller: str) -> tuple[int]:
     """`ids`'s shape, after checking that it is one non-empty row of integer token ids (a batch is
     vmapped over rows, not passed whole)."""
+    if not isinstance(ids, (jax.Array, np.ndarray)):  # a list: what jnp.asarray would make of it
+        ids = np.asarray(ids)
     shape = tuple(np.shape(ids))
     if len(shape) != 1 or shape[0] < 1:
         raise ValueError(f"{caller}: {name} must be one row of token ids [{letter}], {letter} >= 1 (vmap over rows), "

@@ -261,8 +261,14 @@ def prepare_gguf(gguf_path: str | os.PathLike, *, name: str,
         # The same file reached under another name (the embedded target, then its path): one
         # conversion serves both, since the entry is keyed by the file's contents.
         for other in sorted(root.glob(f"*-v{CONVERTER_VERSION}-{size}-{digest[:16]}")):
-            if other.is_dir() and _check_entry(other, size, digest) == (None, None):
-                return other
+            if not other.is_dir() or _check_entry(other, size, digest)[0] is not None:
+                continue
+            with _locked(root / f".{other.name}.lock"):  # as for the entry's own name, under its lock
+                problem, refreshed = _check_entry(other, size, digest)
+                if problem is None:
+                    if refreshed is not None:  # copied or restored: record its new fingerprints
+                        _write_manifest(other, refreshed)
+                    return other
     root.mkdir(parents=True, exist_ok=True)
     with _locked(root / f".{entry.name}.lock"):
         # Another process may have finished (or repaired) the entry while we waited for the lock.

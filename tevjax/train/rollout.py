@@ -385,6 +385,9 @@ def check_data_out(out: str | os.PathLike, resume: bool) -> None:
     if (out / MANIFEST).exists():
         if not resume:
             raise FileExistsError(f"{out} already holds a data directory: pass --resume to complete it, or choose a new --out")
+    elif resume and holds_files(out):
+        raise FileExistsError(f"--resume: {out} holds files but no {MANIFEST}, so nothing to complete (a run "
+                              "stopped before writing its plan, or another directory): remove it, or choose a new --out")
     elif resume:
         raise FileNotFoundError(f"--resume: {out} holds no data directory to complete (no {MANIFEST}); "
                                 "leave out --resume to start one")
