@@ -418,6 +418,8 @@ def test_reuse_of_a_foreign_state_is_a_clear_error(models):
         dec.prefill(prompts, reuse=(got, prompts[::-1]))  # another row order
     with pytest.raises(ValueError, match="earlier prompt 1 is not the prompt row 1"):
         dec.prefill(prompts, reuse=(got, [[1, 2, 3], [4, 5, 6]]))
+    with pytest.raises(ValueError, match="earlier prompt 0 is not the prompt row 0"):  # no vocabulary's id
+        dec.prefill(prompts, reuse=(got, [[1, 2, 2**70], [4, 5]]))
     # That reuse consumed `state` (its caches were donated): a second use is named, not XLA's
     # "Array has been deleted" from inside the call.
     for call in (lambda: dec.results(state), lambda: dec.run(state), lambda: dec.step(state),

@@ -397,7 +397,11 @@ def _vocab_split(mesh) -> bool:
 def prompt_fingerprint(prompt: Sequence[int]) -> int:
     """A 32-bit fingerprint (int32) of a prompt's token ids, as `DecodeState.prompt_hash` keeps it:
     another prompt matches by chance with probability 2**-32."""
-    digest = hashlib.blake2b(np.asarray(prompt, "<i8").tobytes(), digest_size=4).digest()
+    try:
+        ids = np.asarray(prompt, "<i8").tobytes()
+    except OverflowError:  # an id past int64 is no vocabulary's: hash its digits instead
+        ids = repr([int(t) for t in prompt]).encode()
+    digest = hashlib.blake2b(ids, digest_size=4).digest()
     return int.from_bytes(digest, "little", signed=True)
 
 
