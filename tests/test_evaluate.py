@@ -30,7 +30,25 @@ class _CharTokenizer:
         return [3 + (ord(c) % 200) for c in text]
 
 
-def test_evaluate_interleaves_methods_and_reports_consistent_numbers():
+class _Clock:
+    """`time` for `tevjax.evaluate`: each timed generate call lasts the next of `durations` seconds
+    (cycling), so the reported speedups are known numbers."""
+
+    def __init__(self, durations):
+        self.now, self.calls, self.durations = 0.0, 0, durations
+
+    def perf_counter(self):
+        if self.calls % 2:  # the end of a timed call
+            self.now += self.durations[(self.calls // 2) % len(self.durations)]
+        self.calls += 1
+        return self.now
+
+
+def test_evaluate_interleaves_methods_and_reports_consistent_numbers(monkeypatch):
+    import tevjax.evaluate
+
+    # Calls in the rotated order: batch 0 runs ar, 2, 5; batch 1 runs 2, 5, ar.
+    monkeypatch.setattr(tevjax.evaluate, "time", _Clock([1.0, 0.5, 0.25, 0.4, 2.0, 0.8]))
     target = random_model(tiny_config(num_layers=4), seed=0)
     dcfg = DFlashConfig.for_target(target.cfg, num_layers=1, block_size=6, mask_token_id=5, target_layer_ids=(1, 3))
     drafter = DFlashDrafter(dcfg, rngs=nnx.Rngs(0))
@@ -56,6 +74,14 @@ def test_evaluate_interleaves_methods_and_reports_consistent_numbers():
         assert 0 < lo <= hi and np.isfinite(row["sr"])
         # SR is the ratio of per-token times over all batches.
         assert np.isclose(row["sr"], (result["ar"]["seconds"] / want) / (row["seconds"] / row["tokens"]))
+    # Both batches have the same tokens in every method (greedy), so a batch's speedup is AR's time
+    # over the method's: budget 2 took half of AR's time in both; budget 5 was 4x and 0.4x of AR.
+    assert result["ar"]["seconds"] == pytest.approx(1.8)
+    b2, b5 = result["budgets"]
+    assert b2["seconds"] == pytest.approx(0.9) and b2["sr"] == pytest.approx(2.0)
+    assert b2["sr_range"] == pytest.approx([2.0, 2.0])
+    assert b5["sr"] == pytest.approx(1.8 / 2.25)
+    assert b5["sr_range"] == pytest.approx([0.4 + 0.1 * 3.6, 0.4 + 0.9 * 3.6])  # 10th / 90th percentiles
     assert [row["lookup"] for row in result["budgets"]] == [2, 5]  # default: a chain as long as the budget
     assert [row["corpus"] for row in result["budgets"]] == [0, 0]  # no n-gram table: no corpus chain
     table = format_table(result)

@@ -46,6 +46,13 @@ def test_selection_is_a_function_of_the_seed_and_honours_exclusions(later):
     kept = sharegpt_prompts(None, turns="later", exclude_conversations=drop)
     assert not any(p.id.removeprefix("sharegpt/").split("#")[0] in drop for p in kept)
     assert len(kept) < len(later)
+    # An evaluation item equal to a prompt, or (40 characters or more) inside one, removes it; the
+    # packaged evaluation sets happen to match no ShareGPT turn, so these stand in for them.
+    inside = next(p for p in later[1:50] if len(p.text) >= 80)
+    banned = [later[0].text.upper(), inside.text[10:60]]  # compared lower-cased, whitespace collapsed
+    got = [p.id for p in sharegpt_prompts(50, turns="later", exclude=banned)]
+    assert later[0].id not in got and inside.id not in got
+    assert got[:10] == [p.id for p in later[:60] if p.id not in (later[0].id, inside.id)][:10]
     with pytest.raises(ValueError, match="turns must be one of first, later"):
         sharegpt_prompts(3, turns="middle")
 

@@ -171,6 +171,10 @@ def test_batches_are_a_pure_function_of_seed_and_step(data_dir):
     # Every epoch (12 records) visits each record once.
     assert sorted(flat[:12]) == list(range(12)) and sorted(flat[12:24]) == list(range(12))
     assert a != [data.order(1, s, 5).tolist() for s in range(6)]
+    # Epoch e is the permutation of (seed, e), so epochs differ: a repeated order would give every
+    # epoch's batches the same records side by side.
+    assert flat[:12] == np.random.default_rng([0, 0]).permutation(12).tolist()
+    assert flat[12:24] == np.random.default_rng([0, 1]).permutation(12).tolist() != flat[:12]
     with pytest.raises(ValueError, match="not stored"):
         data.tap_columns((2,))
 
@@ -190,6 +194,10 @@ def test_step_trains_only_the_drafter(data_dir, target):
         state, metrics = trainer.step(state, _batch(data_dir, s))
         assert all(np.isfinite(float(v)) for v in metrics.values())
         assert float(metrics["loss_exit"]) > 0 and float(metrics["blocks"]) > 0
+        # The step minimises the token loss plus lambda times ExitTrain's exit loss.
+        np.testing.assert_allclose(float(metrics["loss"]),
+                                   float(metrics["loss_tok"]) + CFG.exit_lambda * float(metrics["loss_exit"]),
+                                   rtol=1e-5)
     # The target, whose embedding and LM head the drafter shares, is bit-identical.
     jax.tree.map(np.testing.assert_array_equal, tstate_before, jax.tree.map(np.array, nnx.state(target)))
     jax.tree.map(np.testing.assert_array_equal, tstate_before, jax.tree.map(np.array, trainer.tstate))
@@ -303,6 +311,73 @@ def test_heldout_records_sum_to_the_check(data_dir, target):
     again = ev.per_record(drafter, target)
     for k in rec:
         np.testing.assert_array_equal(rec[k], again[k], err_msg=k)
+
+
+class _Oracle(DFlashDrafter):
+    """A stub drafter (a class of its own, so its programs are traced anew) whose block rows are
+    the data's next tokens, except at positions divisible by 5, where it proposes another token:
+    it hits and misses where a test can count them."""
+
+    def train_hidden(self, target, features, tokens, anchors, **_):
+        g = self.cfg.block_size - 1
+        pos = jnp.minimum(anchors[..., None] + jnp.arange(1, g + 1), tokens.shape[1] - 1)  # [B, M, G]
+        data = jnp.take_along_axis(tokens, pos.reshape(pos.shape[0], -1), axis=1).reshape(pos.shape)
+        proposed = jnp.where(pos % 5 == 0, (data + 1) % self.cfg.vocab_size, data)
+        return jax.nn.one_hot(proposed, self.cfg.vocab_size)
+
+    def logits(self, target, hidden, head=None, **_):
+        return 10.0 * hidden  # the proposed token at ~1 - V e^-10 of the mass: the chain comes first
+
+
+def test_heldout_tau_and_accuracy_equal_a_walk_of_the_data(data_dir, target):
+    """tau_<b> and acc_hits against a brute-force walk: at each valid anchor a, position a + g
+    counts where it lies in the record and is supervised, is a hit where the stub proposes the data
+    token, and a budget-b tree holds the stub's chain to depth min(b, G)."""
+    from tevjax.train.heldout import _evaluate
+
+    data = TrainData(data_dir, "heldout")
+    host = data.batch(range(3), data.tap_columns(TAPS), 40)
+    batch = Batch(**{k: jnp.asarray(v) for k, v in host.items()})
+    oracle = _Oracle(_drafter(target).cfg, rngs=nnx.Rngs(0))
+    dgd, dstate = nnx.split(oracle)
+    tgd, tstate = nnx.split(target)
+    out = _evaluate(dstate, tstate, batch, jax.random.key(3), dgd=dgd, tgd=tgd, budgets=(2, 5), anchors=6,
+                    per_anchor=True)
+    anc, valid = np.asarray(out["anchor"]), np.asarray(out["valid"])
+    mask, t, g = np.asarray(host["loss_mask"]), np.asarray(host["tokens"]).shape[1], BS - 1
+    want = {"tau_2": np.zeros(3, int), "tau_5": np.zeros(3, int), "acc_hits": np.zeros((3, g), int),
+            "acc_count": np.zeros((3, g), int)}
+    for r in range(3):
+        for a in anc[r][valid[r]]:
+            counts = [a + k < t and bool(mask[r, a + k]) for k in range(1, g + 1)]
+            hits = [c and (a + k) % 5 != 0 for k, c in enumerate(counts, start=1)]
+            want["acc_count"][r] += counts
+            want["acc_hits"][r] += hits
+            depth = next((k for k, h in enumerate(hits) if not h), g)
+            for b in (2, 5):
+                want[f"tau_{b}"][r] += 1 + min(depth, b)
+    assert want["acc_hits"].sum() > 0 and (want["acc_hits"] < want["acc_count"]).any()  # hits and misses
+    assert (want["tau_5"] > want["tau_2"]).any()  # the budget matters
+    for k, v in want.items():
+        np.testing.assert_array_equal(np.asarray(out[k]), v, err_msg=k)
+
+
+def test_acc1_is_block_position_ones_hit_rate(data_dir, target):
+    """The step's running acc1 against the stub's known hits: the token after each valid anchor,
+    where the stub proposes the data token (the anchors are `sample_anchors`' for the step's key)."""
+    from tevjax.train.objectives import sample_anchors
+    from tevjax.train.step import loss_terms
+
+    batch, key = _batch(data_dir, 0), jax.random.key(7)
+    cfg = dataclasses.replace(CFG, exit_lambda=0.0)
+    _, metrics = loss_terms(_Oracle(_drafter(target).cfg, rngs=nnx.Rngs(0)), target, batch, key, cfg)
+    b, t = batch.tokens.shape
+    anchors, valid = jax.vmap(sample_anchors, in_axes=(0, 0, None))(jax.random.split(key, b), batch.loss_mask,
+                                                                   cfg.anchors)
+    anchors, valid = np.asarray(anchors), np.asarray(valid)
+    hits = [(a + 1) % 5 != 0 for r in range(b) for a in anchors[r][valid[r]]]
+    assert 0 < sum(hits) < len(hits)
+    assert float(metrics["acc1"]) == pytest.approx(sum(hits) / len(hits))
 
 
 def test_trajectory_walks_decodings_rounds():
