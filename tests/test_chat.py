@@ -79,6 +79,25 @@ def test_each_reply_continues_the_whole_conversation(text_target_dir, replies, m
     assert "Traceback" not in err
 
 
+@pytest.mark.parametrize("limit", [60, 100])
+def test_each_turn_keeps_the_longest_run_of_whole_exchanges_that_fits(text_target_dir, limit):
+    """The reference: a turn keeps the latest exchanges before the new message, as many whole ones
+    as fit, and reports how many it dropped. At 100 positions some turns drop one exchange and keep
+    others; at 60 a turn keeps its message alone."""
+    tok = load_tokenizer(text_target_dir)
+    conv = Conversation(tok, limit=limit, reserve=20, system="hello")
+    fits = lambda ms: len(chat_prompt_ids(tok, [{"role": "system", "content": "hello"}, *ms])) + 20 <= limit  # noqa: E731
+    partial = 0
+    for k, text in enumerate(["hello world 12", "world hello", "12 12 12 hello", "hello hello world", "12 world"]):
+        before = list(conv.messages)
+        drop = next(d for d in range(len(before) // 2 + 1) if fits(before[2 * d:] + [_user(text)]))
+        _, dropped = conv.ask(text)
+        assert (dropped, conv.messages) == (drop, before[2 * drop:] + [_user(text)]), k
+        partial += 0 < drop < len(before) // 2
+        conv.answer(f"reply {k}")
+    assert partial > 0 if limit == 100 else partial == 0
+
+
 def test_a_conversation_too_long_for_the_target_drops_its_oldest_exchanges(text_target_dir):
     tok = load_tokenizer(text_target_dir)
     system = "hello"

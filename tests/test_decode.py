@@ -220,6 +220,10 @@ def test_rows_take_their_own_truncation(models, ar_greedy, verifier):
     assert [g.tokens for g in gens] == [ar_greedy[0], batch[("top_p", 0.5)][1], batch[("min_p", 0.2)][2],
                                         batch[("top_k", 0)][3]]
     assert len({tuple(batch[kw][1]) for kw in batch}) > 1  # the cuts change what a row samples
+    # A batch whose only cut is one row's min-p cuts that row (the batch-wide "any cut?" test
+    # reads every setting), and the others sample untruncated.
+    only = [g.tokens for g in dec.generate(PROMPTS, seed=7, min_p=[0.0, 0.0, 0.2, 0.0])]
+    assert only[2] == batch[("min_p", 0.2)][2] and only[3] == batch[("top_k", 0)][3]
     for kw, message in [(dict(top_k=[1, -1, 0, 0]), r"row 1: top_k must be >= 0"),
                         (dict(top_p=[1.0, 0.0, 1.0, 1.0]), r"row 1: top_p must be in \(0, 1\]"),
                         (dict(min_p=[0.0, 0.0, 1.0, 0.0]), r"row 2: min_p must be in \[0, 1\)")]:

@@ -412,8 +412,9 @@ def test_reuse_of_a_foreign_state_is_a_clear_error(models):
     assert np.asarray(got.cache_len).tolist() == [2, 1]
     # Earlier prompts other than the ones the state was prefilled with would decode from the wrong
     # cache: each row's prompt fingerprint is kept and checked (nothing is consumed by a refusal).
-    with pytest.raises(ValueError, match="earlier prompt 0 is not the prompt row 0"):
-        dec.prefill(prompts, reuse=(got, [[1, 2, 4], [4, 5]]))
+    for wrong in ([[1, 2, 4], [4, 5]], [[9, 2, 3], [4, 5]]):  # the last token, or the first
+        with pytest.raises(ValueError, match="earlier prompt 0 is not the prompt row 0"):
+            dec.prefill(prompts, reuse=(got, wrong))
     with pytest.raises(ValueError, match="earlier prompt 0 is not the prompt row 0"):
         dec.prefill(prompts, reuse=(got, prompts[::-1]))  # another row order
     with pytest.raises(ValueError, match="earlier prompt 1 is not the prompt row 1"):

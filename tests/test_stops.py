@@ -67,6 +67,12 @@ def test_advance_walks_the_table_and_skips_invalid_tokens():
     assert jax.jit(advance)(table, jnp.int32(1), tokens[3:4], valid[:1]).tolist() == [3]
     # A row watching none of the strings reads on through "b" (to state 2, the text ending in "ab").
     assert jax.jit(advance)(table, jnp.int32(1), tokens[3:4], valid[:1], 0).tolist() == [2]
+    # A stop string that ends inside another's prefix ("b" within "abc") is found there: the
+    # automaton's failure links carry the shorter string's mark.
+    nested = stop_table(["abc", "b"], [b"a", b"b", b"c"], 3)
+    state_a = int(nested.next[0, 0])
+    state_ab = int(nested.next[state_a, 1])
+    assert int(nested.hits[state_a, 1]) == 2 and int(nested.hits[state_ab, 2]) == 1  # "b", then "abc"
     two = stop_table(["ab", "x"], spellings, 5)
     walk = jax.jit(advance)
     tokens = jnp.asarray([0, 1], jnp.int32)  # "xa", "b": "x" ends in the first token, "ab" in the second
@@ -269,7 +275,8 @@ def test_a_decoder_with_stop_strings_needs_the_spellings(models):
 
 def test_emit_cuts_blocks_at_the_first_stop_eos_or_length():
     """Rows of one block "x c a" (stop "ca") with room for all, room for two (the length cut comes
-    before the stop: not a stop), an EOS first, and a row already done."""
+    before the stop: not a stop), an EOS first, and a row already done, whose text ends in "c" and
+    which is given "a c a": it emits nothing, so its state stays (not "ca", a stop it never wrote)."""
     from types import SimpleNamespace
 
     from tevjax.decode.engine import emit
@@ -277,14 +284,15 @@ def test_emit_cuts_blocks_at_the_first_stop_eos_or_length():
     spellings = [b"c", b"a", b"x", b""]  # 3 is the EOS: it spells nothing
     table = stop_table(["ca"], spellings, 4)
     cfg = DecodeConfig(stop=("ca",), eos_ids=(3,), max_new_tokens=4)
-    blocks = jnp.asarray([[2, 0, 1], [2, 0, 1], [3, 0, 1], [2, 0, 1]], jnp.int32)
+    blocks = jnp.asarray([[2, 0, 1], [2, 0, 1], [3, 0, 1], [1, 0, 1]], jnp.int32)
+    c_state = int(table.next[0, 0])  # the text ends in "c": a stop string's first byte
     ver = SimpleNamespace(tokens=blocks, num_tokens=jnp.asarray([3, 3, 3, 3], jnp.int32))
     state = SimpleNamespace(out=jnp.full((4, 4), -1, jnp.int32), num_out=jnp.asarray([0, 2, 0, 0], jnp.int32),
                             limit=jnp.full((4,), 4, jnp.int32),
-                            done=jnp.asarray([False, False, False, True]), stop_at=jnp.zeros(4, jnp.int32),
+                            done=jnp.asarray([False, False, False, True]),
+                            stop_at=jnp.asarray([0, 0, 0, c_state], jnp.int32),
                             stop_mask=jnp.full(4, -1, jnp.int32))
     out, num_out, finished, stop_at = emit(ver, state, cfg, stops=table)
     assert num_out.tolist() == [3, 4, 1, 0] and finished.tolist() == [True, True, True, False]
     assert out[0].tolist() == [2, 0, 1, -1] and out[1].tolist()[2:] == [2, 0]
-    c_state = int(table.next[0, 0])  # the text ends in "c": a stop string's first byte
-    assert stop_at.tolist() == [table.matched, c_state, 0, 0]
+    assert stop_at.tolist() == [table.matched, c_state, 0, c_state]

@@ -498,7 +498,10 @@ def test_a_seq_len_that_crops_every_response_is_refused(tmp_path, data_dir, targ
 
 def test_exact_resume_and_checkpoint_safety(tmp_path, data_dir, target):
     quiet = dict(progress=False, log=lambda _: None, target_name="tiny", heldout_records=4)
-    straight = train(target, _drafter(target), data_dir, tmp_path / "a", CFG, **quiet)
+    # A checkpoint after every step, the last `keep` kept (rotated, as orbax's manager does).
+    straight = train(target, _drafter(target), data_dir, tmp_path / "a", CFG, checkpoint_every_s=0.0, keep=2,
+                     **quiet)
+    assert sorted(os.listdir(tmp_path / "a" / "checkpoints")) == [str(CFG.steps - 1), str(CFG.steps)]
     train(target, _drafter(target), data_dir, tmp_path / "b", CFG, until=2, **quiet)
     assert sorted(os.listdir(tmp_path / "b" / "checkpoints")) == ["2"]
     # A save that crashed half-way (orbax's temporary directory) is never taken for a checkpoint.
@@ -512,6 +515,8 @@ def test_exact_resume_and_checkpoint_safety(tmp_path, data_dir, target):
               TrainConfig(**{**CFG.__dict__, "exit_budget": 6}), resume=True, **quiet)
     resumed = train(target, _drafter(target), data_dir, tmp_path / "b", CFG, resume=True, **quiet)
     assert int(resumed.step) == int(straight.step) == CFG.steps
+    steps = sorted(n for n in os.listdir(tmp_path / "b" / "checkpoints") if n.isdigit())
+    assert steps == ["2", str(CFG.steps)]  # the final step is saved next to the one it resumed from
     jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, straight.params),
                  jax.tree.map(np.asarray, resumed.params))
     jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, straight.opt),
@@ -524,8 +529,10 @@ def test_exact_resume_and_checkpoint_safety(tmp_path, data_dir, target):
     trained = {"/".join(map(str, p)): np.asarray(v)
                for p, v in jax.tree_util.tree_flatten_with_path(straight.params)[0]}
     assert exported.keys() == trained.keys()
+    resumed_export = _params(tmp_path / "b", target)  # the latest of its two checkpoints, not step 2
     for k in trained:
         np.testing.assert_array_equal(exported[k], trained[k], err_msg=k)
+        np.testing.assert_array_equal(resumed_export[k], trained[k], err_msg=k)
 
     # A corrupt checkpoint is a clear error naming it.
     ckpt = tmp_path / "a" / "checkpoints" / str(CFG.steps)

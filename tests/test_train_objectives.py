@@ -205,6 +205,10 @@ def test_sample_anchors_are_distinct_eligible_and_cover():
     assert int(valid.sum()) == 20 and sorted(np.asarray(anchors)[np.asarray(valid)].tolist()) == list(range(9, 29))
     anchors, valid = sample_anchors(jax.random.key(0), jnp.zeros(40, bool), 4)
     assert not np.any(np.asarray(valid))
+    # More anchors than positions (a short record in a wide batch): the padding is invalid.
+    anchors, valid = sample_anchors(jax.random.key(0), jnp.asarray(mask), 50)
+    assert anchors.shape == (50,) and int(valid.sum()) == 20
+    assert sorted(np.asarray(anchors)[np.asarray(valid)].tolist()) == list(range(9, 29))
     # Every eligible position is drawn about equally often (a uniform sample without replacement).
     counts = np.zeros(40)
     for seed in range(400):
