@@ -69,6 +69,30 @@ def hf_logits(hf, tokens: np.ndarray) -> np.ndarray:
         return hf(torch.from_numpy(np.asarray(tokens, np.int64))).logits.numpy()
 
 
+def test_linear_layers_split_their_heads_over_model(pair):
+    """The linear mixers' per-head parameters and their recurrent state split over `model` with the
+    heads (the mesh never changes a value, so only the specs can show a replicated one)."""
+    from jax.sharding import AbstractMesh
+    from jax.sharding import PartitionSpec as P
+
+    from tevjax.sharding import linear_shardings, param_shardings
+
+    _, cfg, model, _ = pair
+    if cfg.architecture != "qwen3_next":
+        pytest.skip("the layout is checked on Qwen3-Next")
+    mesh = AbstractMesh((1, 2), ("data", "model"))
+    flat = jax.tree_util.tree_flatten_with_path(param_shardings(model, mesh))[0]
+    specs = {".".join(str(getattr(k, "key", getattr(k, "idx", ""))) for k in path[:-1]): s.spec for path, s in flat}
+    for name in ("A_log", "dt_bias"):
+        assert specs[f"linear_layers.linear_attn.{name}"] == P(None, "model"), name
+    for name in ("in_proj_a", "in_proj_b", "in_proj_qkv", "in_proj_z"):
+        assert specs[f"linear_layers.linear_attn.{name}.kernel"] == P(None, None, "model"), name
+    state = linear_shardings(mesh)
+    assert state.state.spec == P(None, "data", "model", None, None)
+    assert state.tree_v.spec == P(None, "data", None, "model", None)
+    assert state.tree_gb.spec == P(None, "data", None, None, "model")
+
+
 def test_config_translation(pair):
     hf, cfg, _, path = pair
     assert cfg.architecture == hf.config.model_type

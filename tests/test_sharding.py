@@ -80,6 +80,8 @@ def test_every_target_array_has_axes_and_heads_split_over_model(arch, overrides)
         assert specs["layers.self_attn.v_proj.bias"] == P(None, "model")
     assert ("layers.self_attn.o_proj.bias" in specs) == cfg.attention_bias  # Qwen2 has none
     assert ("layers.self_attn.q_proj.bias" in specs) == cfg.qkv_biased  # Qwen2's, attention_bias (GPT-OSS)
+    if arch == "gpt_oss":  # its attention sinks, one per query head, split with the heads
+        assert specs["layers.self_attn.sinks"] == P(None, "model")
 
 
 def test_drafter_arrays_and_optimizer_moments_share_the_table():

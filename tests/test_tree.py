@@ -63,10 +63,14 @@ def test_structure_matches_reference(n, seed, pad_frac):
 
 
 def test_vmap_matches_single_and_chain_depth():
-    n = 65
-    chain = DraftTree.from_parents(np.arange(n), np.arange(n) - 1)
-    np.testing.assert_array_equal(chain.depth, np.arange(n))
-    assert bool(jnp.all(chain.ancestors == jnp.tril(jnp.ones((n, n), bool))))
+    for n in (65, 6, 40):  # n - 1 a power of two or not: the pointer doubling rounds suffice either way
+        chain = DraftTree.from_parents(np.arange(n), np.arange(n) - 1)
+        np.testing.assert_array_equal(chain.depth, np.arange(n))
+        assert bool(jnp.all(chain.ancestors == jnp.tril(jnp.ones((n, n), bool))))
+    # A parent that is not strictly earlier makes its node padding, even if it would reach the root.
+    later = DraftTree.from_parents([5, 1, 2], [-1, 2, 0])
+    assert np.asarray(later.valid).tolist() == [True, False, True]
+    assert np.asarray(later.depth).tolist() == [0, 0, 1] and np.asarray(later.parents).tolist() == [-1, -1, 0]
     rng = np.random.default_rng(0)
     par = np.stack([random_parents(12, rng, 3) for _ in range(4)])
     tok = np.stack([assign_tokens(p, 20, rng) for p in par])
