@@ -530,12 +530,16 @@ def test_append_context_writes_its_slots_and_drops_overflow(drafter, seq):
     # Row 0 starts at slot 14 of 16: tokens 0 and 1 land in slots 14 and 15, the rest is dropped
     # (never wrapped around); row 1 starts at slot 3 and fills slots 3..14.
     moved = _context_cache(drafter, feats, jnp.array([14, 3], jnp.int32))
-    for got, want in ((moved.k, base.k), (moved.v, base.v)):
-        got, want = np.asarray(got), np.asarray(want)  # [L, B, K, S, Dh]
+    # A negative start (slots before 0) drops those tokens too, never wrapping to the cache's end.
+    early = _context_cache(drafter, feats, jnp.array([-2, 0], jnp.int32))
+    for got, want, neg in ((moved.k, base.k, early.k), (moved.v, base.v, early.v)):
+        got, want, neg = np.asarray(got), np.asarray(want), np.asarray(neg)  # [L, B, K, S, Dh]
         np.testing.assert_array_equal(got[:, 0, :, 14:], want[:, 0, :, :2])
         np.testing.assert_array_equal(got[:, 1, :, 3:15], want[:, 1, :, :12])
         assert not got[:, 0, :, :14].any() and not got[:, 1, :, :3].any()
         assert not got[:, 1, :, 15:].any()
+        np.testing.assert_array_equal(neg[:, 0, :, :T - 2], want[:, 0, :, 2:T])
+        assert not neg[:, 0, :, T - 2:].any()
 
 
 def test_block_attention_is_not_causal(drafter, target, seq):

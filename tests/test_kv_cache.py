@@ -4,6 +4,8 @@ writes past capacity are dropped; the forward is differentiable end to end."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -102,6 +104,29 @@ def test_move_slots_commits_accepted_path():
     # Without the move the result differs (slots p+2 holds node b, not c), so the test has teeth.
     wrong = _causal(graphdef, state, nxt, out.cache, jnp.asarray([committed], jnp.int32))
     assert np.abs(np.asarray(wrong.logits) - np.asarray(step.logits)).max() > 1e-3
+
+
+def test_move_slots_and_scatter_rows_on_a_hand_filled_cache():
+    """Slot values are their own slot index, so each copy is visible: a path from slot 0 (the
+    decoder's sources start at 1, so only this test reaches it) is copied, -1 entries and
+    destinations past the capacity are skipped, and nothing else changes."""
+    from tevjax.models.cache import scatter_rows
+
+    cache = KVCache.init(CFG, 1, 8)
+    filled = jnp.broadcast_to(jnp.arange(8, dtype=cache.k.dtype)[:, None], cache.k.shape)  # [L, B, K, S, Dh]
+    cache = dataclasses.replace(cache, k=filled, v=filled + 100)
+    moved = KVCache.move_slots(cache, jnp.asarray([[0, 2, -1]], jnp.int32), jnp.asarray([3], jnp.int32))
+    want = np.arange(8, dtype=np.float32)
+    want[3], want[4] = 0, 2
+    np.testing.assert_array_equal(np.asarray(moved.k)[0, 0, 0, :, 0], want)
+    np.testing.assert_array_equal(np.asarray(moved.v)[0, 0, 0, :, 0], want + 100)
+    tail = KVCache.move_slots(cache, jnp.asarray([[1, 5]], jnp.int32), jnp.asarray([7], jnp.int32))
+    want = np.arange(8, dtype=np.float32)
+    want[7] = 1  # slot 8 is past the capacity: dropped, not clipped onto slot 7
+    np.testing.assert_array_equal(np.asarray(tail.k)[0, 0, 0, :, 0], want)
+    buf = jnp.zeros((1, 4), jnp.int32)
+    assert scatter_rows(buf, jnp.asarray([[4]]), jnp.asarray([[9]])).tolist() == [[0, 0, 0, 0]]  # past the end
+    assert scatter_rows(buf, jnp.asarray([[1]]), jnp.asarray([[9]])).tolist() == [[0, 9, 0, 0]]
 
 
 def test_writes_past_capacity_are_dropped():
