@@ -1003,15 +1003,17 @@ def _mask_token(args, loaded) -> int:
 def cmd_data(args) -> int:
     from tevjax.loading import load_target
     from tevjax.models.dflash import default_target_layer_ids
-    from tevjax.multihost import check_shared_dir
+    import jax
+
     from tevjax.train.rollout import RolloutConfig, check_data_out, generate_data
 
     if args.out.exists() and not args.out.is_dir():
         raise CliError(f"--out {str(args.out)!r} is a file, not a directory")
     mesh = _mesh(args, default_all=False)
-    # Before the target loads; a multi-host job first checks that every host sees one directory.
-    check_shared_dir("the data directory (--out)", args.out)
-    check_data_out(args.out, args.resume)
+    if jax.process_count() == 1:
+        # Before the target loads. A multi-host job reads --out only after `generate_data` has
+        # checked that every host sees one directory, so there the same check comes then.
+        check_data_out(args.out, args.resume)
     loaded = load_target(args.target, dtype="float32", mesh=mesh)
     for note in loaded.notes:
         print(f"tevjax: note: {note}", file=sys.stderr)
