@@ -213,6 +213,8 @@ def test_default_target_layer_ids_match_released_drafters():
     assert default_target_layer_ids(32, 5) == (1, 8, 15, 22, 29)  # Llama-3.1-8B drafter
     assert default_target_layer_ids(24, 1) == (12,)
     assert default_target_layer_ids(64, 2) == (1, 61)
+    # Spacing that is not a whole number rounds to nearest (1 + 26/3 = 9.67 -> 10), not down.
+    assert default_target_layer_ids(30, 4) == (1, 10, 18, 27)
 
 
 def test_public_config_parses_and_round_trips():
@@ -556,6 +558,65 @@ def test_block_attention_is_not_causal(drafter, target, seq):
     # The anchor token conditions every draft row.
     first = _call(drafter, target, block.at[:, 0].set(6), bpos, cache, a)
     assert bool(jnp.all(jnp.abs(first - base).max(axis=-1) > 1e-4))
+
+
+@nnx.jit
+def _train_logits_masked(drafter, target, features, tokens, anchors, context_mask):
+    return drafter.train_logits(target, features, tokens, anchors, context_mask=context_mask)
+
+
+def test_context_mask_hides_context_tokens(drafter, target, seq):
+    """`context_mask` [B, T] False hides a context token from every anchor: its features then have no
+    influence at all, and an all-True mask is no mask."""
+    tokens, feats = seq
+    base = _train_logits(drafter, target, feats, tokens, ANCHORS)
+    everything = jnp.ones((2, T), bool)
+    np.testing.assert_array_equal(np.asarray(_train_logits_masked(drafter, target, feats, tokens, ANCHORS, everything)),
+                                  np.asarray(base))
+    hidden = jnp.array([2, 4])  # before the later anchors of each row (3, 7, 11 and 5, 6, 10)
+    mask = everything.at[jnp.arange(2), hidden].set(False)
+    noisy = feats.at[jnp.arange(2), hidden].add(5.0 * jax.random.normal(jax.random.key(3), (2, feats.shape[-1])))
+    masked = _train_logits_masked(drafter, target, feats, tokens, ANCHORS, mask)
+    np.testing.assert_array_equal(np.asarray(_train_logits_masked(drafter, target, noisy, tokens, ANCHORS, mask)),
+                                  np.asarray(masked))
+    # ... while the anchors after the hidden token do see a change from hiding it.
+    assert bool(jnp.all(jnp.abs(masked[:, 1:] - base[:, 1:]).max(axis=(2, 3)) > 1e-4))
+
+
+class _ScaledEmbedding:
+    """A target whose embedding is multiplied by `scale` (its LM head unchanged)."""
+
+    def __init__(self, target, scale):
+        self.target, self.scale = target, scale
+
+    def embed(self, tokens):
+        return self.target.embed(tokens) * self.scale
+
+    def logits(self, hidden, rows=None, *, head=None):
+        return self.target.logits(hidden, rows, head=head)
+
+
+def test_optional_embedding_scale_output_multiplier_and_soft_cap(drafter, target, seq):
+    """The public `dflash_config` knobs: block embeddings times input_embedding_scale, then logits
+    times output_multiplier, then cap * tanh(logits / cap); parsed from config.json and written back."""
+    tokens, feats = seq
+    a = jnp.array([5, 9], jnp.int32)
+    cache = _context_cache(drafter, feats)
+    block = drafter.block_tokens(tokens[jnp.arange(2), a])
+    bpos = a[:, None] + jnp.arange(BS, dtype=jnp.int32)
+    knobs = dict(input_embedding_scale=1.7, output_multiplier=2.5, final_logit_softcapping=4.0)
+    c = _tiny_public_config()
+    c["dflash_config"] = dict(c["dflash_config"], **knobs)
+    cfg = DFlashConfig.from_hf_config(c, dtype="float32", param_dtype="float32")
+    assert (cfg.input_embedding_scale, cfg.output_multiplier, cfg.final_logit_softcapping) == (1.7, 2.5, 4.0)
+    assert DFlashConfig.from_hf_config(cfg.to_hf_config()) == cfg
+    knobbed = nnx.clone(drafter)
+    knobbed.cfg = dataclasses.replace(drafter.cfg, **knobs)
+    got = np.asarray(knobbed(target, block, bpos, cache, a))
+    plain = np.asarray(drafter(_ScaledEmbedding(target, 1.7), block, bpos, cache, a))
+    np.testing.assert_allclose(got, 4.0 * np.tanh(2.5 * plain / 4.0), rtol=1e-5, atol=1e-5)
+    assert np.abs(got).max() < 4.0 and np.abs(2.5 * plain).max() > 4.0  # the cap binds somewhere
+    assert np.abs(plain - np.asarray(drafter(target, block, bpos, cache, a))).max() > 1e-3  # the scale matters
 
 
 def test_jit_and_vmap_match_eager(drafter, target, seq):

@@ -47,6 +47,9 @@ def test_vocabulary_from_counts_is_the_top_k_with_forced_ids():
     np.testing.assert_array_equal(draft_vocab_from_counts(counts, 2), [1, 2])
     np.testing.assert_array_equal(draft_vocab_from_counts(counts, 3, always=(4,)), [1, 2, 4])
     np.testing.assert_array_equal(draft_vocab_from_counts(counts, 3, never=(2,)), [0, 1, 5])
+    # A tie AT the cut (ids 1, 2 and 3 tied, room for two): the lower ids win, in any order of the counts.
+    np.testing.assert_array_equal(draft_vocab_from_counts(np.array([3, 7, 7, 7, 1]), 2), [1, 2])
+    np.testing.assert_array_equal(draft_vocab_from_counts(np.array([0, 7, 7, 7, 9]), 2), [1, 4])
     with pytest.raises(ValueError, match="outside"):
         draft_vocab_from_counts(counts, 7)
 

@@ -508,6 +508,37 @@ def test_windowed_causal_runs_and_tree_passes_match_hf(variant, tmp_path):
     assert max(depth) + prefix + 1 > 2 * WINDOWS[variant][0]  # the deepest path reaches past two windows
 
 
+def test_windowed_tree_node_sees_by_position_not_slot():
+    """A tree node's window is over positions: an ancestor that sits at a later slot than its position
+    (siblings took the slots before it) drops out of the window by its depth. Here node 4 (depth 2) sits
+    at slot prefix + 4, and node 9 (depth 7) must not see it with window 4 (distance 5), as the causal
+    run over its path does not; every node on that path gets the path's causal logits."""
+    from tevjax.testing import random_model, tiny_config
+
+    model = random_model(tiny_config("mistral", sliding_window=4, sliding_layers=(0, 1)), seed=2)
+    graphdef, state = nnx.split(model)
+    rng = np.random.default_rng(4)
+    prefix, parents = 6, [-1, 0, 0, 0, 1, 4, 5, 6, 7, 8]  # nodes 2, 3: stray siblings of node 1
+    tokens = rng.integers(3, 300, prefix + len(parents)).astype(np.int32)
+    depth = [0] * len(parents)
+    anc = np.eye(len(parents), dtype=bool)
+    for i, par in enumerate(parents):
+        if par >= 0:
+            depth[i], anc[i] = depth[par] + 1, anc[i] | anc[par]
+    pre = FWD(graphdef, state, jnp.asarray(tokens[None, :prefix]), jnp.arange(prefix, dtype=jnp.int32)[None],
+              KVCache.init(model.cfg, 1, 32), jnp.zeros((1,), jnp.int32), None)
+    positions = jnp.asarray([[prefix + d for d in depth]], jnp.int32)
+    tree = FWD(graphdef, state, jnp.asarray(tokens[None, prefix:]), positions, pre.cache,
+               jnp.asarray([prefix], jnp.int32), jnp.asarray(anc[None]))
+    path = [i for i in range(len(parents)) if anc[9, i]]  # 0, 1, 4, ..., 9
+    seq = np.concatenate([tokens[:prefix], tokens[prefix:][path]])
+    ref = FWD(graphdef, state, jnp.asarray(seq[None]), jnp.arange(len(seq), dtype=jnp.int32)[None],
+              KVCache.init(model.cfg, 1, 32), jnp.zeros((1,), jnp.int32), None)
+    for node in path:
+        np.testing.assert_allclose(np.asarray(tree.logits[0, node]), np.asarray(ref.logits[0, prefix + depth[node]]),
+                                   atol=1e-4, rtol=0, err_msg=f"node {node}")
+
+
 # Every window kind decodes in the slow suite; the default one runs Mistral's (every layer), Gemma
 # 3's (some layers, two ropes) and Mixtral's (with experts), ~8 s each on 2 cores.
 @pytest.mark.parametrize("variant", [v if v in ("mistral-window", "gemma3", "mixtral") else

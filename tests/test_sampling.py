@@ -197,6 +197,38 @@ def test_per_row_truncation_equals_each_rows_static_settings():
         np.testing.assert_array_equal(got[i], want, err_msg=str(settings[i]))
     np.testing.assert_array_equal(got[0], np.asarray(x[0]))  # all off: uncut
     assert (np.isfinite(got[1]).sum(-1) == 1).all()  # top-k 1: the most probable token alone
+    # NumPy arrays are per-row settings too (not static numbers for `check_truncation`).
+    np_got = truncate_logits(x, temps[:, None, None], top_k=np.asarray(k, np.int32), top_p=np.asarray(p, np.float32),
+                             min_p=np.asarray(m, np.float32))
+    np.testing.assert_array_equal(np.asarray(np_got), got)
+
+
+def test_the_cut_is_exact_to_the_last_bit_over_the_whole_int32_key_range():
+    """Logits one float32 ulp apart are told apart even when the row also holds -inf (a masked token)
+    or a huge negative logit: the bisection's key span is then over 2^31, so it needs all 32 halvings
+    to land on the k-th value itself rather than on the float one ulp below it."""
+    for top in (1.0, 5.0, 30.0, -2.0):
+        for low in (-np.inf, -1e4, -3e38):
+            vals = [np.float32(top)]
+            for _ in range(3):
+                vals.append(np.nextafter(vals[-1], np.float32(-np.inf)))
+            x = np.array([[low, top / 2 - 7.0, *vals]], np.float32)
+            for k in (1, 2, 3):
+                want = [False, False] + [True] * k + [False] * (4 - k)
+                assert _kept(x, 1.0, top_k=k)[0].tolist() == want, (top, low, k)
+
+
+def test_temperature_zero_keeps_the_greedy_token():
+    """Temperature 0 (greedy) must not divide by zero: whatever the settings, static or per row, the
+    most probable token survives and no NaN appears (a greedy row may share a batch with cut rows)."""
+    x = np.log(np.array([[0.4, 0.25, 0.2, 0.1, 0.05]], np.float32))
+    for cut in (dict(min_p=0.3), dict(top_p=0.5), dict(top_k=2, top_p=0.9, min_p=0.1)):
+        out = np.asarray(truncate_logits(jnp.asarray(x), 0.0, **cut))
+        assert not np.isnan(out).any() and np.isfinite(out[0, 0]), cut
+    k, p, m = jnp.asarray([2], jnp.int32), jnp.asarray([0.5], jnp.float32), jnp.asarray([0.3], jnp.float32)
+    out = np.asarray(jax.jit(lambda t: truncate_logits(jnp.asarray(x), t, top_k=k, top_p=p, min_p=m))(
+        jnp.zeros((1, 1), jnp.float32)))
+    assert not np.isnan(out).any() and np.isfinite(out[0, 0])
 
 
 @pytest.mark.parametrize("cut, error, message", [
