@@ -336,6 +336,23 @@ def test_public_checkpoint_loads_runs_and_round_trips(public_ckpt, target, seq, 
     np.testing.assert_array_equal(np.asarray(d3.layers[0].mlp.up_proj.kernel[...]), np.asarray(kernel[...]))
 
 
+def test_save_names_the_stored_dtype_and_drops_a_stale_index(public_ckpt, tmp_path):
+    """config.json names the dtype the tensors are stored in (a float32 drafter saved as bfloat16
+    loads as a bfloat16 one, as `tevjax train export` writes them), and a save into a directory
+    holding a sharded checkpoint removes its index, which readers would otherwise follow."""
+    cfg32, d32 = load_dflash(public_ckpt[0], dtype="float32", param_dtype="float32")
+    out = tmp_path / "out"
+    out.mkdir()
+    index = {"metadata": {}, "weight_map": {"fc.weight": "model-00001-of-00002.safetensors"}}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index))
+    save_dflash(d32, cfg32, out, dtype="bfloat16")
+    assert not (out / "model.safetensors.index.json").exists()
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    cfg, d = load_dflash(out)
+    assert cfg.dtype == cfg.param_dtype == "bfloat16"
+    np.testing.assert_array_equal(np.asarray(d.fc.kernel[...]), np.asarray(d32.fc.kernel[...]))  # bf16 values
+
+
 def test_model_prefix_is_accepted(public_ckpt, tmp_path):
     _, hf_cfg, tensors = public_ckpt
     path = _write_checkpoint(tmp_path / "prefixed", hf_cfg, {"model." + k: v for k, v in tensors.items()})

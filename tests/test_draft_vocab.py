@@ -232,6 +232,38 @@ def test_labels_outside_the_vocabulary_are_not_counted(target):
     assert float(den) == ref_den
 
 
+def test_the_steps_losses_under_a_reduced_vocabulary(target):
+    """`loss_terms` with a reduced vocabulary: the token loss counts only labels inside it, and the
+    exit loss (trees, law and node logits) is that of the full-vocabulary drafter of the same
+    weights whose logits outside the vocabulary are -1e9, which reads its nodes by token id where
+    the reduced one must read them by draft index."""
+    from tevjax.train.objectives import ratio, sample_anchors
+
+    batch, key = _batch(target, seed=1), jax.random.key(5)
+    ids = np.unique(np.asarray(batch.tokens)[:, ::2])  # the odd positions' tokens mostly fall outside
+    keep = np.isin(np.arange(target.cfg.vocab_size), ids)
+
+    class Masked(DFlashDrafter):
+        def logits(self, target, hidden, head=None, **kw):
+            return jnp.where(keep, super().logits(target, hidden, head, **kw), -1e9)
+
+    reduced = DFlashDrafter(_cfg(target, len(ids)), rngs=nnx.Rngs(7), draft_vocab=ids)
+    masked = Masked(_cfg(target, None), rngs=nnx.Rngs(7))
+    terms = nnx.jit(loss_terms, static_argnums=4)
+    _, m_reduced = terms(reduced, target, batch, key, CFG)
+    _, m_masked = terms(masked, target, batch, key, CFG)
+    for k in ("loss_exit", "coverage"):
+        np.testing.assert_allclose(float(m_reduced[k]), float(m_masked[k]), rtol=1e-5, err_msg=k)
+    anchors, valid = jax.vmap(sample_anchors, in_axes=(0, 0, None))(jax.random.split(key, 2), batch.loss_mask,
+                                                                   CFG.anchors)
+    z = reduced.logits(target, reduced.train_hidden(target, batch.features, batch.tokens, anchors))
+    idx, inside = reduced.draft_index(batch.tokens)
+    assert not bool(jnp.all(inside | ~batch.loss_mask))  # some supervised labels lie outside
+    want = ratio(token_loss_terms(jax.nn.logsumexp(z, -1), z, idx, batch.loss_mask & inside, anchors, valid,
+                                  CFG.gamma))
+    np.testing.assert_allclose(float(m_reduced["loss_tok"]), float(want), rtol=1e-5)
+
+
 def test_step_trains_parameters_only_and_keeps_the_vocabulary(target):
     ids = _vocab(target, 80)
     drafter = DFlashDrafter(_cfg(target, 80), rngs=nnx.Rngs(8), draft_vocab=ids)

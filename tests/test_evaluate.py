@@ -70,6 +70,8 @@ def test_evaluate_interleaves_methods_and_reports_consistent_numbers(monkeypatch
         assert np.isclose(row["tau"], emitted.sum() / rounds.sum())
         d = emitted / emitted.sum() - rounds / rounds.sum()
         assert np.isclose(row["tau_se"], row["tau"] * np.sqrt(2 * np.sum(d * d)))
+        # The spread of the prompts' own taus: the sample standard deviation (n - 1).
+        assert row["tau_prompt_sd"] == pytest.approx(np.std(emitted / rounds, ddof=1))
         lo, hi = row["sr_range"]
         assert 0 < lo <= hi and np.isfinite(row["sr"])
         # SR is the ratio of per-token times over all batches.

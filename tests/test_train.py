@@ -163,6 +163,50 @@ def test_data_train_shard_slices_make_the_single_runs_shards(tmp_path, data_dir,
         assert _records(out, split) == _records(data_dir, split)
 
 
+def test_shard_records_and_summaries_describe_the_records(data_dir):
+    """records.json gives each record its prompt's index, the prompt and response lengths that its
+    tokens and loss mask show, and its stop reason; the manifest's per-shard summary adds them up."""
+    manifest = read_manifest(data_dir)
+    for split, prompts in (("heldout", PROMPTS[0]), ("train", PROMPTS[1])):
+        data = TrainData(data_dir, split)
+        i = 0
+        for name in data.shard_names:
+            shard = data_dir / "shards" / name
+            metas = json.loads((shard / "records.json").read_text())
+            for m in metas:
+                tokens, mask, _ = data.record(i, [0])
+                assert m["prompt_index"] == i and m["prompt_len"] == len(prompts[i]) == int((~mask).sum())
+                assert m["response_len"] == int(mask.sum()) == len(tokens) - len(prompts[i]) > 0
+                assert m["stop"] == ("eos" if tokens[-1] == 2 else "length"), m
+                assert m["stop"] == "eos" or m["response_len"] == ROLLOUT.max_new_tokens
+                i += 1
+            offsets, mask = np.load(shard / "offsets.npy"), np.load(shard / "loss_mask.npy")
+            eos = sum(int(np.load(shard / "tokens.npy")[e - 1]) == 2 for e in offsets[1:])
+            assert manifest["shards"][name] == {"records": len(offsets) - 1, "response_tokens": int(mask.sum()),
+                                                "tokens": int(offsets[-1]), "eos": eos}, name
+        assert i == len(data) == len(prompts)
+
+
+def test_step_anchors_follow_the_seed_and_the_step(data_dir, target):
+    """Step s samples its anchors with fold_in(seed_key(seed), s) (a resume at s draws what the
+    uninterrupted run drew): the step's token loss is `loss_terms`' at that key, other at each step."""
+    from tevjax.seeding import seed_key
+    from tevjax.train.step import loss_terms
+
+    cfg = dataclasses.replace(CFG, exit_lambda=0.0, seed=11)
+    batch, drafter = _batch(data_dir, 0), _drafter(target)
+    trainer = Trainer(_drafter(target), target, cfg, make_mesh())
+    losses = []
+    for s in (0, 3):
+        # A copy: the step donates its state, and init_state's arrays are the Trainer's own.
+        state = dataclasses.replace(jax.tree.map(jnp.copy, trainer.init_state()), step=jnp.asarray(s, jnp.int32))
+        _, metrics = trainer.step(state, batch)
+        want = float(loss_terms(drafter, target, batch, jax.random.fold_in(seed_key(cfg.seed), s), cfg)[0])
+        np.testing.assert_allclose(float(metrics["loss_tok"]), want, rtol=1e-5, err_msg=f"step {s}")
+        losses.append(want)
+    assert losses[0] != losses[1]  # the anchors differ from step to step
+
+
 def test_batches_are_a_pure_function_of_seed_and_step(data_dir):
     data = TrainData(data_dir, "train")
     a = [data.order(0, s, 5).tolist() for s in range(6)]
@@ -177,6 +221,17 @@ def test_batches_are_a_pure_function_of_seed_and_step(data_dir):
     assert flat[12:24] == np.random.default_rng([0, 1]).permutation(12).tolist() != flat[:12]
     with pytest.raises(ValueError, match="not stored"):
         data.tap_columns((2,))
+
+
+def test_tap_columns_follow_the_drafters_tap_order(data_dir):
+    """A drafter tapping the stored layers in another order reads the stored columns in its own
+    order: its features are the stored blocks, permuted."""
+    data = TrainData(data_dir, "train")
+    assert data.tap_columns(TAPS) == [0, 1] and data.tap_columns(TAPS[::-1]) == [1, 0]
+    d = data.hidden_size
+    _, _, stored = data.record(2, [0, 1])
+    _, _, swapped = data.record(2, data.tap_columns(TAPS[::-1]))
+    np.testing.assert_array_equal(swapped, np.concatenate([stored[:, d:], stored[:, :d]], axis=1))
 
 
 def _batch(data_dir, step=0):
@@ -380,6 +435,59 @@ def test_acc1_is_block_position_ones_hit_rate(data_dir, target):
     assert float(metrics["acc1"]) == pytest.approx(sum(hits) / len(hits))
 
 
+class _IndexZero(DFlashDrafter):
+    """A stub drafter whose every draft row proposes draft-vocabulary index 0."""
+
+    def logits(self, target, hidden, head=None, **_):
+        v = self.cfg.draft_vocab_size
+        return jnp.broadcast_to(jnp.where(jnp.arange(v) == 0, 10.0, 0.0), hidden.shape[:-1] + (v,))
+
+
+def test_acc1_counts_a_label_outside_the_draft_vocabulary_as_a_miss(data_dir, target):
+    """Such a label's draft index is 0 as well (`draft_index`), yet a row proposing index 0 hits
+    only the token that index 0 stands for."""
+    from tevjax.train.objectives import sample_anchors
+    from tevjax.train.step import loss_terms
+
+    vocab = np.arange(0, target.cfg.vocab_size, 3, dtype=np.int32)
+    drafter = _IndexZero(dataclasses.replace(_drafter(target).cfg, draft_vocab_size=len(vocab)), rngs=nnx.Rngs(0),
+                         draft_vocab=vocab)
+    batch, key = _batch(data_dir, 0), jax.random.key(7)
+    cfg = dataclasses.replace(CFG, exit_lambda=0.0)
+    _, metrics = loss_terms(drafter, target, batch, key, cfg)
+    anchors, valid = jax.vmap(sample_anchors, in_axes=(0, 0, None))(jax.random.split(key, batch.tokens.shape[0]),
+                                                                   batch.loss_mask, cfg.anchors)
+    tokens, anchors, valid = np.asarray(batch.tokens), np.asarray(anchors), np.asarray(valid)
+    labels = [int(tokens[r, a + 1]) for r in range(len(tokens)) for a in anchors[r][valid[r]]]
+    assert any(t % 3 for t in labels)  # some labels lie outside the vocabulary
+    assert float(metrics["acc1"]) == pytest.approx(sum(t == vocab[0] for t in labels) / len(labels))
+
+
+def test_exit_trees_sit_on_evenly_spread_anchors(data_dir, target):
+    """E = 3 of M = 6 anchors get trees: anchors 0, 2 and 5 (`linspace`), so the last anchor's
+    root token moves the exit loss (the first three anchors alone would never read it), and the
+    token after it does not."""
+    from tevjax.train.objectives import sample_anchors
+    from tevjax.train.step import loss_terms
+
+    drafter, batch, key = _drafter(target), _batch(data_dir, 0), jax.random.key(5)
+    b = batch.tokens.shape[0]
+    anchors, valid = jax.vmap(sample_anchors, in_axes=(0, 0, None))(jax.random.split(key, b), batch.loss_mask,
+                                                                   CFG.anchors)
+    assert np.asarray(valid).all()
+    tokens = np.array(batch.tokens)
+    last = np.asarray(anchors)[:, -1]
+    tokens[np.arange(b), last] = (tokens[np.arange(b), last] + 17) % 300 + 3
+    moved = dataclasses.replace(batch, tokens=jnp.asarray(tokens))
+    exit_of = lambda bt: float(loss_terms(drafter, target, bt, key, CFG)[1]["loss_exit"])  # noqa: E731
+    base = exit_of(batch)
+    assert exit_of(moved) != base
+    # A tree is rooted at its anchor's token: the token after the last anchor is no tree's to read.
+    tokens = np.array(batch.tokens)
+    tokens[np.arange(b), last + 1] = (tokens[np.arange(b), last + 1] + 17) % 300 + 3
+    assert exit_of(dataclasses.replace(batch, tokens=jnp.asarray(tokens))) == base
+
+
 def test_trajectory_walks_decodings_rounds():
     # Anchors 4..11 (the answer is positions 5..12); invalid padding anchors never count.
     anchors = np.array([4, 5, 6, 7, 8, 9, 10, 11, 40, 40])
@@ -498,9 +606,10 @@ def test_a_seq_len_that_crops_every_response_is_refused(tmp_path, data_dir, targ
 
 def test_exact_resume_and_checkpoint_safety(tmp_path, data_dir, target):
     quiet = dict(progress=False, log=lambda _: None, target_name="tiny", heldout_records=4)
-    # A checkpoint after every step, the last `keep` kept (rotated, as orbax's manager does).
+    # A checkpoint after every step, the last `keep` kept (rotated, as orbax's manager does); a
+    # held-out check after every step too.
     straight = train(target, _drafter(target), data_dir, tmp_path / "a", CFG, checkpoint_every_s=0.0, keep=2,
-                     **quiet)
+                     eval_every_s=0.0, **quiet)
     assert sorted(os.listdir(tmp_path / "a" / "checkpoints")) == [str(CFG.steps - 1), str(CFG.steps)]
     train(target, _drafter(target), data_dir, tmp_path / "b", CFG, until=2, **quiet)
     assert sorted(os.listdir(tmp_path / "b" / "checkpoints")) == ["2"]
@@ -513,7 +622,13 @@ def test_exact_resume_and_checkpoint_safety(tmp_path, data_dir, target):
     with pytest.raises(RunError, match="exit_budget"):
         train(target, _drafter(target), data_dir, tmp_path / "b",
               TrainConfig(**{**CFG.__dict__, "exit_budget": 6}), resume=True, **quiet)
-    resumed = train(target, _drafter(target), data_dir, tmp_path / "b", CFG, resume=True, **quiet)
+    lines = []
+    resumed = train(target, _drafter(target), data_dir, tmp_path / "b", CFG, resume=True,
+                    **{**quiet, "log": lines.append})
+    # The checkpoint's metadata names the data position: step 2 of batches of B records.
+    event = next(json.loads(x) for x in lines if '"resume"' in x)
+    assert event["checkpoint_meta"] == {"step": 2, "data_position": 2 * CFG.batch_size, "seed": CFG.seed,
+                                        "records": 12}
     assert int(resumed.step) == int(straight.step) == CFG.steps
     steps = sorted(n for n in os.listdir(tmp_path / "b" / "checkpoints") if n.isdigit())
     assert steps == ["2", str(CFG.steps)]  # the final step is saved next to the one it resumed from
@@ -523,6 +638,12 @@ def test_exact_resume_and_checkpoint_safety(tmp_path, data_dir, target):
                  jax.tree.map(np.asarray, resumed.opt))
     log = [json.loads(line) for line in (tmp_path / "b" / "log.jsonl").read_text().splitlines()]
     assert any("heldout" in e and "tau_sim@8" in e["heldout"] for e in log)
+    # Held-out checks follow eval_every_s: none mid-run at the default 600 s (only the final one,
+    # which the stop at step 2 did not make), one per step at 0 s (then the final one).
+    checks = lambda run: [(e["step"], e.get("final", False)) for e in  # noqa: E731
+                          map(json.loads, (tmp_path / run / "log.jsonl").read_text().splitlines()) if "heldout" in e]
+    assert checks("b") == [(CFG.steps, True)]
+    assert checks("a") == [(s, False) for s in range(1, CFG.steps + 1)] + [(CFG.steps, True)]
 
     # Export == the trained parameters (float32 export is lossless); the drafter then decodes.
     exported = _params(tmp_path / "a", target)
@@ -705,6 +826,38 @@ def test_adam_decays_are_checked():
     for name, bad in (("b1", 1.5), ("b1", -1.0), ("b2", float("nan")), ("b2", 1.0)):
         with pytest.raises(ValueError, match=rf"TrainConfig.{name} must be in \[0, 1\)"):
             dataclasses.replace(CFG, **{name: bad})
+
+
+def test_optimizer_is_clipped_adamw_on_warmup_cosine():
+    """`make_optimizer` against Adam worked out by hand: the gradient clipped to global norm
+    clip_norm, AdamW with the config's b1, b2 and decoupled weight decay, and the learning rate
+    rising linearly from 0 over round(warmup * steps) steps, then a cosine to 0 at `steps`."""
+    import optax
+
+    from tevjax.train.step import make_optimizer
+
+    cfg = TrainConfig(steps=10, lr=0.1, warmup=0.2, clip_norm=1.0, b1=0.8, b2=0.95, weight_decay=0.05)
+    rng = np.random.default_rng(0)
+    # Norms from 0.3 to 4: about half the gradients are clipped, and they differ in size, so Adam's
+    # normalisation does not hide the clipping.
+    grads = [rng.standard_normal(3) * s for s in np.linspace(0.3, 4.0, cfg.steps)[rng.permutation(cfg.steps)]]
+    assert 0 < sum(np.linalg.norm(g) > cfg.clip_norm for g in grads) < cfg.steps
+    tx = make_optimizer(cfg)
+    params = jnp.asarray([3.0, -2.0, 0.5], jnp.float32)
+    opt = tx.init(params)
+    p, m, v = np.array([3.0, -2.0, 0.5]), np.zeros(3), np.zeros(3)
+    warm = 2
+    for t, g in enumerate(grads):
+        upd, opt = tx.update(jnp.asarray(g, jnp.float32), opt, params)
+        params = optax.apply_updates(params, upd)
+        g = g * min(1.0, cfg.clip_norm / np.linalg.norm(g))
+        m, v = cfg.b1 * m + (1 - cfg.b1) * g, cfg.b2 * v + (1 - cfg.b2) * g * g
+        adam = (m / (1 - cfg.b1 ** (t + 1))) / (np.sqrt(v / (1 - cfg.b2 ** (t + 1))) + 1e-8)
+        lr = cfg.lr * (t / warm if t < warm else 0.5 * (1 + np.cos(np.pi * (t - warm) / (cfg.steps - warm))))
+        p = p - lr * (adam + cfg.weight_decay * p)
+        np.testing.assert_allclose(np.asarray(params), p, rtol=1e-5, atol=1e-6, err_msg=f"step {t + 1}")
+        if t == 0:  # the warmup starts at a learning rate of 0: the first step moves nothing
+            np.testing.assert_array_equal(np.asarray(params), [3.0, -2.0, 0.5])
 
 
 def test_train_mask_token_flag(target):
