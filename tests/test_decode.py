@@ -8,6 +8,7 @@ False-alarm budget: the seven chi-square tests of the sampling law run at ALPHA 
 """
 
 import dataclasses
+import functools
 import itertools
 
 import jax
@@ -145,6 +146,22 @@ def test_continuous_batching_equals_one_batch_of_every_prompt(models, verifier, 
         dec.continuous(prompts, -1)  # raised at the call, not at the first result
 
 
+def test_continuous_refills_never_prefill_more_rows_than_the_batch(models, ar_greedy, monkeypatch):
+    """Refill groups are powers of two capped at batch_size: three rows that finish together are
+    refilled by one prefill of three rows, not four; fewer prompts than rows take no idle rows."""
+    dec = _decoder(models, AR)
+    sizes, prefill = [], dec._prefill
+    monkeypatch.setattr(dec, "_prefill", lambda prompts, *a: sizes.append(len(prompts)) or prefill(prompts, *a))
+    prompts = PROMPTS[:3] * 2
+    gens = dec.generate_continuous(prompts, 3, max_new_tokens=2)
+    assert [g.tokens for g in gens] == [a[:2] for a in ar_greedy[:3]] * 2
+    assert sizes == [3, 3]
+    sizes.clear()
+    gens = dec.generate_continuous(PROMPTS[:2], 3, max_new_tokens=2)
+    assert [g.tokens for g in gens] == [a[:2] for a in ar_greedy[:2]]
+    assert sizes == [2]
+
+
 @pytest.mark.parametrize("verifier", [AR, "tev"])
 def test_rows_take_their_own_max_new_tokens(models, ar_greedy, verifier):
     """Per-row limits are data, not shapes: each row stops at its own, with the loop compiled once."""
@@ -165,6 +182,7 @@ def test_rows_take_their_own_max_new_tokens(models, ar_greedy, verifier):
                                 ([0, 1, 1, 1], ValueError, r"max_new_tokens\[0\] = 0 is outside"),
                                 ([3, 3], ValueError, "2 values for 4 prompts"),
                                 (2.5, TypeError, "must be an int, a list of ints or None, got float"),
+                                (True, TypeError, "must be an int, a list of ints or None, got bool"),  # not 1
                                 ([3, True, 3, 3], TypeError, r"max_new_tokens\[1\] must be an int")]:
         with pytest.raises(error, match=message):
             dec.generate(PROMPTS, max_new_tokens=bad)
@@ -627,6 +645,103 @@ def test_without_a_drafter_a_round_has_one_tree_slot(models):
         Decoder(target, drafter, roomy).shapes([10])
 
 
+def test_shapes_round_prompts_and_caches_up_to_whole_buckets(models):
+    """prompt[:-1] is rounded up to the prompt bucket (an exact multiple stays), the cache to the
+    capacity bucket: bucket + 1 (the root) + max_new_tokens + 1 (the tree slot), here 32 exactly
+    for prompts of up to 17 tokens."""
+    target, _ = models
+    dec = Decoder(target, None, DecodeConfig(prompt_bucket=16, capacity_bucket=32, max_new_tokens=14))
+    assert [dec.shapes([n]) for n in (1, 2, 17, 18, 33, 34)] == [(16, 32), (16, 32), (16, 32), (32, 64), (32, 64),
+                                                                  (48, 64)]
+    assert dec.shapes([3, 17, 5]) == (16, 32)  # the longest prompt decides
+
+
+def test_scatter_block_writes_each_rows_span_only():
+    """Row b gets block entries 0 .. end - start - 1 at columns start .. end - 1 and nothing else:
+    the output buffer stays -1 past num_out (and the log-probabilities 0)."""
+    buf = jnp.full((4, 6), -1, jnp.int32)
+    block = jnp.arange(1, 17, dtype=jnp.int32).reshape(4, 4)
+    got = engine.scatter_block(buf, jnp.asarray([0, 2, 5, 1]), jnp.asarray([3, 2, 6, 5]), block)
+    assert np.asarray(got).tolist() == [[1, 2, 3, -1, -1, -1], [-1] * 6, [-1, -1, -1, -1, -1, 9],
+                                        [-1, 13, 14, 15, 16, -1]]
+
+
+def test_loop_until_one_returns_when_another_row_finishes(models):
+    """Continuous batching's loop stops after the round in which a row not done before the call
+    finishes (not after max_rounds, nor at once because of a row done before), and within
+    max_rounds otherwise. Autoregressive rows emit one token a round."""
+    dec = _decoder(models, AR)
+    loop = functools.partial(dec._loop_until_one, dec.tstate, dec.dstate)
+    state = dec.prefill(PROMPTS, max_new_tokens=[24, 3, 24, 10])
+    state = loop(state, np.int32(100), dec.ngrams, dec.stops)
+    assert np.asarray(state.rounds).tolist() == [3, 3, 3, 3]
+    assert np.asarray(state.done).tolist() == [False, True, False, False]
+    state = loop(state, np.int32(5), dec.ngrams, dec.stops)  # row 1, done before, does not end the call
+    assert np.asarray(state.rounds).tolist() == [8, 3, 8, 8]
+    state = loop(state, np.int32(100), dec.ngrams, dec.stops)
+    assert np.asarray(state.rounds).tolist() == [10, 3, 10, 10]
+    assert np.asarray(state.done).tolist() == [False, True, False, True]
+
+
+def test_a_fallback_wait_longer_than_the_cap_is_kept(models):
+    """FALLBACK_MAX_WAIT caps the doubling, not the configured wait: fallback_rounds above it is
+    waited in full after a drafted round that did not pay."""
+    k = 2 * engine.FALLBACK_MAX_WAIT
+    dec = _decoder(models, "tev", fallback_below=100.0, fallback_rounds=k)
+    state = dec.step(dec.prefill(PROMPTS))
+    assert not np.asarray(state.done).any()
+    assert np.asarray(state.wait).tolist() == np.asarray(state.skip).tolist() == [k] * len(PROMPTS)
+
+
+def test_after_speculative_moves_the_estimate_and_sets_the_waits():
+    """Greedy, threshold 2.5, fallback_rounds 2, every row at estimate 1 after a wait of 4: a row
+    whose tree paid (a block of 6: 0.5 * 1 + 0.5 * 6 = 3.5) drafts again with its wait reset to
+    0; one that did not (a block of 1) waits twice its last wait; a done row keeps its estimate
+    and its wait."""
+    b = 3
+    i32 = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
+    fields = {f.name: None for f in dataclasses.fields(engine.DecodeState)}
+    before = engine.DecodeState(**{**fields, "done": jnp.asarray([False, False, True]), "block_total": i32([0] * b),
+                                   "expected_block": jnp.ones(b, jnp.float32), "skip": i32([0] * b),
+                                   "wait": i32([4] * b)})
+    after = dataclasses.replace(before, block_total=i32([6, 1, 0]))
+    cfg = DecodeConfig(fallback_below=2.5, fallback_rounds=2)
+    got = engine._after_speculative(before, after, None, None, cfg)
+    np.testing.assert_allclose(np.asarray(got.expected_block), [3.5, 1.0, 1.0])
+    assert np.asarray(got.wait).tolist() == [0, 8, 4] and np.asarray(got.skip).tolist() == [0, 8, 0]
+
+
+def test_a_budget_past_the_draft_vocabulary_builds_the_whole_tree():
+    """Each depth offers at most Vd tokens: with Vd = 3, G = 2 and a budget of 20 the tree holds
+    all 3 + 9 paths (and padding), each depth-1 node with the 3 tokens below it."""
+    logits = jax.random.normal(jax.random.key(0), (2, 2, 3))
+    trees = engine.draft_trees(logits, jnp.asarray([5, 6]), 20)
+    valid, parents, tokens = (np.asarray(x) for x in (trees.valid, trees.parents, trees.tokens))
+    assert valid.sum(axis=1).tolist() == [13, 13] and tokens[:, 0].tolist() == [5, 6]
+    for row in range(2):
+        for node in [0] + [v for v in range(21) if valid[row, v] and parents[row, v] == 0]:
+            kids = [v for v in range(21) if valid[row, v] and parents[row, v] == node]
+            assert sorted(tokens[row, kids].tolist()) == [0, 1, 2]
+
+
+def test_merge_lookups_matches_the_text_up_to_the_root():
+    """The context chain continues the latest earlier match of the text's end, root included:
+    history 1 2 3 4 1 2 3 (root 3 at slot cache_len = 6) proposes 4 1 2 3, which a near-certain
+    survival table puts in the merged tree as a path from the root."""
+    v, budget, g = 8, 6, 3
+    cfg = DecodeConfig(budget=budget, lookup=4, lookup_survival=((0.999, 0.998),) * 5)
+    history = jnp.asarray([[1, 2, 3, 4, 1, 2, 3, 0, 0, 0]], jnp.int32)
+    root = jnp.asarray([3], jnp.int32)
+    trees, scores = engine.draft_trees(jnp.zeros((1, g, v)), root, budget, with_scores=True)
+    merged = engine.merge_lookups(trees, scores, history, jnp.asarray([6], jnp.int32), None, cfg)
+    tokens, parents = np.asarray(merged.tokens)[0], np.asarray(merged.parents)[0]
+    node = 0
+    for token in (4, 1, 2, 3):
+        children = [c for c in range(budget + 1) if parents[c] == node and tokens[c] == token]
+        assert children, f"no child {token} under node {node}: {tokens.tolist()} {parents.tolist()}"
+        node = children[0]
+
+
 def test_prompt_lengths_share_one_compilation_per_bucket(models):
     dec = _decoder(models, "tev", max_new_tokens=6, capacity=None)
     # Programs compiled before (Decoders with equal statics share them) are not counted.
@@ -723,5 +838,10 @@ def test_nonfinite_logits_stop_the_row_and_emit_nothing(models):
         dec = Decoder(poisoned, d, DecodeConfig(max_new_tokens=8, budget=4, prompt_bucket=16, capacity=64))
         gens = dec.generate(prompts)
         assert gens[1].stop == "nonfinite" and gens[1].tokens == []
+        # Its one round was not committed: no round counted, and tau is 0, not 0 / 0; its state
+        # still holds the prompt alone (cache_len, root and block total as prefill left them).
+        assert (gens[1].rounds, gens[1].tau) == (0, 0.0)
+        state = dec.run(dec.prefill(prompts))
+        assert (int(state.cache_len[1]), int(state.root[1]), int(state.block_total[1])) == (2, 3, 0)
         # Row 0 beside a healthy row (the same batch shape, so no second compilation).
         assert gens[0].stop != "nonfinite" and gens[0].tokens == dec.generate(prompts[:1] * 2)[0].tokens

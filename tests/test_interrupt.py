@@ -57,6 +57,17 @@ def test_any_split_of_the_rounds_gives_the_one_shot_result(models, with_drafter)
             assert max(tau for _, _, tau, _ in one_shot) > 1.2
 
 
+def test_rounds_per_call_below_one_is_refused(models):
+    """A call of no rounds (or fewer) would never finish a row: run would loop forever."""
+    target, _ = models
+    dec = Decoder(target, None, DecodeConfig(max_new_tokens=4, prompt_bucket=16, capacity=64))
+    state = dec.prefill(PROMPTS[:1])
+    for bad in (0, -2):
+        with pytest.raises(ValueError, match=f"rounds_per_call must be >= 1, got {bad}"):
+            dec.run(state, rounds_per_call=bad)
+    assert len(dec.results(dec.run(state, rounds_per_call=2))[0].tokens) == 4  # refused before consuming it
+
+
 def test_next_rounds_targets_the_call_time():
     assert _next_rounds(1, CALL_SECONDS / 100, 1000) == 2  # fast: at most doubles
     assert _next_rounds(64, CALL_SECONDS / 2, 1000) == 128

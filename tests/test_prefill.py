@@ -388,6 +388,24 @@ def test_reuse_keeps_nothing_it_cannot_vouch_for(models):
     assert dec.results(got)[0].tokens == dec.results(want)[0].tokens
 
 
+def test_reuse_into_a_smaller_cache_keeps_the_bottom_slots(models):
+    """A shorter next prompt needs fewer cache slots than the earlier state holds: the kept prefix
+    (slots [0, 9) of a 40-token prompt, all a 10-token prompt needs) moves to the smaller cache,
+    which then holds what a fresh prefill of the short prompt holds and decodes the same tokens."""
+    target, drafter = models
+    dec = Decoder(target, drafter, DecodeConfig(budget=4, max_new_tokens=6, prompt_bucket=16, capacity_bucket=16,
+                                                hidden_layers=LAYERS, lookup=2, fallback_below=1.5))
+    prompt = np.random.default_rng(5).integers(0, 23, 40).tolist()
+    state = dec.prefill([prompt])
+    calls = _spy_chunks(dec)
+    got = dec.prefill([prompt[:10]], seed=2, reuse=(state, [prompt]))
+    assert calls == []  # prompt[:9] was cached
+    fresh = dec.prefill([prompt[:10]], seed=2)
+    assert got.target_cache.capacity == fresh.target_cache.capacity == 32 < state.target_cache.capacity
+    _assert_same_committed_state(got, fresh, [10])
+    assert dec.results(dec.run(got))[0].tokens == dec.results(dec.run(fresh))[0].tokens
+
+
 def test_reuse_of_a_foreign_state_is_a_clear_error(models):
     """Another decoder's state (another budget, so other tree slots and capacity rules do not matter:
     other fields), another row count, or a malformed `reuse` is refused before anything runs."""

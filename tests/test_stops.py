@@ -296,3 +296,21 @@ def test_emit_cuts_blocks_at_the_first_stop_eos_or_length():
     assert num_out.tolist() == [3, 4, 1, 0] and finished.tolist() == [True, True, True, False]
     assert out[0].tolist() == [2, 0, 1, -1] and out[1].tolist()[2:] == [2, 0]
     assert stop_at.tolist() == [table.matched, c_state, 0, c_state]
+
+
+def test_emit_reads_no_entry_past_a_block():
+    """Past its num_tokens a block holds -1, which the automaton would read as token 0: a row
+    given "x" (one token) watching "xc", with "c" token 0, keeps one token and is not stopped."""
+    from types import SimpleNamespace
+
+    from tevjax.decode.engine import emit
+
+    table = stop_table(["xc"], [b"c", b"a", b"x", b""], 4)
+    cfg = DecodeConfig(stop=("xc",), max_new_tokens=4)
+    ver = SimpleNamespace(tokens=jnp.asarray([[2, -1, -1]], jnp.int32), num_tokens=jnp.asarray([1], jnp.int32))
+    state = SimpleNamespace(out=jnp.full((1, 4), -1, jnp.int32), num_out=jnp.zeros(1, jnp.int32),
+                            limit=jnp.full((1,), 4, jnp.int32), done=jnp.zeros(1, bool),
+                            stop_at=jnp.zeros(1, jnp.int32), stop_mask=jnp.full(1, -1, jnp.int32))
+    out, num_out, finished, stop_at = emit(ver, state, cfg, stops=table)
+    assert num_out.tolist() == [1] and finished.tolist() == [False] and out[0].tolist() == [2, -1, -1, -1]
+    assert stop_at.tolist() == [int(table.next[0, 2])] != [table.matched]
