@@ -31,7 +31,7 @@ from tevjax.train.dataset import Batch, TrainData
 from tevjax.train.heldout import HeldoutEval, greedy_accepted_depth, trajectory_blocks
 from tevjax.train.rollout import RolloutConfig, generate_data, read_manifest
 from tevjax.train.run import DivergedError, RunError, export_run, train
-from tevjax.train.step import TrainConfig, Trainer, teacher_logits
+from tevjax.train.step import TrainConfig, Trainer, loss_terms, teacher_logits
 
 TAPS = (1, 3)
 BS = 6
@@ -60,6 +60,9 @@ def _drafter(target, seed=0):
     cfg = DFlashConfig.for_target(target.cfg, num_layers=1, block_size=BS, mask_token_id=5, target_layer_ids=TAPS)
     return DFlashDrafter(cfg, rngs=nnx.Rngs(seed))
 
+
+# `loss_terms` compiled (the config static): op-by-op it takes ~1.3 s a call, 8 s for the first.
+_loss_terms = nnx.jit(loss_terms, static_argnums=4)
 
 CFG = TrainConfig(steps=4, batch_size=4, anchors=6, seq_len=40, lr=3e-3, exit_lambda=0.1, exit_budget=5,
                   exit_anchors=3)
@@ -191,7 +194,6 @@ def test_step_anchors_follow_the_seed_and_the_step(data_dir, target):
     """Step s samples its anchors with fold_in(seed_key(seed), s) (a resume at s draws what the
     uninterrupted run drew): the step's token loss is `loss_terms`' at that key, other at each step."""
     from tevjax.seeding import seed_key
-    from tevjax.train.step import loss_terms
 
     cfg = dataclasses.replace(CFG, exit_lambda=0.0, seed=11)
     batch, drafter = _batch(data_dir, 0), _drafter(target)
@@ -201,7 +203,7 @@ def test_step_anchors_follow_the_seed_and_the_step(data_dir, target):
         # A copy: the step donates its state, and init_state's arrays are the Trainer's own.
         state = dataclasses.replace(jax.tree.map(jnp.copy, trainer.init_state()), step=jnp.asarray(s, jnp.int32))
         _, metrics = trainer.step(state, batch)
-        want = float(loss_terms(drafter, target, batch, jax.random.fold_in(seed_key(cfg.seed), s), cfg)[0])
+        want = float(_loss_terms(drafter, target, batch, jax.random.fold_in(seed_key(cfg.seed), s), cfg)[0])
         np.testing.assert_allclose(float(metrics["loss_tok"]), want, rtol=1e-5, err_msg=f"step {s}")
         losses.append(want)
     assert losses[0] != losses[1]  # the anchors differ from step to step
@@ -421,11 +423,10 @@ def test_acc1_is_block_position_ones_hit_rate(data_dir, target):
     """The step's running acc1 against the stub's known hits: the token after each valid anchor,
     where the stub proposes the data token (the anchors are `sample_anchors`' for the step's key)."""
     from tevjax.train.objectives import sample_anchors
-    from tevjax.train.step import loss_terms
 
     batch, key = _batch(data_dir, 0), jax.random.key(7)
     cfg = dataclasses.replace(CFG, exit_lambda=0.0)
-    _, metrics = loss_terms(_Oracle(_drafter(target).cfg, rngs=nnx.Rngs(0)), target, batch, key, cfg)
+    _, metrics = _loss_terms(_Oracle(_drafter(target).cfg, rngs=nnx.Rngs(0)), target, batch, key, cfg)
     b, t = batch.tokens.shape
     anchors, valid = jax.vmap(sample_anchors, in_axes=(0, 0, None))(jax.random.split(key, b), batch.loss_mask,
                                                                    cfg.anchors)
@@ -447,14 +448,13 @@ def test_acc1_counts_a_label_outside_the_draft_vocabulary_as_a_miss(data_dir, ta
     """Such a label's draft index is 0 as well (`draft_index`), yet a row proposing index 0 hits
     only the token that index 0 stands for."""
     from tevjax.train.objectives import sample_anchors
-    from tevjax.train.step import loss_terms
 
     vocab = np.arange(0, target.cfg.vocab_size, 3, dtype=np.int32)
     drafter = _IndexZero(dataclasses.replace(_drafter(target).cfg, draft_vocab_size=len(vocab)), rngs=nnx.Rngs(0),
                          draft_vocab=vocab)
     batch, key = _batch(data_dir, 0), jax.random.key(7)
     cfg = dataclasses.replace(CFG, exit_lambda=0.0)
-    _, metrics = loss_terms(drafter, target, batch, key, cfg)
+    _, metrics = _loss_terms(drafter, target, batch, key, cfg)
     anchors, valid = jax.vmap(sample_anchors, in_axes=(0, 0, None))(jax.random.split(key, batch.tokens.shape[0]),
                                                                    batch.loss_mask, cfg.anchors)
     tokens, anchors, valid = np.asarray(batch.tokens), np.asarray(anchors), np.asarray(valid)
@@ -468,7 +468,6 @@ def test_exit_trees_sit_on_evenly_spread_anchors(data_dir, target):
     root token moves the exit loss (the first three anchors alone would never read it), and the
     token after it does not."""
     from tevjax.train.objectives import sample_anchors
-    from tevjax.train.step import loss_terms
 
     drafter, batch, key = _drafter(target), _batch(data_dir, 0), jax.random.key(5)
     b = batch.tokens.shape[0]
@@ -479,7 +478,7 @@ def test_exit_trees_sit_on_evenly_spread_anchors(data_dir, target):
     last = np.asarray(anchors)[:, -1]
     tokens[np.arange(b), last] = (tokens[np.arange(b), last] + 17) % 300 + 3
     moved = dataclasses.replace(batch, tokens=jnp.asarray(tokens))
-    exit_of = lambda bt: float(loss_terms(drafter, target, bt, key, CFG)[1]["loss_exit"])  # noqa: E731
+    exit_of = lambda bt: float(_loss_terms(drafter, target, bt, key, CFG)[1]["loss_exit"])  # noqa: E731
     base = exit_of(batch)
     assert exit_of(moved) != base
     # A tree is rooted at its anchor's token: the token after the last anchor is no tree's to read.
@@ -521,12 +520,11 @@ def test_heldout_trajectory_emits_each_answer_once(data_dir, target):
 def test_exit_loss_reads_only_its_exit_sequences(data_dir, target):
     # exit_sequences=2 of 4: trees come from rows 0 and 2 only. Changing rows 1 and 3 leaves the
     # exit loss as it was; changing row 2 moves it; all four rows give the default's loss.
-    from tevjax.train.step import loss_terms
 
     drafter, batch = _drafter(target), _batch(data_dir, 0)
     key = jax.random.key(5)
     cfg = dataclasses.replace(CFG, exit_sequences=2)
-    exit_of = lambda c, bt: float(loss_terms(drafter, target, bt, key, c)[1]["loss_exit"])  # noqa: E731
+    exit_of = lambda c, bt: float(_loss_terms(drafter, target, bt, key, c)[1]["loss_exit"])  # noqa: E731
 
     def with_rows(rows, shift):
         tokens, feats = np.array(batch.tokens), np.array(batch.features)
@@ -546,11 +544,10 @@ def test_exit_loss_reads_only_its_exit_sequences(data_dir, target):
 def test_exit_law_truncation_follows_the_decoders_target(data_dir, target):
     """Exit weights under top-k 1 at temperature 1 are the greedy law's (the target is the argmax's
     point mass either way), and differ from the untruncated temperature-1 law's."""
-    from tevjax.train.step import loss_terms
 
     drafter, batch = _drafter(target), _batch(data_dir, 0)
     key = jax.random.key(5)
-    metrics = {name: loss_terms(drafter, target, batch, key, dataclasses.replace(CFG, **kw))[1] for name, kw in (
+    metrics = {name: _loss_terms(drafter, target, batch, key, dataclasses.replace(CFG, **kw))[1] for name, kw in (
         ("top1", {"exit_temperature": 1.0, "exit_top_k": 1}), ("greedy", {"exit_temperature": 1e-6}),
         ("sampled", {"exit_temperature": 1.0}), ("top_p", {"exit_temperature": 1.0, "exit_top_p": 0.5}))}
     for field in ("loss_exit", "coverage"):
