@@ -225,10 +225,11 @@ def sequence_hidden(target: Transformer, sequences: Sequence[Sequence[int]], tap
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "taps"))
 def batch_features(state, tokens: jax.Array, length: jax.Array, *, graphdef, taps: tuple[int, ...]) -> jax.Array:
-    """[B, T, n*D] float32 features of a padded token batch ([B, T] tokens; [B] lengths of whole,
-    uncropped records) as a `TrainData` batch holds them, computed on the device instead of read
-    from disk: one causal forward of the target `nnx.split` into (graphdef, state), bfloat16-rounded,
-    zero from each row's last real token on (no pass of the decoder read it) and over the padding.
+    """[B, T, n*D] float32 features of a padded token batch ([B, T] tokens; [B] row lengths, as a
+    `TrainData` batch holds them) computed on the device instead of read from disk: one causal
+    forward of the target `nnx.split` into (graphdef, state), bfloat16-rounded, zero from each row's
+    last token on (no pass of the decoder read it) and over the padding. A row cropped to T tokens
+    then has a zero at T - 1 where the stored record has a state; only an anchor at T would read it.
     Where storing features would cost more than recomputing them (a GPU: 6.9 KB a token for
     SmolLM2's six taps), training can build its batches from token ids alone, with the `Trainer`'s
     own split target (`experiments/gpu/drafter_scale.py`)."""
