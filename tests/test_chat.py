@@ -217,3 +217,31 @@ def test_a_system_message_that_leaves_no_room_is_refused_before_any_turn(text_ta
     err = capsys.readouterr().err
     assert code == 2 and "--system: the system message makes a" in err and "before any message" in err, err
     assert "this message makes" not in err
+
+
+def test_reply_seeds_the_reserve_and_quit(text_target_dir, monkeypatch, capsys):
+    """Reply k samples with --seed + k (past 2**64 - 1 it wraps to 0); the conversation keeps room for
+    --max-new-tokens and a round's tree slots (the budget and the root; one slot without a drafter);
+    /quit, in any case, ends the chat."""
+    from tevjax import chat
+    from tevjax.decode import engine
+
+    stream, seeds, reserves = engine.Decoder.stream, [], []
+
+    def spy(self, prompts, seed=0, reuse=None):
+        seeds.append(seed)
+        yield from stream(self, prompts, seed, reuse=reuse)
+
+    class Spied(chat.Conversation):
+        def __post_init__(self):
+            reserves.append(self.reserve)
+            super().__post_init__()
+
+    monkeypatch.setattr(engine.Decoder, "stream", spy)
+    monkeypatch.setattr(chat, "Conversation", Spied)
+    _, err = _chat(monkeypatch, capsys, text_target_dir, ["hello world", "12 hello", "/Quit", "never read"],
+                   "--max-new-tokens", "6", "--budget", "4", "--seed", str(2**64 - 1))
+    assert (seeds, reserves) == ([2**64 - 1, 0], [6 + 5]) and err.count("[tevjax] ") == 2, err
+    assert "unknown command" not in err
+    _chat(monkeypatch, capsys, text_target_dir, ["hello"], "--max-new-tokens", "6", "--verifier", "ar", "--seed", "3")
+    assert (seeds[2:], reserves[1:]) == ([3], [6 + 1])

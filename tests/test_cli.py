@@ -4,6 +4,7 @@ import json
 import sys
 import re
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -457,6 +458,11 @@ def test_jsonl_rows_cut_at_their_own_stop_strings(capsys, scripted_dir, tmp_path
     assert code == 0, err
     got = [json.loads(line) for line in out.splitlines()]
     assert [(r["text"], r["stop"]) for r in got] == [("🙂", "stop"), ("🙂 ", "stop"), (SCRIPTED.decode(), "eos")]
+    # --continuous refills rows with their own stop strings too.
+    code, out, err = _run(capsys, *base, "--batch-file", str(f), "--batch-size", "2", "--stop", "x", "--continuous")
+    assert code == 0, err
+    flowing = sorted(map(json.loads, out.splitlines()), key=lambda r: r["index"])
+    assert [(r["tokens"], r["text"], r["stop"]) for r in flowing] == [(r["tokens"], r["text"], r["stop"]) for r in got]
     for r, stops in zip(got, ([" "], ["é", "x"], ["x"])):
         code, out, err = _run(capsys, *base, "--prompt-ids", f"1,{start}", *(a for s in stops for a in ("--stop", s)))
         alone = json.loads(out.strip().splitlines()[-1])
@@ -627,3 +633,214 @@ def test_demo_fails_when_outputs_differ(monkeypatch, capsys, tiny_dir):
     assert code == 2
     assert out.count("DIFFERENT FROM") == 3
     assert "3 greedy outputs differ from autoregressive decoding" in err
+
+
+def test_jsonl_records_are_checked_before_anything_loads():
+    """A .jsonl record's own settings are refused as the flags would be: a length of 0, a min-p of 1
+    (it would cut every token), JSON booleans for numbers; a --stop ending in a lone backslash keeps it."""
+    from tevjax.cli import CliError, _jsonl_record, _stop_string, build_parser
+
+    args = build_parser().parse_args(["generate", "--prompt-ids", "1", "--max-new-tokens", "8"])
+    for record, message in [({"max_new_tokens": 0}, '"max_new_tokens" must be an integer in [1, 8]'),
+                            ({"max_new_tokens": True}, '"max_new_tokens" must be an integer in [1, 8]'),
+                            ({"min_p": 1}, '"min_p" must be a number in [0, 1) (0: off)'),
+                            ({"top_p": 1.5}, '"top_p" must be a number in (0, 1] (1: off)'),
+                            ({"top_k": True}, '"top_k" must be an integer >= 0'),
+                            ({"top_p": True}, '"top_p" must be a number in (0, 1]'),
+                            ({"temperature": False}, '"temperature" must be a finite float32 number >= 0'),
+                            ({"prompt_ids": [1, -2]}, '"prompt_ids" must be a non-empty list of token ids >= 0')]:
+        with pytest.raises(CliError, match=re.escape(f"line 3: {message}")):
+            _jsonl_record(json.dumps({"prompt_ids": [1], **record}), "line 3", args)
+    prompt, own = _jsonl_record('{"prompt_ids": [4], "max_new_tokens": 1, "min_p": 0.5, "top_k": 2, "stop": '
+                                '["a", "a", "b"]}', "line 1", args)
+    assert prompt == [4] and own == {"max_new_tokens": 1, "min_p": 0.5, "top_k": 2, "stop": ("a", "b")}
+    assert [_stop_string(s) for s in ("a\\", "\\")] == ["a\\", "\\"]  # nothing to escape: kept
+
+
+def test_generate_json_records_describe_each_prompt(capsys, tiny_dir, tmp_path):
+    """`generate --json` over a batch file in batches of 2 and with --continuous: each record names
+    its own prompt ("prompt" is None for token ids), its own length, and what decoded it (the
+    baseline: no budget, chains, fallback or drafter); its tokens are the prompt's AR tokens alone."""
+    path, model = tiny_dir
+    ids = [[1, 5, 7], [1, 3], [6]]
+    f = tmp_path / "prompts.jsonl"
+    f.write_text(json.dumps({"prompt_ids": ids[0]}) + "\n" + json.dumps({"prompt_ids": ids[1], "max_new_tokens": 3})
+                 + "\n" + json.dumps({"prompt_ids": ids[2]}) + "\n")
+    decoder = Decoder(model, None, DecodeConfig(max_new_tokens=6, eos_ids=(2,)))
+    want = [decoder.generate([p], max_new_tokens=[n])[0].tokens for p, n in zip(ids, (6, 3, 6))]
+    base = ["generate", "--target", str(path), "--batch-file", str(f), "--max-new-tokens", "6", "--json"]
+    for extra in ([], ["--continuous"]):
+        code, out, err = _run(capsys, *base, "--verifier", "ar", "--batch-size", "2", *extra)
+        assert code == 0, err
+        records = sorted((json.loads(line) for line in out.splitlines()), key=lambda r: r["index"])
+        assert [(r["index"], r["prompt"], r["prompt_ids"], r["tokens"], r["max_new_tokens"]) for r in records] == \
+            [(i, None, p, w, n) for i, (p, w, n) in enumerate(zip(ids, want, (6, 3, 6)))], extra
+        for r in records:
+            assert (r["verifier"], r["budget"], r["lookup"], r["corpus"], r["fallback_below"], r["drafter_trained"],
+                    r["plain_rounds"]) == ("ar", 0, 0, 0, 0.0, None, 0), r
+    code, out, err = _run(capsys, *base, "--budget", "4", "--batch-size", "3")
+    assert code == 0, err
+    records = [json.loads(line) for line in out.splitlines()]
+    assert [r["tokens"] for r in records] == want
+    assert {(r["verifier"], r["budget"], r["lookup"], r["drafter_trained"]) for r in records} == {("tev", 4, 4, False)}
+
+
+def test_continuous_samples_each_prompt_as_one_batch_of_all_of_them(capsys, tiny_dir, tmp_path):
+    """--continuous with 2 rows gives every prompt of a .jsonl file what one batch of all of them
+    gives it (`Decoder.continuous`): the same --seed, and each record's own temperature, top-k and
+    length reach the refilled rows."""
+    path, _ = tiny_dir
+    f = tmp_path / "prompts.jsonl"
+    rows = [{"prompt_ids": [1, 5, 7], "temperature": 1}, {"prompt_ids": [1, 3], "temperature": 1, "max_new_tokens": 3},
+            {"prompt_ids": [6], "temperature": 1, "top_k": 3}, {"prompt_ids": [4, 4]}]
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    base = ["generate", "--target", str(path), "--batch-file", str(f), "--max-new-tokens", "8", "--verifier", "ar",
+            "--json"]
+
+    def tokens(*extra):
+        code, out, err = _run(capsys, *base, *extra)
+        assert code == 0, err
+        return {r["index"]: r["tokens"] for r in map(json.loads, out.splitlines())}
+
+    one_batch = tokens("--batch-size", "4", "--seed", "9")
+    assert tokens("--batch-size", "2", "--continuous", "--seed", "9") == one_batch
+    assert len(one_batch[1]) <= 3
+    assert tokens("--batch-size", "4", "--seed", "0") != one_batch  # the seed decides the sampled rows
+
+
+def test_top_p_and_min_p_reach_the_decoder(capsys, tiny_dir):
+    """A top-p so small, or a min-p so large, that only the most probable token is left samples the
+    greedy tokens at temperature 1, on the baseline and through the verifier."""
+    path, model = tiny_dir
+    reference = Decoder(model, None, DecodeConfig(max_new_tokens=8, eos_ids=(2,))).generate([[1, 2, 3]])[0].tokens
+    base = ["generate", "--target", str(path), "--prompt-ids", "1,2,3", "--max-new-tokens", "8", "--json",
+            "--temperature", "1", "--seed", "7"]
+    code, out, err = _run(capsys, *base, "--verifier", "ar")
+    assert code == 0 and json.loads(out.strip().splitlines()[-1])["tokens"] != reference, err  # it does sample
+    for extra, cut in ((["--verifier", "ar"], ["--top-p", "1e-6"]), (["--verifier", "ar"], ["--min-p", "0.999"]),
+                       (["--budget", "4"], ["--min-p", "0.999"])):
+        code, out, err = _run(capsys, *base, *extra, *cut)
+        assert code == 0 and json.loads(out.strip().splitlines()[-1])["tokens"] == reference, (extra, cut, err)
+
+
+def test_eval_hands_every_flag_to_evaluate(monkeypatch, capsys, tiny_dir, tmp_path):
+    """`tevjax eval`'s flags reach `load_models`, `load_eval_prompts` and `evaluate` unchanged (both
+    stand-ins here); greedy outputs that differ from AR's are an error after the result is printed."""
+    import types
+
+    import tevjax.evaluate as evaluate_mod
+    import tevjax.loading as loading
+
+    _, model = tiny_dir
+    seen = {}
+    models = loading.LoadedModels(target_cfg=model.cfg, target=model, tokenizer=None, drafter=None,
+                                  drafter_trained=False, eos_ids=(2,), notes=["from the stand-in"])
+
+    def load(target, drafter, **kw):
+        seen["load"] = (target, drafter)
+        return models
+
+    def evaluate(m, texts, **kw):
+        assert m is models
+        seen["texts"], seen["kw"] = texts, kw
+        return {"budgets": [], "mismatches": seen.get("mismatches", 0)}
+
+    monkeypatch.setattr(loading, "load_models", load)
+    monkeypatch.setattr(evaluate_mod, "evaluate", evaluate)
+    f = tmp_path / "prompts.txt"
+    f.write_text("a\nb\nc\nd\n")
+    code, out, err = _run(capsys, "eval", "--target", "T", "--drafter", "D", "--prompts", str(f), "--num-prompts", "3",
+                          "--budgets", "3,5", "--lookup", "2", "--corpus", "1", "--temperature", "0.5", "--top-k", "5",
+                          "--top-p", "0.9", "--min-p", "0.05", "--verifier", "predraw", "--fallback-below", "1.5",
+                          "--fallback-rounds", "3", "--max-new-tokens", "9", "--batch-size", "2", "--seed", "11",
+                          "--json")
+    assert code == 0, err
+    assert seen["load"] == ("T", "D") and seen["texts"] == ["a", "b", "c"] and "note: from the stand-in" in err
+    kw = seen["kw"]
+    assert kw.pop("mesh") is None and callable(kw.pop("log"))
+    assert kw == dict(budgets=(3, 5), temperature=0.5, top_k=5, top_p=0.9, min_p=0.05, verifier="predraw",
+                      max_new_tokens=9, batch_size=2, seed=11, lookup=2, corpus=1, fallback_below=1.5,
+                      fallback_rounds=3)
+    assert json.loads(out) == {"budgets": [], "mismatches": 0, "prompts": str(f)}
+    # The defaults: no chains asked for (each budget's own), no fallback (tau measures the trees).
+    code, out, err = _run(capsys, "eval", "--prompts", str(f), "--json")
+    assert code == 0 and seen["load"] == ("smollm2", None) and seen["texts"] == ["a", "b", "c", "d"], err
+    assert {k: seen["kw"][k] for k in ("lookup", "corpus", "fallback_below", "seed", "batch_size")} == \
+        {"lookup": None, "corpus": None, "fallback_below": 0.0, "seed": 0, "batch_size": 1}
+    # --seed also draws the gsm problems (reasoning-gym is a stand-in).
+    gym = types.SimpleNamespace(create_dataset=lambda name, size, seed: [{"question": f"q{seed}"}] * size)
+    monkeypatch.setitem(sys.modules, "reasoning_gym", gym)
+    code, _, err = _run(capsys, "eval", "--prompts", "gsm", "--num-prompts", "2", "--seed", "4", "--json")
+    assert code == 0 and seen["texts"] == ["q4", "q4"], err
+    seen["mismatches"] = 2
+    code, out, err = _run(capsys, "eval", "--prompts", str(f), "--json")
+    assert code == 2 and json.loads(out)["mismatches"] == 2
+    assert "2 greedy outputs differ from autoregressive decoding" in err
+
+
+def test_dtype_reaches_the_target_and_the_drafter(monkeypatch, capsys, tiny_dir, tmp_path):
+    """`generate --dtype`: the target and the drafter compute (and hold their weights) in it; without
+    it the checkpoint's dtype, the drafter's included: a bfloat16 drafter beside a float32 target
+    runs in float32 (it runs the target's embedding and LM head)."""
+    from flax import nnx
+
+    import tevjax.loading as loading
+    from tevjax.convert.dflash_ckpt import save_dflash
+
+    path, model = tiny_dir
+    drafter = loading.fresh_drafter(model.cfg, seed=3, num_layers=1, block_size=6, mask_token_id=47)
+    save_dflash(drafter, drafter.cfg, tmp_path / "drafter", dtype="bfloat16")
+    real, loaded = loading.load_models, []
+    monkeypatch.setattr(loading, "load_models", lambda *a, **k: loaded.append(real(*a, **k)) or loaded[-1])
+
+    def dtypes(m):
+        return {str(x.dtype) for x in jax.tree.leaves(nnx.state(m, nnx.Param))}, m.cfg.dtype
+
+    argv = ["generate", "--target", str(path), "--drafter", str(tmp_path / "drafter"), "--prompt-ids", "1,2,3",
+            "--max-new-tokens", "4", "--budget", "4", "--json"]
+    for extra, want in (([], "float32"), (["--dtype", "bfloat16"], "bfloat16")):
+        code, _, err = _run(capsys, *argv, *extra)
+        assert code == 0, err
+        assert dtypes(loaded[-1].target) == dtypes(loaded[-1].drafter) == ({want}, want), extra
+
+
+def test_load_models_builds_a_fresh_drafter_for_the_targets_tokenizer(tmp_path):
+    """Without a drafter directory (and no shipped one): a fresh drafter with seed 0 whose mask token
+    is `mask_token_for`'s choice (here the first embedding row past the tokenizer's vocabulary), a
+    note saying it is untrained, no corpus; the end-of-sequence ids are the config's and the
+    tokenizer's. The baseline loads no drafter."""
+    from flax import nnx
+
+    from tevjax.loading import fresh_drafter, load_models
+
+    vocab = len(tiny_vocab())
+    model = random_model(tiny_config("llama", num_layers=4, max_position_embeddings=64, vocab_size=vocab + 4,
+                                     eos_token_ids=(5,)), seed=2)
+    save_hf_target(model, tmp_path / "t")
+    write_tok_dir(tiny_meta(), tmp_path / "t")  # its end-of-sequence token is 2
+    models = load_models(str(tmp_path / "t"))
+    assert models.eos_ids == (2, 5) and models.ngrams is None and not models.drafter_trained
+    assert models.drafter.cfg.mask_token_id == vocab
+    assert any("UNTRAINED" in note and "seed 0" in note for note in models.notes), models.notes
+    want = nnx.state(fresh_drafter(models.target_cfg, seed=0, mask_token_id=vocab), nnx.Param)
+    for got, ref in zip(jax.tree.leaves(nnx.state(models.drafter, nnx.Param)), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
+    ar = load_models(str(tmp_path / "t"), with_drafter=False)
+    assert ar.drafter is None and not ar.drafter_trained and ar.eos_ids == (2, 5)
+    assert not any("drafter" in note for note in ar.notes)
+
+
+def test_the_position_limits_are_exact(capsys, tiny_dir):
+    """The target's 64 positions hold the prompt, --max-new-tokens and a round's budget + 1 tree slots:
+    a prompt that fills them exactly decodes, one token more is refused; without a prompt, the flags
+    alone are refused (before the load) once they leave no room for a 1-token prompt."""
+    path, _ = tiny_dir
+    base = ["generate", "--target", str(path), "--budget", "4", "--json"]
+    code, out, err = _run(capsys, *base, "--prompt-ids", ",".join(["3"] * 51), "--max-new-tokens", "8")
+    assert code == 0 and len(json.loads(out.strip().splitlines()[-1])["tokens"]) <= 8, err  # 51 + 8 + 5 = 64
+    code, _, err = _run(capsys, *base, "--prompt-ids", ",".join(["3"] * 52), "--max-new-tokens", "8")
+    assert code == 2 and "prompt 0 (--prompt-ids) is 52 tokens" in err, err
+    code, _, err = _run(capsys, *base, "--prompt-ids", "3", "--max-new-tokens", "59")
+    assert code == 2 and "--max-new-tokens 59 + 5 tree slots (--budget 4 + root) need 65 positions" in err, err
+    code, _, err = _run(capsys, *base, "--prompt-ids", "3", "--max-new-tokens", "59", "--verifier", "ar")
+    assert code == 0, err  # 1 + 59 + the next token's slot = 61

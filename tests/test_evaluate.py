@@ -132,3 +132,51 @@ def test_a_damaged_heldout_file_is_named(tmp_path):
     (tmp_path / "p.txt").write_bytes(b"ok\n\xff\n")
     with pytest.raises(ValueError, match="p.txt is not UTF-8 text"):
         load_eval_prompts(str(tmp_path / "p.txt"), 4)
+
+
+def test_prompt_sets_take_evenly_spaced_items_across_the_whole_source():
+    """`--prompts mtbench` / `humaneval`: n items at indices floor(i * N / n), so a small sample spans
+    MT-Bench's eight categories and the whole HumanEval file; MT-Bench gives each question's first turn,
+    HumanEval each stub inside its instruction. n >= N gives every item once."""
+    import gzip
+    import json
+
+    from tevjax.prompts import (_HUMANEVAL_FILE, _MTBENCH_FILE, HUMANEVAL_INSTRUCTION, _package_file, humaneval,
+                                mtbench)
+
+    rows = [json.loads(line) for line in _package_file(*_MTBENCH_FILE, "").read_text().splitlines() if line.strip()]
+    got = mtbench(3)  # 80 // 3 is not 80 / 3: a spacing of 26 would end at index 52, not 53
+    assert [p.text for p in got] == [rows[i]["turns"][0] for i in (0, 26, 53)]
+    assert [p.id for p in got] == [f"mtbench/{rows[i]['question_id']} {rows[i]['category']}" for i in (0, 26, 53)]
+    assert len({p.id.split()[1] for p in mtbench(8)}) == 8  # one per category
+    assert len(mtbench(1000)) == len(rows) == 80
+    with gzip.open(_package_file(*_HUMANEVAL_FILE, ""), "rt", encoding="utf-8") as f:
+        stubs = [json.loads(line) for line in f if line.strip()]
+    got = humaneval(5)
+    assert [p.id for p in got] == [stubs[i]["task_id"] for i in (0, 32, 65, 98, 131)]
+    assert got[1].text == HUMANEVAL_INSTRUCTION.format(prompt=stubs[32]["prompt"])
+    assert len(humaneval(1000)) == 164
+
+
+def test_gsm_prompts_are_drawn_with_the_given_seed(monkeypatch):
+    """`--prompts gsm --seed S` draws reasoning-gym's gsm_symbolic problems with seed S (through
+    `load_eval_prompts` and `load_prompt_sets`); the package is a stand-in here."""
+    import sys
+    import types
+
+    from tevjax.evaluate import load_eval_prompts
+    from tevjax.prompts import load_prompt_sets
+
+    calls = []
+
+    def create_dataset(name, size, seed):
+        calls.append((name, size, seed))
+        return [{"question": f"q{seed}-{i}"} for i in range(size)]
+
+    monkeypatch.setitem(sys.modules, "reasoning_gym", types.SimpleNamespace(create_dataset=create_dataset))
+    assert load_eval_prompts("gsm", 2, seed=5) == ["q5-0", "q5-1"]
+    sets = load_prompt_sets(["gsm"], 3, seed=7)
+    assert [p.id for p in sets["gsm"]] == ["gsm/0 (seed 7)", "gsm/1 (seed 7)", "gsm/2 (seed 7)"]
+    assert calls == [("gsm_symbolic", 2, 5), ("gsm_symbolic", 3, 7)]
+    with pytest.raises(ValueError, match="unknown prompt set 'gms'"):
+        load_prompt_sets(["gms"], 1)

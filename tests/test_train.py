@@ -819,6 +819,73 @@ def test_cli_errors_are_one_line(capsys, argv, message):
     assert message in err and len(err.splitlines()) == 1, err
 
 
+def test_train_flags_reach_the_train_config(monkeypatch, capsys, tmp_path):
+    """`tevjax train`'s flags become TrainConfig's fields (a stand-in that records them and refuses,
+    so nothing loads): --gamma 0 is "off" (None), --exit-anchors defaults to 8 or --anchors if fewer,
+    and a refusal names the flag, not the field."""
+    import tevjax.train.step as step
+
+    seen = []
+
+    def refuse(**kw):
+        seen.append(kw)
+        raise ValueError("TrainConfig.seq_len: refused by the stand-in")
+
+    monkeypatch.setattr(step, "TrainConfig", refuse)
+    base = ["train", "--data", str(tmp_path), "--out", str(tmp_path / "run"), "--steps", "5"]
+    assert main([*base, "--batch", "4", "--anchors", "6", "--seq-len", "64", "--lr", "0.001", "--warmup", "0.5",
+                 "--weight-decay", "0.1", "--gamma", "0", "--distill", "0.25", "--exit-lambda", "0.5",
+                 "--exit-weight", "w_depth", "--exit-budget", "3", "--exit-sequences", "2", "--exit-temperature",
+                 "0.5", "--exit-top-k", "4", "--exit-top-p", "0.75", "--exit-min-p", "0.125", "--seed", "9"]) == 2
+    assert "tevjax: error: --seq-len: refused by the stand-in" in capsys.readouterr().err
+    assert seen[-1] == dict(steps=5, batch_size=4, anchors=6, seq_len=64, lr=0.001, warmup=0.5, weight_decay=0.1,
+                            gamma=None, distill=0.25, exit_lambda=0.5, exit_weight="w_depth", exit_budget=3,
+                            exit_anchors=6, exit_sequences=2, exit_temperature=0.5, exit_top_k=4, exit_top_p=0.75,
+                            exit_min_p=0.125, seed=9)
+    assert main([*base, "--gamma", "3", "--exit-anchors", "5"]) == 2
+    assert (seen[-1]["gamma"], seen[-1]["exit_anchors"], seen[-1]["anchors"]) == (3.0, 5, 32)
+    assert main(base) == 2
+    assert (seen[-1]["gamma"], seen[-1]["exit_anchors"], seen[-1]["exit_sequences"]) == (7.0, 8, None)
+
+
+def test_data_flags_reach_the_rollout_config(monkeypatch, capsys, tmp_path):
+    """`tevjax data`'s flags become RolloutConfig's fields and `generate_data`'s arguments (stand-ins
+    for the target and the generation): the default taps are 5 spread layers plus the last one, the
+    held-out records are at most the held-out prompts; the summary line sums the shards."""
+    from types import SimpleNamespace
+
+    import tevjax.loading as loading
+    import tevjax.train.rollout as rollout
+
+    seen = []
+
+    def generate_data(loaded, cfg, out, **kw):
+        seen.append((cfg, out, kw))
+        return {"shards": {"0": {"records": 3, "response_tokens": 40}, "1": {"records": 2, "response_tokens": 7}},
+                "complete": False, "timings": {"generate": 1.5}}
+
+    monkeypatch.setattr(loading, "load_target", lambda *a, **k: SimpleNamespace(
+        target_cfg=SimpleNamespace(num_layers=12), notes=[]))
+    monkeypatch.setattr(rollout, "generate_data", generate_data)
+    out = tmp_path / "data"
+    assert main(["data", "--num-prompts", "6", "--out", str(out), "--heldout", "3", "--heldout-records", "5",
+                 "--max-new-tokens", "20", "--max-prompt-tokens", "30", "--batch-size", "2", "--seed", "4",
+                 "--responses", "sharegpt", "--turns", "later", "--exclusion", "conversation", "--train-shards", "1:3",
+                 "--no-progress"]) == 0
+    cfg, where, kw = seen[-1]
+    assert (cfg.num_prompts, cfg.heldout_prompts, cfg.heldout_records, cfg.max_new_tokens, cfg.max_prompt_tokens,
+            cfg.batch_size, cfg.taps, cfg.seed, cfg.responses, cfg.turns, cfg.exclusion) == \
+        (6, 3, 3, 20, 30, 2, (1, 3, 5, 7, 9, 11), 4, "sharegpt", "later", "conversation")
+    assert where == out
+    assert (kw["resume"], kw["progress"], kw["train_shards"], kw["mesh"]) == (False, False, (1, 3), None)
+    assert json.loads(capsys.readouterr().out) == {"out": str(out), "complete": False, "records": 5,
+                                                   "response_tokens": 47, "timings": {"generate": 1.5}}
+    assert main(["data", "--num-prompts", "6", "--out", str(out), "--taps", "2,4"]) == 0
+    cfg, _, kw = seen[-1]
+    assert (cfg.taps, cfg.heldout_prompts, cfg.heldout_records, kw["train_shards"], kw["progress"]) == \
+        ((2, 4), 256, 64, None, True)
+
+
 def test_adam_decays_are_checked():
     for name, bad in (("b1", 1.5), ("b1", -1.0), ("b2", float("nan")), ("b2", 1.0)):
         with pytest.raises(ValueError, match=rf"TrainConfig.{name} must be in \[0, 1\)"):
