@@ -22,7 +22,7 @@ from gguf import GGMLQuantizationType as Q
 
 from test_gguf import (CHAT_TEMPLATE, add_byte_level_tokenizer, close_gguf, encode_tensor, expected_values,
                        llamacpp_permute, tiny_vocab)
-from tevjax.convert.gguf import GGUFError, _config_from_metadata, gguf_to_hf_dir, read_gguf
+from tevjax.convert.gguf import GGUFError, _config_from_metadata, _generation_config, gguf_to_hf_dir, read_gguf
 
 SIZES = dict(vocab_size=272, hidden_size=64, intermediate_size=96, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6)
@@ -453,3 +453,62 @@ def test_phi3_without_a_window_and_longrope_refused(tmp_path):
     path, _ = write_family_gguf(tmp_path / "phi3.gguf", "phi3", state, extra_tensors=factors)
     with pytest.raises(GGUFError, match="rope_factors_long.weight, rope_factors_short.weight .*LongRoPE"):
         read_gguf(path)
+
+
+def test_generic_metadata_defaults_and_refusals():
+    """Keys a file may leave out, as llama.cpp reads them: no head_count_kv is no grouping, no
+    rope.scaling.original_context_length (Phi-3) the model's context; OLMo 3's window period as a number
+    (every period-th layer attends fully). What HF's classes cannot express is refused by name: key and
+    value head sizes that differ, a partial rotation outside the hybrids, more experts per token than
+    experts, per-layer sizes that vary."""
+    meta = _meta("qwen3", 2, 64, 4, 16)
+    del meta["qwen3.attention.head_count_kv"]
+    cfg = _config_from_metadata(Path("x.gguf"), meta, set(), None)
+    assert (cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]) == (4, 4, 16)
+    # a per-layer array is a plain model where it is uniform
+    assert _config_from_metadata(Path("x.gguf"), {**meta, "qwen3.attention.head_count_kv": [2, 2]}, set(),
+                                 None)["num_key_value_heads"] == 2
+    for change, match in [({"qwen3.attention.value_length": 32}, "key_length 16 != attention.value_length 32"),
+                          ({"qwen3.attention.head_count_kv": [2, 1]}, r"head_count_kv varies per layer \(\[2, 1\]"),
+                          ({"qwen3.rope.dimension_count": 8}, "rope.dimension_count 8 != head size 16; partial")]:
+        with pytest.raises(GGUFError, match=match):
+            _config_from_metadata(Path("x.gguf"), {**meta, **change}, set(), None)
+    with pytest.raises(GGUFError, match=r"expert_used_count 5 must be in \[1, expert_count 4\]"):
+        _config_from_metadata(Path("x.gguf"), _meta("qwen3moe", 2, 64, 4, 16, expert_count=4, expert_used_count=5,
+                                                    expert_feed_forward_length=32), set(), None)
+    phi3 = _meta("phi3", 2, 64, 4, 16, **{"attention.sliding_window": 0})
+    assert _config_from_metadata(Path("x.gguf"), phi3, set(), None)["original_max_position_embeddings"] == 8192
+    phi3["phi3.rope.scaling.original_context_length"] = 4096
+    assert _config_from_metadata(Path("x.gguf"), phi3, set(), None)["original_max_position_embeddings"] == 4096
+    # the vocabulary: vocab_size, else the token list, else the embedding's rows; these must agree with it
+    assert _config_from_metadata(Path("x.gguf"), meta, set(), 256)["vocab_size"] == 256
+    assert _config_from_metadata(Path("x.gguf"), {k: v for k, v in meta.items() if k != "qwen3.vocab_size"}, set(),
+                                 300)["vocab_size"] == 300
+    with pytest.raises(GGUFError, match="token_embd.weight has 300 rows but the vocabulary size is 256"):
+        _config_from_metadata(Path("x.gguf"), meta, set(), 300)
+    olmo3 = _meta("olmo2", 8, 64, 4, 16, **{"attention.sliding_window_pattern": 4})
+    cfg = _config_from_metadata(Path("x.gguf"), olmo3, set(), None)
+    assert cfg["model_type"] == "olmo3" and cfg["layer_types"] == (["sliding_attention"] * 3 + ["full_attention"]) * 2
+
+
+def test_generation_config_stops_on_the_end_of_turn_token_too():
+    """llama.cpp stops on a chat model's end-of-turn token besides its eos; named once where they are one."""
+    cfg = {"bos_token_id": 1, "eos_token_id": 2}
+    assert _generation_config(cfg, {"tokenizer.ggml.eot_token_id": 7})["eos_token_id"] == [2, 7]
+    assert _generation_config(cfg, {"tokenizer.ggml.eot_token_id": 2})["eos_token_id"] == 2
+    assert _generation_config(cfg, {}) == {"_from_model_config": True, "bos_token_id": 1, "eos_token_id": 2}
+
+
+def test_hybrid_metadata_refused_by_name():
+    """A Qwen3.5 file whose linear layers' sizes do not divide (value heads of a fractional width, or
+    not whole per key head), or whose rope is scaled (unsupported for the hybrids), is refused by name."""
+    ssm = {"ssm.conv_kernel": 4, "ssm.state_size": 8, "ssm.group_count": 2, "ssm.time_step_rank": 4,
+           "ssm.inner_size": 24, "rope.dimension_count": 4}
+    cfg = _config_from_metadata(Path("x.gguf"), _meta("qwen35", 4, 64, 4, 16, **ssm), set(), None)
+    assert (cfg["linear_value_head_dim"], cfg["partial_rotary_factor"]) == (6, 0.25)
+    for change, match in [({"ssm.inner_size": 25}, "ssm.inner_size 25 must be a positive multiple"),
+                          ({"ssm.time_step_rank": 3, "ssm.inner_size": 18}, "ssm.inner_size 18 must be a positive"),
+                          ({"rope.scaling.type": "linear", "rope.scaling.factor": 2.0},
+                           r"rope scaling \(linear\) is not supported for qwen35")]:
+        with pytest.raises(GGUFError, match=match):
+            _config_from_metadata(Path("x.gguf"), _meta("qwen35", 4, 64, 4, 16, **{**ssm, **change}), set(), None)

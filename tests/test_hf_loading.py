@@ -26,6 +26,7 @@ from tevjax.convert import (
     target_weight_rules,
 )
 from tevjax.models import PRESETS, KVCache, ModelConfig, RopeScaling, Transformer, causal_mask
+from tevjax.models.config import SUPPORTED_ARCHITECTURES, TWO_ROPES
 from tevjax.testing import random_model, tiny_config
 
 import torch  # noqa: E402  (test dependency, installed by the Makefile)
@@ -150,7 +151,9 @@ def test_bf16_checkpoint(tmp_path):
     assert q.dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(q[1], np.float32), want)  # bit-exact
     cfg32, model32 = load_hf_target(tmp_path, dtype="float32")
-    assert cfg32.dtype == "float32"
+    # `dtype` sets the storage dtype too, not only the compute dtype
+    assert (cfg32.dtype, cfg32.param_dtype) == ("float32", "float32")
+    assert model32.layers.self_attn.q_proj.kernel.get_value().dtype == jnp.float32
     np.testing.assert_array_equal(np.asarray(model32.layers.self_attn.q_proj.kernel.get_value()[1]), want)
 
     # bf16 compute stays finite and close to float32 compute on the same weights. 0.1 is about
@@ -258,6 +261,11 @@ def test_missing_shard_and_index_mismatch(saved, tmp_path):
         **{k: s for s, ks in shards.items() for k in ks}, "model.ghost.weight": "model-00002-of-00002.safetensors"}}))
     with pytest.raises(CheckpointError, match="model.ghost.weight"):
         read_safetensors_dir(path)
+    # A tensor in two shards (one copy stale?) is refused, not taken from whichever shard is read last.
+    first, second = _write_shards(path, tensors).items()
+    save_file({k: tensors[k] for k in [*second[1], first[1][0]]}, path / second[0])
+    with pytest.raises(CheckpointError, match=re.escape(f"tensor '{first[1][0]}' appears in more than one shard")):
+        read_safetensors_dir(path)
     _write_shards(path, tensors)
     os.remove(path / "model-00002-of-00002.safetensors")
     with pytest.raises(FileNotFoundError, match="model-00002-of-00002.safetensors"):
@@ -322,6 +330,9 @@ def test_config_not_utf8_names_the_file(saved, tmp_path):
     (path / "config.json").write_text('{"model_type": "llama",\n "hidden_size": 64,,}')
     with pytest.raises(ValueError, match=r"ckpt/config\.json is not valid JSON: .*line 2 column 20"):
         load_hf_target(path)
+    (path / "config.json").write_text('[{"model_type": "llama"}]')
+    with pytest.raises(ValueError, match=r"ckpt/config\.json must hold a JSON object, got list"):
+        load_hf_target(path)
 
 
 @pytest.mark.parametrize("patch, message", [
@@ -333,6 +344,8 @@ def test_config_not_utf8_names_the_file(saved, tmp_path):
     ({"tie_word_embeddings": "false"}, r"field 'tie_word_embeddings' must be true or false, got 'false'"),
     ({"eos_token_id": "2"}, r"field 'eos_token_id' must be a token id >= 0 or a list of them, got '2'"),
     ({"eos_token_id": [2, None]}, r"field 'eos_token_id' must be a token id"),
+    ({"eos_token_id": -1}, r"field 'eos_token_id' must be a token id >= 0 or a list of them, got -1"),
+    ({"bos_token_id": [1, 2]}, r"field 'bos_token_id' must be one token id, got \[1, 2\]"),
     ({"rope_scaling": "llama3"}, r"field 'rope_scaling' must be an object, got 'llama3'"),
     ({"rope_scaling": {"rope_type": "llama3", "factor": "8", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                        "original_max_position_embeddings": 8192}},
@@ -512,6 +525,13 @@ def test_gemma3_ropes_read_as_transformers_reads_them():
         hf = transformers.Gemma3TextConfig(**{k: v for k, v in {**hub, **extra}.items() if k != "model_type"})
         assert [t == "sliding_attention" for t in hf.layer_types] == [i in want[3] for i in range(7)]
         assert hf.rope_parameters["sliding_attention"]["rope_theta"] == want[1]
+    # Per-layer-type ropes beside a legacy rope_scaling: transformers applies the scaling to the full layers' rope.
+    # (read first: transformers' config class writes the scaling into the dicts it is given)
+    both = {**transformers.Gemma3TextConfig(**kw).to_dict(), "rope_scaling": {"rope_type": "linear", "factor": 8.0}}
+    assert ModelConfig.from_hf_config(both).rope_scaling == RopeScaling(rope_type="linear", factor=8.0)
+    hf = transformers.Gemma3TextConfig(**{k: v for k, v in both.items() if k != "model_type"})
+    assert hf.rope_parameters["full_attention"]["factor"] == 8.0 and "factor" not in hf.rope_parameters[
+        "sliding_attention"]
     scaled_local = {**new, "rope_parameters": {**new["rope_parameters"], "sliding_attention": {
         "rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}}
     with pytest.raises(ValueError, match="sliding_attention.rope_type 'linear' is not supported"):
@@ -628,7 +648,8 @@ def test_smollm3_nope_layers_and_windows_read_as_transformers_reads_them():
                 and hf.sliding_window] == list(ours.sliding_layers)
         assert ModelConfig.from_hf_config(ours.to_hf_config()) == ours
     for patch, match in [({"no_rope_layers": [1, 0]}, "'no_rope_layers' must be a list of 8 flags"),
-                         ({"no_rope_layers": [2] * 8}, "'no_rope_layers' must be a list of 8 flags")]:
+                         ({"no_rope_layers": [2] * 8}, "'no_rope_layers' must be a list of 8 flags"),
+                         ({"no_rope_layers": [1.0] * 8}, "'no_rope_layers' must be a list of 8 flags")]:
         with pytest.raises(ValueError, match=match):
             ModelConfig.from_hf_config({**base, **patch})
     with pytest.raises(ValueError, match="layers without rotary embedding are SmolLM3's, not architecture 'llama'"):
@@ -725,7 +746,8 @@ def test_config_rejects_unsupported():
                          ({"model_type": "llama", "layer_types": ["sliding_attention"] * 2},
                           "sliding_attention are not supported for model_type 'llama'"),
                          ({"model_type": "mistral", "sliding_window": 0}, "sliding_window"),
-                         ({"num_key_value_heads": 3}, "num_heads=4 must be a multiple of num_kv_heads=3")]:
+                         ({"num_key_value_heads": 3}, "num_heads=4 must be a multiple of num_kv_heads=3"),
+                         ({"pretraining_tp": 2}, "pretraining_tp=2 is not supported")]:
         with pytest.raises(ValueError, match=match):
             ModelConfig.from_hf_config({**base, **patch})
     with pytest.raises(ValueError, match="'hidden_size' is missing"):
@@ -734,6 +756,86 @@ def test_config_rejects_unsupported():
         ModelConfig.from_hf_config(base, bogus=1)
     with pytest.raises(ValueError, match="dtype"):
         dataclasses.replace(tiny_config(), dtype="int8")
+
+
+def test_keys_a_config_leaves_out_mean_the_config_classes_defaults():
+    """A config.json may leave keys out (hand-written, or saved by an older transformers): each then
+    means what transformers' config class defaults it to, which tevjax must read field for field
+    (a wrong default is silently another model)."""
+    def read(cls, cfg, drop, **extra):
+        c = {k: v for k, v in {**cfg.to_hf_config(), **extra}.items() if k not in drop}
+        return ModelConfig.from_hf_config(c), cls(**{k: v for k, v in c.items() if k not in ("architectures",
+                                                                                               "model_type")})
+
+    ours, hf = read(transformers.LlamaConfig, tiny_config("llama"), ("rms_norm_eps", "max_position_embeddings"))
+    assert (ours.rms_norm_eps, ours.max_position_embeddings) == (hf.rms_norm_eps, hf.max_position_embeddings)
+    assert (ours.rms_norm_eps, ours.max_position_embeddings) == (1e-6, 2048)
+    ours, hf = read(transformers.MixtralConfig, tiny_config("mixtral"), ("num_local_experts", "num_experts_per_tok"))
+    assert (ours.num_experts, ours.experts_per_token) == (hf.num_local_experts, hf.num_experts_per_tok) == (8, 2)
+    # Qwen2-MoE: q/k/v biases, a shared expert 5632 wide, windows in the even layers below max_window_layers
+    ours, hf = read(transformers.Qwen2MoeConfig, tiny_config("qwen2_moe", num_layers=4),
+                    ("qkv_bias", "shared_expert_intermediate_size", "layer_types", "max_window_layers"),
+                    use_sliding_window=True, sliding_window=3)
+    assert (ours.qkv_bias, ours.shared_expert_size) == (hf.qkv_bias, hf.shared_expert_intermediate_size) == (True, 5632)
+    assert ours.layer_types == hf.layer_types == ["sliding_attention", "full_attention"] * 2
+    # GPT-OSS: a 128-token window in the even layers; Qwen3-MoE with use_sliding_window: 4096 in every layer
+    ours, hf = read(transformers.GptOssConfig, tiny_config("gpt_oss", num_layers=4, sliding_layers=(0, 2)),
+                    ("sliding_window", "layer_types"))
+    assert (ours.sliding_window, ours.layer_types) == (hf.sliding_window, hf.layer_types) and hf.sliding_window == 128
+    ours, hf = read(transformers.Qwen3MoeConfig, tiny_config("qwen3_moe"), ("sliding_window",), use_sliding_window=True)
+    assert (ours.sliding_window, ours.sliding_layers) == (hf.sliding_window, (0, 1)) and hf.sliding_window == 4096
+    # Qwen3-Next: every fourth layer attends, heads 256 wide with a quarter rotated, renormalised experts and a
+    # shared expert 512 wide
+    hybrid = tiny_config("qwen3_next", num_layers=8, linear_layers=(0, 1, 2, 4, 5, 6))
+    ours, hf = read(transformers.Qwen3NextConfig, hybrid, ("layer_types", "head_dim", "partial_rotary_factor",
+                                                           "norm_topk_prob", "shared_expert_intermediate_size"))
+    assert ours.layer_types == hf.layer_types and ours.linear_layers == (0, 1, 2, 4, 5, 6)
+    assert (ours.head_dim, ours.norm_topk_prob, ours.shared_expert_size) == (
+        hf.head_dim, hf.norm_topk_prob, hf.shared_expert_intermediate_size) == (256, True, 512)
+    assert ours.rotary_dim == hf.head_dim * hf.rope_parameters["partial_rotary_factor"] == 64
+
+
+@pytest.mark.parametrize("model_type", [t for t in SUPPORTED_ARCHITECTURES if t not in TWO_ROPES])
+def test_left_out_norm_eps_positions_theta_and_tying_are_the_familys_defaults(model_type):
+    """rms_norm_eps, max_position_embeddings, rope_theta and tie_word_embeddings, left out, are each
+    family's own transformers defaults (Mixtral's theta 1e6 and eps 1e-5, SmolLM3's tied head, ...),
+    not Llama's. Gemma 3's and OLMo 3's thetas come from their two ropes (tests above)."""
+    drop = ("rms_norm_eps", "max_position_embeddings", "tie_word_embeddings", "rope_theta")
+    c = {k: v for k, v in tiny_config(model_type).to_hf_config().items() if k not in drop}
+    if isinstance(c.get("rope_parameters"), dict):
+        c["rope_parameters"] = {k: v for k, v in c["rope_parameters"].items() if k != "rope_theta"}
+    ours = ModelConfig.from_hf_config(c)
+    hf = transformers.CONFIG_MAPPING[model_type](**{k: v for k, v in c.items() if k not in ("architectures",
+                                                                                         "model_type")})
+    assert (ours.rms_norm_eps, ours.max_position_embeddings, ours.tie_word_embeddings, ours.rope_theta) == (
+        hf.rms_norm_eps, hf.max_position_embeddings, hf.tie_word_embeddings, hf.rope_parameters["rope_theta"])
+
+
+def test_hybrid_rotary_share_and_multimodal_wrapper_read_as_transformers_reads_them():
+    """Qwen3.5 keeps its rotated share in rope_parameters only; a whole-head rotation is one form
+    (rotary_dim None) however it is written; a multimodal wrapper's tie_word_embeddings applies to its
+    text model where that says nothing."""
+    half = tiny_config("qwen3_5_text", rotary_dim=8)
+    out = half.to_hf_config()
+    assert "partial_rotary_factor" not in out and out["rope_parameters"]["partial_rotary_factor"] == 0.5
+    assert ModelConfig.from_hf_config(out) == half
+    hf = transformers.Qwen3_5TextConfig(**{k: v for k, v in out.items() if k not in ("architectures", "model_type")})
+    assert hf.head_dim * hf.rope_parameters["partial_rotary_factor"] == 8
+    # the layer scan steps over the shortest period of layer kinds, not the whole model
+    assert tiny_config("qwen3_next", num_layers=8, linear_layers=(0, 1, 2, 4, 5, 6)).layer_period == (
+        "linear", "linear", "linear", "attention")
+    for arch in ("qwen3_next", "qwen3_5_text"):
+        whole = tiny_config(arch, rotary_dim=None)
+        assert ModelConfig.from_hf_config(whole.to_hf_config()) == whole == tiny_config(arch, rotary_dim=16)
+    text = {k: v for k, v in tiny_config("qwen3_5_text").to_hf_config().items()
+            if k not in ("architectures", "model_type", "tie_word_embeddings")}
+    for tied in (True, False):
+        wrapper = {"model_type": "qwen3_5", "tie_word_embeddings": tied, "text_config": text}
+        assert ModelConfig.from_hf_config(wrapper).tie_word_embeddings is tied
+    for fields, match in [(dict(linear_value_heads=3), "linear_value_heads=3 must be a multiple of linear_key_heads=2"),
+                          (dict(linear_conv=1), "linear_conv=1 must be at least 2")]:
+        with pytest.raises(ValueError, match=match):
+            tiny_config("qwen3_next", **fields)
 
 
 def test_gpt_oss_mxfp4_experts_dequantize_as_transformers_does(tmp_path):

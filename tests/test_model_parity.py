@@ -354,6 +354,8 @@ ROPE_SCALINGS = {
     # transformers' DeepSeek form: the attention factor from mscale and mscale_all_dim
     "yarn-mscale": dict(rope_type="yarn", factor=16.0, original_max_position_embeddings=32, mscale=1.0,
                         mscale_all_dim=0.5),
+    # mscale without mscale_all_dim: transformers ignores it (the attention factor is mscale(factor))
+    "yarn-mscale-only": dict(rope_type="yarn", factor=16.0, original_max_position_embeddings=32, mscale=2.0),
 }
 
 
@@ -412,8 +414,17 @@ def test_rope_scaling_round_trips_and_refusals():
     cfg = ModelConfig.from_hf_config({**transformers.LlamaConfig(**BASE).to_dict(),
                                       "rope_scaling": {"rope_type": "yarn", "factor": 2.0}})
     assert cfg.rope_scaling.original_max_position_embeddings == 256
+    # YaRN without a factor (absent or null): transformers' default, max_position_embeddings over the original
+    # length (256 / 64), which also sets the attention factor.
+    for factor in ({}, {"factor": None}):
+        cfg = ModelConfig.from_hf_config({**transformers.LlamaConfig(**BASE).to_dict(), "rope_scaling": {
+            "rope_type": "yarn", "original_max_position_embeddings": 64, **factor}})
+        assert cfg.rope_scaling.factor == 4.0, factor
+        assert cfg.rope_scaling.attention_factor == pytest.approx(0.1 * np.log(4.0) + 1)
     for kw, match in [(dict(rope_type="linear", factor=2.0, beta_fast=4.0), "'linear' has no beta_fast"),
                       (dict(rope_type="llama3", factor=2.0), "'llama3' needs low_freq_factor"),
+                      (dict(rope_type="llama3", factor=2.0, low_freq_factor=4.0, high_freq_factor=1.0,
+                            original_max_position_embeddings=8), "low_freq_factor=4.0 must be below high_freq_factor"),
                       (dict(rope_type="yarn", factor=0.0, original_max_position_embeddings=8),
                        "factor must be a positive"),
                       (dict(rope_type="yarn", factor=2.0, original_max_position_embeddings=8, truncate=1),

@@ -10,6 +10,7 @@ published checkpoint and every transformers version understands it).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -245,7 +246,8 @@ class RopeScaling:
                           beta_fast=get("beta_fast", float, None), beta_slow=get("beta_slow", float, None),
                           attention_factor=get("attention_factor", float, attention),
                           truncate=get("truncate", bool, None))
-        fields.setdefault("factor", get("factor", float))
+        if "factor" not in fields:  # not setdefault, which would read (and require) a YaRN factor first
+            fields["factor"] = get("factor", float)
         try:
             return cls(rope_type=rope_type, **fields)
         except ValueError as e:
@@ -719,12 +721,13 @@ class ModelConfig:
         rope = dict(c.get("rope_parameters") or {})
         scaling_key = "rope_scaling" if c.get("rope_scaling") else "rope_parameters"
         scaling_src = c.get("rope_scaling") or rope
+        default = functools.partial(family_default, model_type)
         if c.get("rope_theta") is not None:
             theta = field("rope_theta", float, positive=True)
         else:
-            theta = config_field(rope, "rope_theta", float, source, 10000.0, positive=True,
+            theta = config_field(rope, "rope_theta", float, source, default("rope_theta"), positive=True,
                                  prefix="rope_parameters.")
-        max_positions = field("max_position_embeddings", int, 2048, positive=True)
+        max_positions = field("max_position_embeddings", int, default("max_position_embeddings"), positive=True)
         scaling = (RopeScaling.from_hf(scaling_src, source=source, prefix=f"{scaling_key}.",
                                        max_position_embeddings=max_positions) if scaling_src else None)
 
@@ -749,11 +752,10 @@ class ModelConfig:
             # null or 0 mean "no grouping" / "derive it", as in transformers
             num_kv_heads=field("num_key_value_heads", int, 0) or heads,
             head_dim=field("head_dim", int, 0) or hidden // heads,
-            rms_norm_eps=field("rms_norm_eps", float, 1e-6),
+            rms_norm_eps=field("rms_norm_eps", float, default("rms_norm_eps")),
             rope_theta=theta,
             rope_scaling=scaling,
-            # HF's default when the key is absent: tied for Gemma, untied for the others.
-            tie_word_embeddings=field("tie_word_embeddings", bool, gemma),
+            tie_word_embeddings=field("tie_word_embeddings", bool, default("tie_word_embeddings")),
             qk_norm=model_type in ("qwen3", "gemma3_text", "qwen3_moe", *HYBRID, *WHOLE_QK_NORM),
             # Qwen2 has q/k/v biases and no o bias, always; its config has no key for them.
             # Qwen2-MoE's say so in qkv_bias (default true).
@@ -921,6 +923,31 @@ _HEADS_FROM_HIDDEN = ("olmoe", "granitemoe")
 _NAMES = {"mixtral": "Mixtral", "olmoe": "OLMoE", "granitemoe": "Granite MoE", "gpt_oss": "GPT-OSS"}
 # transformers' defaults where a config.json leaves the keys out: the window of MistralConfig,
 # Qwen2Config, Qwen3Config, Gemma2Config and Gemma3TextConfig, and the Qwen configs' first windowed layer.
+# What a config.json that leaves these keys out means: each family's transformers (5.x) config class
+# defaults. Read wrongly, a hand-written or stripped config is silently another model (Mixtral at
+# theta 1e4 instead of 1e6).
+_BASE_DEFAULTS = {"rms_norm_eps": 1e-6, "max_position_embeddings": 2048, "rope_theta": 10_000.0,
+                  "tie_word_embeddings": False}
+_FAMILY_DEFAULTS = {
+    "mistral": {"max_position_embeddings": 131_072},
+    "mixtral": {"rms_norm_eps": 1e-5, "max_position_embeddings": 131_072, "rope_theta": 1_000_000.0},
+    **{t: {"max_position_embeddings": 32_768} for t in ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe", *HYBRID)},
+    "gemma2": {"max_position_embeddings": 8192, "tie_word_embeddings": True},
+    "gemma3_text": {"max_position_embeddings": 131_072, "tie_word_embeddings": True},  # theta: `_two_ropes`
+    "phi3": {"rms_norm_eps": 1e-5, "max_position_embeddings": 4096},
+    "olmo2": {"rms_norm_eps": 1e-5},
+    "olmo3": {"rms_norm_eps": 1e-5},  # theta: `_two_ropes`
+    "olmoe": {"rms_norm_eps": 1e-5, "max_position_embeddings": 4096},
+    "gpt_oss": {"rms_norm_eps": 1e-5, "max_position_embeddings": 131_072, "rope_theta": 150_000.0},
+    "smollm3": {"max_position_embeddings": 32_768, "rope_theta": 2_000_000.0, "tie_word_embeddings": True},
+}
+
+
+def family_default(model_type: str, key: str):
+    """transformers' default for `key` in `model_type`'s config class (`_FAMILY_DEFAULTS`)."""
+    return _FAMILY_DEFAULTS.get(model_type, {}).get(key, _BASE_DEFAULTS[key])
+
+
 _HF_WINDOW = 4096
 _QWEN_MAX_WINDOW_LAYERS = 28
 _GEMMA3_THETAS = (1_000_000.0, 10_000.0)  # Gemma3TextConfig.default_theta: global, local
