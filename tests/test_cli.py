@@ -598,10 +598,40 @@ def _tiny_demo_models(monkeypatch, tiny_dir):
     monkeypatch.setattr(tokenizer_mod, "chat_prompt_ids", lambda tok, text: [1 + len(text) % 40, 3, 5])
 
 
+def _exit_law_tables(out: str) -> tuple[list[list[float]], list[list[float]], dict[str, list[float]]]:
+    """Part 1 of the demo: its node table (node, depth, P, rho, w), its empirical table (node, w, one
+    frequency per verifier) and its two summary rows."""
+    lines = out.splitlines()
+    nodes = lines.index("  node  token    depth   P(v)     rho(v)   w(v)")
+    laws = next(i for i, x in enumerate(lines) if x.startswith("  node   exact w"))
+    numbers = lambda x: [float(v) for v in re.findall(r"-?\d+\.?\d*", x)]  # noqa: E731
+    node_rows = [numbers(x) for x in lines[nodes + 1:nodes + 11]]  # (the tokens are words, no digits)
+    law_rows = [numbers(x) for x in lines[laws + 1:laws + 11]]
+    summary = {x.split("  ")[1]: numbers(x.split("(")[0]) for x in lines[laws + 11:laws + 13]}
+    return node_rows, law_rows, summary
+
+
 def test_demo_times_interleaved_repeats_and_checks_losslessness(monkeypatch, capsys, tiny_dir):
     _tiny_demo_models(monkeypatch, tiny_dir)
+    order = []  # which decoder each generate call ran: the methods alternate prompt by prompt and repeat by repeat
+    real_generate = Decoder.generate
+    monkeypatch.setattr(Decoder, "generate", lambda self, prompts, **kw: order.append(
+        "ar" if self.dgd is None else "spec") or real_generate(self, prompts, **kw))
     code, out, err = _run(capsys, "demo", "--samples", "2000", "--max-new-tokens", "6", "--repeats", "2")
     assert code == 0, err
+    assert order == ["spec", "ar", "ar", "spec", "spec", "ar"] + ["ar", "spec", "spec", "ar", "ar", "spec"]
+    # Part 1's tables reconcile: w = P rho, each verifier's frequencies are a law, its mean block length
+    # is that law's mean of depth + 1, and its total variation is half the L1 distance to w (to rounding).
+    node_rows, law_rows, summary = _exit_law_tables(out)
+    assert "sum w = 1.000000" in out
+    for (node, depth, p, rho, w), (node2, w2, *_) in zip(node_rows, law_rows):
+        assert node == node2 and w == w2 and abs(p * rho - w) < 2e-4, (node, p, rho, w)
+    freqs = np.array([row[2:] for row in law_rows])  # [node, verifier]
+    depth, w = np.array([row[1] for row in node_rows]), np.array([row[1] for row in law_rows])
+    assert freqs.shape == (10, 3)
+    np.testing.assert_allclose(freqs.sum(0), 1, atol=1e-3)
+    np.testing.assert_allclose(summary["mean block length"], ((depth + 1)[:, None] * freqs).sum(0), atol=3e-3)
+    np.testing.assert_allclose(summary["total variation to w"], 0.5 * np.abs(freqs - w[:, None]).sum(0), atol=1e-3)
     assert out.count("output identical to autoregressive greedy") == 3
     assert "median of 2 interleaved repeats, range" in out
     # The per-repeat line reconciles: each speedup is its repeat's rate ratio, and the headline is their median.
@@ -614,6 +644,27 @@ def test_demo_times_interleaved_repeats_and_checks_losslessness(monkeypatch, cap
     median = float(re.search(r"overall: speedup ([\d.]+)x", out).group(1))
     assert abs(median - sum(sr) / 2) < 0.006
     assert "UNTRAINED" in out
+
+
+def test_demo_skip_models_runs_only_the_exit_laws(monkeypatch, capsys):
+    import tevjax.demo_laws as demo_laws
+    import tevjax.loading as loading
+
+    calls = []
+    monkeypatch.setattr(demo_laws, "main", lambda **kw: calls.append(kw))
+    monkeypatch.setattr(loading, "load_models", lambda *a, **k: pytest.fail("--skip-models loaded a model"))
+    code, out, err = _run(capsys, "demo", "--skip-models", "--samples", "7")
+    assert code == 0, err
+    assert calls == [dict(samples=7, temperature=1.0)] and "Part 2" not in out
+
+
+def test_demo_tree_drawing():
+    from tevjax.demo_laws import render_tree, synthetic_case
+
+    tokens, parents, _ = synthetic_case()
+    assert render_tree(tokens, parents, str) == [
+        "0", "├── 1", "│   ├── 4", "│   │   ├── 7", "│   │   └── 8", "│   └── 5", "├── 2", "│   └── 6", "│       └── 9",
+        "└── 3"]
 
 
 def test_demo_fails_when_outputs_differ(monkeypatch, capsys, tiny_dir):

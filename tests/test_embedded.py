@@ -76,6 +76,9 @@ def test_package_without_the_file(monkeypatch, tmp_path):
 def test_default_cache_dir(monkeypatch, tmp_path):
     monkeypatch.setenv("TEVJAX_CACHE", str(tmp_path / "c"))
     assert default_cache_dir() == tmp_path / "c"
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("TEVJAX_CACHE", "~/c")  # as a shell leaves it when quoted
+    assert default_cache_dir() == tmp_path / "c"
     monkeypatch.delenv("TEVJAX_CACHE")
     assert default_cache_dir() == Path.home() / ".cache" / "tevjax"
 
@@ -101,10 +104,11 @@ def _counting(monkeypatch):
     return calls
 
 
-def test_prepare_converts_once(tiny_gguf, tmp_path, monkeypatch):
+def test_prepare_converts_once(tiny_gguf, tmp_path, monkeypatch, capsys):
     calls = _counting(monkeypatch)
     monkeypatch.setenv("TEVJAX_CACHE", str(tmp_path / "cache"))
     first = prepare_gguf(tiny_gguf, name="tiny")
+    assert capsys.readouterr().err == ""  # a first conversion repairs nothing: no note
     digest = hashlib.sha256(tiny_gguf.read_bytes()).hexdigest()
     assert first == tmp_path / "cache" / f"tiny-v{CONVERTER_VERSION}-{tiny_gguf.stat().st_size}-{digest[:16]}"
     assert json.loads((first / CONVERSION_MARKER).read_text())["source_sha256"] == digest
@@ -282,6 +286,79 @@ def test_intact_entry_is_checked_without_hashing(tiny_gguf, tmp_path, monkeypatc
     assert hashed == []
 
 
+def _source(gguf: Path) -> tuple[int, str]:
+    return gguf.stat().st_size, hashlib.sha256(gguf.read_bytes()).hexdigest()
+
+
+def test_a_fingerprint_taken_in_the_manifests_own_tick_is_not_trusted(tiny_gguf, tmp_path):
+    """The racy-clean rule, with the manifest's mtime set by hand: a file whose fingerprint is the
+    recorded one is trusted unhashed only when its ctime is older than the manifest."""
+    entry = prepare_gguf(tiny_gguf, name="tiny", cache_dir=tmp_path)
+    weights, manifest_path = entry / "model.safetensors", entry / CACHE_MANIFEST
+    _overwrite_middle(weights, 64)
+    # The damage, fingerprinted as if the manifest had been written in the same tick as it.
+    manifest = json.loads(manifest_path.read_text())
+    manifest["files"]["model.safetensors"]["stat"] = embedded._fingerprint(weights.stat())
+    manifest_path.write_text(json.dumps(manifest))
+    ctime = weights.stat().st_ctime_ns
+    os.utime(manifest_path, ns=(ctime, ctime))
+    assert embedded._check_entry(entry, *_source(tiny_gguf))[0] == (
+        "model.safetensors does not match its SHA-256 checksum (changed in place)")
+    os.utime(manifest_path, ns=(ctime + 1, ctime + 1))  # a tick later: trusted as recorded (not hashed)
+    assert embedded._check_entry(entry, *_source(tiny_gguf)) == (None, None)
+    # Fingerprinted just before a write that kept the size and the mtime (during the manifest's
+    # hashing): only the ctime tells, even with the manifest written later.
+    st = weights.stat()
+    before = types.SimpleNamespace(st_size=st.st_size, st_mtime_ns=st.st_mtime_ns, st_ctime_ns=st.st_ctime_ns - 1,
+                                   st_ino=st.st_ino)
+    manifest["files"]["model.safetensors"]["stat"] = embedded._fingerprint(before)
+    manifest_path.write_text(json.dumps(manifest))
+    os.utime(manifest_path, ns=(ctime + 10**9, ctime + 10**9))
+    assert embedded._check_entry(entry, *_source(tiny_gguf))[0] == (
+        "model.safetensors does not match its SHA-256 checksum (changed in place)")
+
+
+def test_a_source_digest_is_reused_only_for_the_same_fingerprint_before_the_record(tiny_gguf, tmp_path):
+    # The same rule for the GGUF's remembered digest: a made-up digest shows whether it was reused.
+    memo, st = tmp_path / SOURCE_DIGESTS, tiny_gguf.stat()
+    real = _source(tiny_gguf)[1]
+
+    def remember(stat, mtime_ns):
+        memo.write_text(json.dumps({str(tiny_gguf.resolve()): {"sha256": "remembered", "stat": stat}}))
+        os.utime(memo, ns=(mtime_ns, mtime_ns))
+
+    remember(embedded._fingerprint(st), st.st_ctime_ns + 1)
+    assert embedded._source_digest(tiny_gguf, tmp_path) == "remembered"
+    remember(embedded._fingerprint(st), st.st_ctime_ns)  # recorded within the file's own tick
+    assert embedded._source_digest(tiny_gguf, tmp_path) == real
+    remember([st.st_size, st.st_mtime_ns - 1, st.st_ctime_ns, st.st_ino], st.st_ctime_ns + 10**9)  # before a change
+    assert embedded._source_digest(tiny_gguf, tmp_path) == real
+
+
+def test_a_consistent_manifest_without_a_required_file_is_incomplete(tiny_gguf, tmp_path):
+    # A conversion that wrote no tokenizer.json, checksummed as it is: every listed file checks
+    # out, but the entry cannot be loaded.
+    entry = prepare_gguf(tiny_gguf, name="tiny", cache_dir=tmp_path)
+    (entry / "tokenizer.json").unlink()
+    embedded._write_manifest(entry)
+    assert embedded._check_entry(entry, *_source(tiny_gguf)) == (f"{CACHE_MANIFEST} does not list tokenizer.json",
+                                                                 None)
+
+
+def test_removing_an_entry_removes_a_link_not_what_it_points_to(tmp_path):
+    # A damaged entry may be a symlink (a cache moved to another disk): its rebuild replaces the link.
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    (target / "config.json").write_text("{}")
+    for link in (tmp_path / "entry", tmp_path / "dangling"):
+        link.symlink_to(target if link.name == "entry" else tmp_path / "nothing")
+        embedded._remove(link)
+        assert not link.is_symlink() and not link.exists()
+    assert (target / "config.json").is_file()
+    embedded._remove(target)
+    assert not target.exists()
+
+
 def test_a_copied_cache_serves_the_same_file_under_another_name(tiny_gguf, tmp_path, monkeypatch):
     """A cache copied elsewhere (new inodes and times: its manifest's fingerprints are stale) still
     serves the same file under another name, once its contents check out; no second conversion."""
@@ -305,7 +382,11 @@ def test_the_embedded_gguf_is_recognised_by_its_contents(tiny_gguf, tmp_path, mo
     with open(same_size, "wb") as f:  # sparse: as large as the real one, other contents
         f.truncate(smollm2_gguf_path().stat().st_size)
     assert not embedded.is_embedded_gguf(same_size, cache_dir=tmp_path / "cache")
+    hashed = []
+    real = embedded._sha256
+    monkeypatch.setattr(embedded, "_sha256", lambda p: hashed.append(p) or real(p))
     assert not embedded.is_embedded_gguf(tiny_gguf, cache_dir=tmp_path / "cache")
+    assert hashed == []  # another size: told apart without hashing either file
     monkeypatch.setattr(embedded.importlib.util, "find_spec", lambda name: None)  # package not installed
     assert not embedded.is_embedded_gguf(link, cache_dir=tmp_path / "cache")
 

@@ -368,6 +368,128 @@ def test_a_heartbeat_timeout_must_be_whole_seconds_of_at_least_one():
             initialize_distributed("localhost:1", 2, 0, heartbeat_timeout_s=bad)
 
 
+class _Joining(Exception):
+    pass
+
+
+def test_join_arguments_come_from_flags_then_the_environment(monkeypatch):
+    """What `initialize_distributed` hands to jax.distributed, checked in this process: the join
+    itself (`_join_within`) records its arguments and raises instead."""
+    from tevjax import multihost
+
+    calls = []
+
+    def join(timeout_s, job, **kwargs):
+        calls.append((timeout_s, job, kwargs))
+        raise _Joining
+
+    monkeypatch.setattr(multihost, "_join_within", join)
+    for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "SLURM_JOB_ID",
+                 "OMPI_COMM_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    assert multihost.initialize_distributed() is False and calls == []  # a single-host run joins nothing
+    for bad in (0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="join timeout of .* it must be positive"):
+            multihost.initialize_distributed("localhost:1", 2, 0, timeout_s=bad)
+    assert calls == []
+    monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "env:1")
+    monkeypatch.setenv("JAX_NUM_PROCESSES", "8")
+    monkeypatch.setenv("JAX_PROCESS_ID", "7")
+    logs = []
+    with pytest.raises(_Joining):  # flags win over the environment
+        multihost.initialize_distributed("flags:2", 2, 1, log=logs.append, timeout_s=12.5,
+                                         heartbeat_timeout_s=np.int64(7))
+    assert calls[-1] == (12.5, "process 1 of 2: the job at flags:2", dict(
+        coordinator_address="flags:2", num_processes=2, process_id=1, heartbeat_timeout_seconds=7))
+    assert type(calls[-1][2]["heartbeat_timeout_seconds"]) is int  # as jax takes it
+    assert logs == ["joining the job at flags:2 as process 1 of 2, waiting up to 12.5 s for every process"]
+    with pytest.raises(_Joining):  # what the flags leave out, the environment gives
+        multihost.initialize_distributed(process_id=3)
+    assert calls[-1][2] == dict(coordinator_address="env:1", num_processes=8, process_id=3,
+                                heartbeat_timeout_seconds=multihost.HEARTBEAT_TIMEOUT_S)
+    # Under a cluster manager, with no coordinator anywhere, JAX's own detection finds the job.
+    for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    with pytest.raises(_Joining):
+        multihost.initialize_distributed(timeout_s=5)
+    assert calls[-1] == (5, "this process: the job that JAX's cluster detection finds",
+                         dict(heartbeat_timeout_seconds=multihost.HEARTBEAT_TIMEOUT_S))
+
+
+def test_our_join_deadline_comes_before_jaxs(monkeypatch):
+    # jax's own deadline must be the later one, so that the timeout's message is tevjax's.
+    from tevjax import multihost
+
+    seen = {}
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kwargs: seen.update(kwargs))
+    multihost._join_within(600.0, "the job", coordinator_address="x:1")
+    assert seen["coordinator_address"] == "x:1" and seen["initialization_timeout"] > 600
+
+
+def _digest(value) -> bytes:
+    import hashlib
+
+    from tevjax.multihost import _feed
+
+    h = hashlib.sha256()
+    _feed(h, value)
+    return h.digest()
+
+
+def test_check_same_compares_values_by_content():
+    """What `check_same` hashes: dicts whatever their order, nesting, and arrays by dtype, shape
+    and bytes (so equal bytes in another shape or dtype differ)."""
+    assert _digest({"a": 1, "b": [2, 3]}) == _digest({"b": [2, 3], "a": 1})
+    assert _digest([[1, 2], [3]]) != _digest([[1], [2, 3]])
+    assert _digest("1") != _digest(1)
+    zeros = np.zeros(4, np.int32)
+    assert _digest(zeros) == _digest(np.zeros(4, np.int32))
+    assert _digest(zeros) != _digest(zeros.reshape(2, 2))
+    assert _digest(zeros) != _digest(np.zeros(2, np.int64))
+    assert _digest(zeros) != _digest(np.array([0, 0, 0, 1], np.int32))
+    assert _digest(jax.numpy.ones(3, jax.numpy.bfloat16)) != _digest(jax.numpy.full(3, 2, jax.numpy.bfloat16))
+    assert _digest(jax.random.key(0)) == _digest(jax.random.key(0)) != _digest(jax.random.key(1))  # typed keys
+
+
+def test_the_keys_and_processes_that_differ_are_named(monkeypatch):
+    """`check_same` and `_check_each` on a stand-in job of 3 processes: `every_process` returns
+    this process's row for every process, with the columns listed in `bumped` changed."""
+    from tevjax import multihost
+
+    bumped: dict[int, list[int]] = {}
+
+    def every_process(values):
+        table = np.stack([np.asarray(values, np.int32).reshape(-1)] * 3)
+        for process, columns in bumped.items():
+            table[process, columns] += 1
+        return table
+
+    monkeypatch.setattr(multihost, "every_process", every_process)
+    monkeypatch.setattr(jax, "process_count", lambda: 3)
+    digests = {"a.bin": bytes(16), "b.bin": bytes(range(16)), "c.bin": bytes(16)}  # 4 int32 columns each
+    multihost._check_each("the model", digests)
+    multihost.check_same("the prompts", ["x"])
+    bumped[2] = [5]  # a word of b.bin's digest, on process 2
+    with pytest.raises(ValueError) as e:
+        multihost._check_each("the model", digests)
+    assert str(e.value) == "the model: b.bin differs between the job's processes: process 2 against process 0"
+    with pytest.raises(ValueError) as e:
+        multihost._check_each("the software", digests, {"a.bin": "1", "b.bin": "2", "c.bin": "3"})
+    assert str(e.value) == ("the software: b.bin (2 on process 0) differs between the job's processes: "
+                            "process 2 against process 0")
+    bumped[1] = [0, 11]
+    with pytest.raises(ValueError) as e:
+        multihost._check_each("the model", digests)
+    assert str(e.value) == ("the model: a.bin, b.bin, c.bin differ between the job's processes: "
+                            "processes 1, 2 against process 0")
+    bumped.clear()
+    bumped[1] = [3]
+    with pytest.raises(ValueError) as e:
+        multihost.check_same("the prompts", ["x"])
+    assert str(e.value) == "the prompts differs between the job's processes: process 1 against process 0"
+
+
 @pytest.mark.parametrize("lacking", ["model", "prompts.txt"])
 def test_cli_error_on_one_host_ends_the_job(tiny_llama_dir, tmp_path, lacking):
     """`tevjax generate` with a file that one host lacks: that host prints the error and exits with

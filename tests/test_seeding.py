@@ -55,3 +55,15 @@ def test_both_ends_and_numpy_integers():
 def test_out_of_range_or_non_integer_seeds(seed, message):
     with pytest.raises(ValueError, match=message):
         seed_key(seed)
+
+
+def test_another_prng_implementation_folds_the_high_word_in():
+    # Under a key layout other than threefry's (here "rbg"), the high word is folded into the low
+    # word's key: seeds that share their low word still get distinct keys.
+    with jax.default_prng_impl("rbg"):
+        seeds = (5, 2**32 + 5, 2**33 + 5, 2**64 - 2**32 + 5)
+        words = [tuple(np.asarray(jax.random.key_data(seed_key(s))).ravel()) for s in seeds]
+        assert len(set(words)) == len(seeds)
+        assert str(jax.random.key_impl(seed_key(2**33 + 5))) == "rbg"
+        assert (np.asarray(jax.random.key_data(seed_key(2**33 + 5)))
+                == np.asarray(jax.random.key_data(jax.random.fold_in(jax.random.key(5), 2)))).all()

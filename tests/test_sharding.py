@@ -219,6 +219,60 @@ def test_mesh_parsing_and_device_count_errors():
         make_mesh(None, 1, expert=2 * n)
 
 
+def test_mesh_entries_must_be_positive_and_make_mesh_takes_no_bools():
+    # A size of 0 is refused by --mesh itself, not later by make_mesh; an empty entry (a trailing
+    # comma) is skipped; True is an int to Python but not a mesh size.
+    for text in ("model=0", "data=2,expert=0"):
+        with pytest.raises(ValueError, match="with positive sizes"):
+            parse_mesh(text)
+    assert parse_mesh("data=2,model=1,") == {"data": 2, "model": 1}
+    for bad in (dict(model=True), dict(data=True), dict(expert=True)):
+        with pytest.raises(ValueError, match=f"make_mesh: {next(iter(bad))} must be a positive int"):
+            make_mesh(**bad, devices=jax.devices()[:1])
+
+
+def test_make_mesh_lays_out_the_devices(monkeypatch):
+    """Which axis gets how many devices, and in which order: checked on stand-in devices (ints), with
+    `Mesh` recording its arguments, since a real mesh of 8 needs 8 forced devices."""
+    import tevjax.sharding as sharding
+
+    monkeypatch.setattr(sharding, "Mesh", lambda devices, names: (devices.tolist(), names))
+    devices = list(range(8))
+    # `data` left out takes every device the others do not use: 8 / (expert 2 x model 2) = 2 rows
+    assert make_mesh(None, 2, devices, expert=2) == ([[[0, 1], [2, 3]], [[4, 5], [6, 7]]],
+                                                     ("data", "expert", "model"))
+    # expert 4 x model 1: each device of a row holds its own experts (the expert axis has size 4)
+    assert make_mesh(None, 1, devices, expert=4) == ([[[0], [1], [2], [3]], [[4], [5], [6], [7]]],
+                                                     ("data", "expert", "model"))
+    assert make_mesh(2, 1, devices[:6], expert=3) == ([[[0], [1], [2]], [[3], [4], [5]]],
+                                                      ("data", "expert", "model"))
+    assert make_mesh(None, 4, devices) == ([[0, 1, 2, 3], [4, 5, 6, 7]], ("data", "model"))
+    with pytest.raises(ValueError, match="model=4 does not divide the 6 devices"):
+        make_mesh(None, 4, devices[:6])
+    with pytest.raises(ValueError, match="expert=2 x model=2 does not divide the 6 devices"):
+        make_mesh(None, 2, devices[:6], expert=2)
+
+
+def test_logical_sharding_argument_checks_and_placed_dtypes():
+    from tevjax.sharding import place, replicated
+
+    # As many logical axes as dimensions: a shape that is one short is an error, not a shorter spec.
+    with pytest.raises(ValueError, match=r"x: 2 logical axes \('batch', 'heads'\) for an array of shape \(4,\)"):
+        logical_sharding(_mesh(2, 2), ("batch", "heads"), (4,), what="x")
+    with pytest.raises(ValueError, match="unknown logical axis 'hidden'; known: "):
+        logical_sharding(_mesh(2, 2), ("batch", "hidden"), (4, 8))
+    # Optimizer mode replicates only unnamed scalars (step counts); an unnamed moment array raises.
+    target = nnx.eval_shape(lambda: random_model(tiny_config()))
+    state = nnx.state(target)
+    state["extra"] = nnx.Param(jax.ShapeDtypeStruct((3,), np.float32))
+    with pytest.raises(ValueError, match="'extra' has no row"):
+        param_shardings(target, _mesh(1, 1), state, optimizer=True)
+    # `place` converts to the dtype asked for, with a sharding as without one.
+    mesh = make_mesh(1, 1, jax.devices()[:1])
+    for sharding in (None, replicated(mesh)):
+        assert place(np.arange(4.0), jax.numpy.bfloat16, sharding).dtype == jax.numpy.bfloat16
+
+
 @pytest.mark.parametrize("argv, message", [
     (["generate", "--prompt-ids", "1,2", "--mesh", "data=64,model=2"], "needs 128 devices"),
     (["generate", "--prompt-ids", "1,2", "--mesh", "data=x"], "expected entries like data=2,model=1"),
