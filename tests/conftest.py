@@ -1,5 +1,6 @@
 """Settings for the whole test session, its xdist workers and the subprocesses tests start."""
 
+import gc
 import os
 
 import pytest
@@ -21,6 +22,19 @@ _FAST_COMPILE = {"xla_backend_optimization_level": "0", "xla_cpu_use_fusion_emit
 for _flag, _value in _FAST_COMPILE.items():
     if _flag not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --{_flag}={_value}".strip()
+
+
+# Each XLA:CPU executable keeps memory mappings of its own (~10-200 a program). A worker that kept
+# every program it compiled passed the kernel's limit of 65,530 mappings (vm.max_map_count) and
+# segfaulted inside a compile (two test files alone left 15,035 mappings; 1,106 with this). So each
+# module's programs are dropped when it ends; modules share few programs, so this costs no time.
+@pytest.fixture(autouse=True, scope="module")
+def _drop_compiled_programs():
+    yield
+    import jax
+
+    jax.clear_caches()
+    gc.collect()
 
 
 # A fixture two modules share (test_decode_smollm2, test_multihost).
