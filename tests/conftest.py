@@ -26,8 +26,9 @@ for _flag, _value in _FAST_COMPILE.items():
 
 # Each XLA:CPU executable keeps memory mappings of its own (~10-200 a program). A worker that kept
 # every program it compiled passed the kernel's limit of 65,530 mappings (vm.max_map_count) and
-# segfaulted inside a compile (two test files alone left 15,035 mappings; 1,106 with this). So each
-# module's programs are dropped when it ends; modules share few programs, so this costs no time.
+# segfaulted inside a compile (as in jax-ml/jax#27201; two test files alone left 15,035 mappings,
+# 1,106 with this). So each module's programs are dropped when it ends; modules share few programs,
+# so this costs no time.
 @pytest.fixture(autouse=True, scope="module")
 def _drop_compiled_programs():
     yield
