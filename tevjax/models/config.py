@@ -721,7 +721,7 @@ class ModelConfig:
         rope = dict(c.get("rope_parameters") or {})
         scaling_key = "rope_scaling" if c.get("rope_scaling") else "rope_parameters"
         scaling_src = c.get("rope_scaling") or rope
-        default = functools.partial(family_default, model_type)
+        default = functools.partial(_family_default, model_type)
         if c.get("rope_theta") is not None:
             theta = field("rope_theta", float, positive=True)
         else:
@@ -921,8 +921,6 @@ _NO_WINDOW = ("llama", "granite", "olmo2", "olmoe", "granitemoe")
 _HEADS_FROM_HIDDEN = ("olmoe", "granitemoe")
 # Families as error messages name them.
 _NAMES = {"mixtral": "Mixtral", "olmoe": "OLMoE", "granitemoe": "Granite MoE", "gpt_oss": "GPT-OSS"}
-# transformers' defaults where a config.json leaves the keys out: the window of MistralConfig,
-# Qwen2Config, Qwen3Config, Gemma2Config and Gemma3TextConfig, and the Qwen configs' first windowed layer.
 # What a config.json that leaves these keys out means: each family's transformers (5.x) config class
 # defaults. Read wrongly, a hand-written or stripped config is silently another model (Mixtral at
 # theta 1e4 instead of 1e6).
@@ -943,11 +941,13 @@ _FAMILY_DEFAULTS = {
 }
 
 
-def family_default(model_type: str, key: str):
+def _family_default(model_type: str, key: str):
     """transformers' default for `key` in `model_type`'s config class (`_FAMILY_DEFAULTS`)."""
     return _FAMILY_DEFAULTS.get(model_type, {}).get(key, _BASE_DEFAULTS[key])
 
 
+# transformers' defaults where a config.json leaves the keys out: the window of MistralConfig,
+# Qwen2Config, Qwen3Config, Gemma2Config and Gemma3TextConfig, and the Qwen configs' first windowed layer.
 _HF_WINDOW = 4096
 _QWEN_MAX_WINDOW_LAYERS = 28
 _GEMMA3_THETAS = (1_000_000.0, 10_000.0)  # Gemma3TextConfig.default_theta: global, local
