@@ -81,7 +81,7 @@ def collect(args) -> dict[str, np.ndarray]:
     from tevjax.loading import load_models
     from tevjax.train.dataset import Batch, TrainData
     from tevjax.train.heldout import block_truth
-    from tevjax.train.objectives import sample_anchors
+    from tevjax.train.objectives import batch_anchors
 
     m = load_models(drafter=args.drafter)
     data = TrainData(args.data, args.split, shards=args.shards.split(",") if args.shards else None)
@@ -94,9 +94,7 @@ def collect(args) -> dict[str, np.ndarray]:
     @jax.jit
     def stats(dstate, tstate, batch, key):
         drafter, target = nnx.merge(dgd, dstate), nnx.merge(tgd, tstate)
-        b = batch.tokens.shape[0]
-        anc, valid = jax.vmap(sample_anchors, in_axes=(0, 0, None))(jax.random.split(key, b), batch.loss_mask,
-                                                                    args.anchors)
+        anc, valid = batch_anchors(key, batch.loss_mask, args.anchors)
         z = drafter.logits(target, drafter.train_hidden(target, batch.features, batch.tokens, anc))
         z = z.astype(jnp.float32)  # [B, M, G, Vd]
         truth, ok = block_truth(batch.tokens, batch.loss_mask, anc, valid, z.shape[2])

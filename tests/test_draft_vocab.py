@@ -237,7 +237,7 @@ def test_the_steps_losses_under_a_reduced_vocabulary(target):
     exit loss (trees, law and node logits) is that of the full-vocabulary drafter of the same
     weights whose logits outside the vocabulary are -1e9, which reads its nodes by token id where
     the reduced one must read them by draft index."""
-    from tevjax.train.objectives import ratio, sample_anchors
+    from tevjax.train.objectives import batch_anchors, ratio
 
     batch, key = _batch(target, seed=1), jax.random.key(5)
     ids = np.unique(np.asarray(batch.tokens)[:, ::2])  # the odd positions' tokens mostly fall outside
@@ -254,8 +254,7 @@ def test_the_steps_losses_under_a_reduced_vocabulary(target):
     _, m_masked = terms(masked, target, batch, key, CFG)
     for k in ("loss_exit", "coverage"):
         np.testing.assert_allclose(float(m_reduced[k]), float(m_masked[k]), rtol=1e-5, err_msg=k)
-    anchors, valid = jax.vmap(sample_anchors, in_axes=(0, 0, None))(jax.random.split(key, 2), batch.loss_mask,
-                                                                   CFG.anchors)
+    anchors, valid = batch_anchors(key, batch.loss_mask, CFG.anchors)
     z = reduced.logits(target, reduced.train_hidden(target, batch.features, batch.tokens, anchors))
     idx, inside = reduced.draft_index(batch.tokens)
     assert not bool(jnp.all(inside | ~batch.loss_mask))  # some supervised labels lie outside

@@ -29,6 +29,7 @@ from tevjax.sharding import make_mesh
 from tevjax.testing import forced_devices_env, random_model, tiny_config
 from tevjax.train.dataset import Batch, TrainData
 from tevjax.train.heldout import HeldoutEval, greedy_accepted_depth, trajectory_blocks
+from tevjax.train.objectives import batch_anchors
 from tevjax.train.rollout import RolloutConfig, generate_data, read_manifest
 from tevjax.train.run import DivergedError, RunError, export_run, train
 from tevjax.train.step import TrainConfig, Trainer, loss_terms, teacher_logits
@@ -421,15 +422,13 @@ def test_heldout_tau_and_accuracy_equal_a_walk_of_the_data(data_dir, target):
 
 def test_acc1_is_block_position_ones_hit_rate(data_dir, target):
     """The step's running acc1 against the stub's known hits: the token after each valid anchor,
-    where the stub proposes the data token (the anchors are `sample_anchors`' for the step's key)."""
-    from tevjax.train.objectives import sample_anchors
+    where the stub proposes the data token (the anchors are `batch_anchors`' for the step's key)."""
 
     batch, key = _batch(data_dir, 0), jax.random.key(7)
     cfg = dataclasses.replace(CFG, exit_lambda=0.0)
     _, metrics = _loss_terms(_Oracle(_drafter(target).cfg, rngs=nnx.Rngs(0)), target, batch, key, cfg)
     b, t = batch.tokens.shape
-    anchors, valid = jax.vmap(sample_anchors, in_axes=(0, 0, None))(jax.random.split(key, b), batch.loss_mask,
-                                                                   cfg.anchors)
+    anchors, valid = batch_anchors(key, batch.loss_mask, cfg.anchors)
     anchors, valid = np.asarray(anchors), np.asarray(valid)
     hits = [(a + 1) % 5 != 0 for r in range(b) for a in anchors[r][valid[r]]]
     assert 0 < sum(hits) < len(hits)
@@ -447,7 +446,6 @@ class _IndexZero(DFlashDrafter):
 def test_acc1_counts_a_label_outside_the_draft_vocabulary_as_a_miss(data_dir, target):
     """Such a label's draft index is 0 as well (`draft_index`), yet a row proposing index 0 hits
     only the token that index 0 stands for."""
-    from tevjax.train.objectives import sample_anchors
 
     vocab = np.arange(0, target.cfg.vocab_size, 3, dtype=np.int32)
     drafter = _IndexZero(dataclasses.replace(_drafter(target).cfg, draft_vocab_size=len(vocab)), rngs=nnx.Rngs(0),
@@ -455,8 +453,7 @@ def test_acc1_counts_a_label_outside_the_draft_vocabulary_as_a_miss(data_dir, ta
     batch, key = _batch(data_dir, 0), jax.random.key(7)
     cfg = dataclasses.replace(CFG, exit_lambda=0.0)
     _, metrics = _loss_terms(drafter, target, batch, key, cfg)
-    anchors, valid = jax.vmap(sample_anchors, in_axes=(0, 0, None))(jax.random.split(key, batch.tokens.shape[0]),
-                                                                   batch.loss_mask, cfg.anchors)
+    anchors, valid = batch_anchors(key, batch.loss_mask, cfg.anchors)
     tokens, anchors, valid = np.asarray(batch.tokens), np.asarray(anchors), np.asarray(valid)
     labels = [int(tokens[r, a + 1]) for r in range(len(tokens)) for a in anchors[r][valid[r]]]
     assert any(t % 3 for t in labels)  # some labels lie outside the vocabulary
@@ -467,12 +464,10 @@ def test_exit_trees_sit_on_evenly_spread_anchors(data_dir, target):
     """E = 3 of M = 6 anchors get trees: anchors 0, 2 and 5 (`linspace`), so the last anchor's
     root token moves the exit loss (the first three anchors alone would never read it), and the
     token after it does not."""
-    from tevjax.train.objectives import sample_anchors
 
     drafter, batch, key = _drafter(target), _batch(data_dir, 0), jax.random.key(5)
     b = batch.tokens.shape[0]
-    anchors, valid = jax.vmap(sample_anchors, in_axes=(0, 0, None))(jax.random.split(key, b), batch.loss_mask,
-                                                                   CFG.anchors)
+    anchors, valid = batch_anchors(key, batch.loss_mask, CFG.anchors)
     assert np.asarray(valid).all()
     tokens = np.array(batch.tokens)
     last = np.asarray(anchors)[:, -1]

@@ -1001,10 +1001,10 @@ def _mask_token(args, loaded) -> int:
 
 
 def cmd_data(args) -> int:
-    from tevjax.loading import load_target
-    from tevjax.models.dflash import default_target_layer_ids
     import jax
 
+    from tevjax.loading import load_target
+    from tevjax.models.dflash import default_target_layer_ids
     from tevjax.train.rollout import RolloutConfig, check_data_out, generate_data
 
     if args.out.exists() and not args.out.is_dir():

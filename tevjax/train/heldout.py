@@ -26,7 +26,7 @@ from flax import nnx
 
 from tevjax.decode.engine import draft_trees
 from tevjax.train.dataset import Batch, TrainData
-from tevjax.train.objectives import sample_anchors
+from tevjax.train.objectives import batch_anchors
 
 __all__ = ["HeldoutEval", "block_truth", "greedy_accepted_depth", "trajectory_blocks"]
 
@@ -79,8 +79,7 @@ def _evaluate(dstate, tstate, batch: Batch, key, *, dgd, tgd, budgets, anchors, 
     drafter = nnx.merge(dgd, dstate)
     target = nnx.merge(tgd, tstate)
     b = batch.tokens.shape[0]
-    keys = jax.random.split(key, b)
-    anc, valid = jax.vmap(sample_anchors, in_axes=(0, 0, None))(keys, batch.loss_mask, anchors)
+    anc, valid = batch_anchors(key, batch.loss_mask, anchors)
     z = drafter.logits(target, drafter.train_hidden(target, batch.features, batch.tokens, anc))  # [B, M, G, Vd]
     g = z.shape[2]
     truth, truth_ok = block_truth(batch.tokens, batch.loss_mask, anc, valid, g)

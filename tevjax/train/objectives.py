@@ -39,8 +39,8 @@ import jax.numpy as jnp
 from tevjax.law import ExitLaw
 from tevjax.tree import DraftTree
 
-__all__ = ["EXIT_WEIGHTS", "distill_loss_terms", "exit_loss_terms", "exit_weights", "ratio", "sample_anchors",
-           "token_loss_terms", "P_FLOOR"]
+__all__ = ["EXIT_WEIGHTS", "batch_anchors", "distill_loss_terms", "exit_loss_terms", "exit_weights", "ratio",
+           "sample_anchors", "token_loss_terms", "P_FLOOR"]
 
 # The released recipes floor every factor of P at this value ("P_tgt").
 P_FLOOR = 1e-4
@@ -80,6 +80,13 @@ def sample_anchors(key: jax.Array, loss_mask: jax.Array, num_anchors: int) -> tu
         anchors = jnp.concatenate([anchors, jnp.full((pad,), t, anchors.dtype)])
         valid = jnp.concatenate([valid, jnp.zeros((pad,), bool)])
     return jnp.where(valid, anchors, 0).astype(jnp.int32), valid
+
+
+def batch_anchors(key: jax.Array, loss_mask: jax.Array, num_anchors: int) -> tuple[jax.Array, jax.Array]:
+    """`sample_anchors` for each row of loss_mask [B, T], row b with the b-th of `split(key, B)`:
+    anchors [B, M] and validity [B, M], as the training step and the held-out check draw them."""
+    keys = jax.random.split(key, loss_mask.shape[0])
+    return jax.vmap(sample_anchors, in_axes=(0, 0, None))(keys, loss_mask, num_anchors)
 
 
 def token_loss_terms(lse: jax.Array, logits: jax.Array, tokens: jax.Array, loss_mask: jax.Array,

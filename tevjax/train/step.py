@@ -51,8 +51,8 @@ from tevjax.seeding import check_seed, seed_key
 from tevjax.sharding import (batch_sharding, check_batch, frozen, host_array, param_shardings, replicated, thawed,
                              traced_on)
 from tevjax.train.dataset import Batch
-from tevjax.train.objectives import (EXIT_WEIGHTS, distill_loss_terms, exit_loss_terms, exit_weights, ratio,
-                                     sample_anchors, token_loss_terms)
+from tevjax.train.objectives import (EXIT_WEIGHTS, batch_anchors, distill_loss_terms, exit_loss_terms, exit_weights,
+                                     ratio, token_loss_terms)
 from tevjax.tree import DraftTree, valid_temperature
 
 __all__ = ["TrainConfig", "TrainState", "Trainer", "final_tap", "make_optimizer", "score_trees", "loss_terms",
@@ -236,8 +236,7 @@ def loss_terms(drafter: DFlashDrafter, target: Transformer, batch: Batch, key: j
     """(loss, metrics) of one global batch; differentiable in the drafter only. With a `mesh`, the
     exit loss builds its trees per device (`draft_trees(..., mesh)`), not from gathered logits."""
     b, t = batch.tokens.shape
-    keys = jax.random.split(key, b)
-    anchors, valid = jax.vmap(sample_anchors, in_axes=(0, 0, None))(keys, batch.loss_mask, cfg.anchors)
+    anchors, valid = batch_anchors(key, batch.loss_mask, cfg.anchors)
     hidden = drafter.train_hidden(target, batch.features, batch.tokens, anchors)  # [B, M, G, D]
     z = drafter.logits(target, hidden)  # [B, M, G, Vd] float32
     lse = jax.nn.logsumexp(z, axis=-1)  # [B, M, G]
