@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 
@@ -258,7 +259,8 @@ def test_ties_prefer_shallower_and_stay_prefix_closed():
 def test_degenerate_inputs_give_root_only():
     for lm, budget in [(np.zeros((3, 4), np.float32), 0),
                        (np.zeros((0, 4), np.float32), 5),
-                       (np.full((3, 4), -np.inf, np.float32), 5)]:
+                       (np.full((3, 4), -np.inf, np.float32), 5),
+                       (np.zeros((3, 0), np.float32), 5)]:  # V = 0: no token to draft
         tree, scores = _build_jit(lm, 9, budget)
         assert tree.num_nodes == budget + 1
         np.testing.assert_array_equal(np.asarray(tree.valid), [True] + [False] * budget)
@@ -266,6 +268,10 @@ def test_degenerate_inputs_give_root_only():
         np.testing.assert_array_equal(np.asarray(scores), [0.0] + [-np.inf] * budget)
     with pytest.raises(ValueError, match="budget"):
         build_ddtree(np.zeros((2, 3), np.float32), 0, -1)
+    with pytest.raises(ValueError, match="budget"):  # a bool is an int to Python, not a budget
+        build_ddtree(np.zeros((2, 3), np.float32), 0, True)
+    with pytest.raises(ValueError, match="root_token must be a scalar"):  # a batch of roots: vmap instead
+        build_ddtree(np.zeros((2, 3), np.float32), np.array([0, 1]), 4)
     with pytest.raises(ValueError, match=r"\[G, V\]"):
         build_ddtree(np.zeros((2, 2, 3), np.float32), 0, 4)
     with pytest.raises(ValueError, match="floating"):
@@ -372,6 +378,22 @@ def test_a_custom_survival_table_is_read_and_normalised():
     got5 = np.exp(np.asarray(chain_log_reach(jnp.int32(7), 2, table)))  # orders above 5 read row 5
     np.testing.assert_allclose(got5, [0.9, 0.8], rtol=1e-6)
     assert check_survival(LOOKUP_SURVIVAL) == LOOKUP_SURVIVAL
+    # The last row is order 5's own, not order 4's; longer matches read it too.
+    for order in (5, 9):
+        np.testing.assert_allclose(np.exp(np.asarray(chain_log_reach(jnp.int32(order), 8))), LOOKUP_SURVIVAL[4],
+                                   rtol=1e-6)
+
+
+def test_check_survival_refuses_tables_that_break_the_reach_laws():
+    good = [[0.5, 0.25]] * 5
+    check_survival(good)
+    for table, match in [([[0.5]] * 5, r"5 x D table"),  # one depth: no ratio to continue a chain with
+                         ([[0.5, 0.25]] * 4, r"5 x D table"),  # a row per match order 1..5
+                         (good[:4] + [[0.5, 0.0]], r"probabilities in \(0, 1\]"),  # log 0: a -inf inside a chain
+                         (good[:4] + [[1.5, 0.5]], r"probabilities in \(0, 1\]"),
+                         (good[:4] + [[0.5, 0.6]], "must not grow with depth")]:  # merge_chain needs non-increasing
+        with pytest.raises(ValueError, match=match):
+            check_survival(table)
 
 
 def _paths(tokens, parents) -> dict[tuple[int, ...], int]:
@@ -454,6 +476,8 @@ def test_lookup_and_merge_inputs_are_named():
                 call(seq, length)
     with pytest.raises(ValueError, match="distinct"):
         context_chain(seq, 7, 3, (2, 2))
+    with pytest.raises(ValueError, match=">= 1"):  # order 0 would match every slot
+        context_chain(seq, 7, 3, (2, 0))
     for got, want in ((context_chain(seq.tolist(), 7, 3), context_chain(seq, 7, 3)),  # a list is one row too
                       (corpus_chain(seq.tolist(), 7, 3, table), corpus_chain(seq, 7, 3, table))):
         assert [np.asarray(g).tolist() for g in got] == [np.asarray(w).tolist() for w in want]
@@ -470,7 +494,8 @@ def test_lookup_and_merge_inputs_are_named():
              ((tree, scores, chain, reach[::-1]), ValueError, "must not grow along the chain"),
              ((tree, scores, chain, reach.at[0].set(jnp.nan)), ValueError, "chain_scores must be log estimates"),
              ((tree, scores.at[1].set(jnp.inf), chain, reach), ValueError, "scores must be log estimates"),
-             ((tree.tokens, scores, chain, reach), TypeError, "tree must be a DraftTree")]
+             ((tree.tokens, scores, chain, reach), TypeError, "tree must be a DraftTree"),
+             ((jax.tree.map(lambda x: x[None], tree), scores, chain, reach), ValueError, r"one tree of \[N\] slots")]
     for args, error, match in cases:
         with pytest.raises(error, match=match):
             merge_chain(*args)
@@ -514,6 +539,41 @@ def test_merge_chain_scores_let_a_second_chain_merge():
                 want = max([float(np.asarray(scores)[j]) for q, j in _paths(tokens, parents).items() if q == p]
                            + [float(reach[0][len(p) - 1])] * (tuple(chains[0][:len(p)]) == p))
                 assert abs(got[i] - want) < TOL, (trial, p)
+
+
+def test_merge_chain_leaves_padding_alone_and_reads_the_chain_only_to_its_length():
+    """A padded tree (few finite prefixes) merged with a chain that stops: exactly the finite candidates
+    become nodes, whatever the padding slots' scores say (the tree's valid mask decides); a chain
+    estimate above 0 still leaves the root at slot 0; a tree node deeper than the chain is not on it."""
+    merge = functools.partial(merge_chain, with_scores=True)
+    inf = np.inf
+    # 4 finite prefixes (0, 1, 0 0, 1 0) for 6 slots: 2 padding.
+    lm = np.array([[np.log(0.6), np.log(0.4), -inf], [np.log(0.9), -inf, -inf], [-inf] * 3], np.float32)
+    tree, scores = _build_jit(jnp.asarray(lm), jnp.int32(1), 6)
+    chain = jnp.asarray([2, 1], jnp.int32)
+    for padding_score in (-np.inf, 0.0):
+        s = jnp.where(tree.valid, scores, padding_score)
+        mt, ms = merge(tree, s, chain, jnp.asarray([-0.1, -jnp.inf]))
+        tokens, parents = np.asarray(mt.tokens).tolist(), np.asarray(mt.parents).tolist()
+        validate_tree(tokens, parents)
+        assert set(_paths(tokens, parents)) == {(), (0,), (1,), (0, 0), (1, 0), (2,)}, padding_score
+        assert np.asarray(mt.valid).tolist() == [True] * 6 + [False]
+        assert ms[0] == 0 and np.isneginf(ms[6]) and tokens[6] == 0 and parents[6] == -1
+    mt, _ = merge(tree, scores, chain, jnp.asarray([0.5, 0.25]))  # log estimates above 0: still below the root
+    tokens, parents = np.asarray(mt.tokens).tolist(), np.asarray(mt.parents).tolist()
+    validate_tree(tokens, parents)
+    assert tokens[0] == 1 and parents[0] == -1 and {(2,), (2, 1)} <= set(_paths(tokens, parents))
+    # Token 1 everywhere: the tree holds 1, 1 1 and 1 1 1. The chain [1, 1] covers the first two; the
+    # depth-3 node keeps its own score (a chain of 2 says nothing about depth 3).
+    lm = np.log(np.full((3, 3), [0.1, 0.8, 0.1], np.float32))
+    tree, scores = _build_jit(jnp.asarray(lm), jnp.int32(0), 6)
+    mt, ms = merge(tree, scores, jnp.asarray([1, 1], jnp.int32), jnp.asarray([-0.01, -0.02]))
+    before = {p: float(scores[i]) for p, i in _paths(np.asarray(tree.tokens).tolist(),
+                                                      np.asarray(tree.parents).tolist()).items()}
+    after = {p: float(ms[i]) for p, i in _paths(np.asarray(mt.tokens).tolist(),
+                                                 np.asarray(mt.parents).tolist()).items()}
+    np.testing.assert_allclose([after[(1,)], after[(1, 1)]], [-0.01, -0.02], rtol=1e-6)
+    assert after[(1, 1, 1)] == before[(1, 1, 1)] < -0.5
 
 
 def ngram_reference(texts, starts, orders, min_count):
@@ -586,9 +646,43 @@ def test_ngram_table_rejects_bad_input():
              ((tokens - 5, offsets, starts), {}, r"token ids must be in \[0"),
              ((tokens, offsets, starts), {"orders": (2, 3)}, "longest first"),
              ((tokens, offsets, starts), {"min_count": 0}, "min_count must be >= 1"),
-             ((tokens, offsets, starts), {"calibration": (1.5, 1.0)}, "calibration")]
+             ((tokens, offsets, starts), {"calibration": (1.5, 1.0)}, "calibration"),
+             ((tokens, offsets, starts), {"calibration": (0.5, 0.0)}, "calibration"),  # beta <= 0: p ** beta >= 1
+             ((tokens, offsets, starts), {"orders": (2, 0)}, ">= 1"),
+             ((tokens + 2 ** 31 - 9, offsets, starts), {}, r"token ids must be in \[0, 2\*\*31\)")]
     for args, kw, match in cases:
         with pytest.raises(ValueError, match=match):
             ngram_table(*args, **kw)
     with pytest.raises(ValueError, match="size must be a static int >= 1"):
         corpus_chain(jnp.arange(4), 3, 0, ngram_table(tokens, offsets, starts))
+
+
+def test_corpus_chain_on_an_empty_table_and_at_hash_edges():
+    """No n-gram kept: an empty chain. A window that reaches before the context (its missing tokens
+    hash as 0) never matches, though its hash equals a real n-gram's; a context whose hash is the
+    padding key falls through to a shorter order instead of stopping on the padding."""
+    mul, wrap = 1000003, 2 ** 32  # the table's polynomial hash, tokens hashed as id + 1
+
+    def hash_of(gram):
+        h = 0
+        for t in gram:
+            h = (h * mul + t + 1) % wrap
+        return h
+
+    empty = ngram_table(np.array([1, 2, 1, 3]), np.array([0, 4]), np.array([0]), orders=(2,), min_count=5)
+    assert empty.num_entries == 0
+    chain, scores = corpus_chain(jnp.array([1, 2]), 2, 3, empty)
+    assert np.asarray(chain).tolist() == [0, 0, 0] and np.all(np.isneginf(np.asarray(scores)))
+    # [0, 0, z] hashes like [5, 7], so the order-3 window [none, 5, 7] has the key of a real 3-gram.
+    z = (hash_of([5, 7]) - hash_of([0, 0]) * mul - 1) % wrap
+    assert z < 2 ** 31 and hash_of([0, 0, z]) == hash_of([5, 7])
+    table = ngram_table(np.array([0, 0, z, 4]), np.array([0, 4]), np.array([0]), orders=(3, 2), min_count=1)
+    chain, scores = corpus_chain(jnp.array([5, 7]), 2, 2, table)
+    assert np.asarray(chain).tolist() == [0, 0] and np.all(np.isneginf(np.asarray(scores)))
+    assert np.asarray(corpus_chain(jnp.array([0, 0, z]), 3, 1, table)[0]).tolist() == [4]
+    # [2147, b] hashes to the padding key 0xFFFFFFFF; the order-2 row is padded (1 entry, order 1 has 2).
+    b = (wrap - 1 - 2148 * mul) % wrap - 1
+    assert b < 2 ** 31 and hash_of([2147, b]) == wrap - 1
+    table = ngram_table(np.array([3, b, 9]), np.array([0, 3]), np.array([0]), orders=(2, 1), min_count=1)
+    chain, scores = corpus_chain(jnp.array([2147, b]), 2, 1, table)
+    assert np.asarray(chain).tolist() == [9] and np.isfinite(np.asarray(scores)).all()
