@@ -37,6 +37,16 @@ def inputs(rng, b, t, h=3, dk=8, dv=5):
     return [np.asarray(x, np.float32) for x in (q, k, v, g, beta, state)]
 
 
+def test_l2_normalize_keeps_eps_under_the_root():
+    """x / sqrt(sum(x^2) + 1e-6), the FLA kernels' form: a zero vector stays zero (not NaN) and a short
+    one is shrunk by the eps, not stretched to unit length."""
+    x = np.zeros((2, 8), np.float32)
+    x[1] = 1e-4  # squares sum to 8e-8, well below the eps
+    got = np.asarray(l2_normalize(jnp.asarray(x)))
+    np.testing.assert_array_equal(got[0], 0.0)
+    np.testing.assert_allclose(got[1], 1e-4 / np.sqrt(8e-8 + 1e-6), rtol=1e-5)
+
+
 def test_sequence_matches_recurrence_with_final_state():
     rng = np.random.default_rng(0)
     q, k, v, g, beta, s = inputs(rng, 2, 11)
@@ -94,6 +104,29 @@ def test_tree_nodes_get_their_paths_outputs():
             sl = [x[b:b + 1, p] for x in (q, k, v, g, beta)]
             ref, _ = recurrence(*sl, s[b:b + 1])
             np.testing.assert_allclose(out[b, i], ref[0, -1], rtol=2e-4, atol=2e-5)
+
+
+def test_commit_path_runs_only_the_first_count_nodes_of_the_path():
+    """`commit_path` leaves the state and conv state that the first `count` nodes of each row's path
+    would, as a sequence, leave: nodes past the count (rejected or padding) change nothing."""
+    from tevjax.models.linear_attention import commit_path
+
+    rng = np.random.default_rng(8)
+    b, n, hk, hv, dk, dv, c, w = 2, 5, 1, 2, 4, 3, 6, 4
+    x = rng.normal(size=(b, n, c)).astype(np.float32)
+    k = rng.normal(size=(b, n, hk, dk)).astype(np.float32)
+    v = rng.normal(size=(b, n, hv, dv)).astype(np.float32)
+    gb = np.stack([-np.exp(rng.normal(size=(b, n, hv))), 1 / (1 + np.exp(-rng.normal(size=(b, n, hv))))], axis=2)
+    state, conv = rng.normal(size=(b, hv, dk, dv)).astype(np.float32), rng.normal(size=(b, w - 1, c)).astype(np.float32)
+    nodes, count = np.asarray([[0, 2, 3, 4], [0, 1, 4, 2]], np.int32), np.asarray([3, 1], np.int32)
+    got_state, got_conv = jax.jit(commit_path)(*(jnp.asarray(a) for a in (state, conv, x, k, v, gb.astype(np.float32),
+                                                                  nodes, count)))
+    for r in range(b):
+        path = nodes[r, :count[r]]
+        kn = np.repeat(np.asarray(l2_normalize(k[r, path])), hv // hk, axis=1)[None]
+        _, want = recurrence(kn, kn, v[r, path][None], gb[r, path, 0][None], gb[r, path, 1][None], state[r:r + 1])
+        np.testing.assert_allclose(np.asarray(got_state[r]), want[0], rtol=2e-4, atol=2e-5, err_msg=f"row {r}")
+        np.testing.assert_array_equal(np.asarray(got_conv[r]), np.concatenate([conv[r], x[r, path]])[-(w - 1):])
 
 
 def test_tree_conv_matches_the_paths_causal_conv():

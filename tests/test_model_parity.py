@@ -178,7 +178,7 @@ def build_hf(variant: str, seed: int = 0):
                 p.copy_(1.0 + 0.2 * torch.randn_like(p))
             elif name.endswith("mlp.gate.weight"):  # a router: decisive picks (Qwen3-MoE's starts at zero)
                 p.copy_(torch.randn_like(p) / 4.0)
-            elif name.endswith(".bias"):
+            elif name.endswith("bias"):  # GPT-OSS's expert biases (`*_proj_bias`) start at zero too
                 p.copy_(0.1 * torch.randn_like(p))
     return model
 
@@ -324,6 +324,48 @@ def test_experts_dispatches_equal_a_per_token_reference(norm_topk_prob):
         moe(jnp.asarray(x))
 
 
+def test_biased_clipped_experts_dispatches_agree():
+    """GPT-OSS's experts (router, gate, up and down biases, the clipped gate) sum the same under both
+    dispatches: the parity models run only "dense" on CPU, so this is what checks "ragged"'s per-row
+    pick of the gate and up biases. Biases are drawn at 0.5 so that each one moves the result."""
+    from tevjax.models.layers import SparseMoE
+
+    moe = SparseMoE(16, 24, 5, 2, norm_topk_prob=True, dtype="float32", param_dtype="float32", rngs=nnx.Rngs(5),
+                    bias=True, swiglu_limit=1.0)
+    rng = np.random.default_rng(6)
+    for p in (moe.router.bias, moe.gate_bias, moe.up_bias, moe.down_bias):
+        p[...] = jnp.asarray(0.5 * rng.standard_normal(p[...].shape), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((2, 7, 16)), jnp.float32)
+    graphdef, state = nnx.split(moe)
+    run = jax.jit(lambda st, x, dispatch: nnx.merge(graphdef, st)(x, dispatch=dispatch), static_argnums=2)
+    np.testing.assert_allclose(np.asarray(run(state, x, "ragged")), np.asarray(run(state, x, "dense")), atol=1e-5,
+                               rtol=0)
+
+
+def test_rmsnorm_zero_centred_init_multiplies_by_one():
+    """A new norm with Gemma's offset stores zeros and so scales by 0 + 1, as a plain norm's ones do:
+    `tiny_config` models and new drafters for a Gemma target start from that init."""
+    x = jnp.asarray(np.random.default_rng(7).normal(size=(2, 3, 24)) * 3, jnp.float32)
+    plain = RMSNorm(24, eps=1e-6, dtype="float32", param_dtype="float32")
+    gemma = RMSNorm(24, eps=1e-6, dtype="float32", param_dtype="float32", offset=1.0)
+    assert not np.asarray(gemma.scale[...]).any() and (np.asarray(plain.scale[...]) == 1).all()
+    want = np.asarray(x) / np.sqrt((np.asarray(x) ** 2).mean(-1, keepdims=True) + 1e-6)
+    np.testing.assert_allclose(np.asarray(gemma(x)), want, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(np.asarray(plain(x)), want, atol=1e-5, rtol=0)
+
+
+def test_gemma_embedding_scale_is_rounded_to_the_weights_dtype():
+    """Gemma multiplies embeddings by sqrt(D) rounded to the weights' dtype, as transformers' bf16
+    tensor is: sqrt(48) = 6.928... is 6.9375 in bf16 (0.14% off, which bf16 checkpoints' logits show).
+    The parity models' sqrt(64) = 8 is exact in every dtype, so only this checks the rounding."""
+    from tevjax.testing import random_model, tiny_config
+
+    model = random_model(tiny_config("gemma2", hidden_size=48, param_dtype="bfloat16"), seed=1)
+    table = np.asarray(model.embed_tokens.embedding[...].astype(jnp.float32))[:12]
+    got = np.asarray(jax.jit(model.embed)(jnp.arange(12, dtype=jnp.int32)), np.float32)
+    np.testing.assert_array_equal(got, table * np.float32(6.9375))
+
+
 def test_rmsnorm_matches_hf():
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
@@ -356,6 +398,11 @@ ROPE_SCALINGS = {
                         mscale_all_dim=0.5),
     # mscale without mscale_all_dim: transformers ignores it (the attention factor is mscale(factor))
     "yarn-mscale-only": dict(rope_type="yarn", factor=16.0, original_max_position_embeddings=32, mscale=2.0),
+    # an original length of 4 puts both ends of the ramp below dimension 0: clamped there, the ramp has
+    # zero width, which transformers widens by 0.001 (else dimension 0 would be 0 / 0)
+    "yarn-zero-width": dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=4),
+    # a ramp from dimension 3 to 17, whose top end clamps to head_dim - 1 = 15 (a steeper ramp)
+    "yarn-clamped-top": dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=2**30, beta_fast=2.0**22),
 }
 
 

@@ -128,3 +128,8 @@ def test_full_mask_worked_example():
     got = np.asarray(full_mask(jnp.stack([block, block]), jnp.asarray([2, 0], jnp.int32), 6)).astype(int)
     np.testing.assert_array_equal(got[0], [[1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 0, 0], [1, 1, 1, 0, 1, 0]])
     np.testing.assert_array_equal(got[1], [[1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1, 0, 1, 0, 0, 0]])
+    # Two trees in one block (as a pass over several exits' trees): the second's nodes do not see
+    # node 0 at slot write_pos, only the prefix below it.
+    forest = jnp.asarray([[1, 0, 0], [0, 1, 0], [0, 1, 1]], bool)
+    got = np.asarray(full_mask(forest[None], jnp.asarray([2], jnp.int32), 6)).astype(int)
+    np.testing.assert_array_equal(got[0], [[1, 1, 1, 0, 0, 0], [1, 1, 0, 1, 0, 0], [1, 1, 0, 1, 1, 0]])
