@@ -189,6 +189,53 @@ def test_vmap_over_different_trees_equals_one_by_one_and_jit_equals_eager():
             np.testing.assert_allclose(np.asarray(out.coverage[i]), np.asarray(ref.coverage), atol=1e-6)
 
 
+def test_edge_stats_by_hand():
+    """edge_prob[u] = p_pa(u)(x_u) at real non-root nodes and exactly 0 at the root and at padding
+    (`EdgeStats`' contract, which the training objectives read directly)."""
+    from tevjax.law import edge_stats
+
+    tree = DraftTree.from_parents([2, 1, 2, 9, 0], [-1, 0, 0, -1, 1])  # node 3 is padding
+    logits = np.array([[0.0, 1.0, 2.0], [3.0, 1.0, 0.0], [0.0, 0.0, 0.0], [np.nan] * 3, [1.0, 1.0, 5.0]], np.float32)
+    lg = jnp.asarray(logits)
+    for t in (1.0, 0.5):
+        p0, p1 = softmax(logits[0] / t), softmax(logits[1] / t)
+        want = [0.0, p0[1], p0[2], 0.0, p1[0]]
+        for temp in (t, jnp.float32(t)):
+            np.testing.assert_allclose(np.asarray(edge_stats(tree, lg, temp).edge_prob), want, rtol=1e-6)
+    # Greedy: 1 exactly on the edges that take the parent's argmax.
+    for temp in (0.0, jnp.float32(0.0)):
+        np.testing.assert_array_equal(np.asarray(edge_stats(tree, lg, temp).edge_prob), [0, 0, 1, 0, 1])
+
+
+def test_greedy_threshold_is_the_documented_1e_5():
+    # The CLI help, the verify docstring and the paper's released code name 1e-5; a test that only uses
+    # GREEDY_BELOW itself would follow a changed constant.
+    from tevjax.law import GREEDY_BELOW, is_greedy, samples
+
+    assert GREEDY_BELOW == 1e-5
+    assert is_greedy(9.9e-6) is True and is_greedy(1e-5) is False
+    assert not bool(samples(jnp.float32(9.9e-6))) and bool(samples(jnp.float32(1e-5)))
+
+
+def test_law_from_edges_reads_only_edge_entries_and_default_temperature():
+    """Entries of edge_prob at the root and at padding are not edges: both propagations ignore
+    them (the scan's scatter must not wrap the parent index -1 onto node N - 1, a real leaf here)."""
+    tree = DraftTree.from_parents([0, 1, 2, 0, 1], [-1, 0, 0, -1, 1])  # node 3 padding, node 4 last
+    edges = jnp.array([0.0, 0.5, 0.25, 0.0, 0.4])
+    noisy = edges.at[0].set(0.5).at[3].set(0.3)
+    for propagation in ("matrix", "scan"):
+        want = law_from_edges(tree, edges, propagation)
+        np.testing.assert_allclose(np.asarray(want.exit_prob), [0.25, 0.3, 0.25, 0.0, 0.2], atol=1e-7)
+        got = law_from_edges(tree, noisy, propagation)
+        for field in ("prefix_prob", "local_exit", "exit_prob", "coverage"):
+            np.testing.assert_array_equal(np.asarray(getattr(got, field)), np.asarray(getattr(want, field)))
+    # exit_law's documented default temperature is 1.0 (sampling), not greedy.
+    logits = jnp.asarray(np.random.default_rng(1).normal(size=(5, 3)), jnp.float32)
+    np.testing.assert_array_equal(np.asarray(exit_law(tree, logits).exit_prob),
+                                  np.asarray(exit_law(tree, logits, 1.0).exit_prob))
+    assert float(exit_law(tree, logits).exit_prob.max()) < 1.0
+
+
 # --- "scan" (level-by-level) and "matrix" (ancestor product) propagation give the same law ---
 
 # Both multiply the same edge probabilities root-first, but XLA may associate the matrix's

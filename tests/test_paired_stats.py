@@ -4,6 +4,7 @@ import json
 import math
 import sys
 from pathlib import Path
+from statistics import NormalDist
 
 import pytest
 
@@ -52,6 +53,19 @@ def test_detectable_gain_and_errors():
         influence([1, 2], [1])
     with pytest.raises(ValueError, match="same prompts"):
         paired_gain([1, 2], [1, 1], [1, 2, 3], [1, 1, 1])
+
+
+def test_z95_and_degenerate_inputs():
+    # Z95 is the exact two-sided 95% normal quantile (1.96 would shift every interval slightly).
+    assert Z95 == pytest.approx(NormalDist().inv_cdf(0.975), abs=1e-12)
+    with pytest.raises(ValueError, match="same nonzero length"):
+        influence([], [])
+    with pytest.raises(ValueError, match="same nonzero length"):
+        influence([[1, 2]], [[1, 1]])
+    # No tokens or no rounds at all: tau is undefined, not nan silently.
+    for tokens, rounds in (([0, 0], [1, 1]), ([1, 2], [0, 0])):
+        with pytest.raises(ValueError, match="at least one token and one round"):
+            influence(tokens, rounds)
 
 
 def _eval_json(path, rows, **settings):

@@ -178,6 +178,10 @@ def test_valid_tree_passes():
         ([5, 1, 2], [-1, 0], {}, "equal length"),
         ([], [], {}, "at least the root"),
         ([5.0, 1.0], [-1, 0], {}, "tokens must be integers"),
+        ([5, 1, 8], [-1, 0, 0], {"vocab_size": 8}, r"node 2: token 8 is outside the vocabulary \[0, 8\)"),
+        ([5, 1, 2], [-1, 0, 0], {"logits": np.zeros((3, 8)), "vocab_size": 9},
+         "logits have vocabulary 8 but vocab_size=9"),
+        ([5, 1], [-1.0, 0.0], {}, "parents must be integers"),
     ],
 )
 def test_validation_errors_name_the_culprit(tokens, parents, kwargs, message):
@@ -196,3 +200,34 @@ def test_logits_rows_are_checked_only_for_real_nodes():
     # the same garbage in a padding row is fine
     logits[2] = np.nan
     validate_tree(np.array([5, 1, 0, 3]), np.array([-1, 0, -1, 1]), logits=logits)
+    # The message names the node, not the row's position among the real rows (here 2).
+    logits[3] = np.nan
+    with pytest.raises(TreeValidationError, match="logits row of node 3 contains NaN"):
+        validate_tree(np.array([5, 1, 0, 3]), np.array([-1, 0, -1, 1]), logits=logits)
+    logits[3] = -np.inf
+    with pytest.raises(TreeValidationError, match="logits row of node 3 is entirely -inf"):
+        validate_tree(np.array([5, 1, 0, 3]), np.array([-1, 0, -1, 1]), logits=logits)
+
+
+def test_root_parent_is_canonicalised():
+    # The root is node 0 whatever parent it is given: from_parents (jittable, no checks) must still
+    # report -1, or the root would count as an edge (its own child) in the laws.
+    for root_parent in (0, 1, 5):
+        tree = _from_parents(jnp.array([3, 4, 5]), jnp.array([root_parent, 0, 1]))
+        assert np.asarray(tree.parents).tolist() == [-1, 0, 1]
+        assert np.asarray(tree.depth).tolist() == [0, 1, 2] and bool(tree.valid.all())
+        assert not bool(tree.children[:, 0].any())
+
+
+def test_concrete_tree_with_traced_logits_gets_the_tree_checks():
+    """Under jit over the logits alone the tree is still concrete: its checks run (the vocabulary
+    comes from the logits' static shape) while the traced logits are not read."""
+    from tevjax import exit_law
+
+    ok = DraftTree.from_parents([99, 1, 2], [-1, 0, 0])  # the root's token is never scored: any id
+    law = jax.jit(lambda lg: exit_law(ok, lg, 1.0))(jnp.zeros((3, 4)))
+    np.testing.assert_allclose(np.asarray(law.exit_prob), [0.5, 0.25, 0.25], atol=1e-6)
+    np.testing.assert_allclose(np.asarray(exit_law(ok, jnp.zeros((3, 4)), 1.0).exit_prob), [0.5, 0.25, 0.25])
+    bad = DraftTree.from_parents([0, 1, 4], [-1, 0, 0])
+    with pytest.raises(TreeValidationError, match=r"exit_law: node 2: token 4 is outside the vocabulary \[0, 4\)"):
+        jax.jit(lambda lg: exit_law(bad, lg, 1.0))(jnp.zeros((3, 4)))

@@ -187,6 +187,39 @@ def test_broken_verifiers_are_rejected(broken):
     assert p < 1e-12, f"the conformance test failed to reject {broken.__name__} (p={p:.3g})"
 
 
+def test_residual_draw_falls_back_to_p_when_children_cover_every_token():
+    """rho(v) can round to ~1e-7 instead of 0 when v's children hold every token; a draw that lands
+    there must still return a token of positive probability: p_v itself, not an empty residual."""
+    tree = DraftTree.from_parents([0, 0, 1, 2, 3], [-1, 0, 0, 0, 0])  # root's children: all of V = 4
+    logits = jnp.zeros((5, 4)).at[0, 3].set(6.0)  # p_root(3) ~ 0.99
+    stats = verify_mod._sample_stats(tree, logits, jnp.float32(1.0))
+    keys = jax.random.split(jax.random.key(2), 200)
+    draw = jax.jit(jax.vmap(verify_mod._residual_draw, in_axes=(0, None, None, None)))
+    bonus = np.asarray(draw(keys, tree, stats, jnp.int32(0)))
+    assert np.sum(bonus == 3) > 180, np.bincount(bonus, minlength=4)
+    # At a node with an undrafted token left, the drafted children are removed as usual.
+    one_child = DraftTree.from_parents([0, 3, 0, 0, 0], [-1, 0, -1, -1, -1])  # same shape: no new compile
+    stats = verify_mod._sample_stats(one_child, logits, jnp.float32(1.0))
+    bonus = np.asarray(draw(keys, one_child, stats, jnp.int32(0)))
+    assert not np.any(bonus == 3) and set(bonus.tolist()) == {0, 1, 2}
+
+
+def test_verify_defaults_and_unknown_method():
+    tokens, parents, logits = _case("random")
+    tree, logits = DraftTree.from_parents(tokens, parents), jnp.asarray(logits)
+    key = jax.random.key(3)
+    # The documented defaults: temperature 1.0 and method "tev" (same key, same draws). With this key
+    # the other methods give another block, so the comparison can tell them apart.
+    default = verify(key, tree, logits)
+    chex_equal(default, verify(key, tree, logits, 1.0, "tev"))
+    for method in ("predraw", "sequential"):
+        other = verify(key, tree, logits, 1.0, method)
+        assert (int(other.exit_node), int(other.bonus_token)) != (int(default.exit_node), int(default.bonus_token))
+    message = r"unknown verifier method 'nope'; choose one of \['predraw', 'sequential', 'tev'\]"
+    with pytest.raises(ValueError, match=message):
+        verify(key, tree, logits, 1.0, "nope")
+
+
 # --- greedy, structure, batching, compilation --------------------------------------------------
 
 
