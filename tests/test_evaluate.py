@@ -5,6 +5,8 @@ greedy speculative outputs equal the autoregressive ones."""
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -122,6 +124,7 @@ def test_a_damaged_heldout_file_is_named(tmp_path):
     for content, message in ((b"\n\n", "holds no prompts"), (b'{"text": "a"}\n{bad\n', "line 2: not JSON"),
                              (b"[1]\n", 'line 1: not an object with a non-empty "text"'),
                              (b'{"x": 1}\n', 'line 1: not an object with a non-empty "text"'),
+                             (b'{"text": " \\n"}\n', 'line 1: not an object with a non-empty "text"'),
                              (b'{"text": "\xff"}\n', "is not UTF-8 text")):
         path.write_bytes(content)
         with pytest.raises(ValueError, match=message) as e:
@@ -129,6 +132,11 @@ def test_a_damaged_heldout_file_is_named(tmp_path):
         assert str(path) in str(e.value)
     path.write_bytes(b'{"text": "first"}\n\n{"text": "second", "id": 7}\n')
     assert load_eval_prompts(spec, 4) == ["first", "second"]
+    assert load_eval_prompts(spec, 1) == ["first"]
+    # Plain "heldout" reads the packaged file, the shipped drafter's held-out prompts.
+    shipped = Path(__file__).resolve().parents[1] / "tevjax" / "assets" / HELDOUT_FILE
+    want = [json.loads(line)["text"] for line in shipped.read_text(encoding="utf-8").split("\n")[:2]]
+    assert load_eval_prompts("heldout", 2) == want
     (tmp_path / "p.txt").write_bytes(b"ok\n\xff\n")
     with pytest.raises(ValueError, match="p.txt is not UTF-8 text"):
         load_eval_prompts(str(tmp_path / "p.txt"), 4)
@@ -180,3 +188,72 @@ def test_gsm_prompts_are_drawn_with_the_given_seed(monkeypatch):
     assert calls == [("gsm_symbolic", 2, 5), ("gsm_symbolic", 3, 7)]
     with pytest.raises(ValueError, match="unknown prompt set 'gms'"):
         load_prompt_sets(["gms"], 1)
+
+
+class _ScriptedDecoder:
+    """A stand-in for `Decoder` in `evaluate`: each method's generation of each prompt (told apart
+    by length) is scripted, so a row's statistics are known numbers; nothing compiles."""
+
+    AR = {3: [7] * 15, 5: [8] * 8}  # prompt length -> the autoregressive tokens
+    # (budget, prompt length) -> (tokens, rounds, plain rounds); budget 4 ends prompt 1 otherwise, one token longer.
+    SPEC = {(2, 3): ([7] * 15, 11, 3), (2, 5): ([8] * 8, 4, 1), (4, 3): ([7] * 15, 5, 0),
+            (4, 5): ([8] * 7 + [9, 9], 2, 0)}
+
+    def __init__(self, target, drafter, cfg, mesh=None, ngrams=None):
+        self.drafter, self.cfg = drafter, cfg
+
+    def compile(self, batch):
+        pass
+
+    def generate(self, batch, seed=0):
+        from types import SimpleNamespace
+
+        out = []
+        for p in batch:
+            if self.drafter is None:
+                tokens, rounds, plain = self.AR[len(p)], len(self.AR[len(p)]), 0
+            else:
+                tokens, rounds, plain = self.SPEC[(self.cfg.budget, len(p))]
+            # tau as the decoder computes it: a float whose product with rounds need not be an integer
+            # (15 / 11 * 11 = 14.999...), so the emitted count must be rounded, not truncated.
+            out.append(SimpleNamespace(tokens=tokens, rounds=rounds, tau=len(tokens) / rounds, plain_rounds=plain))
+        return out
+
+
+def test_evaluate_rows_follow_the_per_prompt_counts(monkeypatch):
+    """With scripted generations: per-prompt emitted tokens and rounds in prompt order, the pooled
+    tau and its delta-method SE from them, the fallback columns (plain rounds; the drafted rounds'
+    own tau), greedy mismatches counted per budget and in total (none counted when sampling), and
+    lookup / corpus 0 accepted; a batch's SR is per token of each method's own count."""
+    from types import SimpleNamespace
+
+    import tevjax.decode.engine
+    import tevjax.evaluate
+    from tevjax.evaluate import truncation_text
+
+    monkeypatch.setattr(tevjax.decode.engine, "Decoder", _ScriptedDecoder)
+    monkeypatch.setattr(tevjax.evaluate, "time", _Clock([1.0]))  # every generate call takes 1 s
+    models = SimpleNamespace(tokenizer=_CharTokenizer(), eos_ids=(2,), target=None, drafter="drafter", ngrams=None,
+                             drafter_trained=True)
+    result = evaluate(models, ["ab", "abcd"], budgets=(2, 4), batch_size=1, lookup=0, corpus=0, fallback_below=1.5,
+                      log=lambda _: None)
+    b2, b4 = result["budgets"]
+    assert (b2["prompt_emitted"], b2["prompt_rounds"]) == ([15, 8], [11, 4])
+    assert (b4["prompt_emitted"], b4["prompt_rounds"]) == ([15, 9], [5, 2])
+    assert b2["tau"] == pytest.approx(23 / 15) and b4["tau"] == pytest.approx(24 / 7)
+    e, r = np.array([15, 8]), np.array([11, 4])
+    d = e / e.sum() - r / r.sum()  # each prompt's influence; n / (n - 1) = 2 for two prompts
+    assert b2["tau_se"] == pytest.approx(23 / 15 * np.sqrt(2 * np.sum(d * d)))
+    assert b2["tau_prompt_sd"] == pytest.approx(np.std([15 / 11, 2.0], ddof=1))
+    assert (b2["plain_rounds"], b2["tau_drafted"]) == (4, pytest.approx((23 - 4) / (15 - 4)))
+    assert (b4["plain_rounds"], b4["tau_drafted"]) == (0, pytest.approx(24 / 7))
+    assert [b2["lookup"], b4["lookup"], b2["corpus"]] == [0, 0, 0]
+    assert (b2["mismatches"], b4["mismatches"], result["mismatches"]) == (0, 1, 1)
+    assert result["ar"]["tokens"] == b2["tokens"] == 23 and b4["tokens"] == 24
+    # Batch SRs: (1 s / 15) / (1 s / 15) and (1 s / 8) / (1 s / 9); over all batches, (2 s / 23) / (2 s / 24).
+    assert b4["sr"] == pytest.approx(24 / 23) and b4["sr_range"] == pytest.approx([1 + 0.1 / 8, 1 + 0.9 / 8])
+    sampled = evaluate(models, ["ab", "abcd"], budgets=(2, 4), temperature=0.5, log=lambda _: None)
+    assert [row["mismatches"] for row in sampled["budgets"]] == [None, None] and sampled["mismatches"] == 0
+    # The table's first line names only the truncations that are on.
+    assert "top-" not in format_table(result).splitlines()[0] and "min-p" not in format_table(result)
+    assert truncation_text(50, 0.9) == ", top-k 50, top-p 0.9" and truncation_text(min_p=0.1) == ", min-p 0.1"

@@ -5,6 +5,8 @@ built once per module."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from tevjax.convert.embedded import prepare_smollm2
@@ -119,3 +121,57 @@ def test_training_prompts_share_no_conversation_with_the_heldout_ones(turns):
     assert old_held == held and sum(source(r) in sources for r in old_train) > 0  # what the old plans held
     with pytest.raises(ValueError, match="exclusion must be one of source, conversation"):
         RolloutConfig(**kw, exclusion="none")
+
+
+class _CharTokenizer:
+    """One token per character; the chat template adds one (">")."""
+
+    chat_template = "x"
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True):
+        return "".join(m["content"] for m in messages) + ">"
+
+    def encode(self, text, add_special_tokens=False):
+        return [ord(c) for c in text]
+
+
+def test_the_data_plan_on_a_stand_in_pool(monkeypatch):
+    """`select_prompts` on a small stand-in for ShareGPT (no file read): held-out prompts are the first
+    that fit max_prompt_tokens (chat template included, the bound itself fits); first-turn training
+    prompts continue right after the last held-out one, without the held-out prompts' sources
+    ("source") or with them ("conversation"); later-turn plans pass both exclusions on; with ShareGPT
+    responses only turns with a reply count; too few prompts is an error unless exact=False."""
+    from types import SimpleNamespace
+
+    import tevjax.prompts
+
+    first = [SimpleNamespace(id=f"sharegpt/{i}", text=t) for i, t in (
+        ("a_0", "xyz"), ("b", "too long"), ("c", "ab"), ("d", "pqr"), ("a_1", "uv"), ("e", "w"), ("f", "qq"))]
+    later = [SimpleNamespace(id="sharegpt/g#2", text="zz")]
+    calls = []
+
+    def sharegpt_prompts(n, *, seed=0, turns="first", **kw):
+        calls.append((turns, kw))
+        return first if turns == "first" else later
+
+    monkeypatch.setattr(tevjax.prompts, "sharegpt_prompts", sharegpt_prompts)
+    replies = {"sharegpt/e": "R", "sharegpt/f": "S"}
+    monkeypatch.setattr(tevjax.prompts, "sharegpt_replies", lambda turns="first": replies)
+    tok = _CharTokenizer()
+    cfg = RolloutConfig(num_prompts=2, heldout_prompts=2, heldout_records=1, max_prompt_tokens=4, taps=(1,))
+    ids = lambda rows: [r["id"].removeprefix("sharegpt/") for r in rows]  # noqa: E731
+    held, train = select_prompts(tok, cfg)
+    assert ids(held) == ["a_0", "c"] and ids(train) == ["d", "e"]  # a_1 shares a_0's source
+    assert [r["index"] for r in held] == [r["index"] for r in train] == [0, 1]
+    assert held[0]["prompt_ids"] == [ord(c) for c in "xyz>"]
+    _, train = select_prompts(tok, dataclasses.replace(cfg, exclusion="conversation"))
+    assert ids(train) == ["d", "a_1"]
+    _, train = select_prompts(tok, dataclasses.replace(cfg, responses="sharegpt"))
+    assert ids(train) == ["e", "f"] and [r["reply"] for r in train] == ["R", "S"]
+    _, train = select_prompts(tok, dataclasses.replace(cfg, num_prompts=1, turns="later"))
+    assert ids(train) == ["g#2"]
+    assert calls[-1] == ("later", {"min_chars": 40, "exclude_conversations": {"a_0", "c"},
+                                   "exclude_sources": {"a", "c"}})
+    with pytest.raises(ValueError, match=r"only 2 \+ 3 ShareGPT prompts"):
+        select_prompts(tok, dataclasses.replace(cfg, num_prompts=5))
+    assert ids(select_prompts(tok, dataclasses.replace(cfg, num_prompts=5), exact=False)[1]) == ["d", "e", "f"]

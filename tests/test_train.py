@@ -349,6 +349,19 @@ def test_greedy_accepted_depth_follows_the_data_down_the_tree():
     assert depth([5, 7, 8, 9], jnp.array([True, True, False, True])) == 2  # the data ends (or is unsupervised)
 
 
+def test_block_truth_stops_at_the_end_of_the_batch():
+    """A depth counts only inside the batch's T positions: a record cropped at T whose last position
+    is supervised has no truth past it (its clamped index would read that position again)."""
+    from tevjax.train.heldout import block_truth
+
+    tokens, mask = jnp.array([[3, 4, 5, 6]]), jnp.array([[False, True, True, True]])
+    truth, ok = block_truth(tokens, mask, jnp.array([[1, 2]]), jnp.array([[True, True]]), 3)
+    assert np.asarray(truth)[0, 0].tolist() == [5, 6, 6] and np.asarray(ok).tolist() == [[[True, True, False],
+                                                                                          [True, False, False]]]
+    _, ok = block_truth(tokens, mask, jnp.array([[1, 2]]), jnp.array([[True, False]]), 3)
+    assert not np.asarray(ok)[0, 1].any()  # nothing counts after an invalid anchor
+
+
 def test_heldout_records_sum_to_the_check(data_dir, target):
     data = TrainData(data_dir, "heldout")
     drafter = _drafter(target)
@@ -365,6 +378,11 @@ def test_heldout_records_sum_to_the_check(data_dir, target):
     assert metrics["tau_sim@2"] == pytest.approx(rec["tau_2"].sum() / n)
     assert metrics["tau_sim@5"] == pytest.approx(rec["tau_5"].sum() / n)
     assert metrics["acc@1"] == pytest.approx(rec["acc_hits"][:, 0].sum() / rec["acc_count"][:, 0].sum())
+    assert [k for k in metrics if k.startswith("acc@")] == ["acc@1", "acc@2", "acc@3", "acc@4"]  # of G = 5
+    # `records` takes the split's first records, batched (no drafter needed to see which).
+    few = HeldoutEval(data, data.tap_columns(TAPS), records=2, seq_len=40, batch=3)
+    assert [b["tokens"].shape for b in few.batches] == [(2, 40)]
+    np.testing.assert_array_equal(few.batches[0]["tokens"], ev.batches[0]["tokens"][:2])
     # The anchors depend on the data and the seed only: the same drafter scores the same again.
     again = ev.per_record(drafter, target)
     for k in rec:
@@ -673,6 +691,10 @@ def test_a_damaged_data_directory_is_named(tmp_path, data_dir):
     with pytest.raises(ValueError, match=f"{shard}: damaged shard: token ids .* not all in the target's vocabulary"):
         TrainData(bad, "train")
     TrainData(bad, "heldout")  # the other split's shards are intact
+    tokens[3] = -1
+    np.save(shard / "tokens.npy", tokens)
+    with pytest.raises(ValueError, match=f"{shard}: damaged shard: token ids -1\\.\\."):
+        TrainData(bad, "train")
     manifest = bad / "manifest.json"
     saved = json.loads(manifest.read_text())
     for content, message in (("[]", "a JSON list, not an object"),
@@ -979,6 +1001,9 @@ def test_a_run_keeps_its_draft_vocabulary_and_its_shards(tmp_path, data_dir, tar
     ({"num_prompts": "12"}, TypeError, "RolloutConfig.num_prompts must be an int, got '12'"),
     ({"heldout_records": 1.5}, TypeError, "RolloutConfig.heldout_records must be an int"),
     ({"batch_size": 0}, ValueError, "batch_size must be >= 1"),
+    ({"num_prompts": 0}, ValueError, "num_prompts must be >= 1"),
+    ({"max_new_tokens": 0}, ValueError, "max_new_tokens must be >= 1"),
+    ({"max_prompt_tokens": 0}, ValueError, "max_prompt_tokens must be >= 1"),
     ({"seed": -1}, ValueError, r"RolloutConfig.seed must be in \[0, 2\*\*64\)"),
     ({"taps": (1, -2)}, ValueError, "RolloutConfig.taps must be target layer indices >= 0"),
     ({"taps": ()}, ValueError, "taps must name at least one target layer"),
@@ -987,3 +1012,121 @@ def test_a_run_keeps_its_draft_vocabulary_and_its_shards(tmp_path, data_dir, tar
 def test_bad_rollout_settings_are_named(change, error, message):
     with pytest.raises(error, match=message):
         dataclasses.replace(ROLLOUT, **change)
+
+
+def test_the_shard_plan_covers_each_split_once_held_out_first():
+    """Shards of batch_size prompts, the last one short; the held-out split has heldout_records
+    records (not heldout_prompts) and comes first."""
+    from tevjax.train.rollout import _shard_plan
+
+    cfg = dataclasses.replace(ROLLOUT, num_prompts=10, heldout_prompts=4, heldout_records=3, batch_size=4)
+    assert _shard_plan(cfg) == [("heldout-00000", "heldout", 0, 3), ("train-00000", "train", 0, 4),
+                                ("train-00001", "train", 4, 8), ("train-00002", "train", 8, 10)]
+
+
+def test_a_resume_lists_shards_the_manifest_missed(tmp_path, data_dir, target):
+    """A stop between a shard's rename and the manifest's rewrite leaves a shard the manifest does not
+    list: a resume lists it again (with its summary) and makes only the missing shards; the directory
+    is complete only when every shard of the plan is there."""
+    out = tmp_path / "d"
+    shutil.copytree(data_dir, out)
+    manifest = read_manifest(out)
+    summary = manifest["shards"].pop("train-00000")
+    del manifest["shards"]["train-00002"]
+    manifest["complete"] = False
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    shutil.rmtree(out / "shards" / "train-00002")
+    quiet = dict(progress=False, log=lambda _: None, resume=True)
+    partial = generate_data(_loaded(target), ROLLOUT, out, stop_after_shards=0, **quiet)
+    assert partial["shards"]["train-00000"] == summary and not partial["complete"]  # 3 of the 4 shards
+    with pytest.raises(ValueError, match="training shards 1:1 are outside the plan's 3"):  # an empty slice
+        generate_data(_loaded(target), ROLLOUT, out, train_shards=(1, 1), **quiet)
+    assert generate_data(_loaded(target), ROLLOUT, out, **quiet)["complete"]
+    assert _records(out, "train") == _records(data_dir, "train")
+
+
+def test_a_tap_past_the_last_layer_is_refused(tmp_path, target):
+    with pytest.raises(ValueError, match=r"tap 4 is outside the target's layers \[0, 4\)"):
+        generate_data(_loaded(target), dataclasses.replace(ROLLOUT, taps=(1, 4)), tmp_path / "d", prompts=PROMPTS,
+                      progress=False, log=lambda _: None)
+    assert not (tmp_path / "d").exists()
+
+
+class _TurnTokenizer:
+    """A chat template that ends each assistant turn with "$" and a newline (one token per
+    character): what `_reply_ids` must cut a ShareGPT reply at."""
+
+    chat_template = "x"
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True):
+        text = "".join(f"U:{m['content']}|" if m["role"] == "user" else f"A:{m['content']}$\n" for m in messages)
+        return text + ("A:" if add_generation_prompt else "")
+
+    def encode(self, text, add_special_tokens=False):
+        return [ord(c) for c in text]
+
+
+def test_a_sharegpt_reply_is_the_assistant_turn_up_to_its_end_of_turn():
+    """`_reply_ids`: the reply's tokens after the prompt, through the end-of-turn token and no
+    further; a reply that fits max_new_tokens exactly ends in "eos", a longer one is cut ("length")."""
+    from tevjax.convert.tokenizer import chat_prompt_ids
+    from tevjax.train.rollout import _reply_ids
+
+    tok = _TurnTokenizer()
+    row = {"text": "hi", "reply": "hello", "prompt_ids": chat_prompt_ids(tok, "hi")}
+    eos = (ord("$"),)
+    whole = [ord(c) for c in "hello$"]
+    assert _reply_ids(tok, row, eos, 6) == (whole, "eos")
+    assert _reply_ids(tok, row, eos, 50) == (whole, "eos")
+    assert _reply_ids(tok, row, eos, 3) == (whole[:3], "length")
+
+
+def test_a_batch_crops_each_record_to_seq_len_and_pads_the_rest(data_dir):
+    """`TrainData.batch`: a row holds its record's first seq_len tokens, mask and features, and
+    `length` is what it holds; past it everything is padding (token 0, mask False, zero features)."""
+    data = TrainData(data_dir, "train")
+    records = [data.record(i, [1, 0]) for i in (3, 8)]
+    short = data.batch([3, 8], [1, 0], seq_len=6)
+    assert short["length"].tolist() == [6, 6] and all(len(t) > 6 for t, _, _ in records)
+    long = data.batch([3, 8], [1, 0], seq_len=40)
+    assert long["length"].tolist() == [len(t) for t, _, _ in records]
+    for host, t in ((short, 6), (long, 40)):
+        for j, (tokens, mask, feats) in enumerate(records):
+            n = int(host["length"][j])
+            np.testing.assert_array_equal(host["tokens"][j, :n], tokens[:n])
+            np.testing.assert_array_equal(host["loss_mask"][j, :n], mask[:n])
+            np.testing.assert_array_equal(host["features"][j, :n], feats[:n])
+            assert host["tokens"].shape == host["loss_mask"].shape == (2, t)
+            assert not host["tokens"][j, n:].any() and not host["loss_mask"][j, n:].any()
+            assert not host["features"][j, n:].any()
+
+
+def _hand_made_data(root: Path, masks: list[list[int]]) -> Path:
+    """A data directory with one training shard whose records have the given loss masks (tokens
+    3.., one tap of width 2): for records that `tevjax data` does not make."""
+    shard = root / "shards" / "train-00000"
+    shard.mkdir(parents=True)
+    mask = np.concatenate([np.asarray(m, np.uint8) for m in masks])
+    np.save(shard / "tokens.npy", np.arange(3, 3 + len(mask), dtype=np.int32))
+    np.save(shard / "loss_mask.npy", mask)
+    np.save(shard / "offsets.npy", np.cumsum([0] + [len(m) for m in masks]).astype(np.int64))
+    np.save(shard / "features.npy", np.zeros((len(mask), 1, 2), np.uint16))
+    (root / "manifest.json").write_text(json.dumps({
+        "format": 1, "rollout": {"taps": [0]}, "shards": {},
+        "target_config": {"hidden_size": 2, "vocab_size": 64, "num_layers": 1}}))
+    return root
+
+
+def test_first_supervised_and_cropping_on_edge_records(tmp_path):
+    """A record's first supervised position from its own start: 0 where the response starts the
+    record, -1 where there is none (the last record of a shard included, whose search ends at the
+    shard's end). A record is cropped when it has no supervised position in 1 .. seq_len - 1:
+    position 0 has no anchor before it, so a response that starts the record counts from 1 on."""
+    masks = [[0, 0, 1, 1], [1, 1, 1], [0, 0], [0, 0, 0, 0, 1], [1, 0, 0], [0, 0, 0]]
+    data = TrainData(_hand_made_data(tmp_path, masks))
+    assert data.first_supervised().tolist() == [2, 0, -1, 4, 0, -1]
+    assert data.first_supervised(1).tolist() == [2, 1, -1, 4, -1, -1]
+    assert data.cropped(2).tolist() == [True, False, True, True, True, True]
+    assert data.cropped(3).tolist() == [False, False, True, True, True, True]
+    assert data.cropped(4).tolist() == [False, False, True, True, True, True]  # position 4 is not below 4
+    assert data.cropped(5).tolist() == [False, False, True, False, True, True]

@@ -82,24 +82,25 @@ class TrainData:
     def response_tokens(self) -> int:
         return int(sum(int(np.asarray(sh["loss_mask"]).sum()) for sh in self._shards))
 
-    def first_supervised(self) -> np.ndarray:
-        """[records] int64: each record's first supervised (response) position, counted from its
-        start (its prompt's length), or -1 where it has none. Training crops records to seq_len
-        and draws anchors where the next token is supervised, so a record whose first one is at
-        seq_len or beyond adds nothing."""
+    def first_supervised(self, start: int = 0) -> np.ndarray:
+        """[records] int64: each record's first supervised (response) position at or after `start`,
+        counted from the record's start (so, with start 0, its prompt's length), or -1 where it has
+        none. Training crops records to seq_len and draws anchors where the next token is
+        supervised, so a record whose first one is at seq_len or beyond adds nothing."""
         parts = []
         for sh in self._shards:  # per shard, without a loop over its records
             offsets = np.asarray(sh["offsets"], np.int64)
             starts, ends = offsets[:-1], offsets[1:]
             hits = np.append(np.flatnonzero(np.asarray(sh["loss_mask"])), offsets[-1])  # + a sentinel
-            first = hits[np.searchsorted(hits, starts)]  # the first supervised token at or after each start
+            first = hits[np.searchsorted(hits, starts + start)]  # the first supervised token from there on
             parts.append(np.where(first < ends, first - starts, -1))
         return np.concatenate(parts).astype(np.int64)
 
     def cropped(self, seq_len: int) -> np.ndarray:
         """[records] bool: the records that training, cropping them to seq_len, draws no anchor
-        from (no supervised token at positions 1 .. seq_len - 1)."""
-        first = self.first_supervised()
+        from (no supervised token at positions 1 .. seq_len - 1). Position 0 has no anchor before
+        it, so a record whose response starts it counts by its later tokens."""
+        first = self.first_supervised(1)
         return (first < 1) | (first >= seq_len)
 
     def token_counts(self, vocab_size: int) -> np.ndarray:
