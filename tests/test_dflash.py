@@ -353,6 +353,17 @@ def test_save_names_the_stored_dtype_and_drops_a_stale_index(public_ckpt, tmp_pa
     np.testing.assert_array_equal(np.asarray(d.fc.kernel[...]), np.asarray(d32.fc.kernel[...]))  # bf16 values
 
 
+def test_save_refuses_another_config_and_a_non_float_dtype(drafter, tmp_path):
+    """Nothing is written when the config does not describe the drafter (it would be saved beside
+    weights it does not fit) or the stored dtype is not a float the loader reads."""
+    other = dataclasses.replace(drafter.cfg, mask_token_id=drafter.cfg.mask_token_id - 1)
+    with pytest.raises(ValueError, match="cfg differs from the drafter's own config"):
+        save_dflash(drafter, other, tmp_path / "other")
+    with pytest.raises(ValueError, match="dtype 'int8' is not float32, bfloat16 or float16"):
+        save_dflash(drafter, drafter.cfg, tmp_path / "int8", dtype="int8")
+    assert os.listdir(tmp_path) == []
+
+
 def test_model_prefix_is_accepted(public_ckpt, tmp_path):
     _, hf_cfg, tensors = public_ckpt
     path = _write_checkpoint(tmp_path / "prefixed", hf_cfg, {"model." + k: v for k, v in tensors.items()})
@@ -389,6 +400,17 @@ def test_bad_checkpoints_fail_by_name(public_ckpt, target, tmp_path):
         warnings.simplefilter("always")
         load_dflash(extra_path, strict=False)
     assert any("embed_tokens.weight" in str(w.message) for w in caught)
+    # An unexpected tensor is named as stored: the 'model.' prefix is stripped only from the drafter's own names.
+    head = dict(tensors, **{"model.lm_head.weight": np.zeros((300, 64), ml_dtypes.bfloat16)})
+    with pytest.raises(CheckpointError, match=r"unexpected tensor\(s\): model\.lm_head\.weight \(a DFlash "
+                                              r"drafter has no embedding or LM head of its own"):
+        load_dflash(_write_checkpoint(tmp_path / "head", hf_cfg, head))
+
+    both = dict(tensors, **{"model.norm.weight": tensors["norm.weight"]})  # which one would load?
+    with pytest.raises(CheckpointError, match=r"'norm\.weight' is present both with and without the 'model\.' prefix"):
+        load_dflash(_write_checkpoint(tmp_path / "both", hf_cfg, both))
+    buffer = dict(tensors, **{"layers.0.self_attn.rotary_emb.inv_freq": np.ones(8, np.float32)})
+    load_dflash(_write_checkpoint(tmp_path / "buffer", hf_cfg, buffer))  # a recomputed buffer is skipped, strictly too
 
     no_key = dict(hf_cfg)
     del no_key["num_hidden_layers"]
@@ -413,6 +435,10 @@ def test_average_is_the_weighted_mean_and_refuses_other_lineages(public_ckpt, tm
     np.testing.assert_allclose(np.asarray(avg.layers[1].self_attn.k_norm.scale[...]),
                                0.25 * f32[0]["layers.1.self_attn.k_norm.weight"]
                                + 0.75 * f32[1]["layers.1.self_attn.k_norm.weight"], rtol=1e-6)
+    # Each drafter takes its own weight (three: the first and third are the same drafter).
+    _, three = average_dflash([path_a, path_b, path_a], [0.2, 0.3, 0.5])
+    np.testing.assert_allclose(np.asarray(three.fc.kernel[...]),
+                               (0.7 * f32[0]["fc.weight"] + 0.3 * f32[1]["fc.weight"]).T, rtol=1e-5, atol=1e-6)
     # A drafter averaged with itself is itself, bit for bit.
     _, same = average_dflash([path_a, path_a])
     _, a32 = load_dflash(path_a, dtype="float32", param_dtype="float32")
@@ -428,7 +454,8 @@ def test_average_is_the_weighted_mean_and_refuses_other_lineages(public_ckpt, tm
     v2 = _write_checkpoint(tmp_path / "v2", vocab, dict(tb, draft_vocab=np.array([1, 2, 3, 4, 6], np.int32)))
     with pytest.raises(ValueError, match="different draft vocabulary"):
         average_dflash([v1, v2])
-    for weights, message in (([0.5, 0.6], "sum to 1"), ([1.5, -0.5], "positive"), ([1.0], "2 weights|1 weights")):
+    for weights, message in (([0.5, 0.6], "sum to 1"), ([1.5, -0.5], "positive"), ([1.0, 0.0], "positive"),
+                             ([1.0], "2 weights|1 weights")):
         with pytest.raises(ValueError, match=message):
             average_dflash([path_a, path_b], weights)
     with pytest.raises(ValueError, match="at least 2"):

@@ -814,13 +814,14 @@ def test_qwen35_pre_tokenizer_keeps_combining_marks_in_words(tmp_path):
     text = "नमस्ते दुनिया, cafe\u0301 12!"
     assert words("qwen35", text) == ["नमस्ते", " दुनिया", ",", " cafe\u0301", " ", "1", "2", "!"]
     assert words("qwen2", text)[:4] == ["नमस", "्त", "े", " द"]
+    assert words("qwen35", "!!\u0301") == ["!!", "\u0301"]  # a mark is no punctuation: it ends the run
 
 
 def test_pre_tokenizer_aliases_split_as_their_group(tmp_path):
     """llama.cpp's other names for GPT-2's split ("phi-2", "mpt", "olmo") and Llama 3's ("smaug-bpe",
     "dbrx") split text exactly as the group's first name does."""
     from tevjax.convert.gguf import read_gguf_metadata
-    from tevjax.convert.tokenizer import build_tokenizer
+    from tevjax.convert.tokenizer import SUPPORTED_PRE_TOKENIZERS, build_tokenizer
 
     meta = read_gguf_metadata(write_gguf(tmp_path / "a.gguf", tiny_state(seed=2)))
     text = "Hello world's 12345 times!!\n\n  tabs\tand CamelCase"
@@ -829,10 +830,16 @@ def test_pre_tokenizer_aliases_split_as_their_group(tmp_path):
         tok = build_tokenizer(dict(meta, **{"tokenizer.ggml.pre": pre}))
         return [piece for piece, _ in tok.pre_tokenizer.pre_tokenize_str(text)]
 
-    for group, aliases in (("gpt-2", ("phi-2", "mpt", "olmo")), ("llama-bpe", ("smaug-bpe", "dbrx"))):
+    groups = {"gpt-2": ("phi-2", "mpt", "olmo"), "smollm": ("starcoder", "refact", "codeshell"),
+              "qwen2": ("deepseek-r1-qwen",), "llama-bpe": ("llama3", "llama-v3", "smaug-bpe", "dbrx"),
+              "gpt-4o": ("llama4",), "qwen35": (), "tekken": ()}
+    assert {p for g, aliases in groups.items() for p in (g, *aliases)} == set(SUPPORTED_PRE_TOKENIZERS)
+    for group, aliases in groups.items():
         for alias in aliases:
             assert split(alias) == split(group), alias
-    assert split("gpt-2") != split("llama-bpe")  # the two groups differ on this text
+    # the groups differ on this text (qwen35 only on combining marks), so no alias can join the wrong one
+    assert len({tuple(split(g)) for g in groups if g != "qwen35"}) == len(groups) - 1
+    assert [p for p in split("llama-bpe") if p.isdigit()] == ["123", "45"]  # digits in runs of up to three
 
 
 def test_tekken_pre_tokenizer_splits_by_case_as_llama_cpp(tmp_path):

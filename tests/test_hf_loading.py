@@ -385,6 +385,9 @@ def test_load_target_params_direct_errors():
     bad["model.embed_tokens.weight"] = np.zeros((300, 64), np.int32)
     with pytest.raises(CheckpointError, match="model.embed_tokens.weight.*non-float"):
         load_target_params(model, bad)
+    extra = dict(good, **{"model.extra.weight": np.zeros((2,), np.float32)})  # nothing missing, one too many
+    with pytest.raises(CheckpointError, match=r"2 layers; unmapped tensor\(s\): model\.extra\.weight$"):
+        load_target_params(model, extra)
     load_target_params(model, good)
     # Every parameter was replaced (the eval_shape skeleton held no arrays) and holds the zeros.
     assert all(isinstance(v.get_value(), jax.Array) for _, v in nnx.iter_graph(model) if isinstance(v, nnx.Param))
@@ -878,3 +881,23 @@ def test_gpt_oss_mxfp4_experts_dequantize_as_transformers_does(tmp_path):
         "quant_method": "fp8"}}))
     with pytest.raises(CheckpointError, match="quantization_config quant_method='fp8' is not supported"):
         load_hf_target(tmp_path / "mxfp4")
+    # Blocks without their scales, scales without their blocks: refused by name, not loaded half-way.
+    (tmp_path / "mxfp4" / "config.json").write_text(json.dumps({**config, **extra}))
+    scales = next(k for k in packed if k.endswith("_scales"))
+    blocks = scales.removesuffix("_scales") + "_blocks"
+    no_scales = {k: v for k, v in packed.items() if k != scales}
+    for tensors, message in ((no_scales, f"'{blocks}' has no '{scales}' beside it"),
+                             ({**packed, "stray_scales": packed[scales]}, "MXFP4 scales without blocks: stray_scales")):
+        save_file(tensors, str(tmp_path / "mxfp4" / "model.safetensors"))
+        with pytest.raises(CheckpointError, match=re.escape(message)):
+            load_hf_target(tmp_path / "mxfp4")
+
+
+def test_mxfp4_is_refused_outside_gpt_oss(saved, tmp_path):
+    """Only GPT-OSS's experts are read from MXFP4; another family's quantized file is refused by name
+    rather than read as if its tensors were plain."""
+    path = _copy(saved, tmp_path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "mxfp4"}}))
+    with pytest.raises(CheckpointError, match="quantization_config quant_method='mxfp4' is not supported"):
+        load_hf_target(path)

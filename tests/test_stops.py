@@ -159,6 +159,8 @@ def test_sentencepiece_spellings_and_unsupported_decoders():
     ids = [3, 2, 4, 5, 6, 2]
     assert _joined(spellings, ids) == tok.decode(ids)  # no leading space here for the decoder to strip
     assert _joined(spellings, [2, 3]) == " " + tok.decode([2, 3])  # the one the decoder strips is kept
+    tok.decoder = decoders.Metaspace()  # (without ByteFallback: "<0x0A>" is still read as its byte)
+    assert token_bytes(tok) == spellings
     tok.decoder = decoders.WordPiece()
     with pytest.raises(ValueError, match=r"its decoder is \['WordPiece'\]"):
         token_bytes(tok)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from test_gguf import CHAT_TEMPLATE, MERGES, SPECIALS, tiny_vocab
+from test_gguf import CHAT_TEMPLATE, MERGES, SPECIALS, byte_alphabet, tiny_vocab
 from tevjax.convert.tokenizer import (
     StreamDetokenizer,
     TokenizerConversionError,
@@ -94,6 +94,54 @@ def test_pre_tokenizer_rules(pre, text, want):
     assert tok.encode(text).tokens == want
 
 
+def test_a_file_without_token_types_or_pre_tokenizer_has_normal_tokens_and_the_gpt2_split():
+    """The defaults: no `token_type` means every token is normal (none is skipped when
+    decoding), no `tokenizer.ggml.pre` means GPT-2's split (whitespace before a digit joins it)."""
+    meta = {k: v for k, v in tiny_meta().items() if k not in ("tokenizer.ggml.token_type", "tokenizer.ggml.pre")}
+    tok = build_tokenizer(meta)
+    assert tok.encode("a  1").tokens == ["a", "Ġ", "Ġ1"]
+    ids = tok.encode("<|im_start|>hello").ids
+    assert tok.decode(ids, skip_special_tokens=True) == "<|im_start|>hello"
+
+
+def test_raw_utf8_user_defined_and_foreign_control_tokens_keep_their_ids():
+    """A normal token written in raw UTF-8 ("ω", not its bytes' "Ïī") is respelled so BPE can produce it; a
+    control token outside the byte alphabet keeps its spelling and id; a user-defined token is
+    matched whole and, unlike a control token, kept by decode(skip_special_tokens=True) and spelled
+    by `token_bytes` (in its own UTF-8 where it is not in the byte alphabet)."""
+    meta = tiny_meta()
+    n = len(meta["tokenizer.ggml.tokens"])
+    extra = {"ω": 1, "<｜end▁of▁sentence｜>": 3, "<tool>": 4, "<ω>": 4}
+    meta["tokenizer.ggml.tokens"] = meta["tokenizer.ggml.tokens"] + list(extra)
+    meta["tokenizer.ggml.token_type"] = meta["tokenizer.ggml.token_type"] + list(extra.values())
+    meta["tokenizer.ggml.merges"] = MERGES + [" ".join(byte_alphabet()[b] for b in "ω".encode())]
+    tok = build_tokenizer(meta)
+    assert tok.get_vocab_size(with_added_tokens=True) == n + 4
+    ids = tok.encode("ω<tool>ω<｜end▁of▁sentence｜>").ids
+    assert ids == [n, n + 2, n, n + 1]
+    assert tok.decode(ids, skip_special_tokens=True) == "ω<tool>ω"
+    assert token_bytes(tok)[n:] == ["ω".encode(), b"", b"<tool>", "<ω>".encode()]  # the last as spelled, in UTF-8
+
+
+def test_contradictory_vocabularies_are_refused_by_name():
+    meta = tiny_meta()
+    tokens, types = meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.token_type"]
+    n = len(tokens)
+    for change, message in (
+            ({"tokenizer.ggml.token_type": types + [1]}, f"token_type has {n + 1} entries for {n} tokens"),
+            ({"tokenizer.ggml.tokens": tokens[:-1] + ["hello"]},
+             f"token 'hello' appears twice \\(ids {tokens.index('hello')} and {n - 1}\\)"),
+            ({"tokenizer.ggml.merges": MERGES + ["Ġ Ġ Ġ"]}, r"merges\[13\] = 'Ġ Ġ Ġ' is not 'left right'")):
+        with pytest.raises(TokenizerConversionError, match="x.gguf: .*" + message):
+            build_tokenizer(dict(meta, **change), source="x.gguf")
+    with pytest.raises(TokenizerConversionError, match="bos_token_id=-1 is outside the vocabulary"):
+        tokenizer_files_from_gguf(dict(meta, **{"tokenizer.ggml.bos_token_id": -1}))
+    # An add_bos_token whose id is not a token adds nothing (rather than failing to build).
+    for bad in (-1, n):
+        tok = build_tokenizer(dict(meta, **{"tokenizer.ggml.add_bos_token": True, "tokenizer.ggml.bos_token_id": bad}))
+        assert tok.encode("hello").ids == [tokens.index("hello")]
+
+
 def test_tokenizer_config_fields(tmp_path):
     files = tokenizer_files_from_gguf(tiny_meta())
     cfg = files["tokenizer_config.json"]
@@ -105,6 +153,8 @@ def test_tokenizer_config_fields(tmp_path):
     assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (1, 2, 2)
     # No BOS is added to plain text (see the module docstring of tevjax.convert.tokenizer).
     assert tok.encode("hello") == [tiny_vocab().index("hello")]
+    # Prompt lengths are checked against the target, not the file's context length.
+    assert tok.model_max_length >= 10**30
 
 
 def test_chat_prompt_ids_tiny(tmp_path):
@@ -118,6 +168,9 @@ def test_chat_prompt_ids_tiny(tmp_path):
     assert tok.decode(ids2) == ("<|im_start|>system\nhello<|im_end|>\n<|im_start|>user\nworld"
                                 "<|im_end|>\n<|im_start|>assistant\nhello<|im_end|>\n")
     assert ids2.count(1) == 3 and ids2.count(2) == 3  # specials are single ids, not pieces
+    # A file that asks for BOS on plain text gets none in a chat prompt: the template writes its own.
+    bos = load_tokenizer(write_tok_dir(dict(tiny_meta(), **{"tokenizer.ggml.add_bos_token": True}), tmp_path / "b"))
+    assert bos.encode("hello")[0] == 1 and chat_prompt_ids(bos, msgs, add_generation_prompt=False) == ids2
 
 
 def test_chat_prompt_ids_bad_messages(tmp_path):
@@ -128,6 +181,9 @@ def test_chat_prompt_ids_bad_messages(tmp_path):
         chat_prompt_ids(tok, [{"role": "user", "content": "x"}, {"role": "user", "content": 3}])
     with pytest.raises(ValueError, match="empty"):
         chat_prompt_ids(tok, [])
+    for bad in ({"role": "user", "content": "x", "name": "y"}, {"content": "x"}, ["user", "x"]):
+        with pytest.raises(ValueError, match=r"messages\[0\] must be a dict with 'role' and 'content'"):
+            chat_prompt_ids(tok, [bad])
     meta = tiny_meta()
     del meta["tokenizer.chat_template"]
     bare = load_tokenizer(write_tok_dir(meta, tmp_path / "bare"))
