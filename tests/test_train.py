@@ -275,12 +275,16 @@ def test_distillation_teacher_is_the_targets_own_distribution(data_dir, target):
     vocab = np.arange(0, target.cfg.vocab_size, 3, dtype=np.int32)
     drafter = DFlashDrafter(dataclasses.replace(_drafter(target).cfg, draft_vocab_size=len(vocab)),
                             rngs=nnx.Rngs(0), draft_vocab=vocab)
-    anchors = np.array([[0, 2, n - BS]], np.int32)
+    anchors = np.array([[0, 2, n - BS, n - 2]], np.int32)
     got = np.asarray(teacher_logits(drafter, target, jnp.asarray(feats)[None], jnp.asarray(anchors), BS - 1))
     out = target(jnp.asarray(tokens)[None], jnp.arange(n)[None], KVCache.init(target.cfg, 1, n),
                  jnp.zeros((1,), jnp.int32), causal_mask(n)[None])
     ref = np.asarray(out.logits)[0][:, vocab]
-    for j, a in enumerate(anchors[0]):
+    # The last anchor's rows past the record (no token to distil, weight 0) read its last state,
+    # finite: a 0-weighted NaN would still poison the sums.
+    assert np.isfinite(got).all()
+    np.testing.assert_array_equal(got[0, 3, 2:], np.broadcast_to(got[0, 3, 1], got[0, 3, 2:].shape))
+    for j, a in enumerate(anchors[0, :3]):
         # bfloat16 storage of the hidden state: equal to about 2^-8 of the logits' scale.
         np.testing.assert_allclose(got[0, j], ref[a:a + BS - 1], rtol=0, atol=2e-2 * np.abs(ref).max())
         assert (got[0, j].argmax(-1) == ref[a:a + BS - 1].argmax(-1)).mean() >= 0.8
@@ -451,6 +455,59 @@ def test_acc1_is_block_position_ones_hit_rate(data_dir, target):
     hits = [(a + 1) % 5 != 0 for r in range(b) for a in anchors[r][valid[r]]]
     assert 0 < sum(hits) < len(hits)
     assert float(metrics["acc1"]) == pytest.approx(sum(hits) / len(hits))
+
+
+def _masked_batch(data_dir, keep):
+    """Batch 0 with row 1 unsupervised (every anchor invalid) and row 3 supervised only at its
+    first `keep` response positions (fewer eligible anchors than M: the rest invalid)."""
+    batch = _batch(data_dir, 0)
+    mask = np.array(batch.loss_mask)
+    mask[1] = False
+    mask[3, np.flatnonzero(mask[3])[keep:]] = False
+    return dataclasses.replace(batch, loss_mask=jnp.asarray(mask))
+
+
+def test_acc1_and_blocks_count_only_valid_anchors(data_dir, target):
+    """Invalid anchors (index 0, whose next token the stub hits) neither hit nor count: acc1 is
+    the hit rate over the valid anchors and `blocks` their number."""
+    batch, key = _masked_batch(data_dir, keep=2), jax.random.key(7)
+    cfg = dataclasses.replace(CFG, exit_lambda=0.0)  # acc1's test's program: no new compile
+    _, metrics = _loss_terms(_Oracle(_drafter(target).cfg, rngs=nnx.Rngs(0)), target, batch, key, cfg)
+    anchors, valid = (np.asarray(x) for x in batch_anchors(key, batch.loss_mask, cfg.anchors))
+    assert not valid[1].any() and valid[3].sum() == 2 and valid.sum() < valid.size
+    hits = [(a + 1) % 5 != 0 for r in range(len(anchors)) for a in anchors[r][valid[r]]]
+    assert 0 < sum(hits) < len(hits)
+    assert float(metrics["blocks"]) == valid.sum()
+    assert float(metrics["acc1"]) == pytest.approx(sum(hits) / len(hits))
+
+
+def test_an_unsupervised_row_moves_no_loss_or_metric(data_dir, target):
+    """A row with no supervised token has only invalid anchors: its trees (rooted at index 0) and
+    rows count in no loss, and coverage averages over the valid exit anchors alone, so changing
+    that row's tokens and features changes nothing."""
+    drafter, batch, key = _drafter(target), _masked_batch(data_dir, keep=100), jax.random.key(5)
+    tokens, feats = np.array(batch.tokens), np.array(batch.features)
+    tokens[1] = (tokens[1] + 17) % 300 + 3
+    feats[1] = feats[1][::-1]
+    moved = dataclasses.replace(batch, tokens=jnp.asarray(tokens), features=jnp.asarray(feats))
+    base = _loss_terms(drafter, target, batch, key, CFG)[1]  # the evenly-spread test's program
+    other = _loss_terms(drafter, target, moved, key, CFG)[1]
+    assert float(base["loss_exit"]) > 0
+    for k in ("loss", "loss_tok", "loss_exit", "coverage", "acc1", "blocks"):
+        np.testing.assert_allclose(float(other[k]), float(base[k]), rtol=1e-6, err_msg=k)
+
+
+def test_the_exit_weight_reaches_the_step(data_dir, target):
+    """`exit_weight` picks omega in the step: the stub's trees are chains (its proposals hold ~all
+    the draft mass), so "w_depth" weighs each node's term by its depth, 1 .. exit_budget, against
+    "w"'s 1, with the same denominator; a step that ignored the setting would give equal losses.
+    (The random target puts little exit mass below depth 1, hence the ~2% gap: float32 noise is
+    ~1e-6 of it.)"""
+    batch, key, oracle = _batch(data_dir, 0), jax.random.key(5), _Oracle(_drafter(target).cfg, rngs=nnx.Rngs(0))
+    loss = {kind: float(_loss_terms(oracle, target, batch, key, dataclasses.replace(CFG, exit_weight=kind))[1]
+                        ["loss_exit"]) for kind in ("w", "w_depth")}
+    assert loss["w"] > 0
+    assert 1.01 * loss["w"] < loss["w_depth"] <= CFG.exit_budget * loss["w"] * (1 + 1e-6), loss
 
 
 class _IndexZero(DFlashDrafter):
@@ -907,6 +964,20 @@ def test_adam_decays_are_checked():
     for name, bad in (("b1", 1.5), ("b1", -1.0), ("b2", float("nan")), ("b2", 1.0)):
         with pytest.raises(ValueError, match=rf"TrainConfig.{name} must be in \[0, 1\)"):
             dataclasses.replace(CFG, **{name: bad})
+
+
+def test_train_config_refuses_settings_the_losses_cannot_use():
+    """Each bad setting is refused by name (CFG: anchors 6); the edges the losses accept pass."""
+    for change, message in (({"gamma": 0.0}, "gamma must be > 0 or None"), ({"gamma": -7.0}, "gamma must be > 0"),
+                            ({"exit_anchors": 7}, r"exit_anchors \(7\) exceeds anchors \(6\)"),
+                            ({"exit_weight": "P"}, "exit_weight 'P' is not one of w, w_depth"),
+                            ({"anchors": 0}, "anchors must be a positive int"),
+                            ({"exit_lambda": -0.1}, "exit_lambda must be a finite float32 number >= 0"),
+                            ({"warmup": 1.0}, r"warmup must be a fraction in \[0, 1\)")):
+        with pytest.raises(ValueError, match=rf"TrainConfig.{message}"):
+            dataclasses.replace(CFG, **change)
+    for fine in ({"gamma": None}, {"gamma": 0.5}, {"distill": 1.0}, {"exit_anchors": 6}, {"exit_weight": "P_floored"}):
+        dataclasses.replace(CFG, **fine)
 
 
 def test_optimizer_is_clipped_adamw_on_warmup_cosine():

@@ -14,8 +14,8 @@ from tevjax.decode.engine import draft_trees, tree_pass
 from tevjax.law import exit_law
 from tevjax.models import KVCache, causal_mask
 from tevjax.testing import random_model, tiny_config
-from tevjax.train.objectives import (EXIT_WEIGHTS, P_FLOOR, distill_loss_terms, exit_loss_terms, exit_weights,
-                                     ratio, sample_anchors, token_loss_terms)
+from tevjax.train.objectives import (EXIT_WEIGHTS, P_FLOOR, batch_anchors, distill_loss_terms, exit_loss_terms,
+                                     exit_weights, ratio, sample_anchors, token_loss_terms)
 from tevjax.train.step import score_trees
 from tevjax.tree import DraftTree
 from tevjax.law import edge_stats, law_from_edges
@@ -245,3 +245,46 @@ def test_full_prefix_scoring_equals_per_anchor_tree_passes():
             ref = one(cache_i, tree, anchors[i, j:j + 1])[0]
             valid = np.asarray(tree.valid[0])
             np.testing.assert_allclose(fast[i, j][valid], np.asarray(ref)[valid], atol=2e-5, rtol=1e-5)
+
+
+def test_ratio_of_an_empty_batch_is_zero():
+    """An all-padding batch counts nothing: its loss is 0, not the 0/0 of a mean."""
+    assert float(ratio((jnp.float32(0.0), jnp.float32(0.0)))) == 0.0
+    assert float(ratio((jnp.float32(3.0), jnp.float32(2.0)))) == 1.5
+
+
+def test_invalid_anchors_come_last_at_index_zero_and_rows_use_split_keys():
+    """Fewer eligible positions than M: the valid anchors fill the front, sorted, and the invalid
+    rest read index 0 (in the sequence, so any gather at them stays in bounds). `batch_anchors`
+    row b is `sample_anchors` with the b-th of split(key, B): equal masks, different draws.
+    (Shapes [40] and M = 4 as in the test above: eager ops already compiled.)"""
+    mask = np.zeros(40, bool)
+    mask[[3, 7, 30]] = True  # eligible anchors: 2, 6, 29
+    anchors, valid = sample_anchors(jax.random.key(1), jnp.asarray(mask), 4)
+    assert np.asarray(valid).tolist() == [True] * 3 + [False]
+    assert np.asarray(anchors).tolist() == [2, 6, 29, 0]
+    key, masks = jax.random.key(2), jnp.ones((2, 40), bool)
+    rows, rows_valid = batch_anchors(key, masks, 4)
+    for b, k in enumerate(jax.random.split(key, 2)):
+        want, want_valid = sample_anchors(k, masks[b], 4)
+        np.testing.assert_array_equal(np.asarray(rows[b]), np.asarray(want))
+        np.testing.assert_array_equal(np.asarray(rows_valid[b]), np.asarray(want_valid))
+    assert np.asarray(rows[0]).tolist() != np.asarray(rows[1]).tolist()  # rows draw apart
+
+
+def test_p_floored_floors_each_factor_and_unknown_weights_are_refused():
+    """Edges far below P_FLOOR (which random logits never reach) weigh P_FLOOR each: node 1 hangs
+    on one such edge, node 3 on two and node 6 on those two and one more ordinary edge."""
+    rng = np.random.default_rng(9)
+    logits = rng.standard_normal((len(TOKENS), V)) * 2
+    logits[0, 3] = logits[1, 1] = -30.0  # edges 0 -> 1 (token 3) and 1 -> 3 (token 1): ~1e-14
+    tree = _tree()
+    edge = edge_stats(tree, jnp.asarray(logits, jnp.float32), 1.0).edge_prob
+    assert float(edge[1]) < 1e-10 and float(edge[3]) < 1e-10
+    law = law_from_edges(tree, edge)
+    omega = np.asarray(exit_weights(law, tree, edge, "P_floored"))
+    om, _, non_root = _brute_weights(logits, "P_floored")
+    np.testing.assert_allclose(omega[non_root], [om[i] for i in non_root], rtol=1e-5)
+    np.testing.assert_allclose(omega[[1, 3]], [P_FLOOR, P_FLOOR ** 2], rtol=1e-5)
+    with pytest.raises(ValueError, match="unknown exit weight 'P'"):
+        exit_weights(law, tree, edge, "P")
