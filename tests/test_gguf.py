@@ -686,6 +686,8 @@ def test_unpermute_worked_example():
     k = np.random.default_rng(1).standard_normal((12, 3)).astype(np.float32)
     np.testing.assert_array_equal(unpermute_rope_rows(llamacpp_permute(k, 2), 2), k)
     assert not np.array_equal(unpermute_rope_rows(llamacpp_permute(k, 2), 1), k)
+    with pytest.raises(GGUFError, match=r"rows not a multiple of 2 \* heads"):  # head_dim 3: no row pairs
+        unpermute_rope_rows(np.zeros((6, 2), np.float32), 2)
 
 
 def test_read_gguf_tied_embeddings(tmp_path):
@@ -1269,6 +1271,28 @@ def test_unmapped_tensor(tmp_path):
     path = write_gguf(tmp_path / "q3hole.gguf", qwen3, arch="qwen3", meta_overrides={"head_dim": 128})
     with pytest.raises(GGUFError, match=r"missing tensors for model\.layers\.1\.self_attn\.k_norm\.weight"):
         read_gguf(path)
+
+
+def test_tensor_past_the_last_block(tmp_path):
+    extra = {"blk.2.attn_norm.weight": np.ones(64, np.float32)}  # block_count is 2
+    path = write_gguf(tmp_path / "past.gguf", tiny_state(), extra_tensors=extra)
+    with pytest.raises(GGUFError, match=r"'blk\.2\.attn_norm\.weight' belongs to layer 2, but block_count is 2"):
+        read_gguf(path)
+
+
+def test_dequantized_values_take_the_reversed_ggml_shape():
+    """ggml lists dims fastest first; a size that disagrees with them is refused by name (a stand-in
+    tensor: gguf's reader sizes the data from the shape itself)."""
+    from types import SimpleNamespace
+
+    from tevjax.convert.gguf import _dequantize
+
+    values = np.arange(6, dtype=np.float32)
+    good = SimpleNamespace(name="t", tensor_type=Q.F32, data=values, shape=np.array([3, 2]))
+    np.testing.assert_array_equal(_dequantize(Path("x.gguf"), good), values.reshape(2, 3))
+    bad = SimpleNamespace(name="t", tensor_type=Q.F32, data=values, shape=np.array([4, 2]))
+    with pytest.raises(GGUFError, match=r"'t' dequantized to 6 values, expected \(2, 4\)"):
+        _dequantize(Path("x.gguf"), bad)
 
 
 def test_missing_tensor(tmp_path):

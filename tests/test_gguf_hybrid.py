@@ -198,3 +198,24 @@ def test_hybrid_files_refused_by_name(tmp_path):
     path = write_hybrid_gguf(tmp_path / "c.gguf", "qwen3_5_text", model, tensors=tensors)
     with pytest.raises(GGUFError, match=r"model\.layers\.1\.self_attn\.k_proj\.weight.*does not have"):
         read_gguf(path)
+
+
+def test_value_heads_of_every_linear_tensor_kind_come_back_grouped():
+    """Qwen3.5's per-value-head vectors (dt_bias, a, b, A_log) and rows (z) come back grouped by key
+    head. With 3 value heads per key head the tiling is not its own inverse (with 2 per 2 it is,
+    and HF initialises dt_bias to ones, so the files above cannot tell). A zero in ssm_a is not
+    -exp of anything either."""
+    from types import SimpleNamespace
+
+    from tevjax.convert.gguf import _linear_tensor
+
+    c = dict(linear_num_key_heads=2, linear_num_value_heads=6, linear_key_head_dim=4, linear_value_head_dim=2)
+    arch = SimpleNamespace(tiled_value_heads=True)
+    grouped = np.arange(6, dtype=np.float32)
+    for kind in ("dt", "a", "b"):
+        np.testing.assert_array_equal(_linear_tensor(kind)(tile(grouped, 0, 2, 3, 1), c, arch), grouped, kind)
+    np.testing.assert_allclose(_linear_tensor("A")(-np.exp(tile(grouped, 0, 2, 3, 1)), c, arch), grouped, atol=1e-6)
+    rows = np.arange(12 * 3, dtype=np.float32).reshape(12, 3)
+    np.testing.assert_array_equal(_linear_tensor("z")(tile(rows, 0, 2, 3, 2), c, arch), rows)
+    with pytest.raises(GGUFError, match="ssm_a holds 0"):
+        _linear_tensor("A")(np.float32([-1, -1, 0, -1, -1, -1]), c, arch)

@@ -90,6 +90,23 @@ def test_stop_string_errors_name_the_problem():
     assert DecodeConfig(stop=["a", "b"]).stop == ("a", "b")  # any sequence becomes a hashable tuple
     with pytest.raises(ValueError, match="3 token spellings for a vocabulary of 2"):
         stop_table(["a"], [b"a", b"b", b"c"], 2)
+    with pytest.raises(ValueError, match="no stop strings given"):
+        stop_table([], [b"a"], 1)
+    with pytest.raises(TypeError, match="the single string b'ab'"):  # not the "stop strings" 97 and 98
+        cut_text("xab", b"ab")
+
+
+def test_a_table_holds_thirty_two_stop_strings_and_no_more():
+    """The 32nd string is bit 31 of a row's int32 mask, its sign bit: a row watching only it (mask
+    -2**31) stops on it, and a 33rd string is refused."""
+    stops = [chr(65 + i) for i in range(32)]  # "A" .. "`", one byte each
+    spellings = [s.encode() for s in stops]
+    table = stop_table(stops, spellings, 32)
+    assert int(table.hits[0, 31]) == -2**31 and int(table.hits[0, 0]) == 1
+    got = advance(table, jnp.int32(0), jnp.asarray([0, 31], jnp.int32), jnp.ones(2, bool), -2**31)
+    assert got.tolist() == [int(table.next[0, 0]), table.matched]  # "A" is not watched, "`" is
+    with pytest.raises(ValueError, match="33 stop strings: a table holds at most 32"):
+        stop_table(stops + ["x"], spellings, 32)
 
 
 # ------------------------------------------------------------------------------------------- text
@@ -109,6 +126,12 @@ def test_streamed_text_joins_to_the_cut_text(text, stops, cuts):
     assert joined == want and shown.stopped == hit
     for k in range(1, len(pieces) + 1):
         assert not any(s in "".join(pieces[:k]) for s in stops)
+
+
+def test_streamed_text_flushes_its_held_tail_once():
+    """The tail held back (it could begin "ab") comes out once at the end of the stream, not again."""
+    shown = StopText(("ab",))
+    assert (shown.feed("xa"), shown.flush(), shown.flush(), shown.feed("b")) == ("x", "a", "", "b")
 
 
 def test_cut_text_cuts_the_stop_string_that_ends_first():
@@ -147,7 +170,9 @@ def test_byte_level_spellings_decode_as_the_tokenizer_does():
 def test_sentencepiece_spellings_and_unsupported_decoders():
     from tokenizers import Tokenizer, decoders, models
 
-    vocab = {"<unk>": 0, "<s>": 1, "\u2581a": 2, "b": 3, "<0x0A>": 4, "<0xC3>": 5, "<0xA9>": 6}
+    # (7 and 8 only look like byte tokens: they spell their text, as ByteFallback decodes them)
+    vocab = {"<unk>": 0, "<s>": 1, "\u2581a": 2, "b": 3, "<0x0A>": 4, "<0xC3>": 5, "<0xA9>": 6, "<0xZZ>": 7,
+             "<0x0A>>": 8}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
     tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
                                      decoders.Strip(" ", 1, 0)])
@@ -155,8 +180,8 @@ def test_sentencepiece_spellings_and_unsupported_decoders():
 
     tok.add_special_tokens([AddedToken("<s>", special=True)])
     spellings = token_bytes(tok)
-    assert spellings == [b"<unk>", b"", b" a", b"b", b"\n", b"\xc3", b"\xa9"]
-    ids = [3, 2, 4, 5, 6, 2]
+    assert spellings == [b"<unk>", b"", b" a", b"b", b"\n", b"\xc3", b"\xa9", b"<0xZZ>", b"<0x0A>>"]
+    ids = [3, 2, 4, 5, 6, 2, 7, 8]
     assert _joined(spellings, ids) == tok.decode(ids)  # no leading space here for the decoder to strip
     assert _joined(spellings, [2, 3]) == " " + tok.decode([2, 3])  # the one the decoder strips is kept
     tok.decoder = decoders.Metaspace()  # (without ByteFallback: "<0x0A>" is still read as its byte)
