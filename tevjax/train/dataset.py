@@ -100,8 +100,8 @@ class TrainData:
         """[records] bool: the records that training, cropping them to seq_len, draws no anchor
         from (no supervised token at positions 1 .. seq_len - 1). Position 0 has no anchor before
         it, so a record whose response starts it counts by its later tokens."""
-        first = self.first_supervised(1)
-        return (first < 1) | (first >= seq_len)
+        first = self.first_supervised(1)  # -1 (none) or a position >= 1
+        return (first < 0) | (first >= seq_len)
 
     def token_counts(self, vocab_size: int) -> np.ndarray:
         """[V] int64 how often each token id is a supervised (response) token: the statistics a

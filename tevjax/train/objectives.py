@@ -18,10 +18,10 @@ kind): the same rows, positions and weights as the token loss, with the one-hot 
 the target's own distribution of the token at a + g (softmax of its logits at a + g - 1, restricted
 to the draft vocabulary and renormalised), i.e. cross entropy lse - sum_v p(v) z[v]. With a reduced
 draft vocabulary the training step leaves out of the token loss the rows whose data token lies
-outside it (no index to score), but keeps them in this one: their soft label is defined all the same. At T = 0 the
-data token is that distribution's argmax, so both losses agree on the mode; the soft one also says
-how the rest of the mass lies, which one token per row cannot. (On SmolLM2 it did not raise tau at
-T = 0 or T = 1: the shipped drafter's model card.)
+outside it (no index to score), but keeps them in this one: their soft label is defined all the
+same. At T = 0 the data token is that distribution's argmax, so both losses agree on the mode; the
+soft one also says how the rest of the mass lies, which one token per row cannot. (On SmolLM2 it
+did not raise tau at T = 0 or T = 1: the shipped drafter's model card.)
 
 Exit loss (ExitTrain, paper Eq. 14 and App. C.2): with omega(v) a detached per-node weight of the
 drafter's own tree,
