@@ -661,13 +661,12 @@ def test_corpus_chain_on_an_empty_table_and_at_hash_edges():
     """No n-gram kept: an empty chain. A window that reaches before the context (its missing tokens
     hash as 0) never matches, though its hash equals a real n-gram's; a context whose hash is the
     padding key falls through to a shorter order instead of stopping on the padding."""
-    mul, wrap = 1000003, 2 ** 32  # the table's polynomial hash, tokens hashed as id + 1
+    from tevjax.builder import _NGRAM_MUL as mul, _hash_np
+
+    wrap = 2 ** 32  # the table's polynomial hash in uint32, tokens hashed as id + 1
 
     def hash_of(gram):
-        h = 0
-        for t in gram:
-            h = (h * mul + t + 1) % wrap
-        return h
+        return int(_hash_np(np.asarray(gram), len(gram))[0])
 
     empty = ngram_table(np.array([1, 2, 1, 3]), np.array([0, 4]), np.array([0]), orders=(2,), min_count=5)
     assert empty.num_entries == 0

@@ -123,18 +123,6 @@ def test_training_prompts_share_no_conversation_with_the_heldout_ones(turns):
         RolloutConfig(**kw, exclusion="none")
 
 
-class _CharTokenizer:
-    """One token per character; the chat template adds one (">")."""
-
-    chat_template = "x"
-
-    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True):
-        return "".join(m["content"] for m in messages) + ">"
-
-    def encode(self, text, add_special_tokens=False):
-        return [ord(c) for c in text]
-
-
 def test_the_data_plan_on_a_stand_in_pool(monkeypatch):
     """`select_prompts` on a small stand-in for ShareGPT (no file read): held-out prompts are the first
     that fit max_prompt_tokens (chat template included, the bound itself fits); first-turn training
@@ -144,6 +132,7 @@ def test_the_data_plan_on_a_stand_in_pool(monkeypatch):
     from types import SimpleNamespace
 
     import tevjax.prompts
+    from test_evaluate import _CharTokenizer  # one token per character; the chat template adds ">"
 
     first = [SimpleNamespace(id=f"sharegpt/{i}", text=t) for i, t in (
         ("a_0", "xyz"), ("b", "too long"), ("c", "ab"), ("d", "pqr"), ("a_1", "uv"), ("e", "w"), ("f", "qq"))]
@@ -163,7 +152,7 @@ def test_the_data_plan_on_a_stand_in_pool(monkeypatch):
     held, train = select_prompts(tok, cfg)
     assert ids(held) == ["a_0", "c"] and ids(train) == ["d", "e"]  # a_1 shares a_0's source
     assert [r["index"] for r in held] == [r["index"] for r in train] == [0, 1]
-    assert held[0]["prompt_ids"] == [ord(c) for c in "xyz>"]
+    assert held[0]["prompt_ids"] == tok.encode("xyz>")
     _, train = select_prompts(tok, dataclasses.replace(cfg, exclusion="conversation"))
     assert ids(train) == ["d", "a_1"]
     _, train = select_prompts(tok, dataclasses.replace(cfg, responses="sharegpt"))
