@@ -5,6 +5,7 @@ export, training trees == decoder trees, and the CLI's one-line errors."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import shutil
@@ -16,6 +17,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
@@ -25,6 +27,7 @@ from tevjax.decode.engine import DecodeConfig, Decoder, draft, draft_trees
 from tevjax.loading import LoadedTarget
 from tevjax.models import KVCache, causal_mask
 from tevjax.models.dflash import DFlashConfig, DFlashDrafter, draft_vocab_from_counts, features_from_output
+from tevjax.seeding import seed_key
 from tevjax.sharding import make_mesh
 from tevjax.testing import forced_devices_env, random_model, tiny_config
 from tevjax.train.dataset import Batch, TrainData
@@ -64,6 +67,13 @@ def _drafter(target, seed=0):
 
 # `loss_terms` compiled (the config static): op-by-op it takes ~1.3 s a call, 8 s for the first.
 _loss_terms = nnx.jit(loss_terms, static_argnums=4)
+
+
+@functools.partial(nnx.jit, static_argnums=4)
+def _grad_norm(drafter, target, batch, key, cfg):
+    """The global norm of the loss's gradients in the drafter's parameters (`nnx.grad`'s default)."""
+    return optax.global_norm(nnx.grad(lambda d: loss_terms(d, target, batch, key, cfg)[0])(drafter))
+
 
 CFG = TrainConfig(steps=4, batch_size=4, anchors=6, seq_len=40, lr=3e-3, exit_lambda=0.1, exit_budget=5,
                   exit_anchors=3)
@@ -194,8 +204,6 @@ def test_shard_records_and_summaries_describe_the_records(data_dir):
 def test_step_anchors_follow_the_seed_and_the_step(data_dir, target):
     """Step s samples its anchors with fold_in(seed_key(seed), s) (a resume at s draws what the
     uninterrupted run drew): the step's token loss is `loss_terms`' at that key, other at each step."""
-    from tevjax.seeding import seed_key
-
     cfg = dataclasses.replace(CFG, exit_lambda=0.0, seed=11)
     batch, drafter = _batch(data_dir, 0), _drafter(target)
     trainer = Trainer(_drafter(target), target, cfg, make_mesh())
@@ -204,10 +212,15 @@ def test_step_anchors_follow_the_seed_and_the_step(data_dir, target):
         # A copy: the step donates its state, and init_state's arrays are the Trainer's own.
         state = dataclasses.replace(jax.tree.map(jnp.copy, trainer.init_state()), step=jnp.asarray(s, jnp.int32))
         _, metrics = trainer.step(state, batch)
-        want = float(_loss_terms(drafter, target, batch, jax.random.fold_in(seed_key(cfg.seed), s), cfg)[0])
+        key = jax.random.fold_in(seed_key(cfg.seed), s)
+        want = float(_loss_terms(drafter, target, batch, key, cfg)[0])
         np.testing.assert_allclose(float(metrics["loss_tok"]), want, rtol=1e-5, err_msg=f"step {s}")
         losses.append(want)
     assert losses[0] != losses[1]  # the anchors differ from step to step
+    # The logged grad_norm is the global norm of the gradients (before clipping), not of the
+    # parameters: here, of the last step's loss at its key.
+    np.testing.assert_allclose(float(metrics["grad_norm"]), float(_grad_norm(drafter, target, batch, key, cfg)),
+                               rtol=1e-4)
 
 
 def test_batches_are_a_pure_function_of_seed_and_step(data_dir):
@@ -298,6 +311,13 @@ def test_distillation_step_trains_and_needs_the_last_layer(tmp_path, data_dir, t
     for s in range(4):
         state, metrics = trainer.step(state, _batch(data_dir, s % 2))
         assert np.isfinite(float(metrics["loss_kd"])) and float(metrics["loss_kd"]) > 0
+        if s == 0:
+            # The soft-label loss takes the position decay too: without it (gamma None) the same
+            # parameters, batch and anchors give another mean. An untrained drafter's positions
+            # lose nearly alike, so the gap is small (3.5e-4), but float32 noise is ~1e-6 of it.
+            flat = _loss_terms(_drafter(target), target, _batch(data_dir, 0), jax.random.fold_in(seed_key(cfg.seed), 0),
+                               dataclasses.replace(cfg, gamma=None))[1]["loss_kd"]
+            assert abs(float(flat) / float(metrics["loss_kd"]) - 1) > 1e-4, (flat, metrics)
         # The step's loss is the stated mix of the two cross entropies.
         mix = 0.5 * float(metrics["loss_tok"]) + 0.5 * float(metrics["loss_kd"])
         np.testing.assert_allclose(float(metrics["loss"]), mix, rtol=1e-5)
