@@ -77,8 +77,9 @@ FALLBACK_HELP = ("speculate only while a row's recent expected block (1 + C_p of
                  "to a round's cost in target steps (0: always speculate; default: %s)")
 
 
-# A budget-8 round of the shipped drafter with both chains costs 1.87 target steps on the 2-core
-# CPU (55.8 against 29.9 ms); the default threshold sits just below it.
+# A budget-8 round of the shipped drafter with both chains costs about 1.9 target steps on the
+# 2-core CPU (held-out tau / speedup, 2.824 / 1.49; `round_stages.md`: 2.06 AR rounds per stage
+# call); the default threshold sits just below it.
 CPU_FALLBACK_BELOW = 1.8
 DEFAULT_FALLBACK_TEXT = (f"{CPU_FALLBACK_BELOW} on a CPU when sampling or with an untrained drafter, where it paid; "
                          "0 for greedy decoding with a trained drafter, where it cost, and on accelerators, "
