@@ -667,6 +667,55 @@ def test_demo_tree_drawing():
         "└── 3"]
 
 
+def test_demo_synthetic_case_follows_its_seed():
+    from tevjax.demo_laws import synthetic_case
+
+    (tokens, parents, logits), (tokens1, parents1, logits1) = synthetic_case(0), synthetic_case(1)
+    assert (tokens == tokens1).all() and (parents == parents1).all() and not np.allclose(logits, logits1)
+
+
+def test_demo_laws_pass_their_settings_and_print_what_they_computed(monkeypatch, capsys):
+    """`demo_laws.main` with stubs for the exact law (a w summing to 0.5, so that the printed sum is
+    read, not assumed) and the verifiers (no compile of the real ones): the temperature reaches the
+    law and every verifier, the seed the keys; each node row names its token's word; both ceilings
+    are 1 + C_p."""
+    from typing import NamedTuple
+
+    import tevjax.demo_laws as demo_laws
+    from tevjax.law import ExitLaw
+
+    class Out(NamedTuple):
+        exit_node: jax.Array
+        num_tokens: jax.Array
+
+    seen = {"law": [], "verify": [], "key": []}
+    real_key = jax.random.key
+
+    def law(tree, logits, temperature):
+        seen["law"].append(temperature)
+        n = len(logits)
+        return ExitLaw(prefix_prob=np.ones(n), local_exit=np.ones(n), exit_prob=np.full(n, 0.5 / n),
+                       coverage=np.float32(1.25))
+
+    def verify(key, tree, logits, temperature, method):
+        seen["verify"].append((temperature, method))
+        return Out(jnp.int32(3), jnp.int32(2))  # every sample exits at node 3, after 2 tokens
+
+    monkeypatch.setattr(demo_laws, "exit_law", law)
+    monkeypatch.setattr(demo_laws, "verify", verify)
+    monkeypatch.setattr(jax.random, "key", lambda seed, *a, **k: seen["key"].append(seed) or real_key(seed, *a, **k))
+    demo_laws.main(samples=4, temperature=0.5, seed=1)
+    out = capsys.readouterr().out
+    assert seen["law"] == [0.5] and seen["verify"] == [(0.5, m) for m in demo_laws.VERIFIERS] and seen["key"] == [1]
+    tokens = demo_laws.synthetic_case(1)[0]
+    lines = out.splitlines()
+    rows = lines[lines.index("  node  token    depth   P(v)     rho(v)   w(v)") + 1:][:len(tokens)]
+    assert [row.split()[1] for row in rows] == [repr(demo_laws.WORDS[t]) for t in tokens]
+    assert "sum w = 0.500000" in out
+    assert "coverage C_p = 1.2500" in out and out.count("ceiling 1 + C_p = 2.2500") == 2
+    assert "mean block length  " + "     2.0000" * len(demo_laws.VERIFIERS) in out
+
+
 def test_demo_fails_when_outputs_differ(monkeypatch, capsys, tiny_dir):
     """A speculative output that differs from AR's is an error (non-zero exit, as `tevjax eval`), not
     only a line of text."""

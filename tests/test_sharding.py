@@ -102,7 +102,7 @@ def test_drafter_arrays_and_optimizer_moments_share_the_table():
     assert opt_specs["opt_state.0.count"] == P()
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "qwen2_moe", "llama"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "qwen2_moe", "gpt_oss", "llama"])
 def test_an_expert_axis_splits_experts_whole_and_the_rest_over_expert_and_model(arch):
     """Expert parallelism: on a (data, expert, model) mesh a routed MLP's experts are split over
     `expert` (each device holds E / n of them, each expert's width split over `model`); attention,
@@ -121,6 +121,9 @@ def test_an_expert_axis_splits_experts_whole_and_the_rest_over_expert_and_model(
         assert specs["layers.mlp.router.kernel"] == P(None, None, None)
         if target.cfg.shared_expert_size:  # every token runs it: split as a dense MLP
             assert specs["layers.mlp.shared_expert.gate_proj.kernel"] == P(None, None, both)
+        if arch == "gpt_oss":  # the gate/up biases go with their experts; the down biases stay whole, as the router
+            assert specs["layers.mlp.gate_bias"] == P(None, "expert", "model")
+            assert specs["layers.mlp.down_bias"] == P(None, None, None)
     else:
         assert specs["layers.mlp.gate_proj.kernel"] == P(None, None, both)
         assert specs["layers.mlp.down_proj.kernel"] == P(None, both, None)
@@ -247,10 +250,16 @@ def test_make_mesh_lays_out_the_devices(monkeypatch):
     assert make_mesh(2, 1, devices[:6], expert=3) == ([[[0], [1], [2]], [[3], [4], [5]]],
                                                       ("data", "expert", "model"))
     assert make_mesh(None, 4, devices) == ([[0, 1, 2, 3], [4, 5, 6, 7]], ("data", "model"))
+    # A group of exactly every device is one row, not too many; numpy sizes (from shapes) are ints.
+    assert make_mesh(None, 8, devices) == ([devices], ("data", "model"))
+    assert make_mesh(np.int64(2), np.int64(4), devices) == make_mesh(2, 4, devices)
     with pytest.raises(ValueError, match="model=4 does not divide the 6 devices"):
         make_mesh(None, 4, devices[:6])
     with pytest.raises(ValueError, match="expert=2 x model=2 does not divide the 6 devices"):
         make_mesh(None, 2, devices[:6], expert=2)
+    # The default devices are every process's (`jax.devices()`), not this process's alone.
+    monkeypatch.setattr(jax, "devices", lambda *a: devices[:4])
+    assert make_mesh(None, 2) == ([[0, 1], [2, 3]], ("data", "model"))
 
 
 def test_logical_sharding_argument_checks_and_placed_dtypes():
@@ -271,6 +280,90 @@ def test_logical_sharding_argument_checks_and_placed_dtypes():
     mesh = make_mesh(1, 1, jax.devices()[:1])
     for sharding in (None, replicated(mesh)):
         assert place(np.arange(4.0), jax.numpy.bfloat16, sharding).dtype == jax.numpy.bfloat16
+
+
+def test_specs_keep_the_order_of_their_names_and_every_dimension_is_named():
+    from tevjax.sharding import batch_sharding, logical_spec
+
+    assert logical_spec("batch", None, "heads") == P("data", None, ("expert", "model"))
+    assert batch_sharding(_mesh(2, 2), 3).spec == P("data", None, None)  # rows over `data`, the rest whole
+    with pytest.raises(ValueError, match="unknown logical axis 'hidden'"):  # the first unknown name
+        logical_spec("batch", "hidden", "width")
+    # A shape longer than its names is an error too, not a spec of its leading dimensions.
+    with pytest.raises(ValueError, match=r"x: 1 logical axes \('batch',\) for an array of shape \(4, 2\)"):
+        logical_sharding(_mesh(2, 2), ("batch",), (4, 2), what="x")
+
+
+def test_table_paths_match_whole_and_only_optimizer_scalars_are_replicated():
+    from jax.tree_util import DictKey, GetAttrKey, SequenceKey
+
+    from tevjax.sharding import _matches, _path_parts, _table, shardings_by_path
+
+    # A list index is a path part as a dict key is; a Variable's `.value` is not one.
+    assert _path_parts((DictKey("layers"), SequenceKey(1), GetAttrKey("fc"), DictKey("kernel"),
+                        GetAttrKey("value"))) == ("layers", "1", "fc", "kernel")
+    # A row matches a whole path, and its `*` a list index only.
+    assert _matches(("layers", "*", "fc"), ("layers", "0", "fc"))
+    assert not _matches(("layers", "*", "fc"), ("layers", "fc", "fc"))
+    assert not _matches(("norm", "scale"), ("norm", "scale", "extra"))
+    with pytest.raises(TypeError, match="no sharding table for int"):
+        _table(3)
+    target = nnx.eval_shape(lambda: random_model(tiny_config()))
+    state = nnx.state(target)
+    state["step"] = nnx.Param(jax.ShapeDtypeStruct((), np.int32))
+    # Outside an optimizer's state a scalar is a model array like any other: without a row, an error.
+    with pytest.raises(ValueError, match="the target array 'step' has no row"):
+        param_shardings(target, _mesh(1, 1), state)
+    # What a checkpoint loader looks up: every array, by its attribute path.
+    by_path = shardings_by_path(target, _mesh(2, 2))
+    assert len(by_path) == len(jax.tree.leaves(nnx.state(target)))
+    assert by_path[("layers", "self_attn", "q_proj", "kernel")].spec == P(None, None, "model")
+
+
+def test_a_hybrid_target_keeps_key_head_groups_whole_in_its_weights_and_caches():
+    """Qwen3-Next's q|k|v channels run key-head group by group: a split must not cut a group, in
+    the conv weights as in the caches' per-key-head arrays, and the K/V and linear caches split
+    rows over `data` and heads over `model`."""
+    from tevjax.models.cache import KVCache
+    from tevjax.sharding import cache_shardings
+
+    target = nnx.eval_shape(lambda: random_model(tiny_config("qwen3_next", num_heads=8, num_kv_heads=4,
+                                                             head_dim=8)))
+    # 2 key heads and 4 value heads: model=4 divides the 56 channels and the value heads, not the key heads.
+    with pytest.raises(ValueError, match=r"size 4 does not divide the 2 linear layers' key heads"):
+        param_shardings(target, _mesh(1, 4))
+    # An optimizer moment of the gated norm ends in `norm.scale` as the final norm's does: the longer
+    # (more specific) row gives it its shape, [Ll, Dv], and its sharding.
+    moment = {"mu": {"linear_layers": {"linear_attn": {"norm": {"scale": jax.ShapeDtypeStruct((1, 6), np.float32)}}}}}
+    assert jax.tree.leaves(param_shardings(target, _mesh(1, 2), moment, optimizer=True))[0].spec == P(None, None)
+    cache = jax.eval_shape(lambda: KVCache.init(target.cfg, 2, 16, tree_slots=3))
+    s = cache_shardings(_mesh(2, 2), cache)
+    assert s.k.spec == s.v.spec == P(None, "data", "model", None, None)
+    assert s.linear.state.spec == P(None, "data", "model", None, None)
+    assert s.linear.tree_k.spec == P(None, "data", None, "model", None)
+    with pytest.raises(ValueError, match="does not divide the 2 batch rows of the KV cache"):
+        cache_shardings(_mesh(4, 1), cache)
+    with pytest.raises(ValueError, match="does not divide the 2 linear layers' key heads .* linear state's tree_k"):
+        cache_shardings(_mesh(1, 4), cache)
+
+
+def test_traced_on_frozen_keys_and_host_arrays():
+    from tevjax.sharding import (batch_sharding, frozen, global_batch_array, host_array, replicated, thawed,
+                                 traced_on)
+
+    mesh = make_mesh(1, 1, jax.devices()[:1])
+    fn = jax.sharding.get_abstract_mesh
+    assert traced_on(fn, None) is fn  # no mesh: the function itself
+    assert traced_on(fn, mesh)() == mesh.abstract_mesh  # the mesh in context while it runs
+    # A tree of shardings as a key of shared programs: hashable, equal for equal trees, and thawed back.
+    tree = {"k": replicated(mesh), "linear": None, "rows": batch_sharding(mesh, 2)}
+    assert hash(frozen(tree)) == hash(frozen(dict(tree))) and frozen(tree) == frozen(dict(tree))
+    assert thawed(frozen(tree)) == tree
+    local = np.arange(6).reshape(2, 3)
+    x = global_batch_array(mesh, local)
+    assert x.sharding.spec == P("data", None)
+    np.testing.assert_array_equal(host_array(x), local)
+    np.testing.assert_array_equal(host_array(local), local)  # a host array as it is
 
 
 @pytest.mark.parametrize("argv, message", [
