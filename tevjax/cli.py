@@ -174,9 +174,11 @@ def _weight(name):
 
 def _int_list(name, minimum):
     # Checked here, not where the values are used: `eval` would otherwise load the target first.
+    # Spaces around an entry are allowed (int() strips them); spaces inside one are an error, not
+    # removed: "4 8" is not 48.
     def parse(text):
         try:
-            values = tuple(int(x) for x in text.replace(" ", "").split(",") if x != "")
+            values = tuple(int(x) for x in text.split(",") if x.strip())
         except ValueError:
             raise argparse.ArgumentTypeError(f"{name} must be comma-separated integers, got {text!r}") from None
         if not values:
@@ -250,7 +252,7 @@ def _seed(text):
 
 def _prompt_ids(text):
     try:
-        ids = [int(x) for x in text.replace(" ", "").split(",") if x != ""]
+        ids = [int(x) for x in text.split(",") if x.strip()]  # "1 2" is an error, not [12]
     except ValueError:
         raise argparse.ArgumentTypeError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
     if not ids:
