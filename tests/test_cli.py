@@ -144,8 +144,8 @@ def test_model_level_errors(capsys, tiny_dir):
     assert code == 2 and "prompt 0 (--prompt-ids) is 60 tokens" in err and "exceeds the target's 64 positions" in err
     code, _, err = _run(capsys, "generate", "--target", str(path), "--prompt", "hello", "--max-new-tokens", "8")
     assert code == 2 and "no tokenizer: give --prompt-ids" in err
-    code, _, err = _run(capsys, "generate", "--target", str(path), "--prompt-ids", "1,2,99", "--max-new-tokens", "8")
-    assert code == 2 and "token id 99 outside the vocabulary [0, 48)" in err
+    code, _, err = _run(capsys, "generate", "--target", str(path), "--prompt-ids", "1,2,48", "--max-new-tokens", "8")
+    assert code == 2 and "prompt 0 (--prompt-ids) holds token id 48 outside the vocabulary [0, 48)" in err
 
 
 def test_a_prompt_set_whose_package_is_missing_is_one_error(monkeypatch, capsys):
@@ -167,6 +167,7 @@ def test_generate_json_matches_autoregressive_greedy(capsys, tiny_dir):
     reference = Decoder(model, None, DecodeConfig(max_new_tokens=8, eos_ids=(2,))).generate([[1, 2, 3]])[0]
     assert record["tokens"] == reference.tokens
     assert record["tau"] >= 1.0 and record["rounds"] >= 1 and "logprobs" not in record
+    assert record["tokens_per_second"] == pytest.approx(len(record["tokens"]) / record["seconds"], rel=0.02)
     assert record["budget"] == 4 and record["lookup"] == 4  # the chain defaults to the budget
     code, out, _ = _run(capsys, "generate", "--target", str(path), "--prompt-ids", "1,2,3", "--max-new-tokens", "8",
                         "--budget", "4", "--lookup", "0", "--json")
@@ -944,3 +945,199 @@ def test_the_position_limits_are_exact(capsys, tiny_dir):
     assert code == 2 and "--max-new-tokens 59 + 5 tree slots (--budget 4 + root) need 65 positions" in err, err
     code, _, err = _run(capsys, *base, "--prompt-ids", "3", "--max-new-tokens", "59", "--verifier", "ar")
     assert code == 0, err  # 1 + 59 + the next token's slot = 61
+
+
+def test_number_flags_take_their_bounds():
+    """Each number flag accepts its bound itself and refuses the value just past it: the bounds are
+    the documented ones (0 turns --lookup and --fallback-below off, a weight may be 1, a shard range
+    may start at shard 0), and a trailing comma in a list is no extra entry."""
+    import argparse
+
+    from tevjax.cli import _float, _fraction, _int_list, _prompt_ids, _shard_range, _weight, build_parser
+
+    args = build_parser().parse_args(["generate", "--prompt", "hi", "--lookup", "0", "--budget", "1",
+                                      "--fallback-below", "0", "--top-p", "1", "--min-p", "0"])
+    assert (args.lookup, args.budget, args.fallback_below, args.top_p, args.min_p) == (0, 1, 0.0, 1.0, 0.0)
+    assert _weight("--distill")("1") == 1.0 and _float("--lr", 0.0, inclusive=True)("0") == 0.0
+    assert _fraction("f", zero=True, one=True)("0") == 0.0 and _fraction("f", zero=True, one=True)("1") == 1.0
+    assert _int_list("--budgets", 1)("1, 8,") == (1, 8) and _prompt_ids("0, 5,") == [0, 5]
+    assert _shard_range("0:1") == (0, 1) and _shard_range("2:5") == (2, 5)
+    for parse, text, message in [(_float("--join-timeout", 0.0, inclusive=False), "0", "finite number > 0.0"),
+                                 (_weight("--distill"), "1.0001", "weight in [0, 1]"),
+                                 (_int_list("--budgets", 1), ",", "--budgets is empty"),
+                                 (_prompt_ids, " , ", "--prompt-ids is empty"),
+                                 (_shard_range, "3:3", "0 <= FIRST < END"), (_shard_range, "-1:2", "0 <= FIRST < END"),
+                                 (_shard_range, "4", "FIRST:END")]:
+        with pytest.raises(argparse.ArgumentTypeError, match=re.escape(message)):
+            parse(text)
+
+
+def test_fallback_default_follows_the_rows_sampling_and_the_drafter():
+    """--fallback-below 0 is "always speculate", not "the default"; without the flag, a CPU falls back
+    when any row samples (a batch file's own temperatures included) or the drafter is untrained, and
+    not for greedy rows with a trained drafter."""
+    from types import SimpleNamespace
+
+    from tevjax.cli import CPU_FALLBACK_BELOW, _fallback_below
+
+    assert jax.default_backend() == "cpu"  # the tests' platform: the CPU defaults
+    assert _fallback_below(SimpleNamespace(fallback_below=0.0, temperature=1.0), False) == 0.0
+    assert _fallback_below(SimpleNamespace(fallback_below=2.5, temperature=0.0), True) == 2.5
+    greedy, hot = SimpleNamespace(fallback_below=None, temperature=0.0), SimpleNamespace(fallback_below=None,
+                                                                                        temperature=1.0)
+    assert _fallback_below(greedy, True) == 0.0 and _fallback_below(greedy, False) == CPU_FALLBACK_BELOW
+    assert _fallback_below(hot, True) == CPU_FALLBACK_BELOW
+    assert _fallback_below(greedy, True, [0.0, 1.0]) == CPU_FALLBACK_BELOW  # one sampled row is enough
+    assert _fallback_below(hot, True, [0.0, 0.0]) == 0.0  # the rows' own temperatures, not the flag's
+
+
+def test_a_chain_may_fill_the_budget_and_greedy_notes_only_real_cuts(capsys):
+    """--lookup / --corpus equal to --budget are accepted (one past it is not); the greedy note comes
+    only when a truncation flag cuts something and the temperature is below GREEDY_BELOW."""
+    from types import SimpleNamespace
+
+    from tevjax.cli import CliError, _check_lookup, _note_truncation
+    from tevjax.law import GREEDY_BELOW
+
+    _check_lookup(SimpleNamespace(budget=4, lookup=4, corpus=4))
+    with pytest.raises(CliError, match="--corpus 5 exceeds --budget 4"):
+        _check_lookup(SimpleNamespace(budget=4, lookup=None, corpus=5))
+    for t, cut, noted in [(0.0, dict(top_k=1), True), (0.0, {}, False), (GREEDY_BELOW, dict(top_k=1), False),
+                          (1.0, dict(min_p=0.5), False)]:
+        _note_truncation(SimpleNamespace(temperature=t, **{"top_k": 0, "top_p": 1.0, "min_p": 0.0, **cut}))
+        assert ("change nothing when greedy" in capsys.readouterr().err) == noted, (t, cut)
+
+
+def test_batch_file_kinds_and_blank_lines(tmp_path):
+    """A whitespace-only line is no prompt, a file of them is an error, and the .jsonl suffix is read
+    whatever its case."""
+    from tevjax.cli import CliError, _read_prompts, build_parser
+
+    def read(name, text):
+        f = tmp_path / name
+        f.write_text(text)
+        return _read_prompts(build_parser().parse_args(["generate", "--batch-file", str(f)]))
+
+    prompts, where, _ = read("p.txt", "a\n \t \nb\n")
+    assert prompts == ["a", "b"] and [w.split(" of ")[0] for w in where] == ["line 1", "line 3"]
+    assert read("P.JSONL", '{"prompt_ids": [3]}\n')[0] == [[3]]
+    with pytest.raises(CliError, match="holds no prompts"):
+        read("blank.txt", "\n  \n")
+
+
+def test_jsonl_record_bounds_and_types():
+    """A record's own settings take the flags' bounds (a length equal to --max-new-tokens, top-p 1,
+    min-p 0, token id 0, top-k up to int32) and refuse what the flags refuse (blank text, booleans as
+    ids, an empty stop string, a record with no prompt); temperatures become floats."""
+    from tevjax.cli import CliError, _jsonl_record, build_parser
+
+    args = build_parser().parse_args(["generate", "--prompt-ids", "1", "--max-new-tokens", "8"])
+    prompt, own = _jsonl_record('{"prompt_ids": [0, 5], "max_new_tokens": 8, "top_p": 1, "min_p": 0, "top_k": '
+                                f'{2**31 - 1}, "temperature": 1}}', "line 1", args)
+    assert prompt == [0, 5] and own == {"max_new_tokens": 8, "top_p": 1, "min_p": 0, "top_k": 2**31 - 1,
+                                        "temperature": 1.0}
+    assert isinstance(own["temperature"], float)
+    for record, message in [({"temperature": 1}, 'give one of "prompt" (text) and "prompt_ids"'),
+                            ({"prompt": " \n"}, '"prompt" must be non-empty text'),
+                            ({"prompt_ids": [1, True]}, '"prompt_ids" must be a non-empty list of token ids'),
+                            ({"prompt_ids": [1], "top_k": 2**31}, '"top_k" must be an integer >= 0'),
+                            ({"prompt_ids": [1], "stop": ["a", ""]}, '"stop" must be a list of non-empty strings')]:
+        with pytest.raises(CliError, match=re.escape(f"line 2: {message}")):
+            _jsonl_record(json.dumps(record), "line 2", args)
+
+
+def test_the_position_check_before_the_load_is_exact(tiny_dir):
+    """`_check_positions` (the flags alone, a 1-token prompt): 64 positions hold 1 + 58 new tokens + 5
+    tree slots, or 1 + 62 + the next token's slot without a drafter; one more is refused."""
+    from types import SimpleNamespace
+
+    from tevjax.cli import CliError, _check_positions
+
+    target = str(tiny_dir[0])
+    _check_positions(SimpleNamespace(target=target, budget=4, max_new_tokens=58), speculative=True)
+    _check_positions(SimpleNamespace(target=target, budget=4, max_new_tokens=62), speculative=False)
+    with pytest.raises(CliError, match="need 65 positions"):
+        _check_positions(SimpleNamespace(target=target, budget=4, max_new_tokens=63), speculative=False)
+
+
+class _FakeTokenizer:
+    """What `_encode` / `_decode` use of a transformers tokenizer; records how it was called."""
+    chat_template = None
+    name_or_path = "/models/x"
+
+    def __init__(self):
+        self.calls = []
+
+    def encode(self, text):
+        return [ord(c) for c in text]
+
+    def decode(self, ids, **kw):
+        self.calls.append(kw)
+        return "".join(map(chr, ids))
+
+
+def test_encode_keeps_id_prompts_and_decode_skips_special_tokens():
+    """Id prompts pass through beside text prompts, a chat needs the tokenizer's template (the error
+    says to use --no-chat), decoding drops special tokens, and without a tokenizer the ids are the text."""
+    from types import SimpleNamespace
+
+    from tevjax.cli import CliError, _decode, _encode, _plain_text
+
+    tok = _FakeTokenizer()
+    models = SimpleNamespace(tokenizer=tok)
+    assert _encode(models, [[5, 6], "hi"], chat=False) == [[5, 6], [104, 105]]
+    with pytest.raises(CliError, match=r"x/tokenizer_config.json has no 'chat_template'\): use --no-chat"):
+        _encode(models, ["hi"], chat=True)
+    assert _encode(SimpleNamespace(tokenizer=None), [[7]], chat=True) == [[7]]  # ids need no tokenizer
+    assert _decode(models, [104, 105]) == "hi" and tok.calls == [{"skip_special_tokens": True}]
+    assert _decode(SimpleNamespace(tokenizer=None), [1, 2]) == "[1, 2]"
+    assert _plain_text(SimpleNamespace(plain_rounds=0)) == ""
+    assert _plain_text(SimpleNamespace(plain_rounds=3)) == ", 3 of them plain"
+
+
+def test_main_exit_codes_debug_and_the_job_abort(monkeypatch, capsys):
+    """An expected error exits 2, an unexpected one 1 with its type and a pointer to --debug, which
+    re-raises either instead; both end a multi-host job (`abort_job`, a no-op alone) with that code.
+    Exactly 32 distinct stop strings are allowed (the run gets as far as the missing target)."""
+    from types import SimpleNamespace
+
+    from tevjax import cli, multihost
+
+    aborts = []
+    monkeypatch.setattr(multihost, "abort_job", lambda why, code: aborts.append((why, code)))
+    code, _, err = _run(capsys, "generate", "--prompt", " ")
+    assert code == 2 and err == "tevjax: error: --prompt is empty\n" and aborts == [("--prompt is empty", 2)]
+    with pytest.raises(cli.CliError, match="--prompt is empty"):
+        main(["--debug", "generate", "--prompt", " "])
+
+    def boom(args):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(cli, "_read_prompts", boom)
+    code, _, err = _run(capsys, "generate", "--prompt", "hi")
+    assert code == 1 and "internal error: RuntimeError: boom (rerun with --debug" in err
+    assert aborts[-1] == ("RuntimeError: boom", 1)
+    with pytest.raises(RuntimeError, match="boom"):
+        main(["--debug", "generate", "--prompt", "hi"])
+    monkeypatch.undo()
+    # Without --mesh or a job: no mesh, or (train's default) one over every device.
+    flags = dict(mesh=None, coordinator=None, num_processes=None, process_id=None, join_timeout=None,
+                 heartbeat_timeout=None)
+    assert cli._mesh(SimpleNamespace(**flags), default_all=False) is None
+    assert cli._mesh(SimpleNamespace(**flags), default_all=True).size == jax.device_count()
+    code, _, err = _run(capsys, "generate", "--prompt", "hi", "--target", "/no/such/model",
+                        *(a for i in range(32) for a in ("--stop", f"s{i}")))
+    assert code == 2 and "--target '/no/such/model': not a directory" in err, err
+
+
+def test_spaces_inside_a_list_entry_are_an_error():
+    """--prompt-ids and the integer lists allow spaces around an entry but not inside one: "1 2" is a
+    mistyped list, not the id 12."""
+    import argparse
+
+    from tevjax.cli import _int_list, _prompt_ids
+
+    assert _prompt_ids(" 1 , 2 ") == [1, 2] and _int_list("--budgets", 1)("4, 8") == (4, 8)
+    for parse, text in ((_prompt_ids, "1 2"), (_int_list("--budgets", 1), "4 8")):
+        with pytest.raises(argparse.ArgumentTypeError, match="comma-separated integers"):
+            parse(text)
