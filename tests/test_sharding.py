@@ -201,6 +201,10 @@ def test_batch_and_shape_checks():
 def test_mesh_parsing_and_device_count_errors():
     assert parse_mesh("data=2, model=1") == {"data": 2, "model": 1}
     assert parse_mesh("data=1,expert=4") == {"data": 1, "expert": 4}
+    assert parse_mesh(" data = 2 ,model= 4") == {"data": 2, "model": 4}  # spaces around a name or size
+    for text in ("data=1 6", "mo del=2"):  # but not inside one: not data=16, not model=2
+        with pytest.raises(ValueError, match="expected entries like data=2,model=1"):
+            parse_mesh(text)
     one = jax.devices()[:1]
     assert make_mesh(1, 1, one).axis_names == ("data", "model")  # no `expert` axis unless asked
     assert dict(make_mesh(1, 1, one, expert=1).shape) == {"data": 1, "model": 1}

@@ -411,10 +411,11 @@ def host_array(x: jax.Array) -> np.ndarray:
 def parse_mesh(text: str) -> dict[str, int]:
     """'data=2,model=1' -> {"data": 2, "model": 1} (and `expert`), with one-line errors."""
     out: dict[str, int] = {}
-    for part in text.replace(" ", "").split(","):
-        if not part:
+    for part in text.split(","):
+        if not part.strip():
             continue
-        name, _, size = part.partition("=")
+        # Spaces around a name or a size are allowed, inside one an error: "data=1 6" is not 16.
+        name, _, size = (x.strip() for x in part.partition("="))
         if name not in ("data", "expert", "model") or not size.isdigit() or int(size) < 1:
             raise ValueError(f"--mesh {text!r}: expected entries like data=2,model=1 (or expert=2) with "
                              "positive sizes")
