@@ -85,6 +85,24 @@ def test_shipped_corpus_is_answers_to_training_prompts_and_its_table_is_cached(t
         load_ngrams(broken)
 
 
+def test_a_truncated_corpus_or_cache_entry_is_no_internal_error(tmp_path, monkeypatch):
+    """An npz cut short (its zip directory lost) is a corpus file error naming the file, and a cache
+    entry cut short is built again, as any other damaged entry (both raised zipfile.BadZipFile)."""
+    from tevjax.loading import load_ngrams
+
+    monkeypatch.setenv("TEVJAX_CACHE", str(tmp_path))
+    corpus = tmp_path / "corpus.npz"
+    np.savez(corpus, tokens=np.arange(3, 19), offsets=np.array([0, 8, 16]), starts=np.array([2, 2]))
+    cut = tmp_path / "cut.npz"
+    cut.write_bytes(corpus.read_bytes()[:100])
+    with pytest.raises(ValueError, match=r"cut\.npz' is not a corpus file"):
+        load_ngrams(cut)
+    built = load_ngrams(corpus)
+    (entry,) = (tmp_path / "ngrams").glob("*.npz")
+    entry.write_bytes(entry.read_bytes()[:100])
+    np.testing.assert_array_equal(np.asarray(load_ngrams(corpus).tokens), np.asarray(built.tokens))
+
+
 # Slow (~20 s of a 2-core run): it re-derives committed files, which change only with the assets.
 @pytest.mark.slow
 def test_the_records_that_share_a_heldout_conversation_are_the_listed_ones(tmp_path):

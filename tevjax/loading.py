@@ -16,6 +16,7 @@ import io
 import os
 import re
 import uuid
+import zipfile
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -230,7 +231,7 @@ def load_ngrams(path: str | os.PathLike, *, cache: bool = True, vocab_size: int 
     try:
         with np.load(io.BytesIO(data)) as z:
             tokens, offsets, starts = z["tokens"], z["offsets"], z["starts"]
-    except (OSError, KeyError, ValueError) as e:
+    except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile) as e:  # a truncated npz: BadZipFile
         raise ValueError(f"{str(path)!r} is not a corpus file (an npz of tokens, offsets and starts): {e}") from e
     # Checked before the cache is read: a cached table does not say which target its ids are for.
     if vocab_size is not None and tokens.size and not 0 <= int(tokens.min()) <= int(tokens.max()) < vocab_size:
@@ -242,7 +243,7 @@ def load_ngrams(path: str | os.PathLike, *, cache: bool = True, vocab_size: int 
             with np.load(entry) as z:
                 return NgramTable(keys=jnp.asarray(z["keys"]), tokens=jnp.asarray(z["tokens"]),
                                   log_reach=jnp.asarray(z["log_reach"]), orders=NGRAM_ORDERS)
-        except (OSError, KeyError, ValueError):
+        except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile):
             pass  # built again below
     try:
         table = ngram_table(tokens, offsets, starts)
