@@ -1141,3 +1141,32 @@ def test_spaces_inside_a_list_entry_are_an_error():
     for parse, text in ((_prompt_ids, "1 2"), (_int_list("--budgets", 1), "4 8")):
         with pytest.raises(argparse.ArgumentTypeError, match="comma-separated integers"):
             parse(text)
+
+
+def test_a_repeated_list_entry_is_an_error():
+    """--taps 1,1 would tap one layer twice (a drafter reading it twice; `tevjax data` wrote its plan,
+    then failed), and --budgets 8,8 measured budget 8 once: a repeated entry is refused."""
+    import argparse
+
+    from tevjax.cli import _int_list
+
+    assert _int_list("--taps", 0)("3,1") == (3, 1)
+    for name, text, twice in (("--taps", "1, 3,1", 1), ("--budgets", "8,8", 8)):
+        with pytest.raises(argparse.ArgumentTypeError, match=f"{name} lists {twice} twice"):
+            _int_list(name, 0)(text)
+
+
+def test_batch_files_that_would_be_misread_are_refused(tmp_path):
+    """A .jsonl record with a key given twice (JSON keeps the last, in silence) and a .json batch file
+    (read as text, each of its lines a prompt) are errors naming the file."""
+    from tevjax.cli import CliError, _read_prompts, build_parser
+
+    def read(name, text):
+        f = tmp_path / name
+        f.write_text(text)
+        return _read_prompts(build_parser().parse_args(["generate", "--batch-file", str(f)]))
+
+    with pytest.raises(CliError, match='line 2: key "temperature" appears twice'):
+        read("p.jsonl", '{"prompt_ids": [3]}\n{"prompt_ids": [3], "temperature": 0, "temperature": 1}\n')
+    with pytest.raises(CliError, match=r"p.json'.*a \.json file.*\.jsonl"):
+        read("p.json", '[{"prompt": "a"}]\n')

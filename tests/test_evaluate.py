@@ -140,6 +140,9 @@ def test_a_damaged_heldout_file_is_named(tmp_path):
     (tmp_path / "p.txt").write_bytes(b"ok\n\xff\n")
     with pytest.raises(ValueError, match="p.txt is not UTF-8 text"):
         load_eval_prompts(str(tmp_path / "p.txt"), 4)
+    # A JSON file given as a prompt file would be measured on its lines of JSON text.
+    with pytest.raises(ValueError, match=r"heldout.jsonl' is JSON, not a text file .*heldout:DIR"):
+        load_eval_prompts(str(path), 4)
 
 
 def test_prompt_sets_take_evenly_spaced_items_across_the_whole_source():

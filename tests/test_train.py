@@ -1098,11 +1098,32 @@ def test_a_run_keeps_its_draft_vocabulary_and_its_shards(tmp_path, data_dir, tar
     ({"seed": -1}, ValueError, r"RolloutConfig.seed must be in \[0, 2\*\*64\)"),
     ({"taps": (1, -2)}, ValueError, "RolloutConfig.taps must be target layer indices >= 0"),
     ({"taps": ()}, ValueError, "taps must name at least one target layer"),
+    ({"taps": (1, 3, 1)}, ValueError, r"RolloutConfig.taps lists layer 1 twice"),
     ({"heldout_records": 5, "heldout_prompts": 4}, ValueError, r"need 0 <= heldout_records \(5\) <= heldout_prompts"),
 ])
 def test_bad_rollout_settings_are_named(change, error, message):
     with pytest.raises(error, match=message):
         dataclasses.replace(ROLLOUT, **change)
+
+
+def test_data_and_train_refuse_a_bad_out_before_writing_or_loading(tmp_path, target, capsys):
+    """`generate_data` refuses training shards outside the plan before it writes the plan (a rerun
+    would otherwise find a data directory and ask for --resume), and `tevjax train` refuses an --out
+    that is a file or already holds a run before it reads --data or loads the target."""
+    with pytest.raises(ValueError, match="training shards 5:6 are outside the plan's 3"):
+        generate_data(_loaded(target), ROLLOUT, tmp_path / "d", prompts=PROMPTS, progress=False,
+                      log=lambda _: None, train_shards=(5, 6))
+    assert not (tmp_path / "d").exists()
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "run.json").write_text("{}")
+    (tmp_path / "file").write_text("x")
+    base = ["train", "--data", str(tmp_path), "--steps", "2"]  # no manifest.json: not read first
+    for out, resume, message in (("run", [], "already holds a training run: pass --resume"),
+                                 ("file", [], "--out '" + str(tmp_path / "file") + "' is a file, not a directory"),
+                                 ("new", ["--resume"], "holds no training run to resume")):
+        assert main([*base, "--out", str(tmp_path / out), *resume]) == 2
+        err = capsys.readouterr().err.strip()
+        assert message in err and len(err.splitlines()) == 1, err
 
 
 def test_the_shard_plan_covers_each_split_once_held_out_first():

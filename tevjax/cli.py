@@ -185,6 +185,11 @@ def _int_list(name, minimum):
             raise argparse.ArgumentTypeError(f"{name} is empty")
         if min(values) < minimum:
             raise argparse.ArgumentTypeError(f"{name} must all be >= {minimum}, got {text!r}")
+        # A repeated tap would feed a drafter one layer twice (and `tevjax data` failed only after
+        # writing its plan); a repeated budget was measured once.
+        twice = next((v for i, v in enumerate(values) if v in values[:i]), None)
+        if twice is not None:
+            raise argparse.ArgumentTypeError(f"{name} lists {twice} twice, got {text!r}")
         return values
 
     return parse
@@ -571,6 +576,9 @@ def _read_prompts(args) -> tuple[list[str | list[int]], list[str], list[dict[str
     # U+2028 and other characters that belong inside a prompt.
     prompts, where, settings = [], [], []
     jsonl = args.batch_file.suffix.lower() == ".jsonl"
+    if args.batch_file.suffix.lower() == ".json":  # read as text, each of its lines would be a prompt
+        raise CliError(f"--batch-file {name!r}: a .json file is not a batch file: give a text file (one prompt per "
+                       "line) or a .jsonl file (one JSON object per line)")
     for n, line in enumerate(text.split("\n"), start=1):
         line = line.removesuffix("\r")
         if line.strip():
@@ -591,12 +599,26 @@ _TRUNCATION_CHECKS = {
 }
 
 
+class _RepeatedKey(ValueError):
+    """A JSON object that gives a key twice (json.loads would keep the last value, in silence)."""
+
+
+def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """json.loads's object_pairs_hook: the object, unless it repeats a key."""
+    obj = dict(pairs)
+    if len(obj) < len(pairs):
+        raise _RepeatedKey(next(k for i, (k, _) in enumerate(pairs) if k in dict(pairs[:i])))
+    return obj
+
+
 def _jsonl_record(line: str, where: str, args) -> tuple[str | list[int], dict[str, Any]]:
     """A .jsonl batch file's line -> (its prompt, its own settings), or a CliError naming the line."""
     try:
-        record = json.loads(line)
+        record = json.loads(line, object_pairs_hook=_object)
     except json.JSONDecodeError as e:
         raise CliError(f"{where}: not a JSON object ({e.msg} at column {e.colno})") from None
+    except _RepeatedKey as e:
+        raise CliError(f"{where}: key {json.dumps(e.args[0])} appears twice") from None
     if not isinstance(record, dict):
         raise CliError(f"{where}: not a JSON object, got {type(record).__name__}")
     from tevjax.decode.engine import SAMPLING_COLUMNS  # a record's own sampling settings, as a row's
@@ -1077,6 +1099,14 @@ def cmd_train(args) -> int:
         raise CliError(f"--exit-weight {args.exit_weight!r} is not one of {', '.join(EXIT_WEIGHTS)}")
     if not args.data.is_dir():
         raise CliError(f"--data {str(args.data)!r}: no such directory")
+    import jax
+
+    from tevjax.train.run import check_run_out
+
+    if jax.process_count() == 1:
+        # Before the target loads (as `cmd_data`'s --out); a multi-host job checks it in `train`,
+        # once every host is known to see one directory.
+        check_run_out(args.out, args.resume)
     if args.exit_anchors is not None and args.exit_anchors > args.anchors:  # a subset of the anchors
         raise CliError(f"--exit-anchors {args.exit_anchors} exceeds --anchors {args.anchors}: the trees of the exit "
                        f"loss grow from a subset of the anchors")

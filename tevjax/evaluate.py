@@ -67,6 +67,9 @@ def load_eval_prompts(spec: str, n: int, *, seed: int = 0) -> list[str]:
     path = Path(spec)
     if not path.is_file():
         raise FileNotFoundError(f"--prompts {spec!r}: not a file and not one of heldout, {', '.join(DATASETS)}")
+    if path.suffix.lower() in (".json", ".jsonl"):  # each line of JSON would be measured as a prompt's text
+        raise ValueError(f"--prompts {spec!r} is JSON, not a text file (one prompt per line); a data directory's "
+                         f"{HELDOUT_FILE} is read with heldout:DIR")
     lines = [ln for ln in _read_text(path, spec).split("\n") if ln.strip()]
     if not lines:
         raise ValueError(f"--prompts {spec!r} holds no prompts")

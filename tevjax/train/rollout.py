@@ -133,6 +133,9 @@ class RolloutConfig:
         if not self.taps:
             raise ValueError("taps must name at least one target layer")
         object.__setattr__(self, "taps", tuple(int(t) for t in self.taps))
+        twice = next((t for i, t in enumerate(self.taps) if t in self.taps[:i]), None)
+        if twice is not None:  # the target's forward refuses them, after the plan is written
+            raise ValueError(f"RolloutConfig.taps lists layer {twice} twice, got {self.taps!r}")
 
 
 def read_manifest(data_dir: str | os.PathLike) -> dict:
@@ -420,6 +423,13 @@ def generate_data(loaded, cfg: RolloutConfig, out_dir: str | os.PathLike, *, res
     for t in cfg.taps:
         if not 0 <= t < tcfg.num_layers:
             raise ValueError(f"tap {t} is outside the target's layers [0, {tcfg.num_layers})")
+    plan = _shard_plan(cfg)  # the config's alone, so checked before anything is written
+    if train_shards is not None:
+        first, end = train_shards
+        train_plan = [p for p in plan if p[1] == "train"]
+        if not 0 <= first < end <= len(train_plan):
+            raise ValueError(f"training shards {first}:{end} are outside the plan's {len(train_plan)} "
+                             f"({cfg.num_prompts} prompts in shards of {cfg.batch_size})")
     # Multi-host: process 0 writes the directory and every process reads it, so every host must see
     # the same one (a host's own would fail, or resume from another state, in its own way).
     check_shared_dir("the data directory (--out)", out)
@@ -460,15 +470,9 @@ def generate_data(loaded, cfg: RolloutConfig, out_dir: str | os.PathLike, *, res
     barrier("tevjax-data-written")
 
     rows = {"heldout": _read_jsonl(out / "heldout.jsonl"), "train": _read_jsonl(out / "prompts.jsonl")}
-    plan = _shard_plan(cfg)
     present = {name for name, *_ in plan if (out / SHARDS / name).is_dir()}
     todo = [p for p in plan if p[0] not in present]
     if train_shards is not None:
-        first, end = train_shards
-        train_plan = [p for p in plan if p[1] == "train"]
-        if not 0 <= first < end <= len(train_plan):
-            raise ValueError(f"training shards {first}:{end} are outside the plan's {len(train_plan)} "
-                             f"({cfg.num_prompts} prompts in shards of {cfg.batch_size})")
         skip = {p[0] for p in train_plan[:first] + train_plan[end:]}
         todo = [p for p in todo if p[0] not in skip]
     # Shards on disk that the manifest does not list yet (a stop between rename and manifest write).

@@ -148,6 +148,21 @@ def load_run(run_dir: str | os.PathLike) -> dict:
         raise RunError(f"{path}: unreadable ({e})") from None
 
 
+def check_run_out(run_dir: str | os.PathLike, resume: bool) -> None:
+    """Raises unless `run_dir` suits the mode: a new or empty directory to start a run, or (`resume`)
+    one that holds a run. `tevjax train` calls it before the target loads, `train` again."""
+    run = Path(run_dir)
+    if run.exists() and not run.is_dir():
+        raise RunError(f"--out {str(run)!r} is a file, not a directory")
+    if (run / RUN_FILE).exists():
+        if not resume:
+            raise RunError(f"{run} already holds a training run: pass --resume to continue it, or choose a new --out")
+    elif resume:
+        raise RunError(f"--resume: {run} holds no training run to resume")
+    elif holds_files(run):
+        raise RunError(f"{run} exists and is not empty: choose a new --out")
+
+
 def train(target, drafter: DFlashDrafter, data_dir: str | os.PathLike, run_dir: str | os.PathLike,
           cfg: TrainConfig, *, target_name: str, resume: bool = False, until: int | None = None,
           mesh=None, checkpoint_every_s: float = 300.0, eval_every_s: float = 600.0, keep: int = 3,
@@ -163,10 +178,9 @@ def train(target, drafter: DFlashDrafter, data_dir: str | os.PathLike, run_dir: 
     # Multi-host: orbax writes each checkpoint from every host into this one directory (a host's
     # own would leave it waiting forever), and every host must find the same run in it.
     check_shared_dir("the run directory (--out)", run)
+    check_run_out(run, resume)
     saved = None
-    if (run / RUN_FILE).exists():
-        if not resume:
-            raise RunError(f"{run} already holds a training run: pass --resume to continue it, or choose a new --out")
+    if resume:
         saved = load_run(run)
         # Runs started before the distillation and exit-truncation options trained without them.
         for name, off in (("distill", 0.0), ("exit_top_k", 0), ("exit_top_p", 1.0), ("exit_min_p", 0.0)):
@@ -184,11 +198,6 @@ def train(target, drafter: DFlashDrafter, data_dir: str | os.PathLike, run_dir: 
             raise RunError(f"--resume: {run} was started with other settings: " + "; ".join(diffs[:6]))
         if drafter.draft_vocab is not None:  # the run's own draft vocabulary, not one recounted now
             drafter.draft_vocab.set_value(_read_draft_vocab(run, drafter.cfg))
-    else:
-        if resume:
-            raise RunError(f"--resume: {run} holds no training run to resume")
-        if holds_files(run):
-            raise RunError(f"{run} exists and is not empty: choose a new --out")
 
     mesh = mesh or make_mesh()
     # Before anything is written: a drafter, config or mesh the Trainer refuses leaves no run behind.
