@@ -649,7 +649,9 @@ def test_ngram_table_rejects_bad_input():
              ((tokens, offsets, starts), {"calibration": (1.5, 1.0)}, "calibration"),
              ((tokens, offsets, starts), {"calibration": (0.5, 0.0)}, "calibration"),  # beta <= 0: p ** beta >= 1
              ((tokens, offsets, starts), {"orders": (2, 0)}, ">= 1"),
-             ((tokens + 2 ** 31 - 9, offsets, starts), {}, r"token ids must be in \[0, 2\*\*31\)")]
+             ((tokens + 2 ** 31 - 9, offsets, starts), {}, r"token ids must be in \[0, 2\*\*31\)"),
+             ((tokens + 0.5, offsets, starts), {}, "tokens must be integers, got dtype float64"),  # was truncated
+             ((tokens, offsets.astype(float), starts), {}, "offsets must be integers")]
     for args, kw, match in cases:
         with pytest.raises(ValueError, match=match):
             ngram_table(*args, **kw)

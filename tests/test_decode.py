@@ -610,11 +610,25 @@ def test_a_broken_verifier_is_detected(small_models, exact_first3, monkeypatch):
         ({"fallback_below": float("nan")}, r"fallback_below must be a finite number >= 0 .*got nan"),
         ({"fallback_below": True}, r"fallback_below must be a finite number >= 0 .*got True"),
         ({"fallback_rounds": 0}, r"fallback_rounds must be >= 1, got 0"),
+        ({"capacity": 0}, r"DecodeConfig.capacity must be >= 1 or None, got 0"),
+        ({"verifier": ["tev"]}, r"unknown verifier \['tev'\]"),
     ],
 )
 def test_bad_config_is_rejected(kwargs, message):
     with pytest.raises(ValueError, match=message):
         DecodeConfig(**kwargs)
+
+
+def test_config_layers_must_be_ints_and_numpy_ints_become_ints():
+    """int() read hidden layer 1.7 and True as layer 1 and the string "12" as layers 1 and 2; a
+    NumPy int field made the shape arithmetic NumPy's (an np.int16 bucket overflows)."""
+    for layers in ((1.7,), (True,), "12", 3, None):
+        with pytest.raises(TypeError, match="DecodeConfig.hidden_layers must be a tuple of layer indices"):
+            DecodeConfig(hidden_layers=layers)
+    cfg = DecodeConfig(budget=np.int64(4), capacity_bucket=np.int16(128), capacity=np.int32(512),
+                       hidden_layers=[np.int64(1)])
+    assert (cfg.budget, cfg.capacity_bucket, cfg.capacity, cfg.hidden_layers) == (4, 128, 512, (1,))
+    assert {type(cfg.budget), type(cfg.capacity_bucket), type(cfg.capacity)} == {int}
 
 
 def test_bad_prompts_and_capacity_are_rejected(models):

@@ -265,6 +265,12 @@ def test_for_target_defaults():
         # A negative or NaN epsilon would pass loading and quietly ruin every draft.
         (lambda c: c.update(rms_norm_eps=-1e-6), "rms_norm_eps must be a finite number >= 0"),
         (lambda c: c.update(rms_norm_eps=float("nan")), "rms_norm_eps must be a finite number >= 0"),
+        # So would a NaN rope base or scale (NaN drafts), and a layer id true or 1.7 (int() read layer 1).
+        (lambda c: c.update(rope_theta=float("nan")), "field 'rope_theta' must be positive, got nan"),
+        (lambda c: c["dflash_config"].update(input_embedding_scale=float("nan")),
+         "DFlashConfig.input_embedding_scale must be a finite number > 0, got nan"),
+        (lambda c: c["dflash_config"].update(target_layer_ids=[True, 3]),
+         "DFlashConfig.target_layer_ids must be a tuple of layer indices"),
     ],
 )
 def test_bad_config_is_rejected_by_name(edit, message):
@@ -272,6 +278,24 @@ def test_bad_config_is_rejected_by_name(edit, message):
     edit(c)
     with pytest.raises(ValueError, match=message):
         DFlashConfig.from_hf_config(c)
+
+
+def test_config_fields_the_math_cannot_use_are_refused_at_construction():
+    """A zero, negative or NaN base, scale, multiplier or cap gave NaN or all-equal draft logits with
+    no error; float and bool layer ids and mask tokens were truncated by int()."""
+    cfg = DFlashConfig.from_hf_config(_tiny_public_config())
+    for name, bad in (("rope_theta", 0.0), ("rope_theta", float("nan")), ("input_embedding_scale", float("inf")),
+                      ("output_multiplier", 0.0), ("output_multiplier", -2.0), ("final_logit_softcapping", 0.0),
+                      ("final_logit_softcapping", float("nan")), ("rope_theta", True)):
+        with pytest.raises(ValueError, match=f"DFlashConfig.{name} must be a finite number > 0, got {bad!r}"):
+            dataclasses.replace(cfg, **{name: bad})
+    for name, bad in (("target_layer_ids", (1.7, 3)), ("target_layer_ids", 3), ("mask_token_id", 2.7),
+                      ("mask_token_id", True)):
+        with pytest.raises(ValueError, match=f"DFlashConfig.{name} must be a"):
+            dataclasses.replace(cfg, **{name: bad})
+    fine = dataclasses.replace(cfg, target_layer_ids=(np.int64(1), 3), mask_token_id=np.int32(5), rope_theta=1e6,
+                               final_logit_softcapping=None)
+    assert (fine.target_layer_ids, fine.mask_token_id) == ((1, 3), 5)
 
 
 def test_context_features_layout_and_last_layer_tap():

@@ -217,6 +217,17 @@ def test_greedy_threshold_is_the_documented_1e_5():
     assert not bool(samples(jnp.float32(9.9e-6))) and bool(samples(jnp.float32(1e-5)))
 
 
+def test_is_greedy_refuses_what_is_not_a_number():
+    """float() read True as 1.0 (sampling) and the string "0" as 0.0 (greedy)."""
+    from tevjax.law import is_greedy
+
+    for bad in (True, False, "0", None, 1 + 2j, np.zeros(2)):
+        with pytest.raises(TypeError, match="temperature must be a"):
+            is_greedy(bad)
+    assert is_greedy(np.float64(0.0)) is True and is_greedy(jnp.float32(1.0)) is False
+    assert jax.jit(lambda t: is_greedy(t) is None)(1.0)  # traced: decided at run time
+
+
 def test_law_from_edges_reads_only_edge_entries_and_default_temperature():
     """Entries of edge_prob at the root and at padding are not edges: both propagations ignore
     them (the scan's scatter must not wrap the parent index -1 onto node N - 1, a real leaf here)."""

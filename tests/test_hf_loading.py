@@ -339,6 +339,9 @@ def test_config_not_utf8_names_the_file(saved, tmp_path):
     ({"hidden_size": "sixty-four"}, r"field 'hidden_size' must be an integer, got 'sixty-four'"),
     ({"num_hidden_layers": 2.5}, r"field 'num_hidden_layers' must be an integer, got 2\.5"),
     ({"num_attention_heads": 0}, r"field 'num_attention_heads' must be positive, got 0"),
+    # JSON's NaN and Infinity passed "positive": a NaN rope base loaded and gave NaN logits.
+    ({"rope_theta": float("nan")}, r"field 'rope_theta' must be positive, got nan"),
+    ({"rope_theta": float("inf")}, r"field 'rope_theta' must be finite, got inf"),
     ({"vocab_size": True}, r"field 'vocab_size' must be an integer, got True"),
     ({"rms_norm_eps": "1e-5"}, r"field 'rms_norm_eps' must be a number, got '1e-05'|got '1e-5'"),
     ({"tie_word_embeddings": "false"}, r"field 'tie_word_embeddings' must be true or false, got 'false'"),
@@ -360,6 +363,15 @@ def test_config_field_errors_name_file_and_field(saved, tmp_path, patch, message
     with pytest.raises(ValueError, match=message) as e:
         load_hf_target(path)
     assert str(path / "config.json") in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_rope_base_the_rotations_cannot_use_is_refused_by_name():
+    """A NaN, zero or negative base made every rotation angle NaN: NaN logits, no error."""
+    cfg = PRESETS["smollm2-135m"]
+    for bad in (float("nan"), 0.0, -1e4, float("inf"), True):
+        with pytest.raises(ValueError, match=f"ModelConfig.rope_theta must be a finite number > 0, got {bad!r}"):
+            dataclasses.replace(cfg, rope_theta=bad)
+    assert dataclasses.replace(cfg, rope_theta=np.float32(1e4)).rope_theta == 1e4
 
 
 def test_config_accepts_integral_floats_and_nulls(saved):

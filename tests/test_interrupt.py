@@ -65,6 +65,11 @@ def test_rounds_per_call_below_one_is_refused(models):
     for bad in (0, -2):
         with pytest.raises(ValueError, match=f"rounds_per_call must be >= 1, got {bad}"):
             dec.run(state, rounds_per_call=bad)
+    for bad in (True, 1.5):  # not counts: True and 1.5 ran as one round per call
+        with pytest.raises(TypeError, match="rounds_per_call must be an int or None"):
+            dec.run(state, rounds_per_call=bad)
+    with pytest.raises(ValueError, match="results: 2 prompt lengths for a state of 1 rows"):  # was an IndexError
+        dec.results(state, [3, 3])
     assert len(dec.results(dec.run(state, rounds_per_call=2))[0].tokens) == 4  # refused before consuming it
 
 

@@ -250,6 +250,17 @@ def test_bad_truncation_settings_are_named(cut, error, message):
         truncate_logits(jnp.zeros((2, 8)), 1.0, **cut)
 
 
+def test_logits_and_temperatures_of_the_wrong_kind_are_named():
+    """Integer logits failed with "cannot convert float infinity to integer", a scalar with an
+    IndexError, None as a temperature with "None is not a valid value for jnp.array"."""
+    for logits in (jnp.arange(8), jnp.float32(1.0)):
+        with pytest.raises(TypeError, match=r"truncate_logits: logits must be a floating \[\.\.\., V\] array"):
+            truncate_logits(logits, 1.0, top_k=2)
+    for bad in (None, "0.5", True):
+        with pytest.raises(TypeError, match=r"temperature must be a number \(a scalar\)"):
+            truncate_logits(jnp.zeros((2, 8)), bad, top_k=2)
+
+
 @pytest.mark.parametrize("temperature", [float("nan"), -1.0, 1e39])
 def test_a_concrete_bad_temperature_is_refused_by_truncation(temperature):
     """The one temperature rule (a traced value cannot be checked, and is not)."""

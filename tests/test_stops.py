@@ -92,6 +92,9 @@ def test_stop_string_errors_name_the_problem():
         stop_table(["a"], [b"a", b"b", b"c"], 2)
     with pytest.raises(ValueError, match="no stop strings given"):
         stop_table([], [b"a"], 1)
+    for spellings in (["a", "b"], b"ab"):  # failed in np.frombuffer / len() without naming the spellings
+        with pytest.raises(TypeError, match="spellings must be a list of each token's bytes"):
+            stop_table(["a"], spellings, 2)
     with pytest.raises(TypeError, match="the single string b'ab'"):  # not the "stop strings" 97 and 98
         cut_text("xab", b"ab")
 

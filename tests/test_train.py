@@ -1000,6 +1000,20 @@ def test_train_config_refuses_settings_the_losses_cannot_use():
         dataclasses.replace(CFG, **fine)
 
 
+def test_train_config_numbers_are_numbers_and_numpy_ints_are_ints():
+    """float() read lr=True as 1.0 and warmup=False as 0.0, and a string failed with "could not
+    convert string to float" without the field's name; NumPy ints were refused as counts."""
+    for name, bad in (("lr", True), ("lr", "3e-3"), ("lr", None), ("warmup", False), ("gamma", "7"),
+                      ("distill", True), ("exit_lambda", True), ("b1", "0.9")):
+        with pytest.raises(TypeError, match=f"TrainConfig.{name} must be a number, got {bad!r}"):
+            dataclasses.replace(CFG, **{name: bad})
+    cfg = dataclasses.replace(CFG, steps=np.int64(4), batch_size=np.int32(4), exit_sequences=np.int64(2),
+                              seed=np.uint64(3), lr=np.float32(0.5))
+    assert (cfg.steps, cfg.batch_size, cfg.exit_sequences, cfg.seed, cfg.lr) == (4, 4, 2, 3, 0.5)
+    assert {type(cfg.steps), type(cfg.batch_size), type(cfg.exit_sequences), type(cfg.seed)} == {int}
+    assert type(cfg.lr) is float
+
+
 def test_optimizer_is_clipped_adamw_on_warmup_cosine():
     """`make_optimizer` against Adam worked out by hand: the gradient clipped to global norm
     clip_norm, AdamW with the config's b1, b2 and decoupled weight decay, and the learning rate
@@ -1099,6 +1113,7 @@ def test_a_run_keeps_its_draft_vocabulary_and_its_shards(tmp_path, data_dir, tar
     ({"taps": (1, -2)}, ValueError, "RolloutConfig.taps must be target layer indices >= 0"),
     ({"taps": ()}, ValueError, "taps must name at least one target layer"),
     ({"taps": (1, 3, 1)}, ValueError, r"RolloutConfig.taps lists layer 1 twice"),
+    ({"taps": 3}, ValueError, "RolloutConfig.taps must be a tuple of target layer indices, got 3"),
     ({"heldout_records": 5, "heldout_prompts": 4}, ValueError, r"need 0 <= heldout_records \(5\) <= heldout_prompts"),
 ])
 def test_bad_rollout_settings_are_named(change, error, message):
@@ -1124,6 +1139,15 @@ def test_data_and_train_refuse_a_bad_out_before_writing_or_loading(tmp_path, tar
         assert main([*base, "--out", str(tmp_path / out), *resume]) == 2
         err = capsys.readouterr().err.strip()
         assert message in err and len(err.splitlines()) == 1, err
+
+
+def test_numpy_rollout_counts_go_into_the_manifest_as_ints():
+    """The config is written to the JSON manifest: a NumPy int there failed with "Object of type
+    int64 is not JSON serializable", after the config had been accepted."""
+    cfg = dataclasses.replace(ROLLOUT, num_prompts=np.int64(12), batch_size=np.int32(4), seed=np.uint64(3),
+                              taps=(np.int64(1),))
+    assert json.loads(json.dumps(dataclasses.asdict(cfg)))["num_prompts"] == 12
+    assert (cfg.batch_size, cfg.seed, cfg.taps) == (4, 3, (1,))
 
 
 def test_the_shard_plan_covers_each_split_once_held_out_first():

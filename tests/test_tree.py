@@ -86,6 +86,14 @@ def test_wrong_rank_is_rejected():
         DraftTree.from_parents(np.zeros((2, 3), np.int32), np.zeros((2, 3), np.int32))
 
 
+def test_float_and_bool_ids_are_refused_not_truncated():
+    """jnp.asarray(x, int32) would build the tree of token 5 from 5.7 and of token 1 from True."""
+    for tokens, parents, name in (([5.7, 1.2], [-1, 0], "tokens"), ([True, False], [-1, 0], "tokens"),
+                                  ([5, 1], [-1.0, 0.0], "parents"), (np.array([5, 1]), np.array([-1, 0.5]), "parents")):
+        with pytest.raises(TypeError, match=f"from_parents: {name} must be integers"):
+            DraftTree.from_parents(tokens, parents)
+
+
 def test_empty_tree_is_rejected_clearly():
     with pytest.raises(ValueError, match="needs at least the root node; got 0 nodes"):
         DraftTree.from_parents(np.zeros(0, np.int32), np.zeros(0, np.int32))
@@ -175,6 +183,8 @@ def test_valid_tree_passes():
         ([5, 1, 2], [-1, 0, 0], {"temperature": -0.5}, "temperature must be a finite float32 number >= 0"),
         ([5, 1, 2], [-1, 0, 0], {"temperature": float("nan")}, "temperature must be a finite float32 number >= 0"),
         ([5, 1, 2], [-1, 0, 0], {"temperature": 1e39}, "temperature must be a finite float32 number >= 0"),
+        ([5, 1, 2], [-1, 0, 0], {"temperature": True}, r"temperature must be a number \(a scalar\), got True"),
+        ([5, 1, 2], [-1, 0, 0], {"temperature": "x"}, r"temperature must be a number \(a scalar\), got 'x'"),
         ([5, 1, 2], [-1, 0], {}, "equal length"),
         ([], [], {}, "at least the root"),
         ([5.0, 1.0], [-1, 0], {}, "tokens must be integers"),

@@ -371,6 +371,12 @@ def test_one_temperature_rule_for_tiny_and_invalid_values():
             verify(jax.random.key(0), tree, logits, bad)
         with pytest.raises(ValueError, match="temperature must be a finite float32 number >= 0"):
             exit_law(tree, logits, bad)
+    # Not numbers: float() read True as 1.0 and "0.5" as 0.5; a [2] array failed in lax.cond.
+    for bad in (True, "0.5", None, jnp.ones(2)):
+        with pytest.raises(TypeError, match=r"temperature must be a number \(a scalar\)"):
+            verify(jax.random.key(0), tree, logits, bad)
+        with pytest.raises(TypeError, match=r"temperature must be a number \(a scalar\)"):
+            exit_law(tree, logits, bad)
     # Traced invalid values cannot raise: NaN and negative decode greedily, +inf samples uniformly.
     assert not bool(samples(jnp.float32(float("nan")))) and not bool(samples(jnp.float32(-1.0)))
     assert bool(samples(jnp.float32(float("inf"))))

@@ -466,6 +466,10 @@ def ngram_table(tokens: np.ndarray, offsets: np.ndarray, starts: np.ndarray, *, 
       orders: suffix lengths, longest first; min_count: an n-gram enters when it occurs at least this
         often with a continuation; calibration: (alpha, beta) of the reach estimate alpha * p ** beta.
     """
+    for name, a in (("tokens", tokens), ("offsets", offsets), ("starts", starts)):
+        # np.asarray(a, np.int64) would truncate float ids (1.5 -> 1) into a table of wrong n-grams.
+        if np.asarray(a).size and not np.issubdtype(np.asarray(a).dtype, np.integer):
+            raise ValueError(f"{name} must be integers, got dtype {np.asarray(a).dtype}")
     tokens, offsets, starts = (np.asarray(a, np.int64) for a in (tokens, offsets, starts))
     if tokens.ndim != 1 or offsets.ndim != 1 or starts.shape != (len(offsets) - 1,):
         raise ValueError(f"tokens [T], offsets [records + 1] and starts [records] expected, got shapes "

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from tevjax import sampling
-from tevjax.tree import DraftTree, check_tree_logits, valid_temperature
+from tevjax.tree import DraftTree, check_tree_logits, concrete_temperature, valid_temperature
 
 __all__ = ["GREEDY_BELOW", "PROPAGATION", "ExitLaw", "exit_law", "is_greedy", "samples"]
 
@@ -85,10 +85,10 @@ GREEDY_BELOW = 1e-5
 
 def is_greedy(temperature: Any) -> bool | None:
     """True (temperature < GREEDY_BELOW) or False for a concrete temperature, None when it is traced
-    (decided at run time by `samples`). A concrete negative, NaN or infinite (in float32) temperature raises."""
-    try:
-        t = float(temperature)
-    except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError, TypeError):
+    (decided at run time by `samples`). A concrete negative, NaN or infinite (in float32) temperature raises,
+    and so does one that is not a number (`concrete_temperature`)."""
+    t = concrete_temperature(temperature)
+    if t is None:
         return None
     if not valid_temperature(t):
         raise ValueError(f"temperature must be a finite float32 number >= 0, got {temperature!r}")

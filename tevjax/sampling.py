@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tevjax.tree import valid_temperature
+from tevjax.tree import concrete_temperature, valid_temperature
 
 __all__ = ["categorical", "check_truncation", "scaled_logsumexp", "truncate_logits", "truncates", "vocab_block"]
 
@@ -163,10 +163,13 @@ def truncate_logits(logits: jax.Array, temperature=1.0, *, top_k=0, top_p=1.0, m
     a finite entry (padding) comes back all -inf. Jittable, vmap-composable; the dtype of `logits`
     is kept; with every static setting off, `logits` itself is returned.
     """
-    try:  # a concrete temperature follows the one rule (tevjax.tree.valid_temperature)
-        t_host = float(temperature)
-    except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError, TypeError):
-        t_host = None
+    # Integer logits would fail inside with "cannot convert float infinity to integer", a scalar
+    # with an IndexError: name the argument instead.
+    if np.ndim(logits) < 1 or not jnp.issubdtype(jnp.result_type(logits), jnp.floating):
+        raise TypeError(f"truncate_logits: logits must be a floating [..., V] array, got shape {np.shape(logits)} "
+                        f"and dtype {jnp.result_type(logits)}")
+    # A concrete scalar follows the one rule (valid_temperature); per-row arrays are not checked.
+    t_host = concrete_temperature(temperature, scalar=False)
     if t_host is not None and not valid_temperature(t_host):
         raise ValueError(f"temperature must be a finite float32 number >= 0, got {temperature!r}")
     per_row = any(isinstance(v, (jax.Array, np.ndarray)) for v in (top_k, top_p, min_p))

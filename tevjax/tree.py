@@ -37,7 +37,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["DraftTree", "TreeValidationError", "check_tree_logits", "valid_temperature", "validate_tree"]
+__all__ = ["DraftTree", "TreeValidationError", "check_tree_logits", "concrete_temperature", "valid_temperature",
+           "validate_tree"]
 
 # Logits are divided by the temperature in float32, so a temperature must be a float32 number: a
 # larger one (1e39) becomes inf there, and 1 / inf turns every logit to 0 (or NaN).
@@ -47,6 +48,29 @@ _F32_MAX = float(np.finfo(np.float32).max)
 def valid_temperature(t: float) -> bool:
     """A concrete temperature is valid when it is >= 0 and finite in float32 (NaN is not)."""
     return 0 <= t <= _F32_MAX
+
+
+def concrete_temperature(temperature: Any, *, scalar: bool = True) -> float | None:
+    """`temperature` as a float when it is a concrete scalar, None when it is traced (checked at run
+    time) or, with `scalar=False`, an array (one temperature per row, not checked here either).
+
+    A bool, a string, None or (with `scalar`) an array is a TypeError naming the temperature:
+    float() would read True as 1 and "0.5" as 0.5, and None or a [2] array would fail later with an
+    error about something else. The value itself is not checked here (`valid_temperature`).
+    """
+    if isinstance(temperature, (bool, np.bool_, str, bytes)) or temperature is None or (
+            scalar and np.ndim(temperature) != 0):
+        raise TypeError(f"temperature must be a number (a scalar), got {temperature!r} "
+                        f"({type(temperature).__name__})")
+    if np.ndim(temperature) != 0:
+        return None
+    try:
+        return float(temperature)
+    except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
+        return None
+    except TypeError:  # complex numbers, other objects
+        raise TypeError(f"temperature must be a real number, got {temperature!r} "
+                        f"({type(temperature).__name__})") from None
 
 
 @jax.tree_util.register_dataclass
@@ -98,6 +122,11 @@ class DraftTree:
         not earlier than the node) come out as padding. `validate_tree` reports such inputs as
         errors before they reach jitted code.
         """
+        for name, value in (("tokens", tokens), ("parents", parents)):
+            # jnp.asarray(x, int32) would truncate a float id (5.7 -> 5) and read True as 1.
+            dtype = value.dtype if hasattr(value, "dtype") else np.asarray(value).dtype  # a tracer has one
+            if not np.issubdtype(dtype, np.integer) and not (np.size(value) == 0 and dtype == np.float64):
+                raise TypeError(f"DraftTree.from_parents: {name} must be integers, got dtype {dtype}")
         tokens = jnp.asarray(tokens, jnp.int32)
         parents = jnp.asarray(parents, jnp.int32)
         if tokens.ndim != 1 or parents.shape != tokens.shape:
@@ -264,6 +293,9 @@ def validate_tree(
                     f"node {i}: token {int(tok[i])} is outside the vocabulary [0, {vocab_size})"
                 )
     if temperature is not None:
-        t = float(temperature)
-        if not valid_temperature(t):
+        try:
+            t = concrete_temperature(temperature)
+        except TypeError as e:
+            raise TreeValidationError(str(e)) from None
+        if t is None or not valid_temperature(t):
             raise TreeValidationError(f"temperature must be a finite float32 number >= 0, got {temperature!r}")

@@ -180,15 +180,21 @@ class DecodeConfig:
         if self.verifier == "ar":
             raise ValueError("verifier 'ar' is not a verifier: for autoregressive decoding pass no drafter, "
                              "Decoder(target, None, cfg)")
-        if self.verifier not in VERIFIERS:
+        if not isinstance(self.verifier, str) or self.verifier not in VERIFIERS:
             raise ValueError(f"unknown verifier {self.verifier!r}; choose one of {sorted(VERIFIERS)}")
         for name in ("budget", "lookup", "corpus", "max_new_tokens", "prompt_bucket", "capacity_bucket",
                      "prefill_chunk", "fallback_rounds"):
             value = getattr(self, name)
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
                 raise TypeError(f"DecodeConfig.{name} must be an int, got {value!r} ({type(value).__name__})")
+            # A NumPy int would make the shape arithmetic NumPy's (np.int16 buckets overflow).
+            object.__setattr__(self, name, int(value))
         if self.capacity is not None and (not isinstance(self.capacity, (int, np.integer)) or isinstance(self.capacity, bool)):
             raise TypeError(f"DecodeConfig.capacity must be an int or None, got {self.capacity!r}")
+        if self.capacity is not None:
+            if self.capacity < 1:
+                raise ValueError(f"DecodeConfig.capacity must be >= 1 or None, got {self.capacity}")
+            object.__setattr__(self, "capacity", int(self.capacity))
         if not isinstance(self.temperature, (int, float, np.integer, np.floating)) or isinstance(self.temperature, bool):
             raise TypeError(f"DecodeConfig.temperature must be a number, got {self.temperature!r} "
                             f"({type(self.temperature).__name__})")
@@ -224,7 +230,12 @@ class DecodeConfig:
         object.__setattr__(self, "fallback_below", float(self.fallback_below))
         if self.fallback_rounds < 1:
             raise ValueError(f"fallback_rounds must be >= 1, got {self.fallback_rounds}")
-        layers = tuple(int(i) for i in self.hidden_layers)
+        layers = self.hidden_layers
+        # int() would read 1.7 as layer 1 and True as layer 1, and "12" as layers 1 and 2.
+        if (not isinstance(layers, (tuple, list)) or
+                any(not isinstance(i, (int, np.integer)) or isinstance(i, bool) for i in layers)):
+            raise TypeError(f"DecodeConfig.hidden_layers must be a tuple of layer indices, got {layers!r}")
+        layers = tuple(int(i) for i in layers)
         if any(i < 0 for i in layers) or len(set(layers)) != len(layers):
             raise ValueError(f"hidden_layers must be distinct layer indices >= 0, got {self.hidden_layers!r}")
         object.__setattr__(self, "hidden_layers", layers)
@@ -1510,6 +1521,9 @@ class Decoder:
         finished rows are complete.
         """
         _check_state(state, "run")
+        if rounds_per_call is not None and (not isinstance(rounds_per_call, (int, np.integer)) or
+                                            isinstance(rounds_per_call, bool)):  # 1.5 and True ran as 1
+            raise TypeError(f"rounds_per_call must be an int or None, got {rounds_per_call!r}")
         if rounds_per_call is not None and rounds_per_call < 1:
             raise ValueError(f"rounds_per_call must be >= 1, got {rounds_per_call}")
         rounds = rounds_per_call or 1
@@ -1539,6 +1553,8 @@ class Decoder:
         """Per-row results; `Generation.hidden` needs `cfg.hidden_layers` and the prompt lengths."""
         _check_state(state, "results")
         out, num_out = host_array(state.out), host_array(state.num_out)
+        if prompt_lengths is not None and len(prompt_lengths) > out.shape[0]:
+            raise ValueError(f"results: {len(prompt_lengths)} prompt lengths for a state of {out.shape[0]} rows")
         rounds, total = host_array(state.rounds), host_array(state.block_total)
         nonfinite = host_array(state.nonfinite)
         plain = host_array(state.plain_rounds) if state.plain_rounds is not None else np.zeros_like(rounds)

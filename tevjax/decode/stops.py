@@ -114,6 +114,10 @@ def stop_table(stops: Sequence[str], spellings: Sequence[bytes], vocab_size: int
         raise ValueError("no stop strings given")
     if len(stops) > MAX_STOPS:
         raise ValueError(f"{len(stops)} stop strings: a table holds at most {MAX_STOPS} (one bit of a row's mask each)")
+    # A str spelling failed in np.frombuffer, a bytes object (its items are ints) in len().
+    if isinstance(spellings, (str, bytes)) or any(not isinstance(b, bytes) for b in spellings):
+        raise TypeError("spellings must be a list of each token's bytes (tevjax.convert.tokenizer.token_bytes), got "
+                        f"{type(spellings).__name__} of {type(next(iter(spellings), None)).__name__}")
     if len(spellings) > vocab_size:
         raise ValueError(f"{len(spellings)} token spellings for a vocabulary of {vocab_size}: the tokenizer does not "
                          "belong to this model")

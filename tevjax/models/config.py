@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import json
 import math
+import numbers
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -113,8 +114,10 @@ def config_field(c: Mapping[str, Any], key: str, kind: type, source: str, defaul
     if not ok:
         raise ValueError(f"{source}: field {prefix + key!r} must be {_KIND_NAMES[kind]}, got {value!r}")
     value = kind(value)
-    if positive and value <= 0:
+    if positive and not value > 0:
         raise ValueError(f"{source}: field {prefix + key!r} must be positive, got {value!r}")
+    if positive and not math.isfinite(value):  # JSON's NaN / Infinity: a NaN rope base gave NaN logits
+        raise ValueError(f"{source}: field {prefix + key!r} must be finite, got {value!r}")
     return value
 
 
@@ -377,6 +380,10 @@ class ModelConfig:
         object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
         if not (math.isfinite(float(self.rms_norm_eps)) and float(self.rms_norm_eps) >= 0):
             raise ValueError(f"ModelConfig.rms_norm_eps must be a finite number >= 0, got {self.rms_norm_eps!r}")
+        theta = self.rope_theta  # NaN, 0 or a negative base would give NaN rotations, hence NaN logits
+        if (isinstance(theta, bool) or not isinstance(theta, numbers.Real)
+                or not (math.isfinite(theta) and theta > 0)):
+            raise ValueError(f"ModelConfig.rope_theta must be a finite number > 0, got {theta!r}")
         object.__setattr__(self, "sliding_layers", tuple(int(i) for i in self.sliding_layers))
         object.__setattr__(self, "nope_layers", tuple(int(i) for i in self.nope_layers))
         nope = self.nope_layers

@@ -171,6 +171,21 @@ class DFlashConfig:
             raise ValueError(f"DFlashConfig.head_dim={self.head_dim} must be even for RoPE")
         if not (math.isfinite(float(self.rms_norm_eps)) and float(self.rms_norm_eps) >= 0):
             raise ValueError(f"DFlashConfig.rms_norm_eps must be a finite number >= 0, got {self.rms_norm_eps!r}")
+        # A NaN or zero here would not fail: the drafter's logits would be NaN or all equal.
+        for name in ("rope_theta", "input_embedding_scale", "output_multiplier", "final_logit_softcapping"):
+            value = getattr(self, name)
+            if value is None and name == "final_logit_softcapping":
+                continue
+            if (not isinstance(value, (int, float, np.integer, np.floating)) or isinstance(value, bool)
+                    or not (math.isfinite(value) and value > 0)):
+                raise ValueError(f"DFlashConfig.{name} must be a finite number > 0, got {value!r}")
+        # int() would read layer 1.7 as 1 and True as 1.
+        if not isinstance(self.target_layer_ids, (tuple, list)) or any(
+                not isinstance(i, (int, np.integer)) or isinstance(i, bool) for i in self.target_layer_ids):
+            raise ValueError(f"DFlashConfig.target_layer_ids must be a tuple of layer indices, got "
+                             f"{self.target_layer_ids!r}")
+        if not isinstance(self.mask_token_id, (int, np.integer)) or isinstance(self.mask_token_id, bool):
+            raise ValueError(f"DFlashConfig.mask_token_id must be a token id, got {self.mask_token_id!r}")
         ids = tuple(int(i) for i in self.target_layer_ids)
         if not ids or any(i < 0 for i in ids):
             raise ValueError(f"DFlashConfig.target_layer_ids must be non-empty and >= 0, got {self.target_layer_ids!r}")

@@ -118,13 +118,16 @@ class RolloutConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
                 raise TypeError(f"RolloutConfig.{name} must be an int, got {value!r}")
+            object.__setattr__(self, name, int(value))  # a NumPy int would not go into the JSON manifest
         for name in ("num_prompts", "max_new_tokens", "max_prompt_tokens", "batch_size"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         try:
-            check_seed(self.seed)
+            object.__setattr__(self, "seed", check_seed(self.seed))
         except ValueError as e:
             raise ValueError(f"RolloutConfig.{e}") from None
+        if not isinstance(self.taps, (tuple, list)):
+            raise ValueError(f"RolloutConfig.taps must be a tuple of target layer indices, got {self.taps!r}")
         if any(not isinstance(t, (int, np.integer)) or isinstance(t, bool) or t < 0 for t in self.taps or ()):
             raise ValueError(f"RolloutConfig.taps must be target layer indices >= 0, got {self.taps!r}")
         if self.heldout_prompts < 0 or not 0 <= self.heldout_records <= self.heldout_prompts:
