@@ -46,6 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tevjax.checks import is_int
 from tevjax.tree import DraftTree
 
 __all__ = ["LOOKUP_ORDERS", "LOOKUP_SURVIVAL", "NGRAM_CALIBRATION", "NGRAM_ORDERS", "NgramTable", "build_ddtree",
@@ -91,7 +92,7 @@ def build_ddtree(
     Jit with `budget` static (`jax.jit(build_ddtree, static_argnums=2)`); vmap over leading batch
     axes of `log_marginals` and `root_token`. No host sync, heap, or loop over nodes.
     """
-    if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)) or budget < 0:
+    if not is_int(budget) or budget < 0:
         raise ValueError(f"budget must be a static int >= 0, got {budget!r}")
     budget = int(budget)
     log_marginals = jnp.asarray(log_marginals)
@@ -231,7 +232,7 @@ def _check_context(seq, length, size, caller: str) -> None:
     """The static checks of a lookup's inputs (`context_chain`, `corpus_chain`), plus the range of a
     concrete `length`: one row of token ids (vmap over rows), a scalar length in [1, S]. Under jit
     only shapes and dtypes are read; a traced length is clamped as the docstrings say."""
-    if not isinstance(size, (int, np.integer)) or isinstance(size, bool) or size < 1:
+    if not is_int(size) or size < 1:
         raise ValueError(f"{caller}: size must be a static int >= 1, got {size!r}")
     shape = _check_ids_row(seq, "seq", "S", caller)
     if np.ndim(length) != 0:
@@ -263,7 +264,7 @@ def context_chain(seq: jax.Array, length: jax.Array, size: int, orders: tuple[in
     """
     _check_context(seq, length, size, "context_chain")
     if (not isinstance(orders, (tuple, list)) or not orders
-            or any(not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1 for n in orders)
+            or any(not is_int(n) or n < 1 for n in orders)
             or list(orders) != sorted(set(orders), reverse=True)):
         raise ValueError(f"context_chain: orders must be distinct suffix lengths >= 1, longest first; got {orders!r}")
     seq = jnp.asarray(seq, jnp.int32)

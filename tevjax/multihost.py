@@ -32,6 +32,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from tevjax.checks import is_int
+
 __all__ = ["HEARTBEAT_TIMEOUT_S", "JOIN_TIMEOUT_S", "abort_job", "any_process", "barrier", "check_same", "check_same_files",
            "check_shared_dir", "every_process", "holds_files", "initialize_distributed"]
 
@@ -233,8 +235,7 @@ def initialize_distributed(coordinator: str | None = None, num_processes: int | 
     """
     if not timeout_s > 0:
         raise ValueError(f"a join timeout of {timeout_s} s: it must be positive")
-    if isinstance(heartbeat_timeout_s, bool) or not isinstance(heartbeat_timeout_s, (int, np.integer)) \
-            or heartbeat_timeout_s < 1:
+    if not is_int(heartbeat_timeout_s) or heartbeat_timeout_s < 1:
         raise ValueError(f"a heartbeat timeout of {heartbeat_timeout_s!r} s: it must be a whole number of "
                          f"seconds, at least 1")
     if jax.distributed.is_initialized():  # already joined (the CLI joins before its checks, then again)

@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tevjax.checks import is_int, is_real
 from tevjax.tree import concrete_temperature, valid_temperature
 
 __all__ = ["categorical", "check_truncation", "scaled_logsumexp", "truncate_logits", "truncates", "vocab_block"]
@@ -98,10 +99,10 @@ def check_truncation(top_k, top_p, min_p) -> tuple[int, float, float]:
 
     top_k: an int >= 0 (0: off); top_p: in (0, 1] (1: off); min_p: in [0, 1) (0: off).
     """
-    if not isinstance(top_k, (int, np.integer)) or isinstance(top_k, bool):
+    if not is_int(top_k):
         raise TypeError(f"top_k must be an int (0: off), got {top_k!r} ({type(top_k).__name__})")
     for name, value in (("top_p", top_p), ("min_p", min_p)):
-        if not isinstance(value, (int, float, np.integer, np.floating)) or isinstance(value, bool):
+        if not is_real(value):
             raise TypeError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
     if top_k < 0:
         raise ValueError(f"top_k must be >= 0 (0: off), got {top_k}")

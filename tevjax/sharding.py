@@ -36,6 +36,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from tevjax.checks import is_int
+
 # What tensor parallelism splits: `model`, with `expert` in front where the mesh has it.
 _TENSOR = ("expert", "model")
 
@@ -432,7 +434,7 @@ def make_mesh(data: int | None = None, model: int = 1, devices=None, *, expert: 
     `expert` > 1 a (data, expert, model) mesh for expert parallelism (`LOGICAL_RULES`); `data`
     None takes every device not used by the others."""
     for name, size in (("data", data), ("model", model), ("expert", expert)):
-        if size is not None and (not isinstance(size, (int, np.integer)) or isinstance(size, bool) or size < 1):
+        if size is not None and (not is_int(size) or size < 1):
             raise ValueError(f"make_mesh: {name} must be a positive int, got {size!r}")
     devices = list(jax.devices() if devices is None else devices)
     group = model * expert  # the devices that share one row of the batch

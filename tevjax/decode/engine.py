@@ -80,6 +80,7 @@ from flax import nnx
 
 from tevjax.builder import (LOOKUP_SURVIVAL, NgramTable, build_ddtree_from_top, chain_log_reach, check_survival,
                              context_chain, corpus_chain, merge_chain)
+from tevjax.checks import is_int, is_real
 from tevjax.law import exit_law, is_greedy, samples
 from tevjax.models.cache import KVCache, scatter_rows
 from tevjax.models.dflash import DFlashDrafter, DrafterCache, features_from_hidden, tapped_hidden
@@ -185,22 +186,21 @@ class DecodeConfig:
         for name in ("budget", "lookup", "corpus", "max_new_tokens", "prompt_bucket", "capacity_bucket",
                      "prefill_chunk", "fallback_rounds"):
             value = getattr(self, name)
-            if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
+            if not is_int(value):
                 raise TypeError(f"DecodeConfig.{name} must be an int, got {value!r} ({type(value).__name__})")
             # A NumPy int would make the shape arithmetic NumPy's (np.int16 buckets overflow).
             object.__setattr__(self, name, int(value))
-        if self.capacity is not None and (not isinstance(self.capacity, (int, np.integer)) or isinstance(self.capacity, bool)):
+        if self.capacity is not None and not is_int(self.capacity):
             raise TypeError(f"DecodeConfig.capacity must be an int or None, got {self.capacity!r}")
         if self.capacity is not None:
             if self.capacity < 1:
                 raise ValueError(f"DecodeConfig.capacity must be >= 1 or None, got {self.capacity}")
             object.__setattr__(self, "capacity", int(self.capacity))
-        if not isinstance(self.temperature, (int, float, np.integer, np.floating)) or isinstance(self.temperature, bool):
+        if not is_real(self.temperature):
             raise TypeError(f"DecodeConfig.temperature must be a number, got {self.temperature!r} "
                             f"({type(self.temperature).__name__})")
         eos = self.eos_ids
-        if (not isinstance(eos, (tuple, list)) or
-                not all(isinstance(e, (int, np.integer)) and not isinstance(e, bool) and e >= 0 for e in eos)):
+        if not isinstance(eos, (tuple, list)) or not all(is_int(e) and e >= 0 for e in eos):
             raise TypeError(f"DecodeConfig.eos_ids must be a tuple of token ids >= 0, got {eos!r}")
         object.__setattr__(self, "eos_ids", tuple(int(e) for e in eos))  # hashable: a static argument
         t = float(self.temperature)
@@ -223,8 +223,7 @@ class DecodeConfig:
         for name in ("prompt_bucket", "capacity_bucket", "prefill_chunk"):
             if getattr(self, name) < 1:
                 raise ValueError(f"DecodeConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if not isinstance(self.fallback_below, (int, float, np.integer, np.floating)) or isinstance(
-                self.fallback_below, bool) or not 0 <= float(self.fallback_below) < math.inf:
+        if not is_real(self.fallback_below) or not 0 <= float(self.fallback_below) < math.inf:
             raise ValueError(f"fallback_below must be a finite number >= 0 (a round's cost in target steps; 0: off), "
                              f"got {self.fallback_below!r}")
         object.__setattr__(self, "fallback_below", float(self.fallback_below))
@@ -232,8 +231,7 @@ class DecodeConfig:
             raise ValueError(f"fallback_rounds must be >= 1, got {self.fallback_rounds}")
         layers = self.hidden_layers
         # int() would read 1.7 as layer 1 and True as layer 1, and "12" as layers 1 and 2.
-        if (not isinstance(layers, (tuple, list)) or
-                any(not isinstance(i, (int, np.integer)) or isinstance(i, bool) for i in layers)):
+        if not isinstance(layers, (tuple, list)) or any(not is_int(i) for i in layers):
             raise TypeError(f"DecodeConfig.hidden_layers must be a tuple of layer indices, got {layers!r}")
         layers = tuple(int(i) for i in layers)
         if any(i < 0 for i in layers) or len(set(layers)) != len(layers):
@@ -1015,7 +1013,7 @@ def _check_prompt_types(prompts) -> None:
             hint = " (for one prompt pass [ids], a list holding one list)" if isinstance(p, (int, np.integer)) else ""
             raise TypeError(f"prompt {i} must be a list of token ids, got {type(p).__name__}{hint}")
         for t in p:
-            if not isinstance(t, (int, np.integer)) or isinstance(t, bool):
+            if not is_int(t):
                 raise TypeError(f"prompt {i} holds {t!r} ({type(t).__name__}): token ids must be integers")
 
 
@@ -1521,8 +1519,7 @@ class Decoder:
         finished rows are complete.
         """
         _check_state(state, "run")
-        if rounds_per_call is not None and (not isinstance(rounds_per_call, (int, np.integer)) or
-                                            isinstance(rounds_per_call, bool)):  # 1.5 and True ran as 1
+        if rounds_per_call is not None and not is_int(rounds_per_call):  # 1.5 and True ran as 1
             raise TypeError(f"rounds_per_call must be an int or None, got {rounds_per_call!r}")
         if rounds_per_call is not None and rounds_per_call < 1:
             raise ValueError(f"rounds_per_call must be >= 1, got {rounds_per_call}")
@@ -1638,7 +1635,7 @@ class Decoder:
         resumed. Ctrl-C: `Interrupted`, as `generate_continuous` raises it. Bad arguments raise
         here, before the first result is asked for."""
         self._check_prompts(prompts)
-        if not isinstance(batch_size, (int, np.integer)) or isinstance(batch_size, bool) or batch_size < 1:
+        if not is_int(batch_size) or batch_size < 1:
             raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
         if batch_size % self.row_multiple:
             raise ValueError(f"batch_size {batch_size} must be a multiple of the mesh's data axis "

@@ -48,6 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from tevjax.checks import is_int, is_real
 from tevjax.models.cache import KVCache, write_slots
 from tevjax.models.config import ModelConfig, RopeScaling, read_config_json, with_overrides
 from tevjax.models.layers import NEG_INF, RMSNorm, Rope, SwiGLU, apply_rope, matmul_precision
@@ -176,15 +177,13 @@ class DFlashConfig:
             value = getattr(self, name)
             if value is None and name == "final_logit_softcapping":
                 continue
-            if (not isinstance(value, (int, float, np.integer, np.floating)) or isinstance(value, bool)
-                    or not (math.isfinite(value) and value > 0)):
+            if not is_real(value) or not (math.isfinite(value) and value > 0):
                 raise ValueError(f"DFlashConfig.{name} must be a finite number > 0, got {value!r}")
         # int() would read layer 1.7 as 1 and True as 1.
-        if not isinstance(self.target_layer_ids, (tuple, list)) or any(
-                not isinstance(i, (int, np.integer)) or isinstance(i, bool) for i in self.target_layer_ids):
+        if not isinstance(self.target_layer_ids, (tuple, list)) or not all(map(is_int, self.target_layer_ids)):
             raise ValueError(f"DFlashConfig.target_layer_ids must be a tuple of layer indices, got "
                              f"{self.target_layer_ids!r}")
-        if not isinstance(self.mask_token_id, (int, np.integer)) or isinstance(self.mask_token_id, bool):
+        if not is_int(self.mask_token_id):
             raise ValueError(f"DFlashConfig.mask_token_id must be a token id, got {self.mask_token_id!r}")
         ids = tuple(int(i) for i in self.target_layer_ids)
         if not ids or any(i < 0 for i in ids):

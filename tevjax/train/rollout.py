@@ -55,6 +55,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tevjax.checks import is_int
 from tevjax.models.cache import KVCache
 from tevjax.models.dflash import tapped_hidden
 from tevjax.models.layers import causal_mask
@@ -116,7 +117,7 @@ class RolloutConfig:
         for name in ("num_prompts", "heldout_prompts", "heldout_records", "max_new_tokens", "max_prompt_tokens",
                      "batch_size"):  # a str or float here would pass comparisons and fail far later
             value = getattr(self, name)
-            if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
+            if not is_int(value):
                 raise TypeError(f"RolloutConfig.{name} must be an int, got {value!r}")
             object.__setattr__(self, name, int(value))  # a NumPy int would not go into the JSON manifest
         for name in ("num_prompts", "max_new_tokens", "max_prompt_tokens", "batch_size"):
@@ -128,7 +129,7 @@ class RolloutConfig:
             raise ValueError(f"RolloutConfig.{e}") from None
         if not isinstance(self.taps, (tuple, list)):
             raise ValueError(f"RolloutConfig.taps must be a tuple of target layer indices, got {self.taps!r}")
-        if any(not isinstance(t, (int, np.integer)) or isinstance(t, bool) or t < 0 for t in self.taps or ()):
+        if any(not is_int(t) or t < 0 for t in self.taps or ()):
             raise ValueError(f"RolloutConfig.taps must be target layer indices >= 0, got {self.taps!r}")
         if self.heldout_prompts < 0 or not 0 <= self.heldout_records <= self.heldout_prompts:
             raise ValueError(f"need 0 <= heldout_records ({self.heldout_records}) <= heldout_prompts "

@@ -41,6 +41,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from tevjax.checks import is_int, is_real
 from tevjax.decode.engine import draft_trees
 from tevjax.law import edge_stats, law_from_edges
 from tevjax.models.cache import KVCache
@@ -102,7 +103,7 @@ class TrainConfig:
         object.__setattr__(self, "seed", int(self.seed))
         for name in ("steps", "batch_size", "anchors", "seq_len", "exit_budget", "exit_anchors"):
             value = getattr(self, name)
-            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ValueError(f"TrainConfig.{name} must be a positive int, got {value!r}")
             object.__setattr__(self, name, int(value))  # NumPy ints work as ints do; stored as Python's
         for name in ("lr", "warmup", "weight_decay", "b1", "b2", "clip_norm", "gamma", "distill", "exit_lambda",
@@ -111,7 +112,7 @@ class TrainConfig:
             if value is None and name == "gamma":
                 continue
             # float() would read True as 1.0 and "0.1" as 0.1, or fail without naming the field.
-            if not isinstance(value, (int, float, np.integer, np.floating)) or isinstance(value, bool):
+            if not is_real(value):
                 raise TypeError(f"TrainConfig.{name} must be a number, got {value!r} ({type(value).__name__})")
             object.__setattr__(self, name, float(value))
         for name in ("lr", "clip_norm", "exit_temperature"):
@@ -141,7 +142,7 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.exit_anchors ({self.exit_anchors}) exceeds anchors ({self.anchors})")
         if self.exit_sequences is not None:
             n = self.exit_sequences
-            if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1 or self.batch_size % n:
+            if not is_int(n) or n < 1 or self.batch_size % n:
                 raise ValueError(f"TrainConfig.exit_sequences must be a positive divisor of batch_size "
                                  f"({self.batch_size}) or None, got {n!r}")
             object.__setattr__(self, "exit_sequences", int(n))
