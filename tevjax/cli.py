@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tevjax.checks import first_repeat
 from tevjax.tree import valid_temperature
 from tevjax.verifiers import VERIFIERS
 
@@ -187,7 +188,7 @@ def _int_list(name, minimum):
             raise argparse.ArgumentTypeError(f"{name} must all be >= {minimum}, got {text!r}")
         # A repeated tap would feed a drafter one layer twice (and `tevjax data` failed only after
         # writing its plan); a repeated budget was measured once.
-        twice = next((v for i, v in enumerate(values) if v in values[:i]), None)
+        twice = first_repeat(values)
         if twice is not None:
             raise argparse.ArgumentTypeError(f"{name} lists {twice} twice, got {text!r}")
         return values
@@ -575,8 +576,9 @@ def _read_prompts(args) -> tuple[list[str | list[int]], list[str], list[dict[str
     # One prompt per "\n"-terminated line: str.splitlines() would also split at form feeds,
     # U+2028 and other characters that belong inside a prompt.
     prompts, where, settings = [], [], []
-    jsonl = args.batch_file.suffix.lower() == ".jsonl"
-    if args.batch_file.suffix.lower() == ".json":  # read as text, each of its lines would be a prompt
+    suffix = args.batch_file.suffix.lower()
+    jsonl = suffix == ".jsonl"
+    if suffix == ".json":  # read as text, each of its lines would be a prompt
         raise CliError(f"--batch-file {name!r}: a .json file is not a batch file: give a text file (one prompt per "
                        "line) or a .jsonl file (one JSON object per line)")
     for n, line in enumerate(text.split("\n"), start=1):
@@ -605,10 +607,10 @@ class _RepeatedKey(ValueError):
 
 def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     """json.loads's object_pairs_hook: the object, unless it repeats a key."""
-    obj = dict(pairs)
-    if len(obj) < len(pairs):
-        raise _RepeatedKey(next(k for i, (k, _) in enumerate(pairs) if k in dict(pairs[:i])))
-    return obj
+    twice = first_repeat(k for k, _ in pairs)
+    if twice is not None:
+        raise _RepeatedKey(twice)
+    return dict(pairs)
 
 
 def _jsonl_record(line: str, where: str, args) -> tuple[str | list[int], dict[str, Any]]:
@@ -1099,11 +1101,9 @@ def cmd_train(args) -> int:
         raise CliError(f"--exit-weight {args.exit_weight!r} is not one of {', '.join(EXIT_WEIGHTS)}")
     if not args.data.is_dir():
         raise CliError(f"--data {str(args.data)!r}: no such directory")
-    import jax
-
     from tevjax.train.run import check_run_out
 
-    if jax.process_count() == 1:
+    if jax_process_count() == 1:
         # Before the target loads (as `cmd_data`'s --out); a multi-host job checks it in `train`,
         # once every host is known to see one directory.
         check_run_out(args.out, args.resume)

@@ -13,10 +13,11 @@ import dataclasses
 import functools
 import json
 import math
-import numbers
 import os
 from collections.abc import Mapping
 from typing import Any
+
+from tevjax.checks import is_real
 
 __all__ = ["ModelConfig", "RopeScaling", "ROPE_TYPES", "PRESETS", "SUPPORTED_ARCHITECTURES", "read_config_json",
            "text_config", "yarn_mscale"]
@@ -381,8 +382,7 @@ class ModelConfig:
         if not (math.isfinite(float(self.rms_norm_eps)) and float(self.rms_norm_eps) >= 0):
             raise ValueError(f"ModelConfig.rms_norm_eps must be a finite number >= 0, got {self.rms_norm_eps!r}")
         theta = self.rope_theta  # NaN, 0 or a negative base would give NaN rotations, hence NaN logits
-        if (isinstance(theta, bool) or not isinstance(theta, numbers.Real)
-                or not (math.isfinite(theta) and theta > 0)):
+        if not is_real(theta) or not (math.isfinite(theta) and theta > 0):
             raise ValueError(f"ModelConfig.rope_theta must be a finite number > 0, got {theta!r}")
         object.__setattr__(self, "sliding_layers", tuple(int(i) for i in self.sliding_layers))
         object.__setattr__(self, "nope_layers", tuple(int(i) for i in self.nope_layers))

@@ -55,7 +55,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tevjax.checks import is_int
+from tevjax.checks import first_repeat, is_int
 from tevjax.models.cache import KVCache
 from tevjax.models.dflash import tapped_hidden
 from tevjax.models.layers import causal_mask
@@ -137,7 +137,7 @@ class RolloutConfig:
         if not self.taps:
             raise ValueError("taps must name at least one target layer")
         object.__setattr__(self, "taps", tuple(int(t) for t in self.taps))
-        twice = next((t for i, t in enumerate(self.taps) if t in self.taps[:i]), None)
+        twice = first_repeat(self.taps)
         if twice is not None:  # the target's forward refuses them, after the plan is written
             raise ValueError(f"RolloutConfig.taps lists layer {twice} twice, got {self.taps!r}")
 
