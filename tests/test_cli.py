@@ -57,6 +57,7 @@ def _run(capsys, *argv):
         (["generate", "--prompt", "hi", "--drafter", "/no/such/drafter"], "no such checkpoint directory"),
         (["generate", "--prompt", "hi", "--target", "/no/such/model"], "--target '/no/such/model': not a directory"),
         (["generate", "--batch-file", "/no/such/file.txt"], "no such file"),
+        (["generate", "--batch-file", "/"], "--batch-file '/': a directory, not a file"),
         (["generate"], "one of the arguments --prompt --prompt-ids --batch-file is required"),
         (["generate", "--prompt", "hi", "--seed", "-1"], "--seed must be in [0, 2**64) = [0, 18446744073709551615], got -1"),
         (["generate", "--prompt", "hi", "--seed", "18446744073709551616"], "got 18446744073709551616"),

@@ -820,6 +820,9 @@ def test_prompt_and_config_types_are_checked(models):
             DecodeConfig(eos_ids=eos)
     assert DecodeConfig(eos_ids=[2, np.int64(3)]).eos_ids == (2, 3)  # a list is kept as a (hashable) tuple
     target, drafter = models
+    v = target.cfg.vocab_size
+    with pytest.raises(ValueError, match=rf"eos_ids \(2, {v}\) holds ids outside the target's vocabulary \[0, {v}\)"):
+        Decoder(target, drafter, DecodeConfig(eos_ids=(2, v)))
     for args, message in (((None, None, DecodeConfig()), "target must be a Transformer, got NoneType"),
                           ((target, target, DecodeConfig()), "drafter must be a DFlashDrafter or None, got Transformer"),
                           ((target, None, {"budget": 4}), "cfg must be a DecodeConfig, got dict")):

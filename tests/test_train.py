@@ -878,6 +878,8 @@ def test_two_device_step_equals_one_device_step(tmp_path, data_dir):
 
 @pytest.mark.parametrize("argv, message", [
     (["train", "--data", "/nonexistent", "--out", "/tmp/x", "--steps", "2"], "--data '/nonexistent': no such directory"),
+    (["train", "--data", "/dev/null", "--out", "/tmp/x", "--steps", "2"],
+     "--data '/dev/null': a file, not a `tevjax data` directory"),
     (["train", "--data", ".", "--out", "/tmp/x", "--steps", "0"], "--steps must be >= 1"),
     (["train", "--data", ".", "--out", "/tmp/x", "--steps", "2", "--exit-weight", "bogus"], "--exit-weight 'bogus'"),
     (["train", "--data", ".", "--out", "/tmp/x", "--steps", "2", "--anchors", "4", "--exit-anchors", "5"],
@@ -896,6 +898,11 @@ def test_two_device_step_equals_one_device_step(tmp_path, data_dir):
     (["train", "--data", ".", "--out", "/tmp/x", "--steps", "2", "--seed", "-1"], "--seed must be in [0, 2**64)"),
     (["train", "--data", ".", "--out", "/tmp/x", "--steps", "2", "--init", ".", "--mask-token", "3"],
      "--mask-token chooses a fresh drafter's mask token"),
+    # Settings of a fresh drafter: an --init drafter keeps its own, so they would be ignored.
+    (["train", "--data", ".", "--out", "/tmp/x", "--steps", "2", "--init", ".", "--taps", "1"],
+     "--taps chooses a fresh drafter's target layers"),
+    (["train", "--data", ".", "--out", "/tmp/x", "--steps", "2", "--init", ".", "--block-size", "8"],
+     "--block-size chooses a fresh drafter's block size"),
     (["data", "--num-prompts", "3", "--out", "/tmp/x", "--seed", "18446744073709551616"], "--seed must be in [0, 2**64)"),
     (["eval", "--seed", "x"], "--seed must be an integer"),
     (["train", "export", "/nonexistent", "/tmp/y"], "no run.json"),
@@ -911,6 +918,22 @@ def test_cli_errors_are_one_line(capsys, argv, message):
     assert code == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1, err
+
+
+def test_train_taps_must_be_stored_in_the_data(capsys, tmp_path):
+    """--taps naming a layer the data directory does not store is refused by its flag, from the
+    manifest alone, before the target loads (a stand-in manifest: nothing else is read)."""
+    from tevjax.train.rollout import FORMAT_VERSION, MANIFEST
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / MANIFEST).write_text(json.dumps({"format": FORMAT_VERSION, "rollout": {"taps": [1, 8, 29]}, "shards": {},
+                                             "target_config": {"hidden_size": 4, "vocab_size": 9, "num_layers": 30}}))
+    code = main(["train", "--data", str(data), "--out", str(tmp_path / "run"), "--steps", "2", "--taps", "8,9,10"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert f"--taps 8,9,10: --data '{data}' stores the target layers 1,8,29 only" in err, err
+    assert not (tmp_path / "run").exists()
 
 
 def test_train_flags_reach_the_train_config(monkeypatch, capsys, tmp_path):

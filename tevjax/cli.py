@@ -446,7 +446,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--layers", type=_positive_int("--layers"), default=None,
                     help="drafter layers (default 1); with --init, more layers than the drafter has appends new "
                          "ones that start as the identity (a deeper drafter warm-started from a trained one)")
-    tr.add_argument("--block-size", type=_positive_int("--block-size"), default=16)
+    tr.add_argument("--block-size", type=_positive_int("--block-size"), default=None,
+                    help="a fresh drafter's block size (default 16)")
     tr.add_argument("--taps", type=_int_list("--taps", 0), default=None,
                     help="target layers the drafter reads (default: every layer stored in --data)")
     tr.add_argument("--init", default=None, help="start from this DFlash drafter directory instead of a fresh one")
@@ -565,7 +566,8 @@ def _read_prompts(args) -> tuple[list[str | list[int]], list[str], list[dict[str
         return [args.prompt], ["--prompt"], [{}]
     name = str(args.batch_file)
     if not args.batch_file.is_file():
-        raise CliError(f"--batch-file {name!r}: no such file")
+        raise CliError(f"--batch-file {name!r}: " + ("a directory, not a file" if args.batch_file.is_dir() else
+                                                     "no such file"))
     raw = args.batch_file.read_bytes()
     try:
         text = raw.decode("utf-8")
@@ -1100,7 +1102,8 @@ def cmd_train(args) -> int:
     if args.exit_weight not in EXIT_WEIGHTS:
         raise CliError(f"--exit-weight {args.exit_weight!r} is not one of {', '.join(EXIT_WEIGHTS)}")
     if not args.data.is_dir():
-        raise CliError(f"--data {str(args.data)!r}: no such directory")
+        raise CliError(f"--data {str(args.data)!r}: " + ("a file, not a `tevjax data` directory" if args.data.exists()
+                                                         else "no such directory"))
     from tevjax.train.run import check_run_out
 
     if jax_process_count() == 1:
@@ -1116,6 +1119,10 @@ def cmd_train(args) -> int:
         raise CliError("--draft-vocab chooses a fresh drafter's vocabulary; an --init drafter keeps its own")
     if args.init is not None and args.mask_token is not None:
         raise CliError("--mask-token chooses a fresh drafter's mask token; an --init drafter keeps its own")
+    if args.init is not None and args.taps is not None:
+        raise CliError("--taps chooses a fresh drafter's target layers; an --init drafter keeps its own")
+    if args.init is not None and args.block_size is not None:
+        raise CliError("--block-size chooses a fresh drafter's block size; an --init drafter keeps its own")
     if args.init is not None and args.layers is not None:  # checked before the target is loaded
         from tevjax.models.config import read_config_json
 
@@ -1150,6 +1157,10 @@ def cmd_train(args) -> int:
         raise CliError(re.sub(r"TrainConfig\.(\w+)", lambda m: "--" + flags.get(m[1], m[1]).replace("_", "-"),
                               str(e))) from None
     manifest = read_manifest(args.data)
+    stored = tuple(manifest["rollout"]["taps"])
+    if args.taps is not None and any(t not in stored for t in args.taps):
+        raise CliError(f"--taps {','.join(map(str, args.taps))}: --data {str(args.data)!r} stores the target layers "
+                       f"{','.join(map(str, stored))} only (regenerate with `tevjax data --taps ...`)")
     mesh = _mesh(args, default_all=True)
     loaded = load_target(args.target, dtype=args.dtype, mesh=mesh)
     if manifest["target_config"]["vocab_size"] != loaded.target_cfg.vocab_size or \
@@ -1160,12 +1171,12 @@ def cmd_train(args) -> int:
         if args.layers is not None and args.layers > drafter.cfg.num_layers:
             drafter = grow_drafter(drafter, args.layers, rngs=nnx.Rngs(args.seed))
     else:
-        taps = args.taps or tuple(manifest["rollout"]["taps"])
+        taps = args.taps or stored
         vocab_size = loaded.target_cfg.vocab_size
         if args.draft_vocab > vocab_size:
             raise CliError(f"--draft-vocab {args.draft_vocab} exceeds the target's vocabulary ({vocab_size})")
-        dcfg = DFlashConfig.for_target(loaded.target_cfg, num_layers=args.layers or 1, block_size=args.block_size,
-                                       mask_token_id=_mask_token(args, loaded),
+        dcfg = DFlashConfig.for_target(loaded.target_cfg, num_layers=args.layers or 1,
+                                       block_size=args.block_size or 16, mask_token_id=_mask_token(args, loaded),
                                        target_layer_ids=taps, dtype=args.dtype, param_dtype="float32",
                                        draft_vocab_size=args.draft_vocab or None)
         vocab = None

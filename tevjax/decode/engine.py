@@ -1073,6 +1073,11 @@ class Decoder:
                 raise TypeError(f"Decoder: {name} must be a {want}, got {type(value).__name__}")
         if drafter is not None:
             drafter.cfg.check_target(target.cfg)
+        # An end-of-sequence id past the vocabulary is never sampled: the rows would run to
+        # max_new_tokens in silence.
+        if any(e >= target.cfg.vocab_size for e in cfg.eos_ids):
+            raise ValueError(f"DecodeConfig.eos_ids {cfg.eos_ids} holds ids outside the target's vocabulary "
+                             f"[0, {target.cfg.vocab_size})")
         if cfg.stop and spellings is None:
             raise ValueError(f"DecodeConfig.stop = {cfg.stop!r} needs the tokens' bytes: Decoder(..., spellings="
                              "tevjax.convert.tokenizer.token_bytes(tokenizer))")
