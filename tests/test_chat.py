@@ -62,7 +62,8 @@ def test_each_reply_continues_the_whole_conversation(text_target_dir, replies, m
 
     monkeypatch.setattr(engine.Decoder, "_reused_prefix", spy)
     lines = ["hello world", "", "/help", "12 hello", "/nonsense", "/reset", "12 hello", "/exit", "never read"]
-    out, err = _chat(monkeypatch, capsys, text_target_dir, lines, "--max-new-tokens", "10", "--budget", "4",
+    tree = ["--budget", "4"] if verifier != "ar" else []  # refused without a drafter
+    out, err = _chat(monkeypatch, capsys, text_target_dir, lines, "--max-new-tokens", "10", *tree,
                      "--verifier", verifier)
     first = replies([_user("hello world")])
     second = replies([_user("hello world"), _assistant(first), _user("12 hello")])

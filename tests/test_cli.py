@@ -110,6 +110,86 @@ def test_the_multi_host_timeouts_reach_the_join(monkeypatch, capsys, command):
     assert [(k["timeout_s"], k["heartbeat_timeout_s"]) for k in seen] == [(9.5, 7), (300.0, 100)]
 
 
+TRAIN = ["train", "--data", "d", "--out", "o", "--steps", "5"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    # Drafter flags without a drafter (--verifier ar).
+    (["generate", "--prompt", "hi", "--verifier", "ar", "--budget", "4", "--fallback-rounds", "2"],
+     "--budget, --fallback-rounds: read only with a drafter, and --verifier ar decodes without one"),
+    (["generate", "--prompt", "hi", "--verifier", "ar", "--drafter", "/no/such/drafter", "--corpus", "0",
+      "--fallback-below", "1"], "--drafter, --corpus, --fallback-below: read only with a drafter"),
+    (["chat", "--verifier", "ar", "--lookup", "0"], "--lookup: read only with a drafter, and --verifier ar"),
+    # --fallback-rounds where nothing falls back.
+    (["generate", "--prompt", "hi", "--fallback-below", "0", "--fallback-rounds", "2"],
+     "--fallback-rounds 2 does nothing: --fallback-below is 0"),
+    (["eval", "--fallback-rounds", "2"], "--fallback-rounds 2 does nothing: --fallback-below is not given"),
+    (["eval", "--fallback-below", "0", "--fallback-rounds", "3"], "--fallback-rounds 3 does nothing"),
+    # generate's batch and chat-template flags without a batch file or text.
+    (["generate", "--prompt", "hi", "--batch-size", "2"], "--batch-size needs --batch-file"),
+    (["generate", "--prompt-ids", "1,2", "--chat"], "--chat wraps text prompts in the chat template, and --prompt-ids"),
+    # demo's model-part flags with --skip-models.
+    (["demo", "--skip-models", "--budget", "4", "--repeats", "2"],
+     "--budget, --repeats: read only by the model part, which --skip-models leaves out"),
+    (["demo", "--skip-models", "--max-new-tokens", "5", "--corpus", "0"], "--max-new-tokens, --corpus: read only"),
+    # The exit loss's flags with the exit loss off, and --until past the last step.
+    ([*TRAIN, "--exit-lambda", "0", "--exit-top-p", "0.9", "--exit-sequences", "2"],
+     "--exit-top-p, --exit-sequences: read only by the exit loss, which --exit-lambda 0 turns off"),
+    ([*TRAIN, "--exit-lambda", "0", "--exit-weight", "w"], "--exit-weight: read only by the exit loss"),
+    ([*TRAIN, "--until", "6"], "--until 6 is past --steps 5"),
+    # Multi-host flags without a job to join.
+    (["generate", "--prompt", "hi", "--num-processes", "2", "--process-id", "1"],
+     "--num-processes, --process-id: no multi-host job to join"),
+    (["eval", "--join-timeout", "5"], "--join-timeout: no multi-host job to join"),
+    (["train", "--data", "d", "--out", "o", "--steps", "1", "--heartbeat-timeout", "9"],
+     "--heartbeat-timeout: no multi-host job to join"),
+])
+def test_a_flag_the_other_flags_make_useless_is_refused_before_loading(monkeypatch, capsys, argv, message):
+    """A flag that the command would accept and then never read, given the other flags (a drafter's
+    flag without a drafter, an exit-loss flag with the exit loss off, ...), is one error naming it,
+    before any model loads."""
+    import tevjax.loading as loading
+
+    for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "SLURM_JOB_ID",
+                 "OMPI_COMM_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    for name in ("load_models", "load_target"):
+        monkeypatch.setattr(loading, name, lambda *a, **k: pytest.fail("a model was loaded"))
+    code, _, err = _run(capsys, *argv)
+    assert code == 2 and message in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_flags_that_are_not_given_keep_their_defaults(monkeypatch, capsys, tmp_path):
+    """The flags whose default became "not given" (None) still decode and train with the stated
+    defaults: demo's 64 tokens, budget 8 and 3 repeats; train's exit loss settings, also where
+    --exit-lambda 0 is given alone."""
+    import tevjax.demo as demo
+    import tevjax.train.step as step
+
+    seen = []
+    monkeypatch.setattr(demo, "main", lambda **kw: seen.append(kw) or 0)
+    assert _run(capsys, "demo")[0] == 0
+    assert _run(capsys, "demo", "--skip-models")[0] == 0
+    assert [(kw["max_new_tokens"], kw["budget"], kw["repeats"], kw["skip_models"]) for kw in seen] == \
+        [(64, 8, 3, False), (64, 8, 3, True)]
+
+    def config(**kw):
+        seen.append(kw)
+        raise ValueError("refused by the test's stand-in")
+
+    monkeypatch.setattr(step, "TrainConfig", config)
+    seen.clear()
+    for extra in ([], ["--exit-lambda", "0"]):
+        code, _, err = _run(capsys, "train", "--data", str(tmp_path), "--out", str(tmp_path / "run"), "--steps", "5",
+                            *extra)
+        assert code == 2 and "refused by the test's stand-in" in err, err
+    want = dict(exit_weight="w", exit_budget=8, exit_temperature=1.0, exit_top_k=0, exit_top_p=1.0, exit_min_p=0.0,
+                exit_anchors=8, exit_sequences=None)
+    assert [{k: kw[k] for k in want} for kw in seen] == [want, want]
+    assert [kw["exit_lambda"] for kw in seen] == [0.1, 0.0]
+
+
 def test_help_lists_the_commands_users_type(capsys):
     code, out, _ = _run(capsys, "--help")
     assert code == 0 and "{generate,chat,data,train,eval,demo}" in out
@@ -386,6 +466,8 @@ def test_generate_uses_the_drafters_corpus_by_default(capsys, tiny_dir, tmp_path
     code, out, err = _run(capsys, *argv)
     assert code == 0, err
     assert json.loads(out.strip().splitlines()[-1])["corpus"] == 0  # no corpus file: off
+    code, _, err = _run(capsys, *argv, "--corpus", "2")  # asked for, but there is no chain to draw
+    assert code == 2 and "--corpus 2: the drafter has no corpus table" in err, err
     answer = [1, 2, 3] + reference.tokens
     np.savez(tmp_path / "drafter" / "corpus.npz", tokens=np.array(answer * 2), offsets=np.array([0, len(answer),
              2 * len(answer)]), starts=np.array([3, 3]))
@@ -835,8 +917,9 @@ def test_eval_hands_every_flag_to_evaluate(monkeypatch, capsys, tiny_dir, tmp_pa
 
     _, model = tiny_dir
     seen = {}
+    # A stand-in corpus table: --corpus is refused without one.
     models = loading.LoadedModels(target_cfg=model.cfg, target=model, tokenizer=None, drafter=None,
-                                  drafter_trained=False, eos_ids=(2,), notes=["from the stand-in"])
+                                  drafter_trained=False, eos_ids=(2,), notes=["from the stand-in"], ngrams=object())
 
     def load(target, drafter, **kw):
         seen["load"] = (target, drafter)
@@ -867,8 +950,8 @@ def test_eval_hands_every_flag_to_evaluate(monkeypatch, capsys, tiny_dir, tmp_pa
     # The defaults: no chains asked for (each budget's own), no fallback (tau measures the trees).
     code, out, err = _run(capsys, "eval", "--prompts", str(f), "--json")
     assert code == 0 and seen["load"] == ("smollm2", None) and seen["texts"] == ["a", "b", "c", "d"], err
-    assert {k: seen["kw"][k] for k in ("lookup", "corpus", "fallback_below", "seed", "batch_size")} == \
-        {"lookup": None, "corpus": None, "fallback_below": 0.0, "seed": 0, "batch_size": 1}
+    assert {k: seen["kw"][k] for k in ("lookup", "corpus", "fallback_below", "fallback_rounds", "seed", "batch_size")} \
+        == {"lookup": None, "corpus": None, "fallback_below": 0.0, "fallback_rounds": 4, "seed": 0, "batch_size": 1}
     # --seed also draws the gsm problems (reasoning-gym is a stand-in).
     gym = types.SimpleNamespace(create_dataset=lambda name, size, seed: [{"question": f"q{seed}"}] * size)
     monkeypatch.setitem(sys.modules, "reasoning_gym", gym)
@@ -944,8 +1027,8 @@ def test_the_position_limits_are_exact(capsys, tiny_dir):
     assert code == 2 and "prompt 0 (--prompt-ids) is 52 tokens" in err, err
     code, _, err = _run(capsys, *base, "--prompt-ids", "3", "--max-new-tokens", "59")
     assert code == 2 and "--max-new-tokens 59 + 5 tree slots (--budget 4 + root) need 65 positions" in err, err
-    code, _, err = _run(capsys, *base, "--prompt-ids", "3", "--max-new-tokens", "59", "--verifier", "ar")
-    assert code == 0, err  # 1 + 59 + the next token's slot = 61
+    code, _, err = _run(capsys, *base[:3], *base[5:], "--prompt-ids", "3", "--max-new-tokens", "59", "--verifier", "ar")
+    assert code == 0, err  # 1 + 59 + the next token's slot = 61 (no --budget: refused without a drafter)
 
 
 def test_number_flags_take_their_bounds():

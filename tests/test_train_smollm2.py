@@ -59,7 +59,8 @@ def test_data_train_interrupt_resume_export_generate(tmp_path, capsys):
 
     outs = {}
     for verifier in ("tev", "ar"):
-        res = _cli("generate", "--drafter", str(drafter), "--prompt", "Name three colours.", "--max-new-tokens", "24",
+        given = ["--drafter", str(drafter)] if verifier != "ar" else []  # refused without a drafter
+        res = _cli("generate", *given, "--prompt", "Name three colours.", "--max-new-tokens", "24",
                    "--verifier", verifier, "--json")
         assert res.returncode == 0, res.stderr[-2000:]
         outs[verifier] = json.loads(res.stdout.strip().splitlines()[-1])

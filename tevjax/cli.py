@@ -102,11 +102,51 @@ def _fallback_below(args, trained: bool, temperatures: list[float] | None = None
     return CPU_FALLBACK_BELOW if jax.default_backend() == "cpu" and (sampling or not trained) else 0.0
 
 
+FALLBACK_ROUNDS = 4  # --fallback-rounds' default
+
+
 def _add_fallback_args(parser, default: str) -> None:
     parser.add_argument("--fallback-below", type=_nonnegative_float("--fallback-below"), default=None,
                         help=FALLBACK_HELP % default)
-    parser.add_argument("--fallback-rounds", type=_positive_int("--fallback-rounds"), default=4,
-                        help="plain rounds after an estimate below --fallback-below (default 4)")
+    # None: not given (FALLBACK_ROUNDS), so that it is refused where the fallback is off (_fallback_rounds).
+    parser.add_argument("--fallback-rounds", type=_positive_int("--fallback-rounds"), default=None,
+                        help=f"plain rounds after an estimate below --fallback-below (default {FALLBACK_ROUNDS})")
+
+
+def _fallback_rounds(args, *, off_by_default: bool) -> int:
+    """--fallback-rounds, or its default. Refused where no fallback happens (--fallback-below 0, or
+    not given where `off_by_default`, as in eval): it would be accepted and do nothing."""
+    if args.fallback_rounds is not None and (args.fallback_below == 0 or
+                                             (args.fallback_below is None and off_by_default)):
+        why = "is 0" if args.fallback_below == 0 else "is not given (default 0 here)"
+        raise CliError(f"--fallback-rounds {args.fallback_rounds} does nothing: --fallback-below {why}, so decoding "
+                       "never falls back to plain rounds; give --fallback-below above 0, or leave out "
+                       "--fallback-rounds")
+    return FALLBACK_ROUNDS if args.fallback_rounds is None else args.fallback_rounds
+
+
+# The flags that only a drafter reads (generate and chat): with --verifier ar they would do nothing.
+DRAFTER_FLAGS = ("drafter", "budget", "lookup", "corpus", "fallback_below", "fallback_rounds")
+
+
+def _given(args, names) -> list[str]:
+    """The flags among `names` (argparse dests whose default is None: not given) that were given."""
+    return [f"--{name.replace('_', '-')}" for name in names if getattr(args, name) is not None]
+
+
+def _check_drafter_flags(args, speculative: bool) -> None:
+    """Refuses the drafter's flags without a drafter (--verifier ar), before the target loads."""
+    given = _given(args, DRAFTER_FLAGS)
+    if not speculative and given:
+        raise CliError(f"{', '.join(given)}: read only with a drafter, and --verifier {AUTOREGRESSIVE} decodes "
+                       f"without one; leave out {', '.join(given)}, or choose a verifier")
+
+
+def _check_corpus(args, ngrams) -> None:
+    """Refuses a corpus chain where the drafter has no corpus table (`corpus_for` would make it 0)."""
+    if args.corpus and ngrams is None:
+        raise CliError(f"--corpus {args.corpus}: the drafter has no corpus table (corpus.npz in its directory), so "
+                       "there is no corpus chain; leave out --corpus, or give a --drafter with one")
 
 
 def _default_budget() -> int:
@@ -364,6 +404,10 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"tevjax: error: {message}\n")
 
 
+# `tevjax demo`'s model-part flags and their defaults (the flags' own defaults are None: not given).
+DEMO_DEFAULTS = {"max_new_tokens": 64, "budget": 8, "repeats": 3}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="tevjax", description="Lossless tree speculative decoding in JAX.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks of unexpected errors")
@@ -381,11 +425,12 @@ def build_parser() -> argparse.ArgumentParser:
                           '"prompt" (text) or "prompt_ids" (token ids, no chat template), and optionally the '
                           'prompt\'s own "temperature", "top_k", "top_p", "min_p", "max_new_tokens" (at most '
                           '--max-new-tokens) and "stop" (a list of strings, in place of --stop)')
-    gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
+    # None: not given (on), so that --chat with --prompt-ids, which has no text to wrap, is refused.
+    gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                      help="wrap text prompts in the model's chat template (default: on)")
     _add_decoding_args(gen, max_new_tokens=128, seed_help="sampling seed, an integer in [0, 2**64)")
-    gen.add_argument("--batch-size", type=_positive_int("--batch-size"), default=1,
-                     help="prompts decoded together (with --batch-file)")
+    gen.add_argument("--batch-size", type=_positive_int("--batch-size"), default=None,
+                     help="prompts decoded together (with --batch-file; default 1)")
     gen.add_argument("--continuous", action="store_true",
                      help="with --batch-file: continuous batching, --batch-size rows kept busy, a row taking the next "
                           "prompt as soon as its prompt ends; each prompt is printed as it ends, and its seconds run "
@@ -458,15 +503,18 @@ def build_parser() -> argparse.ArgumentParser:
                     help="fresh drafter: score only the K most frequent response tokens of --data (plus end-of-turn) "
                          "through those rows of the target's LM head; 0 = the whole vocabulary")
     tr.add_argument("--exit-lambda", type=_nonnegative_float("--exit-lambda"), default=0.1, help="0 = token loss only")
-    tr.add_argument("--exit-weight", default="w", help="w (default), w_depth, P_floored or P_rescaled")
-    tr.add_argument("--exit-budget", type=_positive_int("--exit-budget"), default=8, help="tree budget of the exit loss")
-    tr.add_argument("--exit-temperature", type=_positive_float("--exit-temperature"), default=1.0,
+    # The --exit-* flags' defaults are None (not given; EXIT_DEFAULTS), so that they are refused
+    # with --exit-lambda 0, which turns the exit loss off.
+    tr.add_argument("--exit-weight", default=None, help="w (default), w_depth, P_floored or P_rescaled")
+    tr.add_argument("--exit-budget", type=_positive_int("--exit-budget"), default=None,
+                    help="tree budget of the exit loss (default 8)")
+    tr.add_argument("--exit-temperature", type=_positive_float("--exit-temperature"), default=None,
                     help="target temperature of the exit loss's law (default 1)")
-    tr.add_argument("--exit-top-k", type=_nonnegative_int("--exit-top-k"), default=0,
+    tr.add_argument("--exit-top-k", type=_nonnegative_int("--exit-top-k"), default=None,
                     help="top-k of the exit loss's target law: the sampling you will decode with (default 0: off)")
-    tr.add_argument("--exit-top-p", type=_fraction("--exit-top-p", zero=False, one=True), default=1.0,
+    tr.add_argument("--exit-top-p", type=_fraction("--exit-top-p", zero=False, one=True), default=None,
                     help="top-p of the exit loss's target law (default 1: off)")
-    tr.add_argument("--exit-min-p", type=_fraction("--exit-min-p", zero=True, one=False), default=0.0,
+    tr.add_argument("--exit-min-p", type=_fraction("--exit-min-p", zero=True, one=False), default=None,
                     help="min-p of the exit loss's target law (default 0: off)")
     tr.add_argument("--exit-anchors", type=_positive_int("--exit-anchors"), default=None,
                     help="anchors per sequence with a tree, at most --anchors (default: 8, or --anchors if fewer)")
@@ -527,15 +575,18 @@ def build_parser() -> argparse.ArgumentParser:
     ev.set_defaults(func=cmd_eval)
 
     demo = sub.add_parser("demo", help="the main demonstration on the embedded default")
-    demo.add_argument("--max-new-tokens", type=_positive_int("--max-new-tokens"), default=64)
-    demo.add_argument("--budget", type=_positive_int("--budget"), default=8,
+    # None: not given (DEMO_DEFAULTS), so that the model part's flags are refused with --skip-models.
+    demo.add_argument("--max-new-tokens", type=_positive_int("--max-new-tokens"), default=None,
+                      help=f"per prompt and method (default {DEMO_DEFAULTS['max_new_tokens']})")
+    demo.add_argument("--budget", type=_positive_int("--budget"), default=None,
                       help="draft tree budget (8: the best measured speed of the shipped drafter on 2 CPU cores)")
     demo.add_argument("--lookup", type=_nonnegative_int("--lookup"), default=None, help=LOOKUP_HELP)
     demo.add_argument("--corpus", type=_nonnegative_int("--corpus"), default=None, help=CORPUS_HELP)
     demo.add_argument("--samples", type=_positive_int("--samples"), default=50_000,
                       help="verifier draws for the synthetic exit-law table")
-    demo.add_argument("--repeats", type=_positive_int("--repeats"), default=3,
-                      help="timed repeats per prompt and method (the speedup is their median)")
+    demo.add_argument("--repeats", type=_positive_int("--repeats"), default=None,
+                      help=f"timed repeats per prompt and method (the speedup is their median; default "
+                           f"{DEMO_DEFAULTS['repeats']})")
     demo.add_argument("--skip-models", action="store_true", help="only the synthetic exit-law part")
     demo.set_defaults(func=cmd_demo)
     return parser
@@ -727,6 +778,12 @@ def cmd_generate(args) -> int:
         raise CliError("--logprobs needs --json: the log-probabilities are a field of each JSON record")
     if args.continuous and args.batch_file is None:
         raise CliError("--continuous needs --batch-file (continuous batching refills rows from its prompts)")
+    if args.batch_size is not None and args.batch_file is None:
+        raise CliError("--batch-size needs --batch-file: --prompt and --prompt-ids give one prompt")
+    args.batch_size = args.batch_size or 1
+    if args.chat and args.prompt_ids is not None:
+        raise CliError("--chat wraps text prompts in the chat template, and --prompt-ids are token ids, used as "
+                       "they are: leave out --chat, or give --prompt")
     prompts, where, settings = _read_prompts(args)  # cheap checks before the (slow) model load
     # Each prompt's stop strings (a .jsonl record's "stop", else --stop): rows watch theirs among
     # the union of all (DecodeConfig.stop), which one automaton holds.
@@ -738,6 +795,8 @@ def cmd_generate(args) -> int:
     stops = tuple(dict.fromkeys(s for row in [tuple(args.stop or ()), *row_stops] for s in row))
     if len(stops) > MAX_STOPS:
         raise CliError(f"{len(stops)} distinct stop strings in --stop and the batch file: at most {MAX_STOPS}")
+    _check_drafter_flags(args, speculative)
+    args.fallback_rounds = _fallback_rounds(args, off_by_default=False)
     mesh = _mesh(args, default_all=False)
     if args.budget is None:
         args.budget = _default_budget()
@@ -757,7 +816,8 @@ def cmd_generate(args) -> int:
     load_seconds = time.perf_counter() - t0
     for note in models.notes:
         print(f"tevjax: note: {note}", file=sys.stderr)
-    ids = _encode(models, prompts, args.chat)
+    _check_corpus(args, models.ngrams)
+    ids = _encode(models, prompts, args.chat is not False)
     check_same("the prompts", ids)  # in a multi-host job: the same file on every host
     vocab = models.target_cfg.vocab_size
     limit = models.target_cfg.max_position_embeddings
@@ -927,6 +987,8 @@ def cmd_chat(args) -> int:
     speculative = args.verifier != AUTOREGRESSIVE
     if args.system is not None and not _utf8(args.system, "--system").strip():
         raise CliError("--system is empty")
+    _check_drafter_flags(args, speculative)
+    args.fallback_rounds = _fallback_rounds(args, off_by_default=False)
     if args.budget is None:
         args.budget = _default_budget()
     _check_positions(args, speculative)
@@ -941,6 +1003,7 @@ def cmd_chat(args) -> int:
     _moe_dispatch(args, models.target)
     for note in models.notes:
         print(f"tevjax: note: {note}", file=sys.stderr)
+    _check_corpus(args, models.ngrams)
     tok = models.tokenizer
     if tok is None or not getattr(tok, "chat_template", None):
         raise CliError(f"the target {args.target!r} has no tokenizer with a chat template, which a chat needs: "
@@ -1088,17 +1151,39 @@ def _join(args) -> bool:
     from tevjax.multihost import HEARTBEAT_TIMEOUT_S, JOIN_TIMEOUT_S, initialize_distributed
 
     try:
-        return initialize_distributed(args.coordinator, args.num_processes, args.process_id,
-                                      log=lambda m: print(f"tevjax: {m}", file=sys.stderr, flush=True),
-                                      timeout_s=args.join_timeout or JOIN_TIMEOUT_S,
-                                      heartbeat_timeout_s=args.heartbeat_timeout or HEARTBEAT_TIMEOUT_S)
+        joined = initialize_distributed(args.coordinator, args.num_processes, args.process_id,
+                                        log=lambda m: print(f"tevjax: {m}", file=sys.stderr, flush=True),
+                                        timeout_s=args.join_timeout or JOIN_TIMEOUT_S,
+                                        heartbeat_timeout_s=args.heartbeat_timeout or HEARTBEAT_TIMEOUT_S)
     except ValueError as e:
         raise CliError(str(e)) from None
+    # Without a job to join (no --coordinator, JAX_COORDINATOR_ADDRESS, SLURM or Open MPI) these
+    # would be read by nothing, and the command would run alone on this host.
+    given = _given(args, ("num_processes", "process_id", "join_timeout", "heartbeat_timeout"))
+    if not joined and given:
+        raise CliError(f"{', '.join(given)}: no multi-host job to join; give --coordinator, --num-processes and "
+                       f"--process-id (or set JAX_COORDINATOR_ADDRESS), or leave out {', '.join(given)}")
+    return joined
+
+
+# `train`'s --exit-* flags that only the exit loss reads, and their defaults where given none
+# (--exit-anchors' default depends on --anchors; --exit-sequences' is None, all sequences).
+EXIT_DEFAULTS = {"exit_weight": "w", "exit_budget": 8, "exit_temperature": 1.0, "exit_top_k": 0, "exit_top_p": 1.0,
+                 "exit_min_p": 0.0, "exit_anchors": None, "exit_sequences": None}
 
 
 def cmd_train(args) -> int:
     from tevjax.train.objectives import EXIT_WEIGHTS
 
+    given = _given(args, EXIT_DEFAULTS)
+    if args.exit_lambda == 0 and given:
+        raise CliError(f"{', '.join(given)}: read only by the exit loss, which --exit-lambda 0 turns off; give "
+                       f"--exit-lambda above 0, or leave out {', '.join(given)}")
+    for name, default in EXIT_DEFAULTS.items():
+        setattr(args, name, default if getattr(args, name) is None else getattr(args, name))
+    if args.until is not None and args.until > args.steps:
+        raise CliError(f"--until {args.until} is past --steps {args.steps}: the run ends at step {args.steps} "
+                       "anyway; give --until at most --steps, or more --steps")
     if args.exit_weight not in EXIT_WEIGHTS:
         raise CliError(f"--exit-weight {args.exit_weight!r} is not one of {', '.join(EXIT_WEIGHTS)}")
     if not args.data.is_dir():
@@ -1207,6 +1292,7 @@ def cmd_eval(args) -> int:
     from tevjax.evaluate import evaluate, format_table, load_eval_prompts
 
     _check_verifier(args.verifier, autoregressive=False)  # eval measures the baseline itself
+    fallback_rounds = _fallback_rounds(args, off_by_default=True)
     _note_truncation(args)
     mesh = _mesh(args, default_all=False)
     texts = load_eval_prompts(args.prompts, args.num_prompts, seed=args.seed)
@@ -1219,11 +1305,12 @@ def cmd_eval(args) -> int:
     _moe_dispatch(args, models.target)
     for note in models.notes:
         print(f"tevjax: note: {note}", file=sys.stderr)
+    _check_corpus(args, models.ngrams)
     result = evaluate(models, texts, budgets=args.budgets, temperature=args.temperature, top_k=args.top_k,
                       top_p=args.top_p, min_p=args.min_p, verifier=args.verifier,
                       max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, seed=args.seed,
                       lookup=args.lookup, corpus=args.corpus, fallback_below=args.fallback_below or 0.0,
-                      fallback_rounds=args.fallback_rounds,
+                      fallback_rounds=fallback_rounds,
                       log=lambda line: print(line, file=sys.stderr, flush=True), mesh=mesh)
     result["prompts"] = args.prompts
     if args.json:
@@ -1238,6 +1325,12 @@ def cmd_eval(args) -> int:
 def cmd_demo(args) -> int:
     from tevjax import demo
 
+    given = _given(args, (*DEMO_DEFAULTS, "lookup", "corpus"))
+    if args.skip_models and given:
+        raise CliError(f"{', '.join(given)}: read only by the model part, which --skip-models leaves out; "
+                       f"leave out {', '.join(given)}, or --skip-models")
+    for name, default in DEMO_DEFAULTS.items():
+        setattr(args, name, default if getattr(args, name) is None else getattr(args, name))
     _check_lookup(args)
     mismatches = demo.main(max_new_tokens=args.max_new_tokens, budget=args.budget, lookup=args.lookup,
                            corpus=args.corpus,
