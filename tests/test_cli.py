@@ -1090,6 +1090,10 @@ def test_a_chain_may_fill_the_budget_and_greedy_notes_only_real_cuts(capsys):
                           (1.0, dict(min_p=0.5), False)]:
         _note_truncation(SimpleNamespace(temperature=t, **{"top_k": 0, "top_p": 1.0, "min_p": 0.0, **cut}))
         assert ("change nothing when greedy" in capsys.readouterr().err) == noted, (t, cut)
+    # A .jsonl row that samples at its own temperature uses the flags: no note.
+    for rows, noted in [([0.0, 0.0], True), ([0.0, 1.0], False)]:
+        _note_truncation(SimpleNamespace(temperature=0.0, top_k=1, top_p=1.0, min_p=0.0), rows)
+        assert ("change nothing when greedy" in capsys.readouterr().err) == noted, rows
 
 
 def test_batch_file_kinds_and_blank_lines(tmp_path):

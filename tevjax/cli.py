@@ -169,11 +169,13 @@ def _check_lookup(args) -> None:
                            "tree nodes than the budget holds")
 
 
-def _note_truncation(args) -> None:
+def _note_truncation(args, temperatures: tuple[float, ...] | list[float] = ()) -> None:
+    """A note where --top-k / --top-p / --min-p are given and every row is greedy: --temperature 0,
+    and no .jsonl row (`temperatures`, each row's own or --temperature) samples with them."""
     from tevjax.law import GREEDY_BELOW
     from tevjax.sampling import truncates
 
-    if args.temperature < GREEDY_BELOW and truncates(args.top_k, args.top_p, args.min_p):
+    if max((args.temperature, *temperatures)) < GREEDY_BELOW and truncates(args.top_k, args.top_p, args.min_p):
         print("tevjax: note: --top-k, --top-p and --min-p change nothing when greedy (--temperature 0): "
               "the most probable token is always kept", file=sys.stderr)
 
@@ -802,7 +804,7 @@ def cmd_generate(args) -> int:
         args.budget = _default_budget()
     _check_positions(args, speculative)
     _check_lookup(args)
-    _note_truncation(args)
+    _note_truncation(args, [own.get("temperature", args.temperature) for own in settings])
 
     from tevjax.decode.engine import SAMPLING_COLUMNS, Interrupted
     from tevjax.decode.stops import StopText, cut_text
