@@ -985,7 +985,7 @@ def test_data_flags_reach_the_rollout_config(monkeypatch, capsys, tmp_path):
         target_cfg=SimpleNamespace(num_layers=12), notes=[]))
     monkeypatch.setattr(rollout, "generate_data", generate_data)
     out = tmp_path / "data"
-    assert main(["data", "--num-prompts", "6", "--out", str(out), "--heldout", "3", "--heldout-records", "5",
+    assert main(["data", "--num-prompts", "6", "--out", str(out), "--heldout", "3", "--heldout-records", "3",
                  "--max-new-tokens", "20", "--max-prompt-tokens", "30", "--batch-size", "2", "--seed", "4",
                  "--responses", "sharegpt", "--turns", "later", "--exclusion", "conversation", "--train-shards", "1:3",
                  "--no-progress"]) == 0
@@ -1001,6 +1001,11 @@ def test_data_flags_reach_the_rollout_config(monkeypatch, capsys, tmp_path):
     cfg, _, kw = seen[-1]
     assert (cfg.taps, cfg.heldout_prompts, cfg.heldout_records, kw["train_shards"], kw["progress"]) == \
         ((2, 4), 256, 64, None, True)
+    # --heldout-records' default is cut to --heldout; a number given past it is refused, not cut.
+    assert main(["data", "--num-prompts", "6", "--out", str(out), "--heldout", "5"]) == 0
+    assert seen[-1][0].heldout_records == 5
+    assert main(["data", "--num-prompts", "6", "--out", str(out), "--heldout", "3", "--heldout-records", "5"]) == 2
+    assert "--heldout-records 5 exceeds --heldout 3" in capsys.readouterr().err
 
 
 def test_adam_decays_are_checked():

@@ -464,8 +464,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="generate only these training shards (0-based, END excluded) and the held-out ones, "
                            "e.g. to add new records in a later session or to split the work across hosts")
     data.add_argument("--heldout", type=_nonnegative_int("--heldout"), default=256, help="held-out prompts (never trained on)")
-    data.add_argument("--heldout-records", type=_nonnegative_int("--heldout-records"), default=64,
-                      help="held-out prompts that also get regenerated responses, for training-time evaluation")
+    data.add_argument("--heldout-records", type=_nonnegative_int("--heldout-records"), default=None,
+                      help="held-out prompts that also get regenerated responses, for training-time evaluation "
+                           "(default 64, or --heldout if fewer)")
     data.add_argument("--max-prompt-tokens", type=_positive_int("--max-prompt-tokens"), default=256)
     data.add_argument("--batch-size", type=_positive_int("--batch-size"), default=64, help="prompts per generate call (= per shard)")
     data.add_argument("--taps", type=_int_list("--taps", 0), default=None,
@@ -1103,6 +1104,9 @@ def cmd_data(args) -> int:
 
     if args.out.exists() and not args.out.is_dir():
         raise CliError(f"--out {str(args.out)!r} is a file, not a directory")
+    if args.heldout_records is not None and args.heldout_records > args.heldout:  # records answer held-out prompts
+        raise CliError(f"--heldout-records {args.heldout_records} exceeds --heldout {args.heldout}: the records "
+                       "answer held-out prompts")
     mesh = _mesh(args, default_all=False)
     if jax.process_count() == 1:
         # Before the target loads. A multi-host job reads --out only after `generate_data` has
@@ -1117,7 +1121,7 @@ def cmd_data(args) -> int:
         taps = tuple(sorted(set(default_target_layer_ids(n_layers, 5)) | {n_layers - 1})) if n_layers >= 4 \
             else (n_layers // 2,)
     cfg = RolloutConfig(num_prompts=args.num_prompts, heldout_prompts=args.heldout,
-                        heldout_records=min(args.heldout_records, args.heldout),
+                        heldout_records=min(64, args.heldout) if args.heldout_records is None else args.heldout_records,
                         max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
                         batch_size=args.batch_size, taps=taps, seed=args.seed, responses=args.responses,
                         turns=args.turns, exclusion=args.exclusion)
