@@ -1062,7 +1062,7 @@ def test_fallback_default_follows_the_rows_sampling_and_the_drafter():
     not for greedy rows with a trained drafter."""
     from types import SimpleNamespace
 
-    from tevjax.cli import CPU_FALLBACK_BELOW, _fallback_below
+    from tevjax.cli import CPU_FALLBACK_BELOW, CliError, _fallback_below
 
     assert jax.default_backend() == "cpu"  # the tests' platform: the CPU defaults
     assert _fallback_below(SimpleNamespace(fallback_below=0.0, temperature=1.0), False) == 0.0
@@ -1073,6 +1073,11 @@ def test_fallback_default_follows_the_rows_sampling_and_the_drafter():
     assert _fallback_below(hot, True) == CPU_FALLBACK_BELOW
     assert _fallback_below(greedy, True, [0.0, 1.0]) == CPU_FALLBACK_BELOW  # one sampled row is enough
     assert _fallback_below(hot, True, [0.0, 0.0]) == 0.0  # the rows' own temperatures, not the flag's
+    # --fallback-rounds given where that default is 0 would do nothing: refused, by its flag.
+    given = SimpleNamespace(fallback_below=None, temperature=0.0, fallback_rounds=2, fallback_rounds_given=True)
+    assert _fallback_below(given, False) == CPU_FALLBACK_BELOW
+    with pytest.raises(CliError, match="--fallback-rounds 2 does nothing: --fallback-below defaults to 0 here"):
+        _fallback_below(given, True)
 
 
 def test_a_chain_may_fill_the_budget_and_greedy_notes_only_real_cuts(capsys):

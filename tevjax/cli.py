@@ -99,7 +99,12 @@ def _fallback_below(args, trained: bool, temperatures: list[float] | None = None
     from tevjax.law import is_greedy
 
     sampling = any(not is_greedy(t) for t in (temperatures or [args.temperature]))
-    return CPU_FALLBACK_BELOW if jax.default_backend() == "cpu" and (sampling or not trained) else 0.0
+    below = CPU_FALLBACK_BELOW if jax.default_backend() == "cpu" and (sampling or not trained) else 0.0
+    if below == 0 and getattr(args, "fallback_rounds_given", False):  # known only once the drafter is
+        raise CliError(f"--fallback-rounds {args.fallback_rounds} does nothing: --fallback-below defaults to 0 here "
+                       "(greedy decoding with a trained drafter, or an accelerator), so decoding never falls back to "
+                       "plain rounds; give --fallback-below above 0, or leave out --fallback-rounds")
+    return below
 
 
 FALLBACK_ROUNDS = 4  # --fallback-rounds' default
@@ -122,6 +127,7 @@ def _fallback_rounds(args, *, off_by_default: bool) -> int:
         raise CliError(f"--fallback-rounds {args.fallback_rounds} does nothing: --fallback-below {why}, so decoding "
                        "never falls back to plain rounds; give --fallback-below above 0, or leave out "
                        "--fallback-rounds")
+    args.fallback_rounds_given = args.fallback_rounds is not None  # `_fallback_below` may refuse it yet
     return FALLBACK_ROUNDS if args.fallback_rounds is None else args.fallback_rounds
 
 
