@@ -134,6 +134,30 @@ def test_batch_features_on_the_device_are_the_stored_features(data_dir, target):
         assert np.all(np.any(row[: n - 1] != 0, axis=-1)) and not np.any(row[n - 1:])
 
 
+def test_data_files_reach_the_disk_before_they_are_renamed_into_place(tmp_path, target, monkeypatch):
+    """A power loss can keep a rename and lose the bytes it names (an empty manifest.json, which
+    --resume refuses, or an empty prompts.jsonl): every file `tevjax data` renames into place is
+    fsynced first, as the shards' files are."""
+    synced, unsynced = set(), []
+    fsync, replace = os.fsync, os.replace
+
+    def recording_fsync(fd):
+        synced.add(os.fstat(fd).st_ino)
+        fsync(fd)
+
+    def recording_replace(src, dst):
+        if os.path.isfile(src) and os.stat(src).st_ino not in synced:
+            unsynced.append(os.path.basename(dst))
+        replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    monkeypatch.setattr(os, "replace", recording_replace)
+    generate_data(_loaded(target), ROLLOUT, tmp_path / "d", prompts=PROMPTS, progress=False, log=lambda _: None,
+                  stop_after_shards=1)
+    assert (tmp_path / "d" / "shards" / "heldout-00000").is_dir() and synced
+    assert unsynced == []
+
+
 def test_data_resume_loses_and_duplicates_nothing(tmp_path, data_dir, target):
     out = tmp_path / "d"
     loaded = _loaded(target)
@@ -723,6 +747,23 @@ def test_exact_resume_and_checkpoint_safety(tmp_path, data_dir, target):
                  jax.tree.map(np.asarray, resumed.params))
     jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, straight.opt),
                  jax.tree.map(np.asarray, resumed.opt))
+    # What a kill (SIGKILL, power loss) after run.json but before the first checkpoint finished
+    # leaves: orbax's temporary directory only, and a log line cut mid-way. --resume refused it
+    # ("no complete checkpoint"), and so did a fresh start (the run exists); it starts over from
+    # step 0 instead, ends identical, and the torn line is cut rather than glued to the next one.
+    train(target, _drafter(target), data_dir, tmp_path / "c", CFG, until=1, **quiet)
+    shutil.rmtree(tmp_path / "c" / "checkpoints")
+    (tmp_path / "c" / "checkpoints" / "1.orbax-checkpoint-tmp-1").mkdir(parents=True)
+    with open(tmp_path / "c" / "log.jsonl", "a", encoding="utf-8") as f:
+        f.write('{"step": 2, "loss_t')
+    lines = []
+    killed = train(target, _drafter(target), data_dir, tmp_path / "c", CFG, resume=True,
+                   **{**quiet, "log": lines.append})
+    assert {"event": "resume", "step": 0, "note": "no checkpoint yet: starting from step 0"} in map(json.loads, lines)
+    for a, b in ((straight.params, killed.params), (straight.opt, killed.opt)):
+        jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, a), jax.tree.map(np.asarray, b))
+    log = [json.loads(line) for line in (tmp_path / "c" / "log.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in log if "loss_tok" in e] == [1, CFG.steps]
     log = [json.loads(line) for line in (tmp_path / "b" / "log.jsonl").read_text().splitlines()]
     assert any("heldout" in e and "tau_sim@8" in e["heldout"] for e in log)
     # Held-out checks follow eval_every_s: none mid-run at the default 600 s (only the final one,

@@ -164,10 +164,18 @@ def read_manifest(data_dir: str | os.PathLike) -> dict:
     return manifest
 
 
-def _write_json_atomic(path: Path, obj) -> None:
+def _replace_durably(tmp: Path, path: Path) -> None:
+    """Renames a written file into place once its bytes are on disk: after a power loss the rename
+    could otherwise survive without them (an empty manifest.json that --resume refuses)."""
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_json_atomic(path: Path, obj) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(obj, indent=1), encoding="utf-8")
-    os.replace(tmp, path)
+    _replace_durably(tmp, path)
 
 
 def _write_jsonl(path: Path, rows) -> None:
@@ -175,7 +183,7 @@ def _write_jsonl(path: Path, rows) -> None:
     with open(tmp, "w", encoding="utf-8") as f:
         for row in rows:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
+    _replace_durably(tmp, path)
 
 
 def _read_jsonl(path: Path) -> list[dict]:
@@ -466,7 +474,7 @@ def generate_data(loaded, cfg: RolloutConfig, out_dir: str | os.PathLike, *, res
             out.mkdir(parents=True, exist_ok=True)
             _write_jsonl(out / "heldout.jsonl", held)
             _write_jsonl(out / "prompts.jsonl", train)
-            _write_json_atomic(out / MANIFEST, manifest)
+            write_json_atomic(out / MANIFEST, manifest)
     if writer:
         (out / SHARDS).mkdir(exist_ok=True)
         for stale in (out / SHARDS).glob(_TMP + "*"):
@@ -484,7 +492,7 @@ def generate_data(loaded, cfg: RolloutConfig, out_dir: str | os.PathLike, *, res
         if name in present and name not in manifest["shards"]:
             manifest["shards"][name] = _shard_summary(out / SHARDS / name)
     if writer:
-        _write_json_atomic(out / MANIFEST, manifest)
+        write_json_atomic(out / MANIFEST, manifest)
     # Every process has listed the shards to make before process 0 writes the first of them.
     barrier("tevjax-data-planned")
 
@@ -529,7 +537,7 @@ def generate_data(loaded, cfg: RolloutConfig, out_dir: str | os.PathLike, *, res
         present.add(name)
         if writer:
             _write_shard(out / SHARDS / name, records, feats)
-            _write_json_atomic(out / MANIFEST, manifest)
+            write_json_atomic(out / MANIFEST, manifest)
         new_tokens = manifest["shards"][name]["response_tokens"]
         tokens_done += new_tokens
         rate = tokens_done / (time.perf_counter() - t_start)
@@ -544,7 +552,7 @@ def generate_data(loaded, cfg: RolloutConfig, out_dir: str | os.PathLike, *, res
         bar.close()
     manifest["complete"] = len(present) == len(plan)
     if writer:
-        _write_json_atomic(out / MANIFEST, manifest)
+        write_json_atomic(out / MANIFEST, manifest)
     barrier("tevjax-data-done")  # the directory is whole for every process that returns
     return manifest
 

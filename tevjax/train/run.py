@@ -11,7 +11,7 @@ of (seed, s), and the checkpoint holds the whole state bit for bit, so a run of 
 straight and one of half of them, a stop, then `--resume` for the rest end with identical
 parameters. Orbax writes every checkpoint to a temporary directory and renames it into place when
 complete, so a crash during a save leaves the previous checkpoint intact (an unfinished one is
-never listed).
+never listed); a run that crashed before its first checkpoint resumes from step 0.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from tevjax.models.dflash import DFlashConfig, DFlashDrafter, check_draft_vocab
 from tevjax.multihost import any_process, barrier, check_same, check_shared_dir, holds_files
 from tevjax.sharding import global_batch_array, make_mesh
 from tevjax.train.dataset import Batch, TrainData
-from tevjax.train.rollout import settings_diff
+from tevjax.train.rollout import write_json_atomic, settings_diff
 from tevjax.train.step import TrainConfig, Trainer, TrainState
 
 __all__ = ["RunError", "export_run", "load_run", "train"]
@@ -216,17 +216,22 @@ def train(target, drafter: DFlashDrafter, data_dir: str | os.PathLike, run_dir: 
     barrier("tevjax-train-checked")
     if saved is None and pid == 0:
         run.mkdir(parents=True, exist_ok=True)
-        if drafter.draft_vocab is not None:
-            np.save(vocab_file, np.asarray(jax.device_get(drafter.vocab_ids()), np.int32))
-        tmp = run / (RUN_FILE + ".tmp")
-        tmp.write_text(json.dumps(record, indent=1), encoding="utf-8")
-        os.replace(tmp, run / RUN_FILE)
+        if drafter.draft_vocab is not None:  # on disk before run.json, which a resume takes as the run's
+            with open(vocab_file, "wb") as f:
+                np.save(f, np.asarray(jax.device_get(drafter.vocab_ids()), np.int32))
+                f.flush()
+                os.fsync(f.fileno())
+        write_json_atomic(run / RUN_FILE, record)
     barrier("tevjax-train-written")
     mgr = _checkpoint_manager(run, keep)
-    if resume:
+    if resume and mgr.latest_step() is not None:
         state, meta = _restore(mgr, trainer.abstract_state(), run)
         log(json.dumps({"event": "resume", "step": int(state.step), "checkpoint_meta": meta}))
     else:
+        # A run killed after writing run.json but before its first checkpoint finished has nothing
+        # to restore: it starts over from step 0 (the settings matched above), as it first did.
+        if resume:
+            log(json.dumps({"event": "resume", "step": 0, "note": "no checkpoint yet: starting from step 0"}))
         state = trainer.init_state()
     try:
         held = TrainData(data_dir, "heldout")
@@ -259,6 +264,13 @@ def train(target, drafter: DFlashDrafter, data_dir: str | os.PathLike, run_dir: 
 
         bar = tqdm(total=last_step, initial=start, unit="step", desc="tevjax train", dynamic_ncols=True)
     log_path = run / LOG_FILE
+    if resume and pid == 0 and log_path.exists():
+        # A kill (or power loss) mid-append can leave a torn last line; the next entry would be
+        # glued to it. Cut it back to the last complete line.
+        with open(log_path, "rb+") as f:
+            text = f.read()
+            if text and not text.endswith(b"\n"):
+                f.truncate(text.rfind(b"\n") + 1)
     t_ckpt = t_eval = time.monotonic()
     # Blocks of every step are summed on the device (no host sync per step) and read when logged.
     t0, blocks = time.monotonic(), jax.numpy.zeros((), jax.numpy.float32)
