@@ -751,7 +751,10 @@ def test_exact_resume_and_checkpoint_safety(tmp_path, data_dir, target):
     # leaves: orbax's temporary directory only, and a log line cut mid-way. --resume refused it
     # ("no complete checkpoint"), and so did a fresh start (the run exists); it starts over from
     # step 0 instead, ends identical, and the torn line is cut rather than glued to the next one.
+    (tmp_path / "c").mkdir()  # where an earlier start with a draft vocabulary was killed before run.json
+    (tmp_path / "c" / "draft_vocab.npy").write_bytes(b"\x93NUMPY")
     train(target, _drafter(target), data_dir, tmp_path / "c", CFG, until=1, **quiet)
+    assert not (tmp_path / "c" / "draft_vocab.npy").exists()  # this drafter has none: not left to mislead
     shutil.rmtree(tmp_path / "c" / "checkpoints")
     (tmp_path / "c" / "checkpoints" / "1.orbax-checkpoint-tmp-1").mkdir(parents=True)
     with open(tmp_path / "c" / "log.jsonl", "a", encoding="utf-8") as f:
@@ -1208,6 +1211,20 @@ def test_data_and_train_refuse_a_bad_out_before_writing_or_loading(tmp_path, tar
         assert main([*base, "--out", str(tmp_path / out), *resume]) == 2
         err = capsys.readouterr().err.strip()
         assert message in err and len(err.splitlines()) == 1, err
+    # What a start killed before run.json leaves (its draft vocabulary, run.json's temporary file) is
+    # no run: a new start may write there. Anything else in the directory is refused.
+    from tevjax.train.run import DRAFT_VOCAB_FILE, RunError, check_run_out
+
+    killed = tmp_path / "killed"
+    killed.mkdir()
+    (killed / DRAFT_VOCAB_FILE).write_bytes(b"\x93NUMPY")
+    (killed / "run.json.tmp").write_text('{"trunc')
+    check_run_out(killed, resume=False)
+    with pytest.raises(RunError, match="holds no training run to resume"):
+        check_run_out(killed, resume=True)
+    (killed / "notes.txt").write_text("mine")
+    with pytest.raises(RunError, match="exists and is not empty"):
+        check_run_out(killed, resume=False)
 
 
 def test_numpy_rollout_counts_go_into_the_manifest_as_ints():

@@ -159,7 +159,9 @@ def check_run_out(run_dir: str | os.PathLike, resume: bool) -> None:
             raise RunError(f"{run} already holds a training run: pass --resume to continue it, or choose a new --out")
     elif resume:
         raise RunError(f"--resume: {run} holds no training run to resume")
-    elif holds_files(run):
+    # A start killed before run.json was in place leaves its draft vocabulary (written first, since
+    # a resume reads it) and perhaps run.json's temporary file: no run, and a new start rewrites them.
+    elif holds_files(run) and {p.name for p in run.iterdir()} - {DRAFT_VOCAB_FILE, RUN_FILE + ".tmp"}:
         raise RunError(f"{run} exists and is not empty: choose a new --out")
 
 
@@ -221,6 +223,8 @@ def train(target, drafter: DFlashDrafter, data_dir: str | os.PathLike, run_dir: 
                 np.save(f, np.asarray(jax.device_get(drafter.vocab_ids()), np.int32))
                 f.flush()
                 os.fsync(f.fileno())
+        else:  # a killed earlier start's (check_run_out lets it stand), which this run has none of
+            vocab_file.unlink(missing_ok=True)
         write_json_atomic(run / RUN_FILE, record)
     barrier("tevjax-train-written")
     mgr = _checkpoint_manager(run, keep)
