@@ -33,7 +33,7 @@ from tevjax.testing import forced_devices_env, random_model, tiny_config
 from tevjax.train.dataset import Batch, TrainData
 from tevjax.train.heldout import HeldoutEval, greedy_accepted_depth, trajectory_blocks
 from tevjax.train.objectives import batch_anchors
-from tevjax.train.rollout import RolloutConfig, generate_data, read_manifest
+from tevjax.train.rollout import FORMAT_VERSION, RolloutConfig, generate_data, read_manifest
 from tevjax.train.run import DivergedError, RunError, export_run, train
 from tevjax.train.step import TrainConfig, Trainer, loss_terms, teacher_logits
 
@@ -167,8 +167,19 @@ def test_data_resume_loses_and_duplicates_nothing(tmp_path, data_dir, target):
     stray = tmp_path / "stray"  # files but no plan: nothing to complete, and not a place to start
     stray.mkdir()
     (stray / "heldout.jsonl").write_text("")
+    (stray / "notes.txt").write_text("")
     with pytest.raises(FileExistsError, match="holds files but no manifest.json.*remove it"):
         generate_data(loaded, ROLLOUT, stray, prompts=PROMPTS, resume=True, progress=False, log=lambda _: None)
+    with pytest.raises(FileExistsError, match="exists and is not empty"):
+        generate_data(loaded, ROLLOUT, stray, prompts=PROMPTS, progress=False, log=lambda _: None)
+    # A start killed before its first manifest leaves only its prompt files: nothing to complete,
+    # and a new start (without --resume) writes there.
+    (stray / "notes.txt").unlink()
+    (stray / "prompts.jsonl.tmp").write_text('{"ind')
+    with pytest.raises(FileNotFoundError, match="a start stopped before writing its plan.*leave out --resume"):
+        generate_data(loaded, ROLLOUT, stray, prompts=PROMPTS, resume=True, progress=False, log=lambda _: None)
+    generate_data(loaded, ROLLOUT, stray, prompts=PROMPTS, progress=False, log=lambda _: None, stop_after_shards=1)
+    assert read_manifest(stray)["format"] == FORMAT_VERSION
     generate_data(loaded, ROLLOUT, out, prompts=PROMPTS, progress=False, log=lambda _: None, stop_after_shards=2)
     assert not read_manifest(out).get("complete")
     # A crash mid-shard leaves a temporary directory behind; it must not count.
@@ -967,7 +978,7 @@ def test_cli_errors_are_one_line(capsys, argv, message):
 def test_train_taps_must_be_stored_in_the_data(capsys, tmp_path):
     """--taps naming a layer the data directory does not store is refused by its flag, from the
     manifest alone, before the target loads (a stand-in manifest: nothing else is read)."""
-    from tevjax.train.rollout import FORMAT_VERSION, MANIFEST
+    from tevjax.train.rollout import MANIFEST
 
     data = tmp_path / "data"
     data.mkdir()

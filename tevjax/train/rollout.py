@@ -398,16 +398,22 @@ def check_data_out(out: str | os.PathLike, resume: bool) -> None:
     directory to start, or (`resume`) a data directory to complete. A `--resume` given a wrong
     path would otherwise start a new run there, not complete the old one."""
     out = Path(out)
+    # What a start killed before its first manifest leaves (the prompt files it writes first, and
+    # temporary files) is no plan yet: a new start writes them again.
+    started = {name + tmp for name in ("heldout.jsonl", "prompts.jsonl", MANIFEST) for tmp in ("", ".tmp")}
     if (out / MANIFEST).exists():
         if not resume:
             raise FileExistsError(f"{out} already holds a data directory: pass --resume to complete it, or choose a new --out")
+    elif resume and holds_files(out) and {p.name for p in out.iterdir()} <= started:
+        raise FileNotFoundError(f"--resume: {out} holds no {MANIFEST}: a start stopped before writing its plan, "
+                                "so nothing to complete; leave out --resume to start it again")
     elif resume and holds_files(out):
         raise FileExistsError(f"--resume: {out} holds files but no {MANIFEST}, so nothing to complete (a run "
                               "stopped before writing its plan, or another directory): remove it, or choose a new --out")
     elif resume:
         raise FileNotFoundError(f"--resume: {out} holds no data directory to complete (no {MANIFEST}); "
                                 "leave out --resume to start one")
-    elif holds_files(out):
+    elif holds_files(out) and {p.name for p in out.iterdir()} - started:
         raise FileExistsError(f"{out} exists and is not empty: choose a new --out")
 
 
