@@ -774,6 +774,7 @@ def test_exact_resume_and_checkpoint_safety(tmp_path, data_dir, target):
     killed = train(target, _drafter(target), data_dir, tmp_path / "c", CFG, resume=True,
                    **{**quiet, "log": lines.append})
     assert {"event": "resume", "step": 0, "note": "no checkpoint yet: starting from step 0"} in map(json.loads, lines)
+    assert sorted(os.listdir(tmp_path / "c" / "checkpoints")) == [str(CFG.steps)]  # the cut save's directory is gone
     for a, b in ((straight.params, killed.params), (straight.opt, killed.opt)):
         jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, a), jax.tree.map(np.asarray, b))
     log = [json.loads(line) for line in (tmp_path / "c" / "log.jsonl").read_text().splitlines()]

@@ -68,10 +68,13 @@ def _check_seq_len(data: TrainData, seq_len: int, log: Callable[[str], None]) ->
                                                  f"records before their responses; they add nothing"}))
 
 
-def _checkpoint_manager(run_dir: Path, keep: int = 3):
+def _checkpoint_manager(run_dir: Path, keep: int = 3, *, cleanup: bool = False):
+    """`cleanup`: remove the temporary directories of saves that a kill cut short. Only the run's
+    own trainer asks: an export beside a live run would remove the save in progress."""
     import orbax.checkpoint as ocp
 
-    options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True)
+    options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True,
+                                           cleanup_tmp_directories=cleanup)
     return ocp.CheckpointManager((run_dir / CKPT_DIR).absolute(), options=options)
 
 
@@ -227,7 +230,7 @@ def train(target, drafter: DFlashDrafter, data_dir: str | os.PathLike, run_dir: 
             vocab_file.unlink(missing_ok=True)
         write_json_atomic(run / RUN_FILE, record)
     barrier("tevjax-train-written")
-    mgr = _checkpoint_manager(run, keep)
+    mgr = _checkpoint_manager(run, keep, cleanup=True)
     if resume and mgr.latest_step() is not None:
         state, meta = _restore(mgr, trainer.abstract_state(), run)
         log(json.dumps({"event": "resume", "step": int(state.step), "checkpoint_meta": meta}))
