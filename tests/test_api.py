@@ -6,6 +6,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import tevjax
 
@@ -40,13 +41,38 @@ def test_lazy_names_resolve():
     assert tevjax.Decoder.__module__ == "tevjax.decode.engine"
 
 
-def test_readme_core_example_runs():
+def _readme_python_blocks() -> list[str]:
     import pathlib
     import re
 
     readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
-    block = re.findall(r"```python\n(.*?)```", readme, flags=re.S)[0]
+    return re.findall(r"```python\n(.*?)```", readme, flags=re.S)
+
+
+def test_readme_core_example_runs():
+    block = _readme_python_blocks()[0]
     scope: dict = {}
     exec(compile(block.replace("100_000", "1_000"), "README.md", "exec"), scope)
     assert scope["outs"].num_tokens.shape == (1_000,)
     assert abs(float(scope["law"].exit_prob.sum()) - 1.0) < 1e-5
+
+
+@pytest.mark.slow
+def test_readme_model_examples_run(capsys):
+    """The README's decoding examples (load, generate, a next turn, stop strings, continuous
+    batching) run as written on the embedded target, with fewer tokens; greedy, so every output
+    equals autoregressive decoding's."""
+    decoding, continuous = _readme_python_blocks()[1:3]
+    short = lambda code: code.replace("max_new_tokens=128", "max_new_tokens=16").replace("[32, 128]", "[8, 16]")  # noqa: E731
+    turns, stops = short(decoding).split("# Stop strings")
+    scope: dict = {}
+    exec(compile("import dataclasses, tevjax\n" + turns, "README.md", "exec"), scope)
+    models, prompt, follow = scope["models"], scope["prompt"], scope["follow"]
+    ar = tevjax.Decoder(models.target, None, tevjax.DecodeConfig(max_new_tokens=16, eos_ids=models.eos_ids))
+    assert scope["gen"].tokens == ar.generate([prompt])[0].tokens
+    assert scope["reply"] == scope["gen"].tokens  # run(prefill) is generate, one step at a time
+    assert scope["decoder"].results(scope["state"])[0].tokens == ar.generate([follow])[0].tokens  # the next turn
+    exec(compile("# Stop strings" + stops, "README.md", "exec"), scope)
+    assert [g.stop for g in scope["gens"]] == ["eos", "eos"] and scope["text"]
+    exec(compile(short(continuous), "README.md", "exec"), scope)
+    assert len(capsys.readouterr().out.strip().splitlines()) >= 3  # one line per prompt (more if they hold newlines)
