@@ -63,7 +63,9 @@ def test_readme_model_examples_run(capsys):
     batching) run as written on the embedded target, with fewer tokens; greedy, so every output
     equals autoregressive decoding's."""
     decoding, continuous = _readme_python_blocks()[1:3]
-    short = lambda code: code.replace("max_new_tokens=128", "max_new_tokens=16").replace("[32, 128]", "[8, 16]")  # noqa: E731
+    def short(code: str) -> str:
+        return code.replace("max_new_tokens=128", "max_new_tokens=16").replace("[32, 128]", "[8, 16]")
+
     turns, stops = short(decoding).split("# Stop strings")
     scope: dict = {}
     exec(compile("import dataclasses, tevjax\n" + turns, "README.md", "exec"), scope)
