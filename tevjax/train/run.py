@@ -34,7 +34,7 @@ from tevjax.models.dflash import DFlashConfig, DFlashDrafter, check_draft_vocab
 from tevjax.multihost import any_process, barrier, check_same, check_shared_dir, holds_files
 from tevjax.sharding import global_batch_array, make_mesh
 from tevjax.train.dataset import Batch, TrainData
-from tevjax.train.rollout import write_json_atomic, settings_diff
+from tevjax.train.rollout import settings_diff, write_json_atomic
 from tevjax.train.step import TrainConfig, Trainer, TrainState
 
 __all__ = ["RunError", "export_run", "load_run", "train"]
