@@ -24,6 +24,7 @@ import fixed_tree_equivalence  # noqa: E402
 import moe_dispatch  # noqa: E402
 import heldout_screen  # noqa: E402
 import hybrid_latency  # noqa: E402
+import kill_resume  # noqa: E402
 import round_blocks  # noqa: E402
 import round_stages  # noqa: E402
 import truncation  # noqa: E402
@@ -442,3 +443,14 @@ def test_hybrid_latency_needs_whole_periods_of_layers(capsys):
     assert "--iters must be >= 10" in error_of(hybrid_latency.parse_args, ["--iters", "3"], capsys)
     assert "every --nodes entry >= 1" in error_of(hybrid_latency.parse_args, ["--nodes", "0", "9"], capsys)
     assert hybrid_latency.parse_args([]).nodes == [1, 9, 17, 33, 65]
+
+
+def test_kill_resume_checks_its_arguments_before_any_run(tmp_path, capsys):
+    """Trial counts and --work are refused before a target is built or a command starts."""
+    for argv in (["--train-trials", "-1"], ["--train-trials", "0", "--data-trials", "0"]):
+        assert "--train-trials and --data-trials must be >= 0, and one of them >= 1" in error_of(
+            kill_resume.parse_args, argv, capsys)
+    (tmp_path / "left").write_text("x")
+    assert "must be a new or empty directory" in error_of(kill_resume.parse_args, ["--work", str(tmp_path)], capsys)
+    args = kill_resume.parse_args(["--data-trials", "0", "--work", str(tmp_path / "new")])
+    assert (args.train_trials, args.data_trials, args.seed) == (12, 0, 0) and not (tmp_path / "new").exists()
