@@ -135,17 +135,26 @@ def _fallback_rounds(args, *, off_by_default: bool) -> int:
 DRAFTER_FLAGS = ("drafter", "budget", "lookup", "corpus", "fallback_below", "fallback_rounds")
 
 
-def _given(args, names) -> list[str]:
-    """The flags among `names` (argparse dests whose default is None: not given) that were given."""
-    return [f"--{name.replace('_', '-')}" for name in names if getattr(args, name) is not None]
+def _refuse_unread(args, names, why: str, remedy: str) -> None:
+    """Refuses the flags among `names` (argparse dests whose default is None: not given) that were
+    given where `why` says nothing reads them: they would be accepted and do nothing."""
+    given = ", ".join(f"--{name.replace('_', '-')}" for name in names if getattr(args, name) is not None)
+    if given:
+        raise CliError(f"{given}: {why}; {remedy}, or leave out {given}")
+
+
+def _fill_defaults(args, defaults: dict[str, Any]) -> None:
+    """The defaults of flags whose argparse default is None (so that `_refuse_unread` sees them)."""
+    for name, default in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
 
 
 def _check_drafter_flags(args, speculative: bool) -> None:
     """Refuses the drafter's flags without a drafter (--verifier ar), before the target loads."""
-    given = _given(args, DRAFTER_FLAGS)
-    if not speculative and given:
-        raise CliError(f"{', '.join(given)}: read only with a drafter, and --verifier {AUTOREGRESSIVE} decodes "
-                       f"without one; leave out {', '.join(given)}, or choose a verifier")
+    if not speculative:
+        _refuse_unread(args, DRAFTER_FLAGS, f"read only with a drafter, and --verifier {AUTOREGRESSIVE} decodes "
+                       "without one", "choose a verifier")
 
 
 def _check_corpus(args, ngrams) -> None:
@@ -1171,10 +1180,10 @@ def _join(args) -> bool:
         raise CliError(str(e)) from None
     # Without a job to join (no --coordinator, JAX_COORDINATOR_ADDRESS, SLURM or Open MPI) these
     # would be read by nothing, and the command would run alone on this host.
-    given = _given(args, ("num_processes", "process_id", "join_timeout", "heartbeat_timeout"))
-    if not joined and given:
-        raise CliError(f"{', '.join(given)}: no multi-host job to join; give --coordinator, --num-processes and "
-                       f"--process-id (or set JAX_COORDINATOR_ADDRESS), or leave out {', '.join(given)}")
+    if not joined:
+        _refuse_unread(args, ("num_processes", "process_id", "join_timeout", "heartbeat_timeout"),
+                       "no multi-host job to join", "give --coordinator, --num-processes and --process-id (or set "
+                       "JAX_COORDINATOR_ADDRESS)")
     return joined
 
 
@@ -1187,12 +1196,10 @@ EXIT_DEFAULTS = {"exit_weight": "w", "exit_budget": 8, "exit_temperature": 1.0, 
 def cmd_train(args) -> int:
     from tevjax.train.objectives import EXIT_WEIGHTS
 
-    given = _given(args, EXIT_DEFAULTS)
-    if args.exit_lambda == 0 and given:
-        raise CliError(f"{', '.join(given)}: read only by the exit loss, which --exit-lambda 0 turns off; give "
-                       f"--exit-lambda above 0, or leave out {', '.join(given)}")
-    for name, default in EXIT_DEFAULTS.items():
-        setattr(args, name, default if getattr(args, name) is None else getattr(args, name))
+    if args.exit_lambda == 0:
+        _refuse_unread(args, EXIT_DEFAULTS, "read only by the exit loss, which --exit-lambda 0 turns off",
+                       "give --exit-lambda above 0")
+    _fill_defaults(args, EXIT_DEFAULTS)
     if args.until is not None and args.until > args.steps:
         raise CliError(f"--until {args.until} is past --steps {args.steps}: the run ends at step {args.steps} "
                        "anyway; give --until at most --steps, or more --steps")
@@ -1337,12 +1344,10 @@ def cmd_eval(args) -> int:
 def cmd_demo(args) -> int:
     from tevjax import demo
 
-    given = _given(args, (*DEMO_DEFAULTS, "lookup", "corpus"))
-    if args.skip_models and given:
-        raise CliError(f"{', '.join(given)}: read only by the model part, which --skip-models leaves out; "
-                       f"leave out {', '.join(given)}, or --skip-models")
-    for name, default in DEMO_DEFAULTS.items():
-        setattr(args, name, default if getattr(args, name) is None else getattr(args, name))
+    if args.skip_models:
+        _refuse_unread(args, (*DEMO_DEFAULTS, "lookup", "corpus"),
+                       "read only by the model part, which --skip-models leaves out", "leave out --skip-models")
+    _fill_defaults(args, DEMO_DEFAULTS)
     _check_lookup(args)
     mismatches = demo.main(max_new_tokens=args.max_new_tokens, budget=args.budget, lookup=args.lookup,
                            corpus=args.corpus,
