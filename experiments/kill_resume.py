@@ -221,9 +221,9 @@ def main(argv=None) -> None:
 
     def passed(kind):
         return sum(r["kind"] == kind and not r["problems"] for r in trials)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=REPO).stdout.strip()
-    from real_trees import machine_facts
+    from real_trees import machine_facts, versions
+
+    commit = versions().get("git", "unknown")
 
     lines = ["# SIGKILL and resume: killed runs, rerun to the end, against uninterrupted ones", "",
              f"- Date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; wall time "
