@@ -100,7 +100,7 @@ def _fallback_below(args, trained: bool, temperatures: list[float] | None = None
 
     sampling = any(not is_greedy(t) for t in (temperatures or [args.temperature]))
     below = CPU_FALLBACK_BELOW if jax.default_backend() == "cpu" and (sampling or not trained) else 0.0
-    if below == 0 and getattr(args, "fallback_rounds_given", False):  # known only once the drafter is
+    if below == 0 and getattr(args, "fallback_rounds", None) is not None:  # known only once the drafter is
         raise CliError(f"--fallback-rounds {args.fallback_rounds} does nothing: --fallback-below defaults to 0 here "
                        "(greedy decoding with a trained drafter, or an accelerator), so decoding never falls back to "
                        "plain rounds; give --fallback-below above 0, or leave out --fallback-rounds")
@@ -113,22 +113,21 @@ FALLBACK_ROUNDS = 4  # --fallback-rounds' default
 def _add_fallback_args(parser, default: str) -> None:
     parser.add_argument("--fallback-below", type=_nonnegative_float("--fallback-below"), default=None,
                         help=FALLBACK_HELP % default)
-    # None: not given (FALLBACK_ROUNDS), so that it is refused where the fallback is off (_fallback_rounds).
+    # None: not given (FALLBACK_ROUNDS), so that it is refused where the fallback is off (_check_fallback_rounds).
     parser.add_argument("--fallback-rounds", type=_positive_int("--fallback-rounds"), default=None,
                         help=f"plain rounds after an estimate below --fallback-below (default {FALLBACK_ROUNDS})")
 
 
-def _fallback_rounds(args, *, off_by_default: bool) -> int:
-    """--fallback-rounds, or its default. Refused where no fallback happens (--fallback-below 0, or
-    not given where `off_by_default`, as in eval): it would be accepted and do nothing."""
+def _check_fallback_rounds(args, *, off_by_default: bool) -> None:
+    """Refuses --fallback-rounds where no fallback happens (--fallback-below 0, or not given where
+    `off_by_default`, as in eval): it would be accepted and do nothing. Where the default of
+    --fallback-below depends on the drafter, `_fallback_below` refuses it once that is known."""
     if args.fallback_rounds is not None and (args.fallback_below == 0 or
                                              (args.fallback_below is None and off_by_default)):
         why = "is 0" if args.fallback_below == 0 else "is not given (default 0 here)"
         raise CliError(f"--fallback-rounds {args.fallback_rounds} does nothing: --fallback-below {why}, so decoding "
                        "never falls back to plain rounds; give --fallback-below above 0, or leave out "
                        "--fallback-rounds")
-    args.fallback_rounds_given = args.fallback_rounds is not None  # `_fallback_below` may refuse it yet
-    return FALLBACK_ROUNDS if args.fallback_rounds is None else args.fallback_rounds
 
 
 # The flags that only a drafter reads (generate and chat): with --verifier ar they would do nothing.
@@ -814,7 +813,7 @@ def cmd_generate(args) -> int:
     if len(stops) > MAX_STOPS:
         raise CliError(f"{len(stops)} distinct stop strings in --stop and the batch file: at most {MAX_STOPS}")
     _check_drafter_flags(args, speculative)
-    args.fallback_rounds = _fallback_rounds(args, off_by_default=False)
+    _check_fallback_rounds(args, off_by_default=False)
     mesh = _mesh(args, default_all=False)
     if args.budget is None:
         args.budget = _default_budget()
@@ -990,7 +989,7 @@ def _decode_config(args, models, speculative: bool, temperatures: list[float] | 
                         max_new_tokens=args.max_new_tokens, eos_ids=models.eos_ids,
                         fallback_below=_fallback_below(args, models.drafter_trained, temperatures) if speculative
                         else 0.0,
-                        fallback_rounds=args.fallback_rounds, **kw)
+                        fallback_rounds=args.fallback_rounds or FALLBACK_ROUNDS, **kw)
 
 
 # ------------------------------------------------------------------------------------------ chat
@@ -1006,7 +1005,7 @@ def cmd_chat(args) -> int:
     if args.system is not None and not _utf8(args.system, "--system").strip():
         raise CliError("--system is empty")
     _check_drafter_flags(args, speculative)
-    args.fallback_rounds = _fallback_rounds(args, off_by_default=False)
+    _check_fallback_rounds(args, off_by_default=False)
     if args.budget is None:
         args.budget = _default_budget()
     _check_positions(args, speculative)
@@ -1311,7 +1310,7 @@ def cmd_eval(args) -> int:
     from tevjax.evaluate import evaluate, format_table, load_eval_prompts
 
     _check_verifier(args.verifier, autoregressive=False)  # eval measures the baseline itself
-    fallback_rounds = _fallback_rounds(args, off_by_default=True)
+    _check_fallback_rounds(args, off_by_default=True)
     _note_truncation(args)
     mesh = _mesh(args, default_all=False)
     texts = load_eval_prompts(args.prompts, args.num_prompts, seed=args.seed)
@@ -1329,7 +1328,7 @@ def cmd_eval(args) -> int:
                       top_p=args.top_p, min_p=args.min_p, verifier=args.verifier,
                       max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, seed=args.seed,
                       lookup=args.lookup, corpus=args.corpus, fallback_below=args.fallback_below or 0.0,
-                      fallback_rounds=fallback_rounds,
+                      fallback_rounds=args.fallback_rounds or FALLBACK_ROUNDS,
                       log=lambda line: print(line, file=sys.stderr, flush=True), mesh=mesh)
     result["prompts"] = args.prompts
     if args.json:
