@@ -11,8 +11,8 @@ import pytest
 
 from tevjax.convert.embedded import prepare_smollm2
 from tevjax.convert.tokenizer import load_tokenizer
-from tevjax.prompts import (_normalise, _sharegpt_conversations, evaluation_texts, sharegpt_first_turns,
-                            sharegpt_prompts, sharegpt_replies, source_conversation)
+from tevjax.prompts import (_normalise, _sharegpt_conversations, evaluation_texts, iter_sharegpt_prompts,
+                            sharegpt_first_turns, sharegpt_prompts, sharegpt_replies, source_conversation)
 from tevjax.train.rollout import RolloutConfig, _config_dict, select_prompts
 
 
@@ -57,6 +57,12 @@ def test_selection_is_a_function_of_the_seed_and_honours_exclusions(later):
     assert got[:10] == [p.id for p in later[:60] if p.id not in (later[0].id, inside.id)][:10]
     with pytest.raises(ValueError, match="turns must be one of first, later"):
         sharegpt_prompts(3, turns="middle")
+    # The stream a data plan reads: the same order, one prompt at a time; a bad argument raises at
+    # the call, not at the first next().
+    stream = iter_sharegpt_prompts(turns="later")
+    assert [next(stream).id for _ in range(50)] == [p.id for p in later[:50]]
+    with pytest.raises(ValueError, match="turns must be one of first, later"):
+        iter_sharegpt_prompts(turns="middle")
 
 
 def test_later_replies_are_the_assistant_turn_that_follows(later, conversations):
@@ -139,11 +145,11 @@ def test_the_data_plan_on_a_stand_in_pool(monkeypatch):
     later = [SimpleNamespace(id="sharegpt/g#2", text="zz")]
     calls = []
 
-    def sharegpt_prompts(n, *, seed=0, turns="first", **kw):
+    def iter_sharegpt_prompts(*, seed=0, turns="first", **kw):
         calls.append((turns, kw))
-        return first if turns == "first" else later
+        return iter(first if turns == "first" else later)
 
-    monkeypatch.setattr(tevjax.prompts, "sharegpt_prompts", sharegpt_prompts)
+    monkeypatch.setattr(tevjax.prompts, "iter_sharegpt_prompts", iter_sharegpt_prompts)
     replies = {"sharegpt/e": "R", "sharegpt/f": "S"}
     monkeypatch.setattr(tevjax.prompts, "sharegpt_replies", lambda turns="first": replies)
     tok = _CharTokenizer()

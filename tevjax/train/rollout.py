@@ -48,7 +48,7 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import jax
@@ -268,16 +268,16 @@ def select_prompts(tokenizer, cfg: RolloutConfig, *, exact: bool = True) -> tupl
     later turns of every other conversation (`turns="later"`). With ShareGPT responses, training
     rows also need an original reply (rows get its text as "reply")."""
     from tevjax.convert.tokenizer import chat_prompt_ids
-    from tevjax.prompts import sharegpt_prompts, sharegpt_replies, source_conversation
+    from tevjax.prompts import iter_sharegpt_prompts, sharegpt_replies, source_conversation
 
     replies = sharegpt_replies(cfg.turns) if cfg.responses == "sharegpt" else {}
 
-    def fitting(pool, n, need_reply) -> tuple[list[dict], int]:
-        """The first n rows of pool that fit, and the pool position after the last one."""
-        rows, end = [], 0
-        for end, p in enumerate(pool, start=1):
-            if len(rows) == n:
-                return rows, end - 1
+    def fitting(pool: Iterator, n: int, need_reply: bool) -> list[dict]:
+        """The first n rows of pool that fit; pool goes on after the last one taken."""
+        rows: list[dict] = []
+        if n == 0:
+            return rows
+        for p in pool:
             if need_reply and p.id not in replies:
                 continue
             ids = chat_prompt_ids(tokenizer, p.text)
@@ -285,20 +285,22 @@ def select_prompts(tokenizer, cfg: RolloutConfig, *, exact: bool = True) -> tupl
                 rows.append({"id": p.id, "text": p.text, "prompt_ids": ids})
                 if need_reply:
                     rows[-1]["reply"] = replies[p.id]
-        return rows, end
+                if len(rows) == n:
+                    break
+        return rows
 
-    first = sharegpt_prompts(None, seed=cfg.seed)
-    held, end = fitting(first, cfg.heldout_prompts, False)
+    first = iter_sharegpt_prompts(seed=cfg.seed)
+    held = fitting(first, cfg.heldout_prompts, False)
     held_conversations = {r["id"].removeprefix("sharegpt/") for r in held}
     sources = {source_conversation(c) for c in held_conversations} if cfg.exclusion == "source" else set()
     if cfg.turns == "first":
-        pool = [p for p in first[end:] if source_conversation(p.id) not in sources]
-        train, _ = fitting(pool, cfg.num_prompts, bool(replies))
+        pool = (p for p in first if source_conversation(p.id) not in sources)
+        train = fitting(pool, cfg.num_prompts, bool(replies))
     else:
         # Later turns under 40 characters are mostly "continue" or "thanks", which mean nothing alone.
-        later = sharegpt_prompts(None, seed=cfg.seed, turns="later", min_chars=40,
-                                 exclude_conversations=held_conversations, exclude_sources=sources)
-        train, _ = fitting(later, cfg.num_prompts, bool(replies))
+        later = iter_sharegpt_prompts(seed=cfg.seed, turns="later", min_chars=40,
+                                      exclude_conversations=held_conversations, exclude_sources=sources)
+        train = fitting(later, cfg.num_prompts, bool(replies))
     if len(held) != cfg.heldout_prompts or (exact and len(train) != cfg.num_prompts):
         raise ValueError(f"only {len(held)} + {len(train)} ShareGPT prompts ({cfg.turns} turns for training) fit "
                          f"max_prompt_tokens={cfg.max_prompt_tokens}; {cfg.heldout_prompts} held out + "
