@@ -688,12 +688,16 @@ NOT_SHARED = textwrap.dedent("""
     import sys
     sys.path.insert(0, {tests!r})
     import jax
+    import tevjax.multihost
     from tevjax.multihost import initialize_distributed
     from tevjax.sharding import make_mesh
     from tevjax.train.rollout import generate_data
     from tevjax.train.run import train
     from test_train import CFG, PROMPTS, ROLLOUT, _drafter, _loaded, _target
 
+    # Each host's directory is a local one, where a file shows at once or never: a second is
+    # enough, and the default 10 s would be spent waiting for a file that never shows.
+    tevjax.multihost.SHARED_DIR_WAIT_S = 1.0
     assert initialize_distributed()
     target = _target()
     try:  # "data" and "run" are relative paths, and each host runs in a directory of its own

@@ -34,14 +34,17 @@ import numpy as np
 
 from tevjax.checks import is_int
 
-__all__ = ["HEARTBEAT_TIMEOUT_S", "JOIN_TIMEOUT_S", "abort_job", "any_process", "barrier", "check_same", "check_same_files",
-           "check_shared_dir", "every_process", "holds_files", "initialize_distributed"]
+__all__ = ["HEARTBEAT_TIMEOUT_S", "JOIN_TIMEOUT_S", "SHARED_DIR_WAIT_S", "abort_job", "any_process", "barrier",
+           "check_same", "check_same_files", "check_shared_dir", "every_process", "holds_files", "initialize_distributed"]
 
 JOIN_TIMEOUT_S = 300.0  # jax.distributed's default: hosts of one job may start minutes apart
 # jax.distributed's default. A process that dies without a word (SIGKILL, the kernel's OOM
 # killer, a lost host) is noticed only by its missing heartbeats: on GPUs the others wait in their
 # next NCCL collective until then, and jax then aborts them with a message naming the dead task.
 HEARTBEAT_TIMEOUT_S = 100
+# How long a host looks for process 0's probe file in a directory the job must share
+# (`check_shared_dir`): a network filesystem may show a new file on other hosts a few seconds late.
+SHARED_DIR_WAIT_S = 10.0
 
 
 def every_process(values: Sequence[int]) -> np.ndarray:
@@ -130,14 +133,15 @@ def _against_0(processes: list[int]) -> str:
     return f"process{'es' * (len(processes) > 1)} {', '.join(map(str, processes))} against process 0"
 
 
-def check_shared_dir(what: str, directory: str | os.PathLike, *, wait_s: float = 10.0) -> None:
+def check_shared_dir(what: str, directory: str | os.PathLike, *, wait_s: float | None = None) -> None:
     """Raises ValueError, on every process of a multi-host job alike, unless `directory` is one
     directory that every process sees: a shared filesystem, mounted at the same path on every
     host. Process 0 makes it if it does not exist. A collective (nothing at all in a single
     process). Call it before any process decides anything from what the directory holds.
 
     Process 0 writes a file under a fresh random name there, and every other process looks for it
-    for up to `wait_s` seconds (a network filesystem may show a new file late). Without this
+    for up to `wait_s` seconds (default SHARED_DIR_WAIT_S; a network filesystem may show a new file
+    late). Without this
     check, a run directory that is each host's own leaves orbax waiting forever for the other
     hosts' parts of a checkpoint, with no message; a data directory, the other hosts failing to
     read files that only process 0's copy has."""
@@ -155,7 +159,7 @@ def check_shared_dir(what: str, directory: str | os.PathLike, *, wait_s: float =
             problem = f"process 0 cannot write there ({e.strerror or e})"
     if any_process(bool(problem))[0]:  # every process raises alike, whichever failed
         raise ValueError(f"{what} {str(directory)!r}: {problem or 'process 0 cannot write there'}")
-    deadline = time.monotonic() + wait_s
+    deadline = time.monotonic() + (SHARED_DIR_WAIT_S if wait_s is None else wait_s)
     while not (seen := probe.exists()) and time.monotonic() < deadline:
         time.sleep(0.2)
     table = every_process([seen])
