@@ -63,6 +63,9 @@ def test_selection_is_a_function_of_the_seed_and_honours_exclusions(later):
     assert [next(stream).id for _ in range(50)] == [p.id for p in later[:50]]
     with pytest.raises(ValueError, match="turns must be one of first, later"):
         iter_sharegpt_prompts(turns="middle")
+    for bad in (-1, 2.0, True):
+        with pytest.raises(ValueError, match=r"n must be None \(all\) or an integer >= 0, got "):
+            sharegpt_prompts(bad)
 
 
 def test_later_replies_are_the_assistant_turn_that_follows(later, conversations):

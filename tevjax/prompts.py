@@ -35,6 +35,8 @@ import re
 from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
 
+from tevjax.checks import is_int
+
 __all__ = ["Prompt", "DATASETS", "load_prompt_sets", "mtbench", "humaneval", "gsm_symbolic",
            "TURNS", "sharegpt_first_turns", "sharegpt_replies", "sharegpt_prompts", "iter_sharegpt_prompts",
            "source_conversation", "evaluation_texts"]
@@ -231,6 +233,8 @@ def sharegpt_prompts(n: int | None, *, seed: int = 0, max_chars: int = 2000, min
     lower-casing and collapsing whitespace) are kept once, and a turn that equals or contains an
     evaluation item (`evaluation_texts`, or `exclude` when given) is never returned.
     """
+    if n is not None and not (is_int(n) and n >= 0):
+        raise ValueError(f"n must be None (all) or an integer >= 0, got {n!r}")
     out = list(itertools.islice(iter_sharegpt_prompts(
         seed=seed, max_chars=max_chars, min_chars=min_chars, exclude=exclude, turns=turns,
         exclude_conversations=exclude_conversations, exclude_sources=exclude_sources), n))
