@@ -141,10 +141,9 @@ def check_shared_dir(what: str, directory: str | os.PathLike, *, wait_s: float |
 
     Process 0 writes a file under a fresh random name there, and every other process looks for it
     for up to `wait_s` seconds (default SHARED_DIR_WAIT_S; a network filesystem may show a new file
-    late). Without this
-    check, a run directory that is each host's own leaves orbax waiting forever for the other
-    hosts' parts of a checkpoint, with no message; a data directory, the other hosts failing to
-    read files that only process 0's copy has."""
+    late). Without this check, a run directory that is each host's own leaves orbax waiting forever
+    for the other hosts' parts of a checkpoint, with no message; a data directory, the other hosts
+    failing to read files that only process 0's copy has."""
     if jax.process_count() == 1:
         return
     directory, pid = Path(directory), jax.process_index()
