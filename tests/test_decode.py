@@ -66,8 +66,11 @@ def ar_greedy(models):
     return [g.tokens for g in _decoder(models, AR).generate(PROMPTS)]
 
 
+# At temperature 0 `verifiers.verify` runs the one greedy verifier whatever the method, so the
+# default suite decodes with TEV alone (test_verify.py checks every method's greedy path); predraw
+# and sequential, which compile the same program again, run with the slow tests.
 @pytest.mark.parametrize("lookup", [0, 5])
-@pytest.mark.parametrize("verifier", SPECULATIVE)
+@pytest.mark.parametrize("verifier", ["tev"] + [pytest.param(v, marks=pytest.mark.slow) for v in SPECULATIVE[1:]])
 def test_greedy_speculative_equals_autoregressive(models, ar_greedy, verifier, lookup):
     dec = _decoder(models, verifier, lookup=lookup)
     batched = dec.generate(PROMPTS)
