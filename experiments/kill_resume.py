@@ -18,6 +18,8 @@ directory holds no other files. The script exits 1 if any trial fails.
 
     python experiments/kill_resume.py                     # experiments/results/kill_resume.md (+ .json)
     python experiments/kill_resume.py --train-trials 2 --data-trials 1 --out /tmp/kill_resume.md
+    python experiments/kill_resume.py --draft-vocab 64 --train-trials 6 --data-trials 0 \
+        --out experiments/results/kill_resume_draft_vocab.md    # a reduced draft vocabulary
 """
 
 from __future__ import annotations
@@ -130,6 +132,10 @@ def check_train(run: Path, ref: Path, ref_state: list) -> list[str]:
     bad = []
     if sorted(os.listdir(run / "checkpoints")) != sorted(os.listdir(ref / "checkpoints")):
         bad.append(f"checkpoints {sorted(os.listdir(run / 'checkpoints'))}")
+    vocab = "draft_vocab.npy"  # a reduced draft vocabulary's ids
+    if (ref / vocab).exists() and not (
+            (run / vocab).exists() and (run / vocab).read_bytes() == (ref / vocab).read_bytes()):
+        bad.append(f"{vocab} differs")
     state = restore_state(run, STEPS)
     differ = [k for (k, x), (k2, y) in zip(state, ref_state) if k != k2 or x.dtype != y.dtype
               or not np.array_equal(x, y)]
@@ -169,7 +175,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--work", type=Path, default=None,
                     help="a new or empty directory for the target and runs (default: a temporary one, removed)")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "kill_resume.md")
+    ap.add_argument("--draft-vocab", type=int, default=0,
+                    help="train drafters that score only this many token ids (`tevjax train --draft-vocab`; "
+                         "the run then also keeps draft_vocab.npy, chosen from the data before its first step)")
     args = ap.parse_args(argv)
+    if args.draft_vocab < 0:
+        ap.error("--draft-vocab must be >= 0 (0: the whole vocabulary)")
     if min(args.train_trials, args.data_trials) < 0 or max(args.train_trials, args.data_trials) < 1:
         ap.error("--train-trials and --data-trials must be >= 0, and one of them >= 1")
     if args.work is not None and args.work.exists() and (not args.work.is_dir() or any(args.work.iterdir())):
@@ -185,7 +196,8 @@ def main(argv=None) -> None:
     make_target(work / "target")
     cli = [sys.executable, "-m", "tevjax"]
     data = [*cli, "data", "--target", str(work / "target"), *DATA_ARGS, "--out"]
-    train = [*cli, "train", "--target", str(work / "target"), "--data", str(work / "dref"), *TRAIN_ARGS, "--out"]
+    train_args = TRAIN_ARGS + (["--draft-vocab", str(args.draft_vocab)] if args.draft_vocab else [])
+    train = [*cli, "train", "--target", str(work / "target"), "--data", str(work / "dref"), *train_args, "--out"]
     refs = {}
     for kind, base in (("data", data), ("train", train)):  # training reads the reference data
         ref = work / f"{kind[0]}ref"
@@ -229,15 +241,17 @@ def main(argv=None) -> None:
              f"- Date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; wall time "
              f"{(time.time() - t_start) / 60:.1f} min; tevjax commit {commit}.",
              f"- Command: `python experiments/kill_resume.py --train-trials {args.train_trials} "
-             f"--data-trials {args.data_trials} --seed {args.seed}`",
+             f"--data-trials {args.data_trials} --seed {args.seed}"
+             f"{f' --draft-vocab {args.draft_vocab}' if args.draft_vocab else ''}`",
              f"- Machine: {machine_facts()}.",
-             f"- A 4-layer random llama target. `tevjax train {' '.join(TRAIN_ARGS)}` (reference "
+             f"- A 4-layer random llama target. `tevjax train {' '.join(train_args)}` (reference "
              f"{refs['train']:.0f} s) and `tevjax data {' '.join(DATA_ARGS)}` (reference {refs['data']:.0f} s). "
              "Kills: seconds after the start, or `ckpt s + d`: d seconds after checkpoint s appeared (the first "
              "new one at or past a drawn step); a trial's later kills hit its reruns. Reruns: runs after the "
              "first (with --resume: those that found run.json / manifest.json). Identical: train: final state "
-             "leaves bit-identical, same checkpoints kept, log.jsonl parses; data: shards byte-identical, manifest "
-             "equal but for timings, prompt files equal, no other files.", "",
+             "leaves bit-identical, same checkpoints kept, log.jsonl parses"
+             f"{', draft_vocab.npy byte-identical' if args.draft_vocab else ''}; data: shards byte-identical, "
+             "manifest equal but for timings, prompt files equal, no other files.", "",
              f"**{ok} of {len(trials)} identical** ({passed('train')} of {args.train_trials} train, "
              f"{passed('data')} of {args.data_trials} data).", "",
              "| command | trial | kills | reruns (resumed) | outcome |", "|---|---:|---|---:|---|"]

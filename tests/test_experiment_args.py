@@ -452,5 +452,7 @@ def test_kill_resume_checks_its_arguments_before_any_run(tmp_path, capsys):
             kill_resume.parse_args, argv, capsys)
     (tmp_path / "left").write_text("x")
     assert "must be a new or empty directory" in error_of(kill_resume.parse_args, ["--work", str(tmp_path)], capsys)
+    assert "--draft-vocab must be >= 0" in error_of(kill_resume.parse_args, ["--draft-vocab", "-3"], capsys)
     args = kill_resume.parse_args(["--data-trials", "0", "--work", str(tmp_path / "new")])
     assert (args.train_trials, args.data_trials, args.seed) == (12, 0, 0) and not (tmp_path / "new").exists()
+    assert args.draft_vocab == 0
