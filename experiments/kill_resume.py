@@ -18,7 +18,7 @@ directory holds no other files. The script exits 1 if any trial fails.
 
     python experiments/kill_resume.py                     # experiments/results/kill_resume.md (+ .json)
     python experiments/kill_resume.py --train-trials 2 --data-trials 1 --out /tmp/kill_resume.md
-    python experiments/kill_resume.py --draft-vocab 64 --train-trials 6 --data-trials 0 \
+    python experiments/kill_resume.py --draft-vocab 64 --train-trials 8 --data-trials 0 \
         --out experiments/results/kill_resume_draft_vocab.md    # a reduced draft vocabulary
 """
 
