@@ -416,6 +416,29 @@ def test_a_text_prompt_too_long_for_the_target_is_one_error(capfd, text_target_d
     assert "indexing errors" not in err and "longer than the specified maximum" not in err, err
 
 
+def test_a_text_prompt_that_encodes_to_no_tokens_is_named_before_any_generation(capsys, text_target_dir, tmp_path,
+                                                                                 monkeypatch):
+    """A tokenizer may drop text it cannot read (a byte-level one, like the tests', never does, so
+    its `encode` is made to drop line 3 here). The error names the prompt and its line, and comes
+    before line 1 is generated: nothing is printed on stdout."""
+    from tevjax import cli
+
+    lines = tmp_path / "prompts.txt"
+    lines.write_text("ab\nba\nunreadable\n")
+    encode = cli._encode
+
+    def dropping(models, prompts, chat):
+        models.tokenizer.encode = lambda text, _plain=models.tokenizer.encode: [] if text == "unreadable" \
+            else _plain(text)
+        return encode(models, prompts, chat)
+
+    monkeypatch.setattr(cli, "_encode", dropping)
+    code, out, err = _run(capsys, "generate", "--target", str(text_target_dir), "--batch-file", str(lines),
+                          "--no-chat", "--max-new-tokens", "4", "--budget", "2")
+    assert code == 2 and out == "", (out, err)
+    assert f"tevjax: error: prompt 2 (line 3 of {lines}) encodes to no tokens" in err, err
+
+
 def test_eval_measures_ar_and_each_budget_on_a_prompt_file(capsys, text_target_dir, tmp_path):
     """`tevjax eval --json`: AR and every budget on the same prompts (the file's first
     --num-prompts lines), greedy outputs equal to AR's, tau the pooled block length of the
