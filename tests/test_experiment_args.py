@@ -455,4 +455,7 @@ def test_kill_resume_checks_its_arguments_before_any_run(tmp_path, capsys):
     assert "--draft-vocab must be >= 0" in error_of(kill_resume.parse_args, ["--draft-vocab", "-3"], capsys)
     args = kill_resume.parse_args(["--data-trials", "0", "--work", str(tmp_path / "new")])
     assert (args.train_trials, args.data_trials, args.seed) == (12, 0, 0) and not (tmp_path / "new").exists()
-    assert args.draft_vocab == 0
+    assert args.draft_vocab == 0 and not args.init and args.hosts == 1
+    assert "--init starts the training runs from a drafter" in error_of(
+        kill_resume.parse_args, ["--init", "--train-trials", "0"], capsys)
+    assert "invalid choice: 3" in error_of(kill_resume.parse_args, ["--hosts", "3"], capsys)
