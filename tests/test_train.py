@@ -196,6 +196,38 @@ def test_data_resume_loses_and_duplicates_nothing(tmp_path, data_dir, target):
         assert _records(out, split) == _records(data_dir, split)
 
 
+def _free_until(monkeypatch, calls: int):
+    """`tevjax.storage.free_bytes` as it is for the first `calls` calls, then a full disk (1 KiB)."""
+    import tevjax.storage as storage
+
+    real, seen = storage.free_bytes, []
+
+    def free(path):
+        seen.append(path)
+        return real(path) if len(seen) <= calls else 1024
+
+    monkeypatch.setattr(storage, "free_bytes", free)
+
+
+def test_a_full_disk_stops_data_at_a_shard_and_resume_completes_it(tmp_path, data_dir, target, monkeypatch):
+    """The disk fills before the third shard: `generate_data` stops there with a WriteError that
+    names the shard and the space, leaves the two shards before it and no partial one, and a
+    resume once there is space makes the records an uninterrupted run makes."""
+    from tevjax.storage import WriteError
+
+    out, loaded = tmp_path / "d", _loaded(target)
+    _free_until(monkeypatch, 2)
+    with pytest.raises(WriteError, match=r"not enough disk space for shard train-00001 under .*shards: it needs about "
+                                         r"1\.\d MiB \(\d+ KiB of data .*\), and 1 KiB is free; the shards written before "
+                                         r"it are kept: free some space, then resume \(`tevjax data --resume`"):
+        generate_data(loaded, ROLLOUT, out, prompts=PROMPTS, progress=False, log=lambda _: None)
+    assert sorted(os.listdir(out / "shards")) == ["heldout-00000", "train-00000"]  # nothing partial
+    monkeypatch.undo()
+    generate_data(loaded, ROLLOUT, out, prompts=PROMPTS, resume=True, progress=False, log=lambda _: None)
+    for split in ("train", "heldout"):
+        assert _records(out, split) == _records(data_dir, split)
+
+
 def test_data_train_shard_slices_make_the_single_runs_shards(tmp_path, data_dir, target):
     # Two slices of the plan (a later session, or two hosts) give the records one run gives.
     loaded = _loaded(target)
@@ -692,6 +724,54 @@ def _params(run_dir, target):
     _, d = load_dflash(out, target.cfg)
     shutil.rmtree(out)
     return {"/".join(map(str, p)): np.asarray(v) for p, v in jax.tree_util.tree_flatten_with_path(nnx.state(d))[0]}
+
+
+def test_a_full_disk_stops_training_at_a_checkpoint_and_resume_ends_exactly(tmp_path, data_dir, target,
+                                                                             monkeypatch):
+    """The disk fills before checkpoint 3 (one every step): training stops with a WriteError that
+    names the checkpoint, the space and the last complete checkpoint (2), which is kept, with
+    nothing of 3 on disk; resumed once there is space, it ends where an uninterrupted run ends. A
+    save that fails anyway (orbax's own text for a full disk) stops it the same way, and an export
+    that would not fit writes nothing."""
+    import orbax.checkpoint as ocp
+
+    from tevjax.storage import WriteError
+
+    quiet = dict(progress=False, log=lambda _: None, target_name="tiny", heldout_records=4)
+    straight = train(target, _drafter(target), data_dir, tmp_path / "a", CFG, **quiet)
+    run = tmp_path / "b"
+    _free_until(monkeypatch, 2)
+    with pytest.raises(WriteError, match=r"not enough disk space for checkpoint 3 under .*checkpoints: .*1 KiB is "
+                                         r"free; the last complete checkpoint, step 2, is kept: free some space, "
+                                         r"then rerun the same command with --resume"):
+        train(target, _drafter(target), data_dir, run, CFG, checkpoint_every_s=0.0, **quiet)
+    assert sorted(os.listdir(run / "checkpoints")) == ["1", "2"]
+    monkeypatch.undo()
+    resumed = train(target, _drafter(target), data_dir, run, CFG, resume=True, **quiet)
+    for a, b in ((straight.params, resumed.params), (straight.opt, resumed.opt)):
+        jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, a), jax.tree.map(np.asarray, b))
+
+    save, tried = ocp.CheckpointManager.save, []
+
+    def failing(mgr, step, *args, **kwargs):
+        tried.append(step)
+        if step == 2:
+            raise ValueError("RESOURCE_EXHAUSTED: Error writing local file \"x\": No space left on device "
+                             "[os_error_code='28']")
+        return save(mgr, step, *args, **kwargs)
+
+    monkeypatch.setattr(ocp.CheckpointManager, "save", failing)
+    with pytest.raises(WriteError, match=r"writing checkpoint 2 under .*checkpoints failed \(the disk is full\); "
+                                         r"the last complete checkpoint, step 1, is kept"):
+        train(target, _drafter(target), data_dir, tmp_path / "c", CFG, checkpoint_every_s=0.0, **quiet)
+    assert sorted(os.listdir(tmp_path / "c" / "checkpoints")) == ["1"] and tried == [1, 2]  # no final save after it
+    monkeypatch.undo()
+
+    _free_until(monkeypatch, 0)
+    with pytest.raises(WriteError, match=r"not enough disk space for the exported drafter under .*: .*; nothing "
+                                         r"was exported$"):
+        export_run(run, tmp_path / "export", target.cfg)
+    assert not (tmp_path / "export").exists()
 
 
 def test_a_seq_len_that_crops_every_response_is_refused(tmp_path, data_dir, target):

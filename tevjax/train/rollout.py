@@ -325,22 +325,35 @@ def _shard_plan(cfg: RolloutConfig) -> list[tuple[str, str, int, int]]:
 
 
 def _write_shard(final: Path, records: list[dict], features: list[np.ndarray]) -> None:
-    tmp = final.with_name(_TMP + final.name)
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    """Writes a shard in a temporary directory and renames it into place; a shard that would not
+    fit, or whose write fails, raises WriteError and leaves the shards before it as they were."""
+    from tevjax.storage import MARGIN_BYTES, WriteError, check_space, free_bytes, is_no_space
+
     tokens = np.concatenate([np.asarray(r["tokens"], np.int32) for r in records])
     mask = np.concatenate([np.asarray(r["loss_mask"], np.uint8) for r in records])
     offsets = np.concatenate([[0], np.cumsum([len(r["tokens"]) for r in records])]).astype(np.int64)
     feats = np.concatenate(features).astype(jnp.bfloat16).view(np.uint16)
-    np.save(tmp / "tokens.npy", tokens)
-    np.save(tmp / "loss_mask.npy", mask)
-    np.save(tmp / "offsets.npy", offsets)
-    np.save(tmp / "features.npy", feats)
-    meta = [{k: r[k] for k in ("prompt_index", "prompt_len", "response_len", "stop")} for r in records]
-    (tmp / "records.json").write_text(json.dumps(meta), encoding="utf-8")
-    for f in tmp.iterdir():  # durable before the rename makes the shard visible
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
+    meta = json.dumps([{k: r[k] for k in ("prompt_index", "prompt_len", "response_len", "stop")} for r in records])
+    arrays = {"tokens.npy": tokens, "loss_mask.npy": mask, "offsets.npy": offsets, "features.npy": feats}
+    then = (f"the shards written before it are kept: free some space, then resume (`tevjax data --resume` with "
+            f"the same --out, {final.parent.parent})")
+    tmp = final.with_name(_TMP + final.name)
+    shutil.rmtree(tmp, ignore_errors=True)
+    check_space(final.parent, sum(a.nbytes for a in arrays.values()) + len(meta), f"shard {final.name}", then)
+    try:
+        tmp.mkdir(parents=True)
+        for name, a in arrays.items():
+            np.save(tmp / name, a)
+        (tmp / "records.json").write_text(meta, encoding="utf-8")
+        for f in tmp.iterdir():  # durable before the rename makes the shard visible
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+    except OSError as e:
+        # NumPy reports a short write without an errno ("N requested and M written").
+        full = is_no_space(e) or free_bytes(final.parent) < MARGIN_BYTES
+        shutil.rmtree(tmp, ignore_errors=True)  # give back what the failed write took
+        why = "the disk is full" if full else f"{type(e).__name__}: {e}"
+        raise WriteError(f"writing shard {final.name} under {final.parent} failed ({why}); {then}") from None
     os.replace(tmp, final)
 
 

@@ -33,11 +33,12 @@ from flax import nnx
 from tevjax.models.dflash import DFlashConfig, DFlashDrafter, check_draft_vocab
 from tevjax.multihost import any_process, barrier, check_same, check_shared_dir, holds_files
 from tevjax.sharding import global_batch_array, make_mesh
+from tevjax.storage import WriteError, check_space, free_bytes, is_no_space, short_of_space, space_message
 from tevjax.train.dataset import Batch, TrainData
 from tevjax.train.rollout import settings_diff, write_json_atomic
 from tevjax.train.step import TrainConfig, Trainer, TrainState
 
-__all__ = ["RunError", "export_run", "load_run", "train"]
+__all__ = ["RunError", "WriteError", "export_run", "load_run", "train"]
 
 RUN_FILE = "run.json"
 CKPT_DIR = "checkpoints"
@@ -96,14 +97,47 @@ def _kept(mgr) -> str:
     return f"the last checkpoint, step {last}, is finite and kept" if last is not None else "no checkpoint was written"
 
 
-def _save(mgr, state: TrainState, meta: dict) -> None:
+def _complete_steps(where: Path) -> list[int]:
+    """The steps of the complete checkpoints under `where`, read from disk: orbax lists a save it
+    has begun as the latest step even when its write then fails."""
+    return sorted(int(p.name) for p in where.iterdir() if p.name.isdigit()) if where.is_dir() else []
+
+
+def _write_failed(where: Path, what: str, e: BaseException) -> WriteError:
+    """A checkpoint write that failed (orbax raises many types, tensorstore's text in them)."""
+    why = "the disk is full" if is_no_space(e) else f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+    return WriteError(f"writing {what} under {where} failed ({why}); {_resumable(where)}")
+
+
+def _resumable(where: Path) -> str:
+    steps = _complete_steps(where)
+    kept = f"the last complete checkpoint, step {steps[-1]}, is kept" if steps else "no checkpoint was written yet"
+    return f"{kept}: free some space, then rerun the same command with --resume"
+
+
+def _save(mgr, state: TrainState, meta: dict, where: Path) -> None:
+    """Saves a checkpoint (written in the background while training goes on) under `where`, the
+    run's checkpoint directory, once the state is known to be finite and to fit on the disk."""
     import orbax.checkpoint as ocp
 
     if not bool(_finite(state)):
         raise DivergedError(f"step {meta['step']}: training diverged (non-finite weights or optimizer state; lower "
                             f"--lr?): not saved; {_kept(mgr)}")
-    mgr.save(int(state.step), args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                      meta=ocp.args.JsonSave(meta)))
+    try:  # the previous save: its space is then counted, and its failure named, before this one
+        mgr.wait_until_finished()
+    except Exception as e:  # noqa: BLE001 - whatever orbax raised, the run stops here
+        raise _write_failed(where, "a checkpoint", e) from None
+    step = int(state.step)
+    need = sum(x.nbytes for x in jax.tree.leaves(state))  # global arrays: every host's part
+    free = short_of_space(where, need)
+    # Agreed: every process writes its part of each checkpoint, so all of them save or none does.
+    if any_process(free is not None)[0]:
+        free = free_bytes(where) if free is None else free
+        raise WriteError(f"{space_message(f'checkpoint {step}', where, need, free)}; {_resumable(where)}")
+    try:
+        mgr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
+    except Exception as e:  # noqa: BLE001
+        raise _write_failed(where, f"checkpoint {step}", e) from None
 
 
 def _restore(mgr, abstract: TrainState, run_dir: Path) -> tuple[TrainState, dict]:
@@ -322,7 +356,7 @@ def train(target, drafter: DFlashDrafter, data_dir: str | os.PathLike, run_dir: 
                 log(json.dumps({"step": step + 1, "heldout": {k: round(v, 4) for k, v in ev.items()}}))
                 t_eval = time.monotonic()
             if want_ckpt:
-                _save(mgr, state, meta_now(step + 1))
+                _save(mgr, state, meta_now(step + 1), run / CKPT_DIR)
                 t_ckpt = now
             if want_stop:
                 log(json.dumps({"event": "stopped by signal", "step": step + 1}))
@@ -331,22 +365,28 @@ def train(target, drafter: DFlashDrafter, data_dir: str | os.PathLike, run_dir: 
         log(json.dumps({"event": "interrupted", "last_checkpoint": mgr.latest_step()}))
         raise
     finally:
-        unwinding = sys.exc_info()[1] is not None  # an error or interrupt is on its way out
+        unwinding = sys.exc_info()[1]  # an error or interrupt on its way out, or None
         for sig, handler in old_handlers.items():
             signal.signal(sig, handler)
         if bar is not None:
             bar.close()
         try:
             final = int(state.step)
-            if mgr.latest_step() != final:
-                _save(mgr, state, meta_now(final))
-        except DivergedError:  # not saved; the error on its way out (if any) already says so
-            if not unwinding:
+            # After a write that failed or would not fit, another save would fail too.
+            if not isinstance(unwinding, WriteError) and mgr.latest_step() != final:
+                _save(mgr, state, meta_now(final), run / CKPT_DIR)
+        except (DivergedError, WriteError):  # not saved; the error on its way out (if any) already says so
+            if unwinding is None:
                 raise
         except RuntimeError:  # the state was donated to a step that never finished
             pass
-        mgr.wait_until_finished()
-        mgr.close()
+        try:
+            mgr.wait_until_finished()
+        except Exception as e:  # noqa: BLE001
+            if unwinding is None:
+                raise _write_failed(run / CKPT_DIR, "the last checkpoint", e) from None
+        finally:
+            mgr.close()
     if heldout is not None and int(state.step) == cfg.steps:
         ev = heldout(trainer.drafter(state), target)
         write_log({"step": int(state.step), "heldout": ev, "final": True})
@@ -432,5 +472,16 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, target_cf
             raise RunError(f"{where}: parameter {'.'.join(map(str, path))} holds non-finite values (the run "
                            "diverged); nothing was exported")
         var.set_value(jax.numpy.asarray(value, var.get_value().dtype))
-    save_dflash(drafter, dcfg, out_dir, dtype=dtype)
+    out = Path(out_dir)
+    then = f"nothing was exported{' (' + str(out) + ' is as it was)' if out.exists() else ''}"
+    params = [v.get_value() for _, v in nnx.iter_graph(drafter) if isinstance(v, nnx.Param)]
+    need = sum(x.size for x in params) * np.dtype(jax.numpy.dtype(dtype)).itemsize
+    check_space(out, need, "the exported drafter", then)
+    try:
+        save_dflash(drafter, dcfg, out, dtype=dtype)
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own type for I/O errors
+        if not (isinstance(e, OSError) or type(e).__name__ == "SafetensorError"):
+            raise
+        why = "the disk is full" if is_no_space(e) else f"{type(e).__name__}: {e}"
+        raise WriteError(f"writing the exported drafter to {out} failed ({why}); {then}") from None
     return dcfg
