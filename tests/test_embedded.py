@@ -122,6 +122,39 @@ def test_prepare_converts_once(tiny_gguf, tmp_path, monkeypatch, capsys):
         [first.name, f".{first.name}.lock", SOURCE_DIGESTS, f".{SOURCE_DIGESTS}.lock"])
 
 
+def test_a_cache_without_room_for_the_conversion_is_named_and_left_clean(tiny_gguf, tmp_path, monkeypatch):
+    """A first conversion into a cache that has no room for it (the check before writing, or a
+    write that fails anyway): a WriteError that names the space and says where the cache is and
+    how to move it, with no entry and no temporary directory left; with room, it converts."""
+    import errno
+
+    import tevjax.storage as storage
+    from tevjax.storage import WriteError
+
+    cache = tmp_path / "cache"
+    monkeypatch.setattr(storage, "free_bytes", lambda path: 4096)
+    with pytest.raises(WriteError, match=r"not enough disk space for the conversion of tiny.gguf under .*cache: "
+                                         r".*nothing was written to .*; the cache of converted models is .*cache "
+                                         r"\(\$TEVJAX_CACHE, by default ~/.cache/tevjax\): free some space there, "
+                                         r"or set TEVJAX_CACHE to a directory with room"):
+        prepare_gguf(tiny_gguf, name="tiny", cache_dir=cache)
+    monkeypatch.undo()
+    import safetensors.numpy
+
+    def full(tensors, filename, metadata=None):
+        Path(filename).write_bytes(b"half")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(safetensors.numpy, "save_file", full)
+    with pytest.raises(WriteError, match=r"writing the conversion of tiny.gguf to .* failed \(the disk is full\); "
+                                         r"nothing was written there; the cache of converted models is"):
+        prepare_gguf(tiny_gguf, name="tiny", cache_dir=cache)
+    assert not [p for p in cache.iterdir() if p.is_dir()]  # neither the entry nor its temporary directory
+    monkeypatch.undo()
+    entry = prepare_gguf(tiny_gguf, name="tiny", cache_dir=cache)
+    assert (entry / CONVERSION_MARKER).is_file()
+
+
 def test_prepare_redoes_incomplete_entries(tiny_gguf, tmp_path, monkeypatch):
     calls = _counting(monkeypatch)
     cache = tmp_path / "cache"

@@ -4,6 +4,7 @@ writes that use them (shards, checkpoints, exports) are tested in test_train."""
 from __future__ import annotations
 
 import errno
+import os
 import shutil
 
 import pytest
@@ -46,3 +47,30 @@ def test_free_space_is_read_where_the_write_will_go_with_a_margin(tmp_path, monk
                             f"(3.00 GiB of data and room for the file system's overhead), and 11.5 MiB is free; "
                             f"the last one is kept")
     assert isinstance(e.value, OSError)  # the CLI prints an OSError as its one-line error
+
+
+def test_a_full_cache_costs_the_ngram_table_its_cache_entry_and_leaves_no_partial_file(tmp_path, monkeypatch):
+    """The corpus n-gram table is cached as it is built; where the cache is full (the write fails
+    half-way), the table is still returned, and neither the entry nor the partial file is left."""
+    import numpy as np
+
+    from tevjax.loading import load_ngrams
+
+    corpus = tmp_path / "corpus.npz"
+    tokens = np.array([5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 9], np.int32)
+    np.savez(corpus, tokens=tokens, offsets=np.array([0, 6, 12]), starts=np.array([1, 1]))
+    monkeypatch.setenv("TEVJAX_CACHE", str(tmp_path / "cache"))
+    savez = np.savez
+
+    def full(path, **arrays):
+        with open(path, "wb") as f:
+            f.write(b"PK\x03\x04 half")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(np, "savez", full)
+    table = load_ngrams(corpus)
+    assert table.num_entries > 0 and os.listdir(tmp_path / "cache" / "ngrams") == []
+    monkeypatch.setattr(np, "savez", savez)
+    cached = load_ngrams(corpus)  # with room: built again, the same, and cached
+    np.testing.assert_array_equal(np.asarray(cached.tokens), np.asarray(table.tokens))
+    assert [p.suffix for p in (tmp_path / "cache" / "ngrams").iterdir()] == [".npz"]

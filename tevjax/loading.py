@@ -250,10 +250,13 @@ def load_ngrams(path: str | os.PathLike, *, cache: bool = True, vocab_size: int 
     except ValueError as e:
         raise ValueError(f"corpus file {str(path)!r}: {e}") from None
     if cache:
-        with contextlib.suppress(OSError):  # a read-only cache only costs the next load its seconds
+        tmp = entry.with_name(f".{entry.name}.tmp-{uuid.uuid4().hex[:8]}.npz")
+        try:
             entry.parent.mkdir(parents=True, exist_ok=True)
-            tmp = entry.with_name(f".{entry.name}.tmp-{uuid.uuid4().hex[:8]}.npz")
             np.savez(tmp, keys=np.asarray(table.keys), tokens=np.asarray(table.tokens),
                      log_reach=np.asarray(table.log_reach))
             os.replace(tmp, entry)
+        except OSError:  # a read-only or full cache only costs the next load its seconds
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)  # a full disk's partial file would stay there for good
     return table

@@ -44,6 +44,7 @@ import uuid
 from pathlib import Path
 
 from tevjax.convert.gguf import CONVERSION_MARKER, CONVERTER_VERSION, gguf_to_hf_dir
+from tevjax.storage import WriteError
 
 __all__ = [
     "SMOLLM2_GGUF_NAME",
@@ -154,10 +155,15 @@ def _source_digest(src: Path, root: Path) -> str:
                 memo = {}
             memo[key] = {"sha256": digest, "stat": _fingerprint(st)}
             tmp = root / f".{SOURCE_DIGESTS}.tmp-{uuid.uuid4().hex[:8]}"
-            tmp.write_text(json.dumps(memo, indent=1) + "\n", encoding="utf-8")
-            os.replace(tmp, memo_path)
+            try:
+                tmp.write_text(json.dumps(memo, indent=1) + "\n", encoding="utf-8")
+                os.replace(tmp, memo_path)
+            except OSError:
+                with contextlib.suppress(OSError):
+                    tmp.unlink(missing_ok=True)  # a full disk's partial file would stay there for good
+                raise
     except OSError:
-        pass  # a read-only cache root: hash again next time
+        pass  # a read-only or full cache root: hash again next time
     return digest
 
 
@@ -285,7 +291,12 @@ def prepare_gguf(gguf_path: str | os.PathLike, *, name: str,
         for stale in root.glob(f".{entry.name}.tmp-*"):
             shutil.rmtree(stale, ignore_errors=True)
         _remove(entry)
-        gguf_to_hf_dir(src, entry, source_sha256=digest)
+        try:
+            gguf_to_hf_dir(src, entry, source_sha256=digest)
+        except WriteError as e:
+            raise WriteError(f"{e}; the cache of converted models is {root} ($TEVJAX_CACHE, by default "
+                             f"~/.cache/tevjax): free some space there, or set TEVJAX_CACHE to a directory with "
+                             f"room") from None
         _write_manifest(entry)
     return entry
 

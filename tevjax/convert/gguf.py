@@ -69,6 +69,7 @@ from typing import Any
 import numpy as np
 
 from tevjax.convert.tokenizer import tokenizer_files_from_gguf
+from tevjax.storage import WriteError, check_space, is_no_space
 
 __all__ = [
     "GGUFError",
@@ -1253,6 +1254,9 @@ def gguf_to_hf_dir(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *,
     t_read = time.perf_counter() - t0
 
     out.parent.mkdir(parents=True, exist_ok=True)
+    # The float32 weights are most of it (~4x a 4-bit GGUF): checked before a byte is written.
+    need = sum(a.nbytes for a in state.values()) + sum(len(json.dumps(c)) for c in tok_files.values())
+    check_space(out.parent, need, f"the conversion of {src.name}", f"nothing was written to {out}")
     # Same parent => same filesystem => the final rename is atomic.
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
@@ -1283,7 +1287,11 @@ def gguf_to_hf_dir(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *,
             shutil.rmtree(trash, ignore_errors=True)
         else:
             os.rename(tmp, out)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if is_no_space(e) or type(e).__name__ == "SafetensorError":  # safetensors' own type for I/O errors
+            why = "the disk is full" if is_no_space(e) else f"{type(e).__name__}: {e}"
+            raise WriteError(f"writing the conversion of {src.name} to {out} failed ({why}); nothing was "
+                             "written there") from e
         raise
     return out
