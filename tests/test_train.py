@@ -733,6 +733,8 @@ def test_a_full_disk_stops_training_at_a_checkpoint_and_resume_ends_exactly(tmp_
     nothing of 3 on disk; resumed once there is space, it ends where an uninterrupted run ends. A
     save that fails anyway (orbax's own text for a full disk) stops it the same way, and an export
     that would not fit writes nothing."""
+    import errno
+
     import orbax.checkpoint as ocp
 
     from tevjax.storage import WriteError
@@ -765,6 +767,21 @@ def test_a_full_disk_stops_training_at_a_checkpoint_and_resume_ends_exactly(tmp_
                                          r"the last complete checkpoint, step 1, is kept"):
         train(target, _drafter(target), data_dir, tmp_path / "c", CFG, checkpoint_every_s=0.0, **quiet)
     assert sorted(os.listdir(tmp_path / "c" / "checkpoints")) == ["1"] and tried == [1, 2]  # no final save after it
+    monkeypatch.undo()
+    # The log's first line (step 4, the last) finds the disk full.
+    import builtins
+
+    real_open = builtins.open
+
+    def full_log(file, mode="r", *args, **kwargs):
+        if str(file).endswith("log.jsonl") and "a" in mode:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_open(file, mode, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", full_log)
+    with pytest.raises(WriteError, match=r"writing .*log.jsonl failed \(the disk is full\); the last complete "
+                                         r"checkpoint, step 3, is kept"):
+        train(target, _drafter(target), data_dir, tmp_path / "e", CFG, checkpoint_every_s=0.0, **quiet)
     monkeypatch.undo()
 
     _free_until(monkeypatch, 0)

@@ -109,7 +109,13 @@ def _write_failed(where: Path, what: str, e: BaseException) -> WriteError:
     return WriteError(f"writing {what} under {where} failed ({why}); {_resumable(where)}")
 
 
-def _resumable(where: Path) -> str:
+def _resumable(where: Path, mgr=None) -> str:
+    """What a stopped run keeps under `where`, once `mgr`'s saves in flight are done, and how to go on."""
+    if mgr is not None:
+        try:
+            mgr.wait_until_finished()
+        except Exception:  # noqa: BLE001 - that save failed too: the listing below leaves it out
+            pass
     steps = _complete_steps(where)
     kept = f"the last complete checkpoint, step {steps[-1]}, is kept" if steps else "no checkpoint was written yet"
     return f"{kept}: free some space, then rerun the same command with --resume"
@@ -322,8 +328,12 @@ def train(target, drafter: DFlashDrafter, data_dir: str | os.PathLike, run_dir: 
     def write_log(entry):
         entry = {**entry, "time": round(time.time(), 1)}  # wall clock, for the run's time line
         if pid == 0:
-            with open(log_path, "a", encoding="utf-8") as f:
-                f.write(json.dumps(entry) + "\n")
+            try:
+                with open(log_path, "a", encoding="utf-8") as f:
+                    f.write(json.dumps(entry) + "\n")
+            except OSError as e:  # a torn last line is cut on --resume (above)
+                why = "the disk is full" if is_no_space(e) else f"{type(e).__name__}: {e}"
+                raise WriteError(f"writing {log_path} failed ({why}); {_resumable(run / CKPT_DIR, mgr)}") from None
 
     try:
         for step in range(start, last_step):
