@@ -32,6 +32,16 @@ def test_a_full_disk_is_told_from_other_failures_in_any_form_it_takes():
     assert not storage.is_no_space(loop)
 
 
+def test_a_failed_write_is_told_in_a_few_words(tmp_path, monkeypatch):
+    assert storage.failure(OSError(errno.ENOSPC, "No space left on device")) == "the disk is full"
+    assert storage.failure(PermissionError("no\nmore")) == "PermissionError: no"
+    short = OSError("22528 requested and 20416 written")  # NumPy's short write: no errno
+    assert storage.failure(short, tmp_path) == "OSError: 22528 requested and 20416 written"  # room: not a full disk
+    monkeypatch.setattr(storage, "free_bytes", lambda path: storage.MARGIN_BYTES - 1)
+    assert storage.failure(short, tmp_path) == "the disk is full"
+    assert storage.failure(short) == "OSError: 22528 requested and 20416 written"  # no path: not looked at
+
+
 def test_free_space_is_read_where_the_write_will_go_with_a_margin(tmp_path, monkeypatch):
     deep = tmp_path / "not" / "yet" / "made"
     assert storage.free_bytes(deep) == shutil.disk_usage(tmp_path).free > 0  # the nearest existing directory

@@ -15,7 +15,7 @@ import os
 import shutil
 from pathlib import Path
 
-__all__ = ["WriteError", "check_space", "free_bytes", "is_no_space", "short_of_space", "space_message",
+__all__ = ["WriteError", "check_space", "failure", "free_bytes", "is_no_space", "short_of_space", "space_message",
            "with_margin"]
 
 # Room beyond a write's own bytes: file-system metadata and the small files beside the arrays
@@ -82,3 +82,12 @@ def is_no_space(e: BaseException) -> bool:
             return True
         e = e.__cause__ or e.__context__
     return False
+
+
+def failure(e: BaseException, path: str | os.PathLike | None = None) -> str:
+    """Why a write failed, in a few words: "the disk is full", or the error's type and first line.
+    With `path`, a failure while its file system has less than MARGIN_BYTES free counts as a full
+    disk too (NumPy reports a short write without an errno: "N requested and M written")."""
+    if is_no_space(e) or (path is not None and free_bytes(path) < MARGIN_BYTES):
+        return "the disk is full"
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"

@@ -69,7 +69,7 @@ from typing import Any
 import numpy as np
 
 from tevjax.convert.tokenizer import tokenizer_files_from_gguf
-from tevjax.storage import WriteError, check_space, is_no_space
+from tevjax.storage import WriteError, check_space, failure, is_no_space
 
 __all__ = [
     "GGUFError",
@@ -1290,8 +1290,7 @@ def gguf_to_hf_dir(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *,
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if is_no_space(e) or type(e).__name__ == "SafetensorError":  # safetensors' own type for I/O errors
-            why = "the disk is full" if is_no_space(e) else f"{type(e).__name__}: {e}"
-            raise WriteError(f"writing the conversion of {src.name} to {out} failed ({why}); nothing was "
+            raise WriteError(f"writing the conversion of {src.name} to {out} failed ({failure(e)}); nothing was "
                              "written there") from e
         raise
     return out

@@ -327,7 +327,7 @@ def _shard_plan(cfg: RolloutConfig) -> list[tuple[str, str, int, int]]:
 def _write_shard(final: Path, records: list[dict], features: list[np.ndarray]) -> None:
     """Writes a shard in a temporary directory and renames it into place; a shard that would not
     fit, or whose write fails, raises WriteError and leaves the shards before it as they were."""
-    from tevjax.storage import MARGIN_BYTES, WriteError, check_space, free_bytes, is_no_space
+    from tevjax.storage import WriteError, check_space, failure
 
     tokens = np.concatenate([np.asarray(r["tokens"], np.int32) for r in records])
     mask = np.concatenate([np.asarray(r["loss_mask"], np.uint8) for r in records])
@@ -349,10 +349,8 @@ def _write_shard(final: Path, records: list[dict], features: list[np.ndarray]) -
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
     except OSError as e:
-        # NumPy reports a short write without an errno ("N requested and M written").
-        full = is_no_space(e) or free_bytes(final.parent) < MARGIN_BYTES
-        shutil.rmtree(tmp, ignore_errors=True)  # give back what the failed write took
-        why = "the disk is full" if full else f"{type(e).__name__}: {e}"
+        why = failure(e, final.parent)  # before the cleanup gives the space back
+        shutil.rmtree(tmp, ignore_errors=True)
         raise WriteError(f"writing shard {final.name} under {final.parent} failed ({why}); {then}") from None
     os.replace(tmp, final)
 

@@ -33,7 +33,7 @@ from flax import nnx
 from tevjax.models.dflash import DFlashConfig, DFlashDrafter, check_draft_vocab
 from tevjax.multihost import any_process, barrier, check_same, check_shared_dir, holds_files
 from tevjax.sharding import global_batch_array, make_mesh
-from tevjax.storage import WriteError, check_space, free_bytes, is_no_space, short_of_space, space_message
+from tevjax.storage import WriteError, check_space, failure, free_bytes, short_of_space, space_message
 from tevjax.train.dataset import Batch, TrainData
 from tevjax.train.rollout import settings_diff, write_json_atomic
 from tevjax.train.step import TrainConfig, Trainer, TrainState
@@ -105,8 +105,7 @@ def _complete_steps(where: Path) -> list[int]:
 
 def _write_failed(where: Path, what: str, e: BaseException) -> WriteError:
     """A checkpoint write that failed (orbax raises many types, tensorstore's text in them)."""
-    why = "the disk is full" if is_no_space(e) else f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
-    return WriteError(f"writing {what} under {where} failed ({why}); {_resumable(where)}")
+    return WriteError(f"writing {what} under {where} failed ({failure(e)}); {_resumable(where)}")
 
 
 def _resumable(where: Path, mgr=None) -> str:
@@ -332,8 +331,8 @@ def train(target, drafter: DFlashDrafter, data_dir: str | os.PathLike, run_dir: 
                 with open(log_path, "a", encoding="utf-8") as f:
                     f.write(json.dumps(entry) + "\n")
             except OSError as e:  # a torn last line is cut on --resume (above)
-                why = "the disk is full" if is_no_space(e) else f"{type(e).__name__}: {e}"
-                raise WriteError(f"writing {log_path} failed ({why}); {_resumable(run / CKPT_DIR, mgr)}") from None
+                raise WriteError(f"writing {log_path} failed ({failure(e)}); {_resumable(run / CKPT_DIR, mgr)}") \
+                    from None
 
     try:
         for step in range(start, last_step):
@@ -492,6 +491,5 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, target_cf
     except Exception as e:  # noqa: BLE001 - safetensors raises its own type for I/O errors
         if not (isinstance(e, OSError) or type(e).__name__ == "SafetensorError"):
             raise
-        why = "the disk is full" if is_no_space(e) else f"{type(e).__name__}: {e}"
-        raise WriteError(f"writing the exported drafter to {out} failed ({why}); {then}") from None
+        raise WriteError(f"writing the exported drafter to {out} failed ({failure(e)}); {then}") from None
     return dcfg
