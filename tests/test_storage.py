@@ -44,7 +44,10 @@ def test_a_failed_write_is_told_in_a_few_words(tmp_path, monkeypatch):
 
 def test_free_space_is_read_where_the_write_will_go_with_a_margin(tmp_path, monkeypatch):
     deep = tmp_path / "not" / "yet" / "made"
-    assert storage.free_bytes(deep) == shutil.disk_usage(tmp_path).free > 0  # the nearest existing directory
+    # Where it looks, not a second reading of the free space: another process may write between two.
+    usage, asked = shutil.disk_usage, []
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: asked.append(p) or usage(p))
+    assert storage.free_bytes(deep) > 0 and asked == [tmp_path]  # the nearest existing directory
     assert storage.with_margin(0) == storage.MARGIN_BYTES
     assert storage.with_margin(100 << 20) == int((100 << 20) * (1 + storage.MARGIN_FRACTION)) + storage.MARGIN_BYTES
     monkeypatch.setattr(storage, "free_bytes", lambda path: storage.with_margin(10 << 20))
@@ -57,6 +60,10 @@ def test_free_space_is_read_where_the_write_will_go_with_a_margin(tmp_path, monk
                             f"(3.00 GiB of data and room for the file system's overhead), and 11.5 MiB is free; "
                             f"the last one is kept")
     assert isinstance(e.value, OSError)  # the CLI prints an OSError as its one-line error
+    # Where the two round alike, the message says by how much the space falls short.
+    assert storage.space_message("a shard", tmp_path, 45 << 10, storage.with_margin(45 << 10) - (23 << 10)).endswith(
+        "it needs about 1.0 MiB (45 KiB of data and room for the file system's overhead), and 1.0 MiB is free "
+        "(23 KiB too little)")
 
 
 def test_a_full_cache_costs_the_ngram_table_its_cache_entry_and_leaves_no_partial_file(tmp_path, monkeypatch):

@@ -218,8 +218,8 @@ def test_a_full_disk_stops_data_at_a_shard_and_resume_completes_it(tmp_path, dat
     out, loaded = tmp_path / "d", _loaded(target)
     _free_until(monkeypatch, 2)
     with pytest.raises(WriteError, match=r"not enough disk space for shard train-00001 under .*shards: it needs about "
-                                         r"1\.\d MiB \(\d+ KiB of data .*\), and 1 KiB is free; the shards written before "
-                                         r"it are kept: free some space, then resume \(`tevjax data --resume`"):
+                                         r"1\.\d MiB \(\d+ KiB of data .*\), and 1 KiB is free; the shards written "
+                                         r"before it are kept: free some space, then resume \(`tevjax data --resume`"):
         generate_data(loaded, ROLLOUT, out, prompts=PROMPTS, progress=False, log=lambda _: None)
     assert sorted(os.listdir(out / "shards")) == ["heldout-00000", "train-00000"]  # nothing partial
     monkeypatch.undo()
@@ -789,6 +789,19 @@ def test_a_full_disk_stops_training_at_a_checkpoint_and_resume_ends_exactly(tmp_
                                          r"was exported$"):
         export_run(run, tmp_path / "export", target.cfg)
     assert not (tmp_path / "export").exists()
+
+
+def test_train_run_while_its_caller_handles_an_error_still_saves_its_last_step(tmp_path, data_dir, target):
+    """An error that train()'s caller is handling (a retry in an `except` block) is not one on its
+    way out of train(): the run still ends with its final checkpoint."""
+    from tevjax.storage import WriteError
+
+    try:
+        raise WriteError("an earlier attempt found the disk full")
+    except WriteError:
+        train(target, _drafter(target), data_dir, tmp_path / "r", CFG, progress=False, log=lambda _: None,
+              target_name="tiny", heldout_records=4, checkpoint_every_s=1e9)
+    assert sorted(os.listdir(tmp_path / "r" / "checkpoints")) == [str(CFG.steps)]
 
 
 def test_a_seq_len_that_crops_every_response_is_refused(tmp_path, data_dir, target):

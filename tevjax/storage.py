@@ -15,13 +15,14 @@ import os
 import shutil
 from pathlib import Path
 
-__all__ = ["WriteError", "check_space", "failure", "free_bytes", "is_no_space", "short_of_space", "space_message",
-           "with_margin"]
+__all__ = ["DISK_FULL", "WriteError", "check_space", "failure", "free_bytes", "is_no_space", "short_of_space",
+           "space_message", "with_margin"]
 
 # Room beyond a write's own bytes: file-system metadata and the small files beside the arrays
 # (orbax's metadata, a shard's records.json), and the free space that a file system keeps back.
 MARGIN_FRACTION = 0.05
 MARGIN_BYTES = 1 << 20
+DISK_FULL = "the disk is full"  # what `failure` says of a full disk
 
 
 class WriteError(OSError):
@@ -57,8 +58,10 @@ def _size(n: float) -> str:
 
 
 def space_message(what: str, path: str | os.PathLike, need: int, free: int) -> str:
-    return (f"not enough disk space for {what} under {path}: it needs about {_size(with_margin(need))} "
-            f"({_size(need)} of data and room for the file system's overhead), and {_size(free)} is free")
+    asked, has = _size(with_margin(need)), _size(free)
+    short = f" ({_size(with_margin(need) - free)} too little)" if asked == has else ""  # rounded alike
+    return (f"not enough disk space for {what} under {path}: it needs about {asked} "
+            f"({_size(need)} of data and room for the file system's overhead), and {has} is free{short}")
 
 
 def check_space(path: str | os.PathLike, need: int, what: str, then: str) -> None:
@@ -89,5 +92,5 @@ def failure(e: BaseException, path: str | os.PathLike | None = None) -> str:
     With `path`, a failure while its file system has less than MARGIN_BYTES free counts as a full
     disk too (NumPy reports a short write without an errno: "N requested and M written")."""
     if is_no_space(e) or (path is not None and free_bytes(path) < MARGIN_BYTES):
-        return "the disk is full"
+        return DISK_FULL
     return f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"

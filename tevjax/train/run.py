@@ -21,7 +21,6 @@ import json
 import math
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -33,7 +32,7 @@ from flax import nnx
 from tevjax.models.dflash import DFlashConfig, DFlashDrafter, check_draft_vocab
 from tevjax.multihost import any_process, barrier, check_same, check_shared_dir, holds_files
 from tevjax.sharding import global_batch_array, make_mesh
-from tevjax.storage import WriteError, check_space, failure, free_bytes, short_of_space, space_message
+from tevjax.storage import DISK_FULL, WriteError, check_space, failure, free_bytes, short_of_space, space_message
 from tevjax.train.dataset import Batch, TrainData
 from tevjax.train.rollout import settings_diff, write_json_atomic
 from tevjax.train.step import TrainConfig, Trainer, TrainState
@@ -93,23 +92,30 @@ class DivergedError(RunError):
 
 def _kept(mgr) -> str:
     """What a diverged run leaves: its last checkpoint (finite: no other kind is saved)."""
+    try:  # a save still in flight is listed until it is known to have failed
+        mgr.wait_until_finished()
+    except Exception:  # noqa: BLE001 - orbax then drops it from its list
+        pass
     last = mgr.latest_step()
     return f"the last checkpoint, step {last}, is finite and kept" if last is not None else "no checkpoint was written"
 
 
 def _complete_steps(where: Path) -> list[int]:
     """The steps of the complete checkpoints under `where`, read from disk: orbax lists a save it
-    has begun as the latest step even when its write then fails."""
+    has begun as the latest step until `wait_until_finished` reports its failure, and drops the
+    steps that save would remove from its list before the save is complete."""
     return sorted(int(p.name) for p in where.iterdir() if p.name.isdigit()) if where.is_dir() else []
 
 
 def _write_failed(where: Path, what: str, e: BaseException) -> WriteError:
     """A checkpoint write that failed (orbax raises many types, tensorstore's text in them)."""
-    return WriteError(f"writing {what} under {where} failed ({failure(e)}); {_resumable(where)}")
+    why = failure(e)
+    return WriteError(f"writing {what} under {where} failed ({why}); {_resumable(where, full=why == DISK_FULL)}")
 
 
-def _resumable(where: Path, mgr=None) -> str:
-    """What a stopped run keeps under `where`, once `mgr`'s saves in flight are done, and how to go on."""
+def _resumable(where: Path, mgr=None, *, full: bool = True) -> str:
+    """What a stopped run keeps under `where`, once `mgr`'s saves in flight are done, and how to go
+    on (`full`: the write stopped for want of space, not for another failure)."""
     if mgr is not None:
         try:
             mgr.wait_until_finished()
@@ -117,7 +123,7 @@ def _resumable(where: Path, mgr=None) -> str:
             pass
     steps = _complete_steps(where)
     kept = f"the last complete checkpoint, step {steps[-1]}, is kept" if steps else "no checkpoint was written yet"
-    return f"{kept}: free some space, then rerun the same command with --resume"
+    return f"{kept}: {'free some space, then ' if full else 'once that is fixed, '}rerun the same command with --resume"
 
 
 def _save(mgr, state: TrainState, meta: dict, where: Path) -> None:
@@ -128,15 +134,23 @@ def _save(mgr, state: TrainState, meta: dict, where: Path) -> None:
     if not bool(_finite(state)):
         raise DivergedError(f"step {meta['step']}: training diverged (non-finite weights or optimizer state; lower "
                             f"--lr?): not saved; {_kept(mgr)}")
+    failed = None
     try:  # the previous save: its space is then counted, and its failure named, before this one
         mgr.wait_until_finished()
     except Exception as e:  # noqa: BLE001 - whatever orbax raised, the run stops here
-        raise _write_failed(where, "a checkpoint", e) from None
+        failed = e
     step = int(state.step)
     need = sum(x.nbytes for x in jax.tree.leaves(state))  # global arrays: every host's part
     free = short_of_space(where, need)
-    # Agreed: every process writes its part of each checkpoint, so all of them save or none does.
-    if any_process(free is not None)[0]:
+    # Agreed: every process writes its part of each checkpoint, so all of them save or none does,
+    # and a save that failed on one host stops them all.
+    any_failed, any_short = any_process(failed is not None, free is not None)
+    if failed is not None:
+        raise _write_failed(where, "a checkpoint", failed)
+    if any_failed:
+        raise WriteError(f"writing a checkpoint under {where} failed on another process of the job; "
+                         f"{_resumable(where, full=False)}")
+    if any_short:
         free = free_bytes(where) if free is None else free
         raise WriteError(f"{space_message(f'checkpoint {step}', where, need, free)}; {_resumable(where)}")
     try:
@@ -331,9 +345,11 @@ def train(target, drafter: DFlashDrafter, data_dir: str | os.PathLike, run_dir: 
                 with open(log_path, "a", encoding="utf-8") as f:
                     f.write(json.dumps(entry) + "\n")
             except OSError as e:  # a torn last line is cut on --resume (above)
-                raise WriteError(f"writing {log_path} failed ({failure(e)}); {_resumable(run / CKPT_DIR, mgr)}") \
-                    from None
+                why = failure(e)
+                raise WriteError(f"writing {log_path} failed ({why}); "
+                                 f"{_resumable(run / CKPT_DIR, mgr, full=why == DISK_FULL)}") from None
 
+    unwinding = None  # the error or interrupt on its way out of the loop, if any
     try:
         for step in range(start, last_step):
             rows = data.order(cfg.seed, step, cfg.batch_size)[pid * local:(pid + 1) * local]
@@ -370,32 +386,41 @@ def train(target, drafter: DFlashDrafter, data_dir: str | os.PathLike, run_dir: 
             if want_stop:
                 log(json.dumps({"event": "stopped by signal", "step": step + 1}))
                 break
-    except KeyboardInterrupt:
-        log(json.dumps({"event": "interrupted", "last_checkpoint": mgr.latest_step()}))
+    except BaseException as e:
+        # Recorded here, not read from sys.exc_info() in `finally`: that also returns an exception
+        # that a caller of train() is handling (train called in an `except` block, a retry).
+        unwinding = e
+        if isinstance(e, KeyboardInterrupt):
+            log(json.dumps({"event": "interrupted", "last_checkpoint": mgr.latest_step()}))
         raise
     finally:
-        unwinding = sys.exc_info()[1]  # an error or interrupt on its way out, or None
         for sig, handler in old_handlers.items():
             signal.signal(sig, handler)
         if bar is not None:
             bar.close()
-        try:
-            final = int(state.step)
-            # After a write that failed or would not fit, another save would fail too.
-            if not isinstance(unwinding, WriteError) and mgr.latest_step() != final:
-                _save(mgr, state, meta_now(final), run / CKPT_DIR)
-        except (DivergedError, WriteError):  # not saved; the error on its way out (if any) already says so
-            if unwinding is None:
-                raise
-        except RuntimeError:  # the state was donated to a step that never finished
-            pass
-        try:
-            mgr.wait_until_finished()
-        except Exception as e:  # noqa: BLE001
-            if unwinding is None:
-                raise _write_failed(run / CKPT_DIR, "the last checkpoint", e) from None
-        finally:
-            mgr.close()
+        # In a multi-host job an error on its way out may be this host's alone: the final save's
+        # collectives (and orbax's barriers in waiting for a save) would wait for hosts that never
+        # join. The CLI's abort_job ends the job; the errors the hosts agree on (a checkpoint that
+        # does not fit, a diverged state) have waited for the saves in flight already.
+        if nproc == 1 or unwinding is None:
+            try:
+                try:
+                    final = int(state.step)
+                    # After a write that failed or would not fit, another save would fail too.
+                    if not isinstance(unwinding, WriteError) and mgr.latest_step() != final:
+                        _save(mgr, state, meta_now(final), run / CKPT_DIR)
+                except (DivergedError, WriteError):  # not saved; the error on its way out (if any) says so
+                    if unwinding is None:
+                        raise
+                except RuntimeError:  # the state was donated to a step that never finished
+                    pass
+                try:
+                    mgr.wait_until_finished()
+                except Exception as e:  # noqa: BLE001
+                    if unwinding is None:
+                        raise _write_failed(run / CKPT_DIR, "the last checkpoint", e) from None
+            finally:  # also where the final save raised
+                mgr.close()
     if heldout is not None and int(state.step) == cfg.steps:
         ev = heldout(trainer.drafter(state), target)
         write_log({"step": int(state.step), "heldout": ev, "final": True})
