@@ -22,7 +22,7 @@ directory holds no other files. The script exits 1 if any trial fails.
         --out experiments/results/kill_resume_draft_vocab.md    # a reduced draft vocabulary
     python experiments/kill_resume.py --init --train-trials 8 --data-trials 0 \
         --out experiments/results/kill_resume_init.md           # runs that start from a drafter
-    python experiments/kill_resume.py --hosts 2 --train-trials 6 --data-trials 3 \
+    python experiments/kill_resume.py --hosts 2 --train-trials 8 --data-trials 4 \
         --out experiments/results/kill_resume_hosts2.md         # two-process jobs
 
 `--init`: the training runs start from a drafter (`tevjax train --init PARENT --layers 2`, so a
