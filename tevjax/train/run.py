@@ -90,12 +90,19 @@ class DivergedError(RunError):
     """The training state stopped being finite; nothing of it was saved."""
 
 
+def _settle(mgr) -> None:
+    """Waits for `mgr`'s saves in flight, whatever their outcome: a stopped run's message then says
+    which checkpoints it keeps (orbax lists a save in flight until it is known to have failed, then
+    drops it)."""
+    try:
+        mgr.wait_until_finished()
+    except Exception:  # noqa: BLE001 - the failed save is left out of what the message lists
+        pass
+
+
 def _kept(mgr) -> str:
     """What a diverged run leaves: its last checkpoint (finite: no other kind is saved)."""
-    try:  # a save still in flight is listed until it is known to have failed
-        mgr.wait_until_finished()
-    except Exception:  # noqa: BLE001 - orbax then drops it from its list
-        pass
+    _settle(mgr)
     last = mgr.latest_step()
     return f"the last checkpoint, step {last}, is finite and kept" if last is not None else "no checkpoint was written"
 
@@ -117,10 +124,7 @@ def _resumable(where: Path, mgr=None, *, full: bool = True) -> str:
     """What a stopped run keeps under `where`, once `mgr`'s saves in flight are done, and how to go
     on (`full`: the write stopped for want of space, not for another failure)."""
     if mgr is not None:
-        try:
-            mgr.wait_until_finished()
-        except Exception:  # noqa: BLE001 - that save failed too: the listing below leaves it out
-            pass
+        _settle(mgr)
     steps = _complete_steps(where)
     kept = f"the last complete checkpoint, step {steps[-1]}, is kept" if steps else "no checkpoint was written yet"
     return f"{kept}: {'free some space, then ' if full else 'once that is fixed, '}rerun the same command with --resume"
