@@ -327,7 +327,7 @@ def _shard_plan(cfg: RolloutConfig) -> list[tuple[str, str, int, int]]:
 def _write_shard(final: Path, records: list[dict], features: list[np.ndarray]) -> None:
     """Writes a shard in a temporary directory and renames it into place; a shard that would not
     fit, or whose write fails, raises WriteError and leaves the shards before it as they were."""
-    from tevjax.storage import WriteError, check_space, failure
+    from tevjax.storage import DISK_FULL, WriteError, check_space, failure
 
     tokens = np.concatenate([np.asarray(r["tokens"], np.int32) for r in records])
     mask = np.concatenate([np.asarray(r["loss_mask"], np.uint8) for r in records])
@@ -335,8 +335,9 @@ def _write_shard(final: Path, records: list[dict], features: list[np.ndarray]) -
     feats = np.concatenate(features).astype(jnp.bfloat16).view(np.uint16)
     meta = json.dumps([{k: r[k] for k in ("prompt_index", "prompt_len", "response_len", "stop")} for r in records])
     arrays = {"tokens.npy": tokens, "loss_mask.npy": mask, "offsets.npy": offsets, "features.npy": feats}
-    then = (f"the shards written before it are kept: free some space, then resume (`tevjax data --resume` with "
-            f"the same --out, {final.parent.parent})")
+    kept = "the shards written before it are kept: "
+    resume = f"resume (`tevjax data --resume` with the same --out, {final.parent.parent})"
+    then = f"{kept}free some space, then {resume}"
     tmp = final.with_name(_TMP + final.name)
     shutil.rmtree(tmp, ignore_errors=True)
     check_space(final.parent, sum(a.nbytes for a in arrays.values()) + len(meta), f"shard {final.name}", then)
@@ -351,7 +352,8 @@ def _write_shard(final: Path, records: list[dict], features: list[np.ndarray]) -
     except OSError as e:
         why = failure(e, final.parent)  # before the cleanup gives the space back
         shutil.rmtree(tmp, ignore_errors=True)
-        raise WriteError(f"writing shard {final.name} under {final.parent} failed ({why}); {then}") from None
+        how = then if why == DISK_FULL else f"{kept}once that is fixed, {resume}"
+        raise WriteError(f"writing shard {final.name} under {final.parent} failed ({why}); {how}") from None
     os.replace(tmp, final)
 
 
