@@ -44,7 +44,8 @@ def run(args) -> dict:
     prompts = [chat_prompt_ids(models.tokenizer, t) for t in load_eval_prompts("heldout", args.prompts)]
 
     def fixed():
-        return [g for i in range(0, len(prompts), args.batch) for g in decoder.generate(prompts[i: i + args.batch])]
+        return [g for i in range(0, len(prompts), args.batch)
+                for g in decoder.generate(prompts[i: i + args.batch], first_row=i)]
 
     arms = {"fixed": fixed, "continuous": lambda: decoder.generate_continuous(prompts, args.batch)}
     seconds: dict[str, list[float]] = {arm: [] for arm in arms}

@@ -355,6 +355,23 @@ def test_continuous_prints_each_prompt_as_it_ends(tmp_path, capsys):
     assert code == 2 and "--continuous needs --batch-file" in err
 
 
+def test_sampled_batches_do_not_repeat_each_others_random_streams(tmp_path, capsys, tiny_dir):
+    """One prompt four times at temperature 1: prompt i samples with stream i whatever --batch-size
+    (as with --continuous), so the four samples differ, and batches of 1, 2 or 4 give the same ones.
+    Each batch used its rows' streams 0, 1, ..., so every batch repeated the first one's samples."""
+    lines = tmp_path / "same.jsonl"
+    lines.write_text("".join(json.dumps({"prompt_ids": [1, 5, 7]}) + "\n" for _ in range(4)))
+    runs = {}
+    for extra in (["--batch-size", "1"], ["--batch-size", "2"], ["--batch-size", "4", "--continuous"]):
+        code, out, err = _run(capsys, "generate", "--target", str(tiny_dir[0]), "--batch-file", str(lines),
+                              "--no-chat", "--verifier", "ar", "--temperature", "1.0", "--max-new-tokens", "12",
+                              "--json", *extra)
+        assert code == 0, err
+        runs[extra[1]] = [r["tokens"] for r in sorted(map(json.loads, out.splitlines()), key=lambda r: r["index"])]
+    assert len({tuple(t) for t in runs["1"]}) > 1, runs["1"]  # (two may both end at once, at EOS)
+    assert runs["1"] == runs["2"] == runs["4"]
+
+
 def test_jsonl_batch_file_gives_each_prompt_its_temperature_and_length(tmp_path, capsys, tiny_dir):
     """A .jsonl batch file: each record's prompt ids, temperature and length. The greedy rows
     decode the flags' greedy tokens and the sampled row the tokens of the same row in a batch all

@@ -149,6 +149,23 @@ def test_continuous_batching_equals_one_batch_of_every_prompt(models, verifier, 
         dec.continuous(prompts, -1)  # raised at the call, not at the first result
 
 
+def test_a_later_batch_samples_with_its_prompts_own_streams(models):
+    """`first_row`: a batch holding prompts 2.. of a list samples as rows 2.. of one batch of the
+    whole list (the CLI's --batch-size decodes batch by batch), not with rows 0..'s streams again."""
+    dec = _decoder(models, "tev", temperature=1.0, lookup=5)
+    whole = [g.tokens for g in dec.generate(PROMPTS[:2] * 2, seed=3)]
+    assert whole[0] != whole[2] or whole[1] != whole[3]  # the same prompts, other streams
+    assert [g.tokens for g in dec.generate(PROMPTS[:2], seed=3, first_row=2)] == whole[2:]
+    streamed = [[], []]
+    for new, _ in dec.stream(PROMPTS[:2], seed=3, first_row=2):
+        for row, toks in zip(streamed, new):
+            row.extend(toks)
+    assert streamed == whole[2:]
+    for bad in (-1, 2**31 - 2, 1.0):
+        with pytest.raises(ValueError, match=f"first_row must be an int from 0 to {2**31 - 1 - len(PROMPTS)}"):
+            dec.generate(PROMPTS, first_row=bad)
+
+
 def test_continuous_refills_never_prefill_more_rows_than_the_batch(models, ar_greedy, monkeypatch):
     """Refill groups are powers of two capped at batch_size: three rows that finish together are
     refilled by one prefill of three rows, not four; fewer prompts than rows take no idle rows."""

@@ -208,7 +208,7 @@ class _ScriptedDecoder:
     def compile(self, batch):
         pass
 
-    def generate(self, batch, seed=0):
+    def generate(self, batch, seed=0, first_row=0):
         from types import SimpleNamespace
 
         out = []

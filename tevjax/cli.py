@@ -930,6 +930,8 @@ def cmd_generate(args) -> int:
         for start in range(0, len(ids), args.batch_size):
             batch = ids[start: start + args.batch_size]
             part = slice(start, start + args.batch_size)
+            # first_row: prompt i samples with stream i whatever the batch size (as with --continuous),
+            # not the stream of its row in its batch, which every batch would repeat.
             own = dict(max_new_tokens=limits[part], stop=row_stops[part] if own_stops else None,
                        **({key: sampling[key][part] for key in SAMPLING_COLUMNS} if per_row else {}))
             decoder.shapes([len(p) for p in batch])  # capacity / position checks before compiling
@@ -944,7 +946,7 @@ def cmd_generate(args) -> int:
                 # With --stop, a tail that may begin a stop string waits until the next tokens decide.
                 shown = StopText(row_stops[start]) if row_stops[start] else None
                 try:
-                    for new, state in decoder.stream(batch, seed=args.seed, **own):
+                    for new, state in decoder.stream(batch, seed=args.seed, first_row=start, **own):
                         if detok is not None:
                             piece = detok.feed(new[0])
                             print(shown.feed(piece) if shown else piece, end="", flush=True)
@@ -957,7 +959,7 @@ def cmd_generate(args) -> int:
                 print(shown.feed(rest) + shown.flush() if shown else rest)
             else:
                 try:
-                    gens = decoder.generate(batch, seed=args.seed, **own)
+                    gens = decoder.generate(batch, seed=args.seed, first_row=start, **own)
                 except Interrupted as e:
                     # Ctrl-C is answered after the loop call in flight (a fraction of a second): the
                     # rows of this batch that had finished are printed, then main() exits with 130.

@@ -414,19 +414,19 @@ def prompt_fingerprint(prompt: Sequence[int]) -> int:
     return int.from_bytes(digest, "little", signed=True)
 
 
-def _empty_state(tstate, dstate, roots, lengths, limits, sampling, stop_masks, key_data, prompt_hash, *, tgd, dgd,
-                 cfg: DecodeConfig, capacity: int, mesh=None) -> DecodeState:
+def _empty_state(tstate, dstate, roots, lengths, limits, sampling, stop_masks, key_data, first_row, prompt_hash, *,
+                 tgd, dgd, cfg: DecodeConfig, capacity: int, mesh=None) -> DecodeState:
     """The state before prefill: zero caches of `capacity` slots, each row's root (its last prompt
     token, roots [B]), cache_len = lengths - 1 (lengths [B] prompt lengths >= 1), its most new
     tokens (limits [B], each in [1, cfg.max_new_tokens]), its sampling settings (sampling [B, 4],
     kept with `cfg.sampling_per_row`) and the stop strings it watches (stop_masks [B], kept with
-    `cfg.stop`); the prefill chunks then fill slots [0,
-    cache_len). key_data: the seed's key data; row r samples with
-    fold_in(seed key, r), whatever the batch and its split over devices. prompt_hash [B]: each
-    row's `prompt_fingerprint`."""
+    `cfg.stop`); the prefill chunks then fill slots [0, cache_len). key_data: the seed's key data;
+    row r samples with fold_in(seed key, first_row + r) (first_row: a traced int32 scalar, the
+    batch's first prompt's index in a list decoded batch by batch), whatever the batch and its
+    split over devices. prompt_hash [B]: each row's `prompt_fingerprint`."""
     target: Transformer = nnx.merge(tgd, tstate)
     base = jax.random.wrap_key_data(key_data)
-    keys = jax.vmap(lambda r: jax.random.fold_in(base, r))(jnp.arange(roots.shape[0]))
+    keys = jax.vmap(lambda r: jax.random.fold_in(base, r))(first_row + jnp.arange(roots.shape[0]))
     drafter = nnx.merge(dgd, dstate) if dgd is not None else None
     b = roots.shape[0]
     zeros = jnp.zeros((b,), jnp.int32)
@@ -460,8 +460,8 @@ def _empty_state(tstate, dstate, roots, lengths, limits, sampling, stop_masks, k
     )
 
 
-def _rebase(tstate, dstate, state: DecodeState, roots, lengths, limits, sampling, stop_masks, key_data, prompt_hash,
-            *, tgd, dgd, cfg: DecodeConfig, capacity: int, mesh=None) -> DecodeState:
+def _rebase(tstate, dstate, state: DecodeState, roots, lengths, limits, sampling, stop_masks, key_data, first_row,
+            prompt_hash, *, tgd, dgd, cfg: DecodeConfig, capacity: int, mesh=None) -> DecodeState:
     """`state`'s caches (target K/V, drafter context, kept hidden states, history below each row's
     new cache_len) under a fresh start for prompts of `lengths` with `roots`: what `_empty_state`
     gives, but with the cache slots an earlier decoding filled kept, for `Decoder.prefill(...,
@@ -469,8 +469,8 @@ def _rebase(tstate, dstate, state: DecodeState, roots, lengths, limits, sampling
     new prompt does not share are rewritten by the chunks or lie at or above cache_len, where
     nothing reads them. Another `capacity` than `state`'s appends empty slots or drops the top
     ones (the kept prefix lies below the new cache_len, so below any capacity that fits it)."""
-    fresh = _empty_state(tstate, dstate, roots, lengths, limits, sampling, stop_masks, key_data, prompt_hash,
-                         tgd=tgd, dgd=dgd, cfg=cfg, capacity=capacity, mesh=mesh)
+    fresh = _empty_state(tstate, dstate, roots, lengths, limits, sampling, stop_masks, key_data, first_row,
+                         prompt_hash, tgd=tgd, dgd=dgd, cfg=cfg, capacity=capacity, mesh=mesh)
 
     kept = _fit_capacity(state, capacity=capacity)
     history = fresh.history
@@ -1131,12 +1131,13 @@ class Decoder:
             self._chunk_shardings = dict(in_shardings=(tshard, dshard, sshard, logical_sharding(mesh, ("batch", None)),
                                                        scalar), out_shardings=sshard)
             self._empty_shardings = dict(in_shardings=(tshard, dshard, rows, rows, rows, rows, rows,
-                                                       logical_sharding(mesh, (None,)), rows),
+                                                       logical_sharding(mesh, (None,)), scalar, rows),
                                          out_shardings=sshard)
             vector = logical_sharding(mesh, (None,))  # a small host vector, on every device
             self._place_shardings = dict(in_shardings=(sshard, sshard, vector, vector, vector), out_shardings=sshard)
             self._rebase_shardings = dict(in_shardings=(tshard, dshard, sshard, rows, rows, rows, rows, rows,
-                                                        logical_sharding(mesh, (None,)), rows), out_shardings=sshard)
+                                                        logical_sharding(mesh, (None,)), scalar, rows),
+                                          out_shardings=sshard)
         # Donating the state is safe: each call's output state replaces its input and nothing
         # else holds a reference, so XLA can update the caches in place instead of copying them.
         self._round = _jit(_round, statics, (2,), shard)
@@ -1244,7 +1245,7 @@ class Decoder:
                 max_new_tokens: int | Sequence[int] | None = None,
                 temperature: float | Sequence[float] | None = None, top_k: int | Sequence[int] | None = None,
                 top_p: float | Sequence[float] | None = None, min_p: float | Sequence[float] | None = None,
-                stop: Sequence[Sequence[str]] | None = None) -> DecodeState:
+                stop: Sequence[Sequence[str]] | None = None, first_row: int = 0) -> DecodeState:
         """Initial state for a batch of token-id prompts (each of length >= 1).
 
         `max_new_tokens`: the most new tokens of every row (an int) or of each (one per prompt;
@@ -1260,6 +1261,12 @@ class Decoder:
         `stop`: the stop strings each row watches, one list per prompt (padding rows take the
         last), each a subset of `cfg.stop`, which builds the one automaton every row reads: rows
         stop at different strings without a compile. None: all of `cfg.stop`.
+
+        `first_row`: the index of the batch's first prompt in a longer list decoded batch by batch
+        (the CLI's and `evaluate`'s --batch-size). Row r samples with PRNG stream first_row + r,
+        the stream it would have in one batch of the whole list (as `continuous` gives prompt i
+        stream i): batches do not repeat each other's random numbers, and a prompt's sample does
+        not depend on the batch size. A traced argument: no compile per value.
 
         prompt[:-1] goes into the caches chunk by chunk (the last prompt token is the root): one
         jitted call per chunk, as many as the longest prompt needs, each waited for, so Ctrl-C
@@ -1282,9 +1289,12 @@ class Decoder:
         limits = self._limits(max_new_tokens, len(prompts))
         sampling = self._sampling(len(prompts), temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
         stop_masks = self._stop_masks(stop, len(prompts))
+        top = np.iinfo(np.int32).max - len(prompts)  # the streams are int32
+        if not is_int(first_row) or not 0 <= first_row <= top:
+            raise ValueError(f"first_row must be an int from 0 to {top}, got {first_row!r}")
         if self.mesh is not None:
             check_batch(self.mesh, len(prompts), f"a batch of {len(prompts)} prompts (Decoder.generate pads it)")
-        return self._prefill(prompts, seed, reuse, limits, sampling, stop_masks, capacity)
+        return self._prefill(prompts, seed, reuse, limits, sampling, stop_masks, capacity, first_row=int(first_row))
 
     def _check_prompts(self, prompts: Sequence[Sequence[int]]) -> None:
         """ValueError / TypeError naming the first prompt that is not a non-empty list of token ids
@@ -1301,10 +1311,11 @@ class Decoder:
                 raise ValueError(f"prompt {i} holds token id {bad[0]} outside the vocabulary [0, {vocab})")
 
     def _prefill(self, prompts: Sequence[Sequence[int]], seed: int, reuse, limits: np.ndarray,
-                 sampling: np.ndarray, stop_masks: np.ndarray, capacity: int) -> DecodeState:
+                 sampling: np.ndarray, stop_masks: np.ndarray, capacity: int, first_row: int = 0) -> DecodeState:
         """`prefill` of checked prompts into caches of `capacity` slots (at least what they need)."""
         lengths = [len(p) for p in prompts]
         key_data = np.asarray(jax.random.key_data(seed_key(seed)))
+        first = np.int32(first_row)
         roots = np.asarray([p[-1] for p in prompts], np.int32)
         hashes = np.asarray([prompt_fingerprint(p) for p in prompts], np.int32)
         if reuse is None:
@@ -1313,7 +1324,7 @@ class Decoder:
                                              self._rows(np.asarray(lengths, np.int32), 3, es),
                                              self._rows(limits, 4, es), self._rows(sampling, 5, es),
                                              self._rows(stop_masks, 6, es), self._rows(key_data, 7, es),
-                                             self._rows(hashes, 8, es))
+                                             self._rows(first, 8, es), self._rows(hashes, 9, es))
             c = self.chunk_size(lengths)
         else:
             start, rs = self._reused_prefix(prompts, reuse), self._rebase_shardings
@@ -1321,7 +1332,7 @@ class Decoder:
             state = rebase(self.tstate, self.dstate, reuse[0], self._rows(roots, 3, rs),
                            self._rows(np.asarray(lengths, np.int32), 4, rs), self._rows(limits, 5, rs),
                            self._rows(sampling, 6, rs), self._rows(stop_masks, 7, rs),
-                           self._rows(key_data, 8, rs), self._rows(hashes, 9, rs))
+                           self._rows(key_data, 8, rs), self._rows(first, 9, rs), self._rows(hashes, 10, rs))
             c = self.chunk_size(lengths, start)  # sized to what is left: a few messages, not the conversation
         chunks = -(-(max(lengths) - 1 - start) // c)  # covers prompt[start:-1]; 0 when nothing is left
         tokens = np.zeros((len(prompts), chunks * c), np.int32)
@@ -1473,7 +1484,7 @@ class Decoder:
         """The shapes and dtypes of a `prefill` result, computed without running anything."""
         i32, f32 = jax.ShapeDtypeStruct((batch,), jnp.int32), jax.ShapeDtypeStruct((batch, 4), jnp.float32)
         return jax.eval_shape(self._empty_fn(capacity), self.tstate, self.dstate, i32, i32, i32, f32, i32,
-                              self._key_data_shape(), i32)
+                              self._key_data_shape(), jax.ShapeDtypeStruct((), jnp.int32), i32)
 
     def compile(self, prompts: Sequence[Sequence[int]], *, streaming: bool = False, reuse: bool = False,
                 continuous: bool = False) -> float:
@@ -1492,12 +1503,12 @@ class Decoder:
         i32 = jax.ShapeDtypeStruct((), jnp.int32)
         i32_b, f32_b = jax.ShapeDtypeStruct((b,), jnp.int32), jax.ShapeDtypeStruct((b, 4), jnp.float32)
         self._empty_fn(capacity).lower(self.tstate, self.dstate, i32_b, i32_b, i32_b, f32_b, i32_b,
-                                       self._key_data_shape(), i32_b).compile()
+                                       self._key_data_shape(), i32, i32_b).compile()
         tokens = jax.ShapeDtypeStruct((b, self.chunk_size(lengths)), jnp.int32)
         self._prefill_chunk.lower(self.tstate, self.dstate, state, tokens, i32).compile()
         if reuse:
             self._rebase_fn(capacity, capacity).lower(self.tstate, self.dstate, state, i32_b, i32_b, i32_b, f32_b,
-                                                      i32_b, self._key_data_shape(), i32_b).compile()
+                                                      i32_b, self._key_data_shape(), i32, i32_b).compile()
             small = jax.ShapeDtypeStruct((b, min(self.chunk_size(lengths), MIN_CHUNK)), jnp.int32)
             self._prefill_chunk.lower(self.tstate, self.dstate, state, small, i32).compile()
         if streaming:
@@ -1583,14 +1594,15 @@ class Decoder:
                  max_new_tokens: int | Sequence[int] | None = None,
                  temperature: float | Sequence[float] | None = None, top_k: int | Sequence[int] | None = None,
                  top_p: float | Sequence[float] | None = None, min_p: float | Sequence[float] | None = None,
-                 stop: Sequence[Sequence[str]] | None = None) -> list[Generation]:
+                 stop: Sequence[Sequence[str]] | None = None, first_row: int = 0) -> list[Generation]:
         """Generates for a batch of prompts (`run` over `prefill`, which takes `max_new_tokens`, the
-        sampling settings and `stop`).
+        sampling settings, `stop` and `first_row`).
         On Ctrl-C raises `Interrupted` with `results`: the `Generation` of every row that had
         finished, None for the others. On a mesh the batch is padded to a multiple of
         `row_multiple` and the padding dropped."""
         state = self.prefill(self._padded(prompts), seed, max_new_tokens=max_new_tokens,  # checks the prompts first
-                             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, stop=stop)
+                             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, stop=stop,
+                             first_row=first_row)
         lengths = [len(p) for p in prompts]
         try:
             state = self.run(state, rounds_per_call=rounds_per_call)
@@ -1720,13 +1732,15 @@ class Decoder:
                max_new_tokens: int | Sequence[int] | None = None,
                temperature: float | Sequence[float] | None = None, top_k: int | Sequence[int] | None = None,
                top_p: float | Sequence[float] | None = None, min_p: float | Sequence[float] | None = None,
-               stop: Sequence[Sequence[str]] | None = None) -> Iterator[tuple[list[list[int]], DecodeState]]:
+               stop: Sequence[Sequence[str]] | None = None,
+               first_row: int = 0) -> Iterator[tuple[list[list[int]], DecodeState]]:
         """Python-loop twin: yields (new tokens per row, state) after every round (the state may hold
         padding rows after the prompts' rows on a mesh: see `row_multiple`). `reuse`: the last
         state of an earlier stream of this decoder and that stream's prompts; `max_new_tokens`, the
-        sampling settings and `stop`: as `prefill` takes them."""
+        sampling settings, `stop` and `first_row`: as `prefill` takes them."""
         state = self.prefill(self._padded(prompts), seed, reuse=reuse, max_new_tokens=max_new_tokens,
-                             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, stop=stop)
+                             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, stop=stop,
+                             first_row=first_row)
         seen = np.zeros(len(prompts), int)
         while True:
             state = self.step(state)
