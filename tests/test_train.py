@@ -8,6 +8,7 @@ import dataclasses
 import functools
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -939,6 +940,42 @@ def test_a_damaged_data_directory_is_named(tmp_path, data_dir):
             read_manifest(bad)
 
 
+def _npy(shard: Path, name: str, change) -> None:
+    np.save(shard / name, change(np.load(shard / name)))
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda sh: _npy(sh, "features.npy", lambda a: a[:-5]), r"features.npy holds uint16 \(\d+, 2, 64\)"),
+    (lambda sh: _npy(sh, "features.npy", lambda a: a[:, :1]), r"the manifest's 2 taps"),
+    (lambda sh: _npy(sh, "features.npy", lambda a: a.astype(np.float32)), r"features.npy holds float32"),
+    (lambda sh: _npy(sh, "loss_mask.npy", lambda a: a[:-5]), r"loss_mask.npy has shape"),
+    (lambda sh: _npy(sh, "offsets.npy", lambda a: np.append(a[:-1], a[-1] - 3)), r"offsets.npy does not split"),
+    (lambda sh: _npy(sh, "tokens.npy", lambda a: a.astype(np.float32)), r"tokens.npy holds float32"),
+    (lambda sh: (sh / "features.npy").write_bytes(b""), r"\(No data left in file\)"),
+])
+def test_a_shard_whose_arrays_disagree_is_named_when_the_data_is_opened(tmp_path, data_dir, change, message):
+    """Arrays of a shard that disagree (a copy cut short, files from another directory) are named
+    when the data is opened: they failed with numpy's own words (an empty file: EOFError, an
+    internal error) when a batch first read the record, mid-run, or cropped records in silence."""
+    bad = tmp_path / "d"
+    shutil.copytree(data_dir, bad)
+    shard = bad / "shards" / "train-00001"
+    change(shard)
+    with pytest.raises(ValueError, match=re.escape(str(shard)) + r": (damaged|unreadable) shard.*" + message):
+        TrainData(bad, "train")
+
+
+def test_a_copy_beside_a_shard_is_not_read(tmp_path, data_dir):
+    """Only the plan's shard names are read: a copy left beside a shard ("train-00001.bak") was read
+    too, its records twice."""
+    data = tmp_path / "d"
+    shutil.copytree(data_dir, data)
+    before = _records(data, "train")
+    for name in ("train-00001.bak", "train-00001 copy"):
+        shutil.copytree(data / "shards" / "train-00001", data / "shards" / name)
+    assert _records(data, "train") == before
+
+
 def _all_finite(tree) -> bool:
     return all(np.isfinite(np.asarray(v)).all() for v in jax.tree.leaves(tree))
 
@@ -1465,3 +1502,15 @@ def test_first_supervised_and_cropping_on_edge_records(tmp_path):
     assert data.cropped(3).tolist() == [False, False, True, True, True, True]
     assert data.cropped(4).tolist() == [False, False, True, True, True, True]  # position 4 is not below 4
     assert data.cropped(5).tolist() == [False, False, True, False, True, True]
+
+
+def test_export_keeps_weights_it_has_no_config_for(tmp_path):
+    """A directory holding a model.safetensors without a DFlash config.json is not an earlier
+    export: it was overwritten in silence. Refused before the run's checkpoint is read."""
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "run.json").write_text("{}")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "model.safetensors").write_bytes(b"someone's weights")
+    with pytest.raises(RunError, match="holds a model.safetensors but no DFlash drafter's config.json"):
+        export_run(tmp_path / "r", tmp_path / "out")
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() == b"someone's weights"

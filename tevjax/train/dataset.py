@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from pathlib import Path
 
 import jax
@@ -36,6 +37,24 @@ class Batch:
     length: jax.Array  # [B] int32 real tokens per row (0 for an all-padding row)
 
 
+def _shard_damage(arrays: dict[str, np.ndarray], taps: int, hidden_size: int) -> str | None:
+    """What makes a shard's arrays disagree with each other or with the manifest, or None."""
+    tokens, mask, offsets, feats = (arrays[k] for k in ("tokens", "loss_mask", "offsets", "features"))
+    if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+        return f"tokens.npy holds {tokens.dtype} {tokens.shape}, not [T] integer token ids"
+    n = tokens.shape[0]
+    if mask.shape != (n,):
+        return f"loss_mask.npy has shape {mask.shape}, tokens.npy {(n,)}"
+    if feats.shape != (n, taps, hidden_size) or feats.dtype != np.uint16:
+        return (f"features.npy holds {feats.dtype} {feats.shape}, not the bfloat16 bits (uint16) of "
+                f"{(n, taps, hidden_size)} (tokens, the manifest's {taps} taps, hidden size {hidden_size})")
+    off = np.asarray(offsets)
+    if off.ndim != 1 or not off.size or not np.issubdtype(off.dtype, np.integer) or off[0] != 0 or off[-1] != n \
+            or (np.diff(off) <= 0).any():
+        return f"offsets.npy does not split its {n} tokens into records (it must rise from 0 to {n})"
+    return None
+
+
 class TrainData:
     """The records of one split ("train" or "heldout") of a data directory, memory-mapped."""
 
@@ -47,7 +66,10 @@ class TrainData:
         self.taps = tuple(self.manifest["rollout"]["taps"])
         self.hidden_size = int(self.manifest["target_config"]["hidden_size"])
         if shards is None:
-            shards = sorted(p for p in (self.dir / SHARDS).glob(f"{split}-*") if p.is_dir())
+            # The plan's names only (`{split}-00000`, ...): a copy a user left beside a shard
+            # ("train-00001.bak", "train-00001 copy") would otherwise be read too, its records twice.
+            shards = sorted(p for p in (self.dir / SHARDS).glob(f"{split}-*")
+                            if p.is_dir() and re.fullmatch(rf"{split}-\d+", p.name))
             if not shards:
                 raise FileNotFoundError(f"{self.dir}: no {split!r} shards yet (is `tevjax data` still running?)")
         else:
@@ -62,8 +84,13 @@ class TrainData:
             try:
                 arrays = {name: np.load(path / f"{name}.npy", mmap_mode="r")
                           for name in ("tokens", "loss_mask", "offsets", "features")}
-            except (OSError, ValueError) as e:
-                raise ValueError(f"{path}: unreadable shard ({e})") from None
+            except (OSError, ValueError, EOFError) as e:  # EOFError: an empty (0-byte) .npy file
+                raise ValueError(f"{path}: unreadable shard ({e or type(e).__name__})") from None
+            # Checked here, from the headers and the offsets: arrays that disagree would otherwise
+            # fail (or crop records in silence) only when a batch first reads the record, mid-run.
+            damage = _shard_damage(arrays, len(self.taps), self.hidden_size)
+            if damage:
+                raise ValueError(f"{path}: damaged shard: {damage}")
             self._shards.append(arrays)
             tokens = np.asarray(arrays["tokens"])
             vocab = int(self.manifest["target_config"]["vocab_size"])

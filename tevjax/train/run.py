@@ -446,6 +446,11 @@ def _check_export_dir(out: Path, run: Path) -> None:
         if (out / name).exists():
             raise RunError(f"{out} holds {what} ({name}); export into a new directory")
     config = out / "config.json"
+    if not config.exists() and (out / "model.safetensors").exists():
+        # Not an earlier export (which has both files): weights of some other model, which the
+        # export would replace.
+        raise RunError(f"{out} holds a model.safetensors but no DFlash drafter's config.json; export into a new "
+                       "or empty directory")
     if config.exists():
         try:
             held = json.loads(config.read_text(encoding="utf-8"))
