@@ -10,6 +10,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -1514,3 +1515,35 @@ def test_export_keeps_weights_it_has_no_config_for(tmp_path):
     with pytest.raises(RunError, match="holds a model.safetensors but no DFlash drafter's config.json"):
         export_run(tmp_path / "r", tmp_path / "out")
     assert (tmp_path / "out" / "model.safetensors").read_bytes() == b"someone's weights"
+
+
+def test_a_signal_stops_training_with_a_checkpoint_and_the_cli_exits_130(tmp_path, data_dir, target, monkeypatch,
+                                                                        capsys):
+    """SIGTERM (a batch system's preemption, or a first Ctrl-C) during step 2 of 4: that step ends,
+    is checkpointed, and `tevjax train` exits 130 with a line that says how to go on. It exited 0,
+    as a finished run does, so `train && train export` exported a partly trained drafter and a
+    preempted job was not requeued. `--resume` then ends the run (exit 0)."""
+    from tevjax.convert.hf import save_hf_target
+
+    save_hf_target(target, tmp_path / "model")
+    order = TrainData.order
+
+    def signalled(self, seed, step, batch_size):
+        if step == 1:  # the signal arrives while step 2 reads its batch
+            signal.raise_signal(signal.SIGTERM)
+        return order(self, seed, step, batch_size)
+
+    monkeypatch.setattr(TrainData, "order", signalled)
+    argv = ["train", "--target", str(tmp_path / "model"), "--data", str(data_dir), "--out", str(tmp_path / "run"),
+            "--steps", "4", "--batch", "4", "--anchors", "6", "--seq-len", "40", "--exit-lambda", "0",
+            "--layers", "1", "--block-size", str(BS), "--mask-token", "5", "--taps", ",".join(map(str, TAPS)),
+            "--eval-every", "1000", "--no-progress"]
+    assert main(argv) == 130
+    out, err = capsys.readouterr()
+    assert json.loads(out.splitlines()[-1]) == {"run": str(tmp_path / "run"), "step": 2, "steps": 4}
+    assert err.splitlines()[-1] == ("tevjax: interrupted at step 2 of 4, with a checkpoint of step 2: rerun the "
+                                    "same command with --resume to go on"), err
+    assert "2" in os.listdir(tmp_path / "run" / "checkpoints")
+    monkeypatch.undo()
+    assert main([*argv, "--resume"]) == 0
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["step"] == 4

@@ -22,6 +22,7 @@ from tevjax.tree import valid_temperature
 from tevjax.verifiers import VERIFIERS
 
 EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command Ctrl-C stopped
 # `generate --verifier ar` means "no drafter" (autoregressive decoding), not a verifier.
 AUTOREGRESSIVE = "ar"
 
@@ -1295,7 +1296,15 @@ def cmd_train(args) -> int:
                   until=args.until, mesh=mesh, checkpoint_every_s=args.checkpoint_every,
                   eval_every_s=args.eval_every, progress=not args.no_progress,
                   log=lambda line: print(line, file=sys.stderr, flush=True))
-    print(json.dumps({"run": str(args.out), "step": int(state.step), "steps": args.steps}))
+    step = int(state.step)
+    print(json.dumps({"run": str(args.out), "step": step, "steps": args.steps}))
+    if step < (args.steps if args.until is None else args.until):
+        # Only a signal (SIGTERM, a first Ctrl-C) ends a run early without an error. Exit 0 would
+        # read as done: `train && train export` would export a partly trained drafter, and a
+        # preempted batch job would not be requeued.
+        print(f"tevjax: interrupted at step {step} of {args.steps}, with a checkpoint of step {step}: rerun "
+              "the same command with --resume to go on", file=sys.stderr)
+        return EXIT_INTERRUPTED
     return 0
 
 
@@ -1384,7 +1393,9 @@ def main(argv: list[str] | None = None) -> int:
         # The decoder's stop (`Interrupted`) is agreed by every host of a multi-host job, which all
         # exit together and in order; any other interrupt (a second Ctrl-C) reached this host only.
         engine = sys.modules.get("tevjax.decode.engine")
-        return 130 if engine is not None and isinstance(e, engine.Interrupted) else _failed("interrupted", 130)
+        if engine is not None and isinstance(e, engine.Interrupted):
+            return EXIT_INTERRUPTED
+        return _failed("interrupted", EXIT_INTERRUPTED)
     except (CliError, ValueError, FileNotFoundError, FileExistsError, OSError) as e:
         if args.debug:
             raise

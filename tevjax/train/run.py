@@ -232,7 +232,8 @@ def train(target, drafter: DFlashDrafter, data_dir: str | os.PathLike, run_dir: 
     """Trains `drafter` (fresh or from --init) on a data directory, or resumes the run in `run_dir`.
 
     `until` stops early after that step, with a checkpoint (for staged runs and the resume test).
-    SIGTERM and Ctrl-C also stop with a checkpoint of the last completed step.
+    SIGTERM and Ctrl-C also stop with a checkpoint of the last completed step: the returned state's
+    step then falls short of `until` or `cfg.steps` (and `tevjax train` exits 130).
     """
     from tevjax.train.heldout import HeldoutEval
 
