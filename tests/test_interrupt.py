@@ -205,3 +205,28 @@ def test_cli_sigint_prints_finished_prompts_and_exits_130(tmp_path, scripted_dir
     # ran): the bound is generous so the test is not flaky; an uninterrupted run would take minutes.
     print(f"exited {waited:.2f} s after SIGINT")
     assert waited < 45.0, f"exit took {waited:.1f} s after SIGINT"
+
+
+ENTRY = """
+import atexit, sys
+import tevjax.__main__ as entry, tevjax.cli as cli
+atexit.register(lambda: print("teardown ran", flush=True))
+def interrupted(args):
+    print("partial output", end="")  # still in stdout's buffer when the Ctrl-C arrives
+    raise KeyboardInterrupt
+cli.cmd_demo = interrupted
+sys.argv = ["tevjax", "demo"]
+sys.exit(entry.main())
+"""
+
+
+def test_a_ctrl_c_outside_the_decoders_stop_ends_the_script_at_once():
+    """A Ctrl-C that reaches the `tevjax` script outside the decoder's agreed stop may have stopped
+    JAX waiting for a compile that goes on in XLA's threads; the interpreter's teardown destroyed
+    the XLA client under it, a segfault (exit 139) in 6 of 8 Ctrl-Cs during `tevjax data`. The
+    script now ends with os._exit(130) after flushing: no teardown (the atexit hook does not run),
+    and nothing it printed is lost. `cli.main` called in a process (a test, a notebook) returns 130."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", ENTRY], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 130, proc.stderr
+    assert proc.stdout == "partial output" and proc.stderr.strip() == "tevjax: interrupted"
