@@ -5,7 +5,8 @@ separate runs). For every budget that both arms hold, it prints each arm's tau w
 interval, and the relative gain of arm B over arm A with its 95% interval. Both are
 delta-method intervals with prompts as the units (`tevjax.stats`). Pairing removes the spread
 between prompts, which is most of tau's variance. The runs must cover the same prompts (the same
-set, count, token limit, temperature and seed), and every row must hold the per-prompt counts
+set, count, token limit, temperature and seed, and, where both files keep it, the same digest of
+the prompt texts: counts pair by position), and every row must hold the per-prompt counts
 (`prompt_emitted`, `prompt_rounds`) that `tevjax eval` keeps since 2026-12-05.
 
     python experiments/compare_evals.py \
@@ -26,19 +27,23 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report import emit  # noqa: E402
 
-from tevjax.stats import Z95, paired_gain, tau_se  # noqa: E402
+from tevjax.stats import paired_gain, q95, tau_se  # noqa: E402
 
 # What two runs must share for their prompts, and so their per-prompt counts, to pair.
 SAME = ("prompts", "num_prompts", "max_new_tokens", "temperature", "seed")
+# The digest of the prompt texts that `tevjax eval` writes (`tevjax.evaluate.prompts_digest`): counts pair
+# by position, and one --prompts spec can name other texts (an edited file, another directory). Checked
+# wherever both files hold it (older files do not).
+DIGEST = "prompts_sha256"
 
 
 class CompareError(ValueError):
     """A file or a pair of runs that cannot be compared; the message names which and why."""
 
 
-def load_arm(paths: list[str]) -> tuple[dict, dict[int, dict]]:
-    """(the runs' shared settings, {budget: row}) for one arm's files."""
-    settings, rows = None, {}
+def load_arm(paths: list[str]) -> tuple[dict, dict[int, dict], tuple[str, str] | None]:
+    """(the runs' shared settings, {budget: row}, (a file, its prompt digest) or None) for one arm's files."""
+    settings, rows, digest = None, {}, None
     for path in paths:
         try:
             run = json.loads(Path(path).read_text())
@@ -54,6 +59,7 @@ def load_arm(paths: list[str]) -> tuple[dict, dict[int, dict]]:
         if settings is not None and these != settings:
             raise CompareError(f"{path}: other prompts or settings than {paths[0]} ({_differences(settings, these)})")
         settings = these
+        digest = _check_digest(digest, path, run)
         for row in run["budgets"]:
             if "prompt_emitted" not in row or "prompt_rounds" not in row:
                 raise CompareError(f"{path}: budget {row['budget']} has no per-prompt counts "
@@ -61,7 +67,17 @@ def load_arm(paths: list[str]) -> tuple[dict, dict[int, dict]]:
             if row["budget"] in rows:
                 raise CompareError(f"{path}: budget {row['budget']} is in two files of the same arm")
             rows[row["budget"]] = row
-    return settings, rows
+    return settings, rows, digest
+
+
+def _check_digest(seen: tuple[str, str] | None, path: str, run: dict) -> tuple[str, str] | None:
+    """The first (file, prompt digest) seen; refuses a file whose prompt texts differ from it."""
+    if DIGEST not in run:
+        return seen
+    if seen is not None and run[DIGEST] != seen[1]:
+        raise CompareError(f"{path}: other prompt texts than {seen[0]} under the same settings "
+                           f"(--prompts {run['prompts']!r} named other texts): the per-prompt counts would not pair")
+    return seen or (path, run[DIGEST])
 
 
 def _differences(a: dict, b: dict) -> str:
@@ -70,10 +86,12 @@ def _differences(a: dict, b: dict) -> str:
 
 def compare(arm_a: list[str], arm_b: list[str]) -> tuple[dict, list[dict]]:
     """(the shared settings, one result per budget both arms hold, in increasing budget)."""
-    settings_a, rows_a = load_arm(arm_a)
-    settings_b, rows_b = load_arm(arm_b)
+    settings_a, rows_a, digest_a = load_arm(arm_a)
+    settings_b, rows_b, digest_b = load_arm(arm_b)
     if settings_a != settings_b:
         raise CompareError(f"the arms ran on other prompts or settings ({_differences(settings_a, settings_b)})")
+    if digest_a is not None and digest_b is not None:
+        _check_digest(digest_a, digest_b[0], {DIGEST: digest_b[1], "prompts": settings_b["prompts"]})
     budgets = sorted(set(rows_a) & set(rows_b))
     if not budgets:
         raise CompareError(f"no budget in both arms (A: {sorted(rows_a)}, B: {sorted(rows_b)})")
@@ -87,9 +105,11 @@ def compare(arm_a: list[str], arm_b: list[str]) -> tuple[dict, list[dict]]:
 
 
 def report(settings: dict, results: list[dict], label_a: str, label_b: str) -> list[str]:
+    q = q95(settings["num_prompts"])  # t with n - 1 df, as the paired intervals (`tevjax.stats`)
+
     def tau(pair):
         t, se = pair
-        return f"{t:.3f} [{t - Z95 * se:.3f}, {t + Z95 * se:.3f}]"
+        return f"{t:.3f} [{t - q * se:.3f}, {t + q * se:.3f}]"
 
     lines = [f"# {label_b} against {label_a}, paired over prompts", "",
              f"`{shlex.join(['python', *sys.argv])}`", "",

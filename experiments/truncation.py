@@ -129,7 +129,7 @@ def decode(args) -> list[dict]:
 
 
 def report(args, cuts, runs, seconds: float, facts: str) -> list[str]:
-    from tevjax.stats import Z95
+    from tevjax.stats import q95
 
     lines = ["# Truncated sampling: the cost of the cut, and tau and speed on SmolLM2", "",
              f"Command: `python experiments/truncation.py{' --quick' if args.quick else ''}` "
@@ -148,7 +148,8 @@ def report(args, cuts, runs, seconds: float, facts: str) -> list[str]:
     for run in runs:
         for r in run["budgets"]:
             se = r["tau_se"]
-            band = "" if se is None else f" [{r['tau'] - Z95 * se:.2f}, {r['tau'] + Z95 * se:.2f}]"
+            q = q95(run["num_prompts"])  # t with n - 1 df: the SE comes from these prompts
+            band = "" if se is None else f" [{r['tau'] - q * se:.2f}, {r['tau'] + q * se:.2f}]"
             lo, hi = r["sr_range"]
             lines.append(f"| {run['setting']} | {run['ar']['tokens_per_s']:.2f} | {r['budget']} | {r['tau']:.3f}{band} "
                          f"| {r['tokens_per_s']:.2f} | {r['sr']:.3f} [{lo:.2f}-{hi:.2f}] |")

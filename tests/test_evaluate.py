@@ -94,11 +94,13 @@ def test_evaluate_interleaves_methods_and_reports_consistent_numbers(monkeypatch
     assert [row["lookup"] for row in capped["budgets"]] == [2, 3] and capped["mismatches"] == 0
     assert [row["tau_se"] for row in capped["budgets"]] == [None, None]  # one prompt: no spread to measure
     row = result["budgets"][0]
-    lo, hi = row["tau"] - 1.959963984540054 * row["tau_se"], row["tau"] + 1.959963984540054 * row["tau_se"]
+    # Two prompts: the band's quantile is t with 1 df (12.706), not the normal 1.96.
+    lo, hi = row["tau"] - 12.706204736174694 * row["tau_se"], row["tau"] + 12.706204736174694 * row["tau_se"]
     assert f"| {row['tau']:.3f} [{max(lo, 1.0):.3f}, {hi:.3f}] |" in table
     # A round emits at least one token: the band stops at tau = 1.
-    wide = {**result, "budgets": [{**row, "tau": 1.1, "tau_se": 0.2}]}
-    assert "| 1.100 [1.000, 1.492] |" in format_table(wide)
+    wide = {**result, "num_prompts": 300, "budgets": [{k: v for k, v in row.items() if not k.startswith("prompt_")}
+                                                       | {"tau": 1.1, "tau_se": 0.2}]}
+    assert "| 1.100 [1.000, 1.494] |" in format_table(wide)  # t with 299 df: 1.968
     with pytest.raises(ValueError, match="lookup must be >= 0 or None"):
         evaluate(models, texts, budgets=(2,), lookup=-1)
     with pytest.raises(ValueError, match="corpus must be >= 0 or None"):
@@ -198,9 +200,10 @@ class _ScriptedDecoder:
     by length) is scripted, so a row's statistics are known numbers; nothing compiles."""
 
     AR = {3: [7] * 15, 5: [8] * 8}  # prompt length -> the autoregressive tokens
-    # (budget, prompt length) -> (tokens, rounds, plain rounds); budget 4 ends prompt 1 otherwise, one token longer.
-    SPEC = {(2, 3): ([7] * 15, 11, 3), (2, 5): ([8] * 8, 4, 1), (4, 3): ([7] * 15, 5, 0),
-            (4, 5): ([8] * 7 + [9, 9], 2, 0)}
+    # (budget, prompt length) -> (tokens, rounds, plain rounds, verified tokens cut from the last block);
+    # budget 4 ends prompt 1 otherwise, one token longer, and cuts 2 tokens of prompt 0's last block.
+    SPEC = {(2, 3): ([7] * 15, 11, 3, 0), (2, 5): ([8] * 8, 4, 1, 0), (4, 3): ([7] * 15, 5, 0, 2),
+            (4, 5): ([8] * 7 + [9, 9], 2, 0, 0)}
 
     def __init__(self, target, drafter, cfg, mesh=None, ngrams=None):
         self.drafter, self.cfg = drafter, cfg
@@ -214,12 +217,13 @@ class _ScriptedDecoder:
         out = []
         for p in batch:
             if self.drafter is None:
-                tokens, rounds, plain = self.AR[len(p)], len(self.AR[len(p)]), 0
+                tokens, rounds, plain, cut = self.AR[len(p)], len(self.AR[len(p)]), 0, 0
             else:
-                tokens, rounds, plain = self.SPEC[(self.cfg.budget, len(p))]
-            # tau as the decoder computes it: a float whose product with rounds need not be an integer
-            # (15 / 11 * 11 = 14.999...), so the emitted count must be rounded, not truncated.
-            out.append(SimpleNamespace(tokens=tokens, rounds=rounds, tau=len(tokens) / rounds, plain_rounds=plain))
+                tokens, rounds, plain, cut = self.SPEC[(self.cfg.budget, len(p))]
+            # tau as the decoder computes it (whole verified blocks): a float whose product with rounds
+            # need not be an integer (15 / 11 * 11 = 14.999...), so the emitted count must be rounded.
+            out.append(SimpleNamespace(tokens=tokens, rounds=rounds, tau=(len(tokens) + cut) / rounds,
+                                       plain_rounds=plain))
         return out
 
 
@@ -241,15 +245,24 @@ def test_evaluate_rows_follow_the_per_prompt_counts(monkeypatch):
     result = evaluate(models, ["ab", "abcd"], budgets=(2, 4), batch_size=1, lookup=0, corpus=0, fallback_below=1.5,
                       log=lambda _: None)
     b2, b4 = result["budgets"]
+    # The prompt texts' digest, for pairing two runs by prompt (`compare_evals`): order matters.
+    from tevjax.evaluate import prompts_digest
+
+    assert result["prompts_sha256"] == prompts_digest(["ab", "abcd"]) != prompts_digest(["abcd", "ab"])
     assert (b2["prompt_emitted"], b2["prompt_rounds"]) == ([15, 8], [11, 4])
-    assert (b4["prompt_emitted"], b4["prompt_rounds"]) == ([15, 9], [5, 2])
-    assert b2["tau"] == pytest.approx(23 / 15) and b4["tau"] == pytest.approx(24 / 7)
+    assert (b4["prompt_emitted"], b4["prompt_rounds"], b4["prompt_tokens"]) == ([17, 9], [5, 2], [15, 9])
+    assert b2["tau"] == pytest.approx(23 / 15) and b4["tau"] == pytest.approx(26 / 7)
+    # Output tokens per round: the last block cut at the prompt's end counts only what was output.
+    assert b2["tau_out"] == pytest.approx(23 / 15) and b4["tau_out"] == pytest.approx(24 / 7)
+    t, r4 = np.array([15, 9]), np.array([5, 2])
+    d4 = t / t.sum() - r4 / r4.sum()
+    assert b4["tau_out_se"] == pytest.approx(24 / 7 * np.sqrt(2 * np.sum(d4 * d4)))
     e, r = np.array([15, 8]), np.array([11, 4])
     d = e / e.sum() - r / r.sum()  # each prompt's influence; n / (n - 1) = 2 for two prompts
     assert b2["tau_se"] == pytest.approx(23 / 15 * np.sqrt(2 * np.sum(d * d)))
     assert b2["tau_prompt_sd"] == pytest.approx(np.std([15 / 11, 2.0], ddof=1))
     assert (b2["plain_rounds"], b2["tau_drafted"]) == (4, pytest.approx((23 - 4) / (15 - 4)))
-    assert (b4["plain_rounds"], b4["tau_drafted"]) == (0, pytest.approx(24 / 7))
+    assert (b4["plain_rounds"], b4["tau_drafted"]) == (0, pytest.approx(26 / 7))
     assert [b2["lookup"], b4["lookup"], b2["corpus"]] == [0, 0, 0]
     assert (b2["mismatches"], b4["mismatches"], result["mismatches"]) == (0, 1, 1)
     assert result["ar"]["tokens"] == b2["tokens"] == 23 and b4["tokens"] == 24

@@ -6,9 +6,10 @@ import sys
 from pathlib import Path
 from statistics import NormalDist
 
+import numpy as np
 import pytest
 
-from tevjax.stats import Z95, detectable_gain, influence, paired_gain, tau_se
+from tevjax.stats import Z95, detectable_gain, influence, paired_gain, q95, tau_se
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
 
@@ -26,12 +27,12 @@ def test_tau_and_se_by_hand():
 def test_paired_gain_by_hand():
     # a: tokens (2, 4) rounds (2, 2), tau 1.5; b: tokens (3, 5) rounds (2, 2), tau 2.
     # d_a = (-1/6, 1/6); d_b = (3/8 - 1/2, 5/8 - 1/2) = (-1/8, 1/8); d_b - d_a = (1/24, -1/24);
-    # Var = 2 * 2 / 576 = 1/144, SE = 1/12; gain = 2 / 1.5 - 1 = 1/3.
+    # Var = 2 * 2 / 576 = 1/144, SE = 1/12; gain = 2 / 1.5 - 1 = 1/3. Two prompts: t with 1 df, 12.706.
     g = paired_gain([2, 4], [2, 2], [3, 5], [2, 2])
     assert g["gain"] == pytest.approx(1 / 3)
     assert g["se_log"] == pytest.approx(1 / 12)
-    assert g["lo"] == pytest.approx(4 / 3 * math.exp(-Z95 / 12) - 1)
-    assert g["hi"] == pytest.approx(4 / 3 * math.exp(Z95 / 12) - 1)
+    assert g["lo"] == pytest.approx(4 / 3 * math.exp(-12.706204736 / 12) - 1)
+    assert g["hi"] == pytest.approx(4 / 3 * math.exp(12.706204736 / 12) - 1)
     # An arm against itself: gain 0, SE 0.
     same = paired_gain([2, 4], [2, 2], [2, 4], [2, 2])
     assert same["gain"] == 0 and same["se_log"] == 0 and same["lo"] == same["hi"] == 0
@@ -44,6 +45,32 @@ def test_pairing_cancels_what_prompts_share():
     g = paired_gain(ta, ra, tb, ra)
     assert g["gain"] == pytest.approx(0.1) and g["se_log"] == pytest.approx(0.0, abs=1e-12)
     assert tau_se(ta, ra)[1] > 0.1
+
+
+def test_q95_is_students_t_with_n_minus_1_df():
+    # Two-sided 95% t quantiles (any t table) for n prompts; the normal one when n is unknown or huge.
+    for n, t in ((2, 12.7062047), (3, 4.3026527), (8, 2.3646243), (16, 2.1314495), (33, 2.0369333),
+                 (256, 1.9693106)):
+        assert q95(n) == pytest.approx(t, abs=1e-6)
+    assert q95(None) == Z95 and q95(10**6) == pytest.approx(Z95, abs=1e-5) and math.isnan(q95(1))
+
+
+def test_small_sample_intervals_cover_about_95_percent():
+    """Prompts drawn from a skewed population of known pooled tau: with the normal quantile a "95%"
+    interval from 6 prompts covered ~87% (tau) and ~88% (paired gain); t with 5 df covers ~93-94%."""
+    rng = np.random.default_rng(0)
+    rounds = rng.integers(20, 61, 5000).astype(float)
+    tokens = (1 + rng.gamma(4, 0.25, 5000)) * rounds
+    better = tokens * (1.1 + 0.1 * rng.standard_normal(5000))
+    truth, log_gain = tokens.sum() / rounds.sum(), math.log(better.sum() / tokens.sum())
+    covered = paired = 0
+    for _ in range(2000):
+        i = rng.integers(5000, size=6)
+        tau, se = tau_se(tokens[i], rounds[i])
+        covered += abs(tau - truth) <= q95(6) * se
+        g = paired_gain(tokens[i], rounds[i], better[i], rounds[i])
+        paired += math.log1p(g["lo"]) <= log_gain <= math.log1p(g["hi"])
+    assert covered / 2000 > 0.92 and paired / 2000 > 0.92
 
 
 def test_detectable_gain_and_errors():
@@ -105,6 +132,25 @@ def test_compare_evals_refuses_runs_that_do_not_pair(tmp_path, capsys, b_rows, b
     with pytest.raises(SystemExit) as e:
         compare_evals.main(["--a", a, "--b", b])
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_compare_evals_refuses_other_prompt_texts_under_the_same_spec(tmp_path, capsys):
+    """Counts pair by position: two runs of `--prompts p.txt` on files of other texts (or the same texts
+    in another order) must not pair, while files made before the digest was kept still do."""
+    import compare_evals
+
+    rows = [(8, [10, 12, 16], [6, 8, 8])]
+    a = _eval_json(tmp_path / "a.json", rows, prompts="p.txt", prompts_sha256="0" * 64)
+    b = _eval_json(tmp_path / "b.json", rows, prompts="p.txt", prompts_sha256="1" * 64)
+    with pytest.raises(SystemExit) as e:
+        compare_evals.main(["--a", a, "--b", b])
+    assert e.value.code == 2 and "b.json: other prompt texts than" in capsys.readouterr().err
+    b16 = _eval_json(tmp_path / "b16.json", [(16, [10, 12, 16], [6, 8, 8])], prompts="p.txt", prompts_sha256="1" * 64)
+    with pytest.raises(SystemExit):  # within one arm too
+        compare_evals.main(["--a", a, "--b", a, b16])
+    assert "b16.json: other prompt texts than" in capsys.readouterr().err
+    old = _eval_json(tmp_path / "old.json", [(16, [10, 12, 16], [6, 8, 8])], prompts="p.txt")
+    assert [r["budget"] for r in compare_evals.main(["--a", a, old, "--b", a])] == [8]
 
 
 def test_compare_evals_names_the_bad_file(tmp_path, capsys):

@@ -12,6 +12,7 @@ would mean the decoder is not exact).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import platform
 import time
@@ -132,16 +133,22 @@ def evaluate(models, texts: list[str], *, budgets=(4, 8, 16, 32), temperature: f
         tokens, seconds = int(toks[budget].sum()), float(secs[budget].sum())
         emitted = [int(round(x.tau * x.rounds)) for x in g]  # per prompt: output-block tokens, bonus included
         per_rounds = [int(x.rounds) for x in g]
+        # tau counts each round's whole verified block, as the exit law's ceiling 1 + C_p does; a
+        # prompt's last block is cut at its end (end-of-turn, a stop string, the token limit), so the
+        # tokens it outputs per round (tau_out) are fewer, by more where blocks are long.
+        out_tokens = [len(x.tokens) for x in g]
         rounds, block = sum(per_rounds), sum(emitted)
         per_prompt = np.array(emitted) / np.maximum(per_rounds, 1)  # each prompt's own tau
         # Prompts are the independent units; the per-prompt counts stay in the row so that two runs on
         # the same prompts can be compared paired (`tevjax.stats.paired_gain`).
         tau_se = stats.tau_se(emitted, per_rounds)[1] if len(g) > 1 and rounds else None
+        tau_out_se = stats.tau_se(out_tokens, per_rounds)[1] if len(g) > 1 and rounds else None
         per_batch_sr = ar_rate / (secs[budget] / np.maximum(toks[budget], 1))
         mismatches = sum(a.tokens != b.tokens for a, b in zip(gens["ar"], g)) if temperature == 0 else None
         row = {"budget": budget, "lookup": lookup_for(budget, lookup),
                "corpus": corpus_for(budget, corpus, models.ngrams), "tau": block / max(rounds, 1),
                "tau_se": tau_se, "tau_prompt_sd": float(per_prompt.std(ddof=1)) if len(g) > 1 else 0.0,
+               "tau_out": sum(out_tokens) / max(rounds, 1), "tau_out_se": tau_out_se,
                "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds if seconds else None,
                "sr": (ar_s / max(ar_tokens, 1)) / (seconds / max(tokens, 1)) if seconds else None,
                "sr_range": [float(np.percentile(per_batch_sr, 10)), float(np.percentile(per_batch_sr, 90))],
@@ -150,17 +157,25 @@ def evaluate(models, texts: list[str], *, budgets=(4, 8, 16, 32), temperature: f
             plain = sum(x.plain_rounds for x in g)  # each plain round emitted exactly one token
             row |= {"plain_rounds": plain, "tau_drafted": (block - plain) / max(rounds - plain, 1)}
         log(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}))
-        rows.append(row | {"prompt_emitted": emitted, "prompt_rounds": per_rounds})
+        rows.append(row | {"prompt_emitted": emitted, "prompt_rounds": per_rounds, "prompt_tokens": out_tokens})
     return {
         "verifier": verifier, "temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p,
         "max_new_tokens": max_new_tokens,
         "batch_size": batch_size, "num_prompts": len(texts), "seed": seed, "lookup": lookup, "corpus": corpus,
+        # The texts themselves, in order: the per-prompt counts pair by position (`compare_evals`), and
+        # the same --prompts spec can name other texts (a prompt file edited or read from another directory).
+        "prompts_sha256": prompts_digest(texts),
         "fallback_below": fallback_below, "fallback_rounds": fallback_rounds,
         "drafter_trained": models.drafter_trained,
         "ar": {"tokens": ar_tokens, "seconds": ar_s, "tokens_per_s": ar_tokens / ar_s if ar_s else None},
         "budgets": rows, "mismatches": sum(r["mismatches"] or 0 for r in rows),
         "machine": {"platform": platform.platform(), "processor": platform.processor()},
     }
+
+
+def prompts_digest(texts: list[str]) -> str:
+    """SHA-256 of the prompt texts in order (JSON-encoded): equal digests, the same prompts in the same order."""
+    return hashlib.sha256(json.dumps(list(texts), ensure_ascii=False).encode("utf-8")).hexdigest()
 
 
 def lookup_for(budget: int, lookup: int | None) -> int:
@@ -180,6 +195,12 @@ def truncation_text(top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> s
     return "".join(f", {name} {value}" for name, value, off in on if value != off)
 
 
+def _banded(value: float, se: float | None, q: float) -> str:
+    """`value [lo, hi]`, the interval value +- q se; a round emits at least one token, so a mean per
+    round is >= 1 and a few prompts' band is cut there."""
+    return f"{value:.3f}" + ("" if se is None else f" [{max(value - q * se, 1.0):.3f}, {value + q * se:.3f}]")
+
+
 def format_table(result: dict) -> str:
     """A markdown table of one `evaluate` result."""
     ar = result["ar"]
@@ -189,17 +210,18 @@ def format_table(result: dict) -> str:
              f"temperature {result['temperature']}{cut}, verifier {result['verifier']}, batch {result['batch_size']}"
              + (f", fallback below {result['fallback_below']:g} (tau counts the plain rounds)" if fallback else "")
              + f"; AR {ar['tokens_per_s']:.2f} tok/s",
-             "", "| budget | lookup | corpus | tau [95% over prompts] | tok/s | SR vs AR [10-90% over batches] "
-             "| greedy == AR |" + (" plain rounds | tau of drafted rounds |" if fallback else ""),
-             "|---:|---:|---:|---:|---:|---:|:---:|" + ("---:|---:|" if fallback else "")]
+             "", "| budget | lookup | corpus | tau [95% over prompts] | output tokens per round [95%] | tok/s "
+             "| SR vs AR [10-90% over batches] | greedy == AR |"
+             + (" plain rounds | tau of drafted rounds |" if fallback else ""),
+             "|---:|---:|---:|---:|---:|---:|---:|:---:|" + ("---:|---:|" if fallback else "")]
     for r in result["budgets"]:
         same = "n/a" if r["mismatches"] is None else ("yes" if r["mismatches"] == 0 else f"NO ({r['mismatches']})")
         lo, hi = r["sr_range"]
-        se = r.get("tau_se")
-        # A round emits at least one token, so tau >= 1: a few prompts' normal band is cut there.
-        band = "" if se is None else f" [{max(r['tau'] - stats.Z95 * se, 1.0):.3f}, {r['tau'] + stats.Z95 * se:.3f}]"
-        lines.append(f"| {r['budget']} | {r.get('lookup', 0)} | {r.get('corpus', 0)} | {r['tau']:.3f}{band} "
-                     f"| {r['tokens_per_s']:.2f} "
+        # t with n - 1 df, not 1.96: the SE comes from the n prompts themselves (`stats.q95`).
+        q = stats.q95(len(r["prompt_emitted"]) if "prompt_emitted" in r else result["num_prompts"])
+        out = "n/a" if "tau_out" not in r else _banded(r["tau_out"], r["tau_out_se"], q)  # older files lack it
+        lines.append(f"| {r['budget']} | {r.get('lookup', 0)} | {r.get('corpus', 0)} "
+                     f"| {_banded(r['tau'], r.get('tau_se'), q)} | {out} | {r['tokens_per_s']:.2f} "
                      f"| {r['sr']:.3f} [{lo:.2f}-{hi:.2f}] "
                      f"| {same} |" + (f" {r['plain_rounds']} | {r['tau_drafted']:.3f} |" if fallback else ""))
     return "\n".join(lines)

@@ -9,7 +9,12 @@ one, with prompts as the independent units: the influence of prompt i on log tau
 which sums to 0, and Var(log tau) ~= n / (n - 1) * sum_i d_i^2. Two arms decoded on the SAME prompts
 (paired) compare through log(tau_b / tau_a), whose influence is d_i^b - d_i^a: what the prompts share
 (an easy prompt is easy for both drafters) cancels, so a paired interval is much narrower than two
-separate ones. A 95% interval of the relative gain tau_b / tau_a - 1 is exp(log ratio +- 1.96 SE) - 1.
+separate ones. A 95% interval of the relative gain tau_b / tau_a - 1 is exp(log ratio +- q SE) - 1.
+
+q is Student's t quantile with n - 1 degrees of freedom (`q95`), not the normal 1.96: the variance
+is estimated from the n prompts themselves, and with the normal quantile a "95%" interval covered
+the truth only ~90% of the time at n = 8 (`tevjax eval`'s default) and ~92% at n = 16, resampling
+the committed 256-prompt runs; t brings that to ~94% / ~93% (at n = 256 the two differ by 0.5%).
 
 Worked example (tests/test_paired_stats.py): tokens (2, 4), rounds (2, 2) -> tau = 6 / 4 = 1.5,
 d = (2/6 - 2/4, 4/6 - 2/4) = (-1/6, 1/6), Var(log tau) = 2 * (1/36 + 1/36) = 1/9, SE(tau) = 1.5 / 3 = 0.5.
@@ -24,7 +29,20 @@ import numpy as np
 
 Z95 = 1.959963984540054  # two-sided 95% normal quantile
 
-__all__ = ["Z95", "influence", "tau_se", "paired_gain", "detectable_gain"]
+__all__ = ["Z95", "q95", "influence", "tau_se", "paired_gain", "detectable_gain"]
+
+
+def q95(n: int | None) -> float:
+    """The two-sided 95% quantile for an interval whose SE is estimated from n units (prompts):
+    Student's t with n - 1 degrees of freedom (scipy, which JAX itself depends on); Z95 when n is
+    None (unknown); nan below 2 units, where there is no spread to estimate."""
+    if n is None:
+        return Z95
+    if n < 2:
+        return math.nan
+    from scipy.stats import t
+
+    return float(t.ppf(0.975, n - 1))
 
 
 def influence(tokens: Sequence[float], rounds: Sequence[float]) -> np.ndarray:
@@ -51,14 +69,15 @@ def tau_se(tokens: Sequence[float], rounds: Sequence[float]) -> tuple[float, flo
 
 def paired_gain(tokens_a, rounds_a, tokens_b, rounds_b) -> dict:
     """Arm b against arm a on the same prompts (same order): the relative gain tau_b / tau_a - 1,
-    the SE of log(tau_b / tau_a) and a 95% interval of the gain."""
+    the SE of log(tau_b / tau_a) and a 95% interval of the gain (t quantile with n - 1 df, `q95`)."""
     da, db = influence(tokens_a, rounds_a), influence(tokens_b, rounds_b)
     if da.shape != db.shape:
         raise ValueError("paired arms must cover the same prompts")
     log_ratio = math.log((np.sum(tokens_b) / np.sum(rounds_b)) / (np.sum(tokens_a) / np.sum(rounds_a)))
     se = math.sqrt(_var_log(db - da))
+    q = q95(len(da))
     return {"gain": math.expm1(log_ratio), "se_log": se,
-            "lo": math.expm1(log_ratio - Z95 * se), "hi": math.expm1(log_ratio + Z95 * se)}
+            "lo": math.expm1(log_ratio - q * se), "hi": math.expm1(log_ratio + q * se)}
 
 
 def detectable_gain(se_log: float) -> float:
