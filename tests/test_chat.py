@@ -211,6 +211,28 @@ def test_a_line_that_is_not_utf8_costs_that_line_only(text_target_dir, monkeypat
     assert "tevjax: error: this message is not UTF-8 text (byte 0xff at character 0); it was not sent" in err, err
 
 
+def test_a_line_that_is_not_utf8_costs_that_line_only_in_a_strict_locale(text_target_dir, monkeypatch, capsys):
+    """Outside the C / C.UTF-8 locales (en_US.UTF-8, say) Python's stdin decodes strictly: a byte that
+    is not UTF-8 raised from the read and ended the chat, and the lines before it in the same buffered
+    chunk went unanswered. It costs that line only, as with surrogate escapes."""
+    flags = ("--max-new-tokens", "6", "--verifier", "ar")
+    want, _ = _chat(monkeypatch, capsys, text_target_dir, ["hello world", "12 hello"], *flags)
+    raw = b"hello world\n\xff\xfe bad\n12 hello\n"
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(raw), encoding="utf-8", errors="strict"))
+    code = main(["chat", "--target", str(text_target_dir), *flags])
+    out, err = capsys.readouterr()
+    assert code == 0 and out == want, err
+    assert "tevjax: error: this message is not UTF-8 text (byte 0xff at character 0); it was not sent" in err, err
+
+
+def test_a_closed_stdin_is_one_error_before_loading(monkeypatch, capsys):
+    """`tevjax chat <&-`: Python's sys.stdin is None (it was an internal error, after the model loaded)."""
+    monkeypatch.setattr(sys, "stdin", None)
+    assert main(["chat", "--target", "/nonexistent"]) == 2
+    assert capsys.readouterr().err == ("tevjax: error: stdin is closed: a chat reads its messages from stdin (a "
+                                       "terminal, or one message per line of piped input)\n")
+
+
 def test_a_system_message_that_leaves_no_room_is_refused_before_any_turn(text_target_dir, monkeypatch, capsys):
     monkeypatch.setattr(sys, "stdin", io.StringIO("hello\n"))
     code = main(["chat", "--target", str(text_target_dir), "--system", "x" * 3000, "--max-new-tokens", "8",

@@ -491,6 +491,24 @@ def test_eval_measures_ar_and_each_budget_on_a_prompt_file(capsys, text_target_d
     assert "fallback below 50" in table and "| plain rounds | tau of drafted rounds |" in table
 
 
+def test_eval_checks_every_greedy_temperature_and_says_when_the_set_is_short(capsys, text_target_dir, tmp_path):
+    """A temperature below 1e-5 decodes greedily, so eval checks its outputs against AR's as at 0 (it
+    reported n/a and checked nothing); a prompt file with a byte-order mark measures the prompt
+    without it; a set shorter than --num-prompts is measured whole, with a note saying so."""
+    from tevjax.evaluate import load_eval_prompts
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_bytes("\ufeffhello\nworld\n".encode())
+    assert load_eval_prompts(str(prompts), 8) == ["hello", "world"]
+    code, out, err = _run(capsys, "eval", "--target", str(text_target_dir), "--prompts", str(prompts), "--num-prompts",
+                          "5", "--budgets", "2", "--max-new-tokens", "4", "--temperature", "1e-6", "--json")
+    assert code == 0, err
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["num_prompts"] == 2 and result["budgets"][0]["mismatches"] == 0
+    assert f"tevjax: note: --prompts {prompts} holds 2 prompts, fewer than --num-prompts 5: measuring those 2" in err
+    assert "| yes |" in format_table(result)
+
+
 def test_generate_uses_the_drafters_corpus_by_default(capsys, tiny_dir, tmp_path):
     """A drafter directory with a corpus.npz decodes with a corpus chain as long as the budget
     (`--corpus 0` turns it off); the tokens stay AR's. Without a corpus file the chain is off."""

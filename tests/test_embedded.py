@@ -174,6 +174,56 @@ def test_prepare_redoes_incomplete_entries(tiny_gguf, tmp_path, monkeypatch):
     assert len(calls) == 3
 
 
+def _unwritable(monkeypatch, cache: Path) -> None:
+    """Simulates a cache this process cannot write (tests run as root, where chmod does not bite):
+    taking a lock in it and making directories under it fail as they would, with EACCES."""
+    import errno
+
+    real_mkdir = Path.mkdir
+
+    def refused(path):
+        raise PermissionError(errno.EACCES, "Permission denied", str(path))
+
+    def locked(path):
+        refused(path)
+        yield
+
+    def mkdir(self, *args, **kwargs):
+        if self == cache or cache in self.parents:
+            refused(self)
+        return real_mkdir(self, *args, **kwargs)
+
+    monkeypatch.setattr(embedded, "_locked", embedded.contextlib.contextmanager(locked))
+    monkeypatch.setattr(Path, "mkdir", mkdir)
+
+
+def test_a_read_only_cache_with_a_sound_copied_entry_serves_it(tiny_gguf, tmp_path, monkeypatch):
+    """A cache copied (new inodes and times, so every file is hashed again) and read-only (shared,
+    or baked into an image): the entry checks out by its checksums and serves; recording its new
+    fingerprints is only skipped. It failed with "[Errno 13] Permission denied: '.../.NAME.lock'"."""
+    calls = _counting(monkeypatch)
+    entry = prepare_gguf(tiny_gguf, name="tiny", cache_dir=tmp_path / "cache")
+    shutil.copytree(tmp_path / "cache", tmp_path / "copy")
+    _unwritable(monkeypatch, tmp_path / "copy")
+    assert prepare_gguf(tiny_gguf, name="tiny", cache_dir=tmp_path / "copy") == tmp_path / "copy" / entry.name
+    assert prepare_gguf(tiny_gguf, name="other", cache_dir=tmp_path / "copy") == tmp_path / "copy" / entry.name
+    assert len(calls) == 1
+
+
+def test_a_cache_that_cannot_be_written_is_named_with_the_remedy(tiny_gguf, tmp_path, monkeypatch):
+    """HOME unset for a user whose home is /nonexistent, or TEVJAX_CACHE read-only: the error names
+    the cache and $TEVJAX_CACHE (it was a bare "[Errno 13] Permission denied: '/nonexistent'")."""
+    from tevjax.storage import WriteError
+
+    cache = tmp_path / "nonexistent" / ".cache" / "tevjax"
+    _unwritable(monkeypatch, tmp_path / "nonexistent")
+    with pytest.raises(WriteError) as e:
+        prepare_gguf(tiny_gguf, name="tiny", cache_dir=cache)
+    assert str(e.value) == (f"cannot write the cache of converted models {cache} ($TEVJAX_CACHE, by default "
+                            f"~/.cache/tevjax), which converting tiny.gguf needs (Permission denied: {cache}); "
+                            "set TEVJAX_CACHE to a directory you can write")
+
+
 def test_prepare_keys_on_the_source_content(tiny_gguf, tmp_path, monkeypatch):
     calls = _counting(monkeypatch)
     hashed = []

@@ -1006,6 +1006,9 @@ CHAT_PROMPT_BUCKET, CHAT_CAPACITY_BUCKET = 256, 512
 def cmd_chat(args) -> int:
     _check_verifier(args.verifier, autoregressive=True)
     speculative = args.verifier != AUTOREGRESSIVE
+    if sys.stdin is None:  # Python's stdin when file descriptor 0 is closed (`tevjax chat <&-`)
+        raise CliError("stdin is closed: a chat reads its messages from stdin (a terminal, or one message per line "
+                       "of piped input)")
     if args.system is not None and not _utf8(args.system, "--system").strip():
         raise CliError("--system is empty")
     _check_drafter_flags(args, speculative)
@@ -1042,6 +1045,12 @@ def cmd_chat(args) -> int:
     except ValueError as e:
         raise CliError(f"--system: {e} (--max-new-tokens and the tree)") from None
     interactive = sys.stdin.isatty()
+    # Python decodes stdin with surrogate escapes only in the C / POSIX / C.UTF-8 locales (or UTF-8
+    # mode); in others, such as en_US.UTF-8, a byte that is not UTF-8 raised UnicodeDecodeError from
+    # the read and ended the chat (even the lines before it in the same buffered chunk went
+    # unanswered). With surrogate escapes, `_utf8` refuses that line alone.
+    if hasattr(sys.stdin, "reconfigure"):  # a TextIOWrapper; not io.StringIO
+        sys.stdin.reconfigure(errors="surrogateescape")
 
     def read():
         while True:
@@ -1326,6 +1335,9 @@ def cmd_eval(args) -> int:
     _note_truncation(args)
     mesh = _mesh(args, default_all=False)
     texts = load_eval_prompts(args.prompts, args.num_prompts, seed=args.seed)
+    if len(texts) < args.num_prompts:  # the table's count alone did not say that fewer were measured
+        print(f"tevjax: note: --prompts {args.prompts} holds {len(texts)} prompts, fewer than --num-prompts "
+              f"{args.num_prompts}: measuring those {len(texts)}", file=sys.stderr)
     from tevjax.loading import load_models
     from tevjax.multihost import check_same
 

@@ -32,7 +32,8 @@ HELDOUT_FILE = "heldout.jsonl"
 
 def _read_text(path: Path, spec: str) -> str:
     try:
-        return path.read_text(encoding="utf-8")
+        # A byte-order mark (Notepad's UTF-8) is not part of the first prompt, as in generate's --batch-file.
+        return path.read_text(encoding="utf-8").removeprefix("\ufeff")
     except UnicodeDecodeError as e:
         raise ValueError(f"--prompts {spec}: {path} is not UTF-8 text ({e})") from None
 
@@ -94,6 +95,7 @@ def evaluate(models, texts: list[str], *, budgets=(4, 8, 16, 32), temperature: f
             raise ValueError(f"{name} must be >= 0 or None, got {value}")
     from tevjax.convert.tokenizer import chat_prompt_ids
     from tevjax.decode.engine import DecodeConfig, Decoder
+    from tevjax.law import is_greedy
 
     if models.tokenizer is None:
         raise ValueError("this target has no tokenizer: evaluation prompts are text")
@@ -144,7 +146,8 @@ def evaluate(models, texts: list[str], *, budgets=(4, 8, 16, 32), temperature: f
         tau_se = stats.tau_se(emitted, per_rounds)[1] if len(g) > 1 and rounds else None
         tau_out_se = stats.tau_se(out_tokens, per_rounds)[1] if len(g) > 1 and rounds else None
         per_batch_sr = ar_rate / (secs[budget] / np.maximum(toks[budget], 1))
-        mismatches = sum(a.tokens != b.tokens for a, b in zip(gens["ar"], g)) if temperature == 0 else None
+        # Greedy is any temperature below GREEDY_BELOW (1e-5), not just 0: the exactness check applies to all.
+        mismatches = sum(a.tokens != b.tokens for a, b in zip(gens["ar"], g)) if is_greedy(temperature) else None
         row = {"budget": budget, "lookup": lookup_for(budget, lookup),
                "corpus": corpus_for(budget, corpus, models.ngrams), "tau": block / max(rounds, 1),
                "tau_se": tau_se, "tau_prompt_sd": float(per_prompt.std(ddof=1)) if len(g) > 1 else 0.0,

@@ -34,6 +34,7 @@ timestamp tick would leave the fingerprint unchanged.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import importlib.util
 import json
@@ -269,13 +270,37 @@ def prepare_gguf(gguf_path: str | os.PathLike, *, name: str,
         for other in sorted(root.glob(f"*-v{CONVERTER_VERSION}-{size}-{digest[:16]}")):
             if not other.is_dir() or _check_entry(other, size, digest)[0] is not None:
                 continue
-            with _locked(root / f".{other.name}.lock"):  # as for the entry's own name, under its lock
-                problem, refreshed = _check_entry(other, size, digest)
-                if problem is None:
-                    if refreshed is not None:  # copied or restored: record its new fingerprints
-                        _write_manifest(other, refreshed)
-                    return other
-    root.mkdir(parents=True, exist_ok=True)
+            try:
+                with _locked(root / f".{other.name}.lock"):  # as for the entry's own name, under its lock
+                    problem, refreshed = _check_entry(other, size, digest)
+                    if problem is None:
+                        if refreshed is not None:  # copied or restored: record its new fingerprints
+                            _write_manifest(other, refreshed)
+                        return other
+            except OSError:  # sound just above; a cache it cannot write serves as it is (below)
+                return other
+    if problem is None:
+        # Sound by its checksums, with new fingerprints (copied, or restored): recording them only
+        # spares the next load the hashing, so a cache this process cannot write (read-only,
+        # shared, baked into an image) serves as it is. Taking the lock raised EACCES there.
+        try:
+            with _locked(root / f".{entry.name}.lock"):
+                problem, refreshed = _check_entry(entry, size, digest)
+                if problem is None and refreshed is not None:
+                    _write_manifest(entry, refreshed)
+        except OSError:
+            pass
+        if problem is None:
+            return entry
+    try:  # the cache root and the lock's file, first: where they cannot be made, say which cache it is
+        root.mkdir(parents=True, exist_ok=True)
+        open(root / f".{entry.name}.lock", "a").close()
+    except OSError as e:  # alone, "[Errno 13] Permission denied: '/nonexistent'" named neither
+        if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise
+        raise WriteError(f"cannot write the cache of converted models {root} ($TEVJAX_CACHE, by default "
+                         f"~/.cache/tevjax), which converting {src.name} needs ({e.strerror}: {e.filename}); set "
+                         f"TEVJAX_CACHE to a directory you can write") from None
     with _locked(root / f".{entry.name}.lock"):
         # Another process may have finished (or repaired) the entry while we waited for the lock.
         problem, refreshed = _check_entry(entry, size, digest)
