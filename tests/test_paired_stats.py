@@ -169,3 +169,40 @@ def test_compare_evals_names_the_bad_file(tmp_path, capsys):
         with pytest.raises(SystemExit):
             compare_evals.main(["--a", good, "--b", *b.split()])
         assert message in capsys.readouterr().err
+
+
+def test_output_tau_counts_each_prompts_output_against_its_rounds(tmp_path, monkeypatch):
+    """`experiments/output_tau.py` on old greedy files: output tokens per round from the per-prompt
+    output lengths (a stand-in for its AR pass) and each row's rounds, beside tau from the whole
+    verified blocks, and the paired gain on each; it refuses sampled runs, runs whose outputs differ
+    from AR's, and an AR pass whose total is not the runs' (other prompts)."""
+    import output_tau
+
+    lengths = [9, 12, 15]  # each prompt's last block was cut: 1, 0 and 1 tokens fewer than verified
+    rows_a, rows_b = [(8, [10, 12, 16], [6, 8, 8])], [(8, [10, 12, 16], [4, 6, 4])]
+    a = _eval_json(tmp_path / "a.json", [(b, e, r) for b, e, r in rows_a])
+    b = _eval_json(tmp_path / "b.json", [(b, e, r) for b, e, r in rows_b])
+    for path in (a, b):  # the fields output_tau reads beyond compare_evals'
+        run = json.loads(Path(path).read_text())
+        run["budgets"][0] |= {"tokens": 36, "mismatches": 0}
+        Path(path).write_text(json.dumps(run))
+    monkeypatch.setattr(output_tau, "output_lengths", lambda settings, batch: lengths)
+    lines = output_tau.main(["--a", a, "--b", b, "--out", str(tmp_path / "o.md")])
+    out = json.loads((tmp_path / "o.json").read_text())
+    arm_a = out["arms"]["A"]["8"]
+    assert arm_a["tau"] == pytest.approx(38 / 22) and arm_a["tau_out"] == pytest.approx(36 / 22)
+    assert out["arms"]["B"]["8"]["tau_out"] == pytest.approx(36 / 14)
+    assert out["arms"]["B"]["8"]["tau_out_se"] == pytest.approx(tau_se(lengths, [4, 6, 4])[1])
+    gain = paired_gain(lengths, [6, 8, 8], lengths, [4, 6, 4])["gain"]
+    assert out["gains"]["8"]["tau_out"]["gain"] == pytest.approx(gain) and f"{gain:+.1%}" in "\n".join(lines)
+    monkeypatch.setattr(output_tau, "output_lengths", lambda settings, batch: [9, 12, 14])
+    with pytest.raises(SystemExit, match="the AR pass output 35 tokens, the run 36"):
+        output_tau.main(["--a", a])
+    for change, message in (({"temperature": 1.0}, "temperature 1.0: only greedy outputs equal AR's"),
+                            ({"mismatches": 2}, "budget 8 has 2 outputs unlike AR's")):
+        run = json.loads(Path(a).read_text())
+        run.update({k: v for k, v in change.items() if k == "temperature"})
+        run["budgets"][0].update({k: v for k, v in change.items() if k == "mismatches"})
+        Path(tmp_path / "bad.json").write_text(json.dumps(run))
+        with pytest.raises(SystemExit, match=message):
+            output_tau.main(["--a", str(tmp_path / "bad.json")])
