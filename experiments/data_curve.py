@@ -7,8 +7,9 @@ target's own regenerated responses the drafter had trained on changed (the model
 v2 also saw 2,112 of ShareGPT's original replies, which every later version inherits; v8 changed
 the recipe, a replay epoch at another position decay, so it is not a point of this curve). This script
 fits tau = a + b * log2(records) per budget by weighted least squares (weights 1 / SE^2, SE = the
-per-prompt sd / sqrt(prompts)), and extrapolates how many regenerated records tau 2.5 at budget 8
-and 3.0 at budget 16 would take if the log-linear trend held, and the CPU time to generate them
+per-prompt sd / sqrt(prompts), that of the mean of per-prompt taus; the pooled tau's own SE, which
+these files cannot give, was smaller wherever both could be computed), and extrapolates how many
+regenerated records tau 2.5 at budget 8 and 3.0 at budget 16 would take if the log-linear trend held, and the CPU time to generate them
 at the measured rate.
 
 The points share their prompts, so their errors are positively correlated and the slope's
@@ -113,7 +114,10 @@ def main(argv=None) -> int:
              f"- Date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC.",
              "- Command: `python experiments/data_curve.py` (reads the committed eval JSONs; no decoding).",
              "- Each point: `tevjax eval --prompts heldout --num-prompts 16 --budgets 2,4,8,16 "
-             "--max-new-tokens 128` (greedy TEV, same prompts), +- one SE over prompts.", "",
+             "--max-new-tokens 128` (greedy TEV, same prompts), +- the sd of the per-prompt taus / sqrt(16): "
+             "the SE of their mean, not of the pooled tau shown (these files keep no per-prompt counts); on "
+             "the 256-prompt runs that keep them, pooled tau's delta-method SE was 0.6-0.75x of it, so the "
+             "points' error bars and the slopes' intervals are wider than they need be.", "",
              "| drafter | regenerated records | " + " | ".join(f"tau @ {b}" for b in budgets) + " |",
              "|---|---:|" + "---:|" * len(budgets)]
     for i, label in enumerate(labels):
