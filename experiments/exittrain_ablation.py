@@ -239,7 +239,7 @@ def summarise(counts: dict, baseline: dict | None) -> dict:
     if baseline is not None:
         g = paired_gain(baseline["tokens"], baseline["rounds"], counts["tokens"], counts["rounds"])
         out.update(gain=g["gain"], gain_lo=g["lo"], gain_hi=g["hi"], se_log=g["se_log"],
-                   detectable=detectable_gain(g["se_log"]))
+                   detectable=detectable_gain(g["se_log"], len(counts["tokens"])))
     return out
 
 

@@ -38,29 +38,35 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def load(paths: list[str]) -> tuple[dict, dict[int, dict]]:
-    """(shared settings, {budget: row}) of one arm's greedy files, as `compare_evals` reads an arm."""
+def load(paths: list[str]) -> tuple[dict, dict[int, dict], str | None]:
+    """(shared settings, {budget: row}, the prompt texts' digest if the files keep it) of one arm's
+    greedy files, as `compare_evals` reads an arm."""
+    from tevjax.law import is_greedy
+
     try:
-        settings, rows, _ = load_arm(paths)
+        settings, rows, digest = load_arm(paths)
     except CompareError as e:
         raise SystemExit(str(e)) from None
-    if settings["temperature"] != 0:
+    if not is_greedy(settings["temperature"]):
         raise SystemExit(f"{paths[0]}: temperature {settings['temperature']}: only greedy outputs equal AR's")
     for b, row in rows.items():
         if row["mismatches"]:
             raise SystemExit(f"{' '.join(paths)}: budget {b} has {row['mismatches']} outputs unlike AR's")
-    return settings, rows
+    return settings, rows, None if digest is None else digest[1]
 
 
-def output_lengths(settings: dict, batch: int) -> list[int]:
-    """Each prompt's greedy output length, from one batched AR pass over the eval's prompts."""
+def output_lengths(settings: dict, batch: int, digest: str | None = None) -> list[int]:
+    """Each prompt's greedy output length, from one batched AR pass over the eval's prompts (the
+    texts the runs decoded, where their digest says so)."""
     from tevjax.convert.tokenizer import chat_prompt_ids
     from tevjax.decode import DecodeConfig, Decoder
-    from tevjax.evaluate import load_eval_prompts
+    from tevjax.evaluate import load_eval_prompts, prompts_digest
     from tevjax.loading import load_models
 
     models = load_models("smollm2")
-    texts = load_eval_prompts(settings["prompts"], settings["num_prompts"])
+    texts = load_eval_prompts(settings["prompts"], settings["num_prompts"], seed=settings["seed"])  # gsm: by seed
+    if digest is not None and prompts_digest(texts) != digest:
+        raise SystemExit(f"--prompts {settings['prompts']} now gives other texts than the runs decoded")
     prompts = [chat_prompt_ids(models.tokenizer, t) for t in texts]
     dec = Decoder(models.target, None, DecodeConfig(temperature=0.0, max_new_tokens=settings["max_new_tokens"],
                                                     eos_ids=models.eos_ids))
@@ -76,15 +82,16 @@ def band(value: float, se: float, q: float) -> str:
 
 def main(argv=None) -> list[str]:
     args = parse_args(argv)
-    settings, rows_a = load(args.a)
+    settings, rows_a, digest = load(args.a)
     arms = {args.label_a: rows_a}
     if args.b:
-        settings_b, rows_b = load(args.b)
-        if settings_b != settings:
+        settings_b, rows_b, digest_b = load(args.b)
+        if settings_b != settings or None not in (digest, digest_b) and digest != digest_b:
             raise SystemExit("the arms ran on other prompts or settings")
+        digest = digest or digest_b
         arms[args.label_b] = rows_b
     t0 = time.perf_counter()
-    lengths = output_lengths(settings, args.batch)
+    lengths = output_lengths(settings, args.batch, digest)
     seconds = time.perf_counter() - t0
     for label, rows in arms.items():
         for b, row in rows.items():  # with no mismatch, a row's tokens are AR's too

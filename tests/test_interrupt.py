@@ -230,3 +230,13 @@ def test_a_ctrl_c_outside_the_decoders_stop_ends_the_script_at_once():
     proc = subprocess.run([sys.executable, "-c", ENTRY], capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 130, proc.stderr
     assert proc.stdout == "partial output" and proc.stderr.strip() == "tevjax: interrupted"
+
+
+def test_a_ctrl_c_with_stdout_closed_still_ends_the_script_with_130():
+    """`tevjax data >&-`: sys.stdout is None, so flushing it before os._exit raised AttributeError,
+    a traceback and exit 1, through the very teardown the os._exit avoids."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    script = ENTRY.replace(next(ln for ln in ENTRY.splitlines() if "partial output" in ln), "    sys.stdout = None")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 130, proc.stderr
+    assert proc.stderr.strip() == "tevjax: interrupted"

@@ -76,6 +76,11 @@ def test_small_sample_intervals_cover_about_95_percent():
 def test_detectable_gain_and_errors():
     assert detectable_gain(0.0) == 0.0
     assert detectable_gain(math.log(1.05) / Z95) == pytest.approx(0.05)
+    # Over n prompts, as paired_gain's t interval: a gain of exactly that size has its interval start at 0.
+    ta, ra, tb = [20.0, 30, 44, 50], [10.0, 12, 20, 21], [22.0, 31, 50, 52]
+    se = paired_gain(ta, ra, tb, ra)["se_log"]
+    scaled = [x * (1 + detectable_gain(se, 4)) / (1 + paired_gain(ta, ra, tb, ra)["gain"]) for x in tb]
+    assert paired_gain(ta, ra, scaled, ra)["lo"] == pytest.approx(0.0, abs=1e-12)
     with pytest.raises(ValueError, match="same nonzero length"):
         influence([1, 2], [1])
     with pytest.raises(ValueError, match="same prompts"):
@@ -186,7 +191,7 @@ def test_output_tau_counts_each_prompts_output_against_its_rounds(tmp_path, monk
         run = json.loads(Path(path).read_text())
         run["budgets"][0] |= {"tokens": 36, "mismatches": 0}
         Path(path).write_text(json.dumps(run))
-    monkeypatch.setattr(output_tau, "output_lengths", lambda settings, batch: lengths)
+    monkeypatch.setattr(output_tau, "output_lengths", lambda settings, batch, digest: lengths)
     lines = output_tau.main(["--a", a, "--b", b, "--out", str(tmp_path / "o.md")])
     out = json.loads((tmp_path / "o.json").read_text())
     arm_a = out["arms"]["A"]["8"]
@@ -195,7 +200,7 @@ def test_output_tau_counts_each_prompts_output_against_its_rounds(tmp_path, monk
     assert out["arms"]["B"]["8"]["tau_out_se"] == pytest.approx(tau_se(lengths, [4, 6, 4])[1])
     gain = paired_gain(lengths, [6, 8, 8], lengths, [4, 6, 4])["gain"]
     assert out["gains"]["8"]["tau_out"]["gain"] == pytest.approx(gain) and f"{gain:+.1%}" in "\n".join(lines)
-    monkeypatch.setattr(output_tau, "output_lengths", lambda settings, batch: [9, 12, 14])
+    monkeypatch.setattr(output_tau, "output_lengths", lambda settings, batch, digest: [9, 12, 14])
     with pytest.raises(SystemExit, match="the AR pass output 35 tokens, the run 36"):
         output_tau.main(["--a", a])
     for change, message in (({"temperature": 1.0}, "temperature 1.0: only greedy outputs equal AR's"),

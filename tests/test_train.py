@@ -1505,16 +1505,18 @@ def test_first_supervised_and_cropping_on_edge_records(tmp_path):
     assert data.cropped(5).tolist() == [False, False, True, False, True, True]
 
 
-def test_export_keeps_weights_it_has_no_config_for(tmp_path):
-    """A directory holding a model.safetensors without a DFlash config.json is not an earlier
-    export: it was overwritten in silence. Refused before the run's checkpoint is read."""
+@pytest.mark.parametrize("weights", ["model.safetensors", "model.safetensors.index.json"])
+def test_export_keeps_weights_it_has_no_config_for(tmp_path, weights):
+    """A directory holding a model.safetensors (or a sharded model's index, which the export
+    deletes) without a DFlash config.json is not an earlier export: it was overwritten in silence.
+    Refused before the run's checkpoint is read."""
     (tmp_path / "r").mkdir()
     (tmp_path / "r" / "run.json").write_text("{}")
     (tmp_path / "out").mkdir()
-    (tmp_path / "out" / "model.safetensors").write_bytes(b"someone's weights")
-    with pytest.raises(RunError, match="holds a model.safetensors but no DFlash drafter's config.json"):
+    (tmp_path / "out" / weights).write_bytes(b"someone's weights")
+    with pytest.raises(RunError, match=f"holds a {re.escape(weights)} but no DFlash drafter's config.json"):
         export_run(tmp_path / "r", tmp_path / "out")
-    assert (tmp_path / "out" / "model.safetensors").read_bytes() == b"someone's weights"
+    assert (tmp_path / "out" / weights).read_bytes() == b"someone's weights"
 
 
 def test_a_signal_stops_training_with_a_checkpoint_and_the_cli_exits_130(tmp_path, data_dir, target, monkeypatch,

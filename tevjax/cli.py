@@ -8,6 +8,7 @@ Entry points are thin: parse and check arguments, call the library, print. Every
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import math
@@ -1417,8 +1418,9 @@ def main(argv: list[str] | None = None, *, exit_at_once: bool = False) -> int:
             return EXIT_INTERRUPTED
         code = _failed("interrupted", EXIT_INTERRUPTED)
         if exit_at_once:
-            sys.stdout.flush()
-            sys.stderr.flush()
+            for stream in (sys.stdout, sys.stderr):  # None where its descriptor was closed (`>&-`)
+                with contextlib.suppress(Exception):  # a closed pipe must not cost the exit itself
+                    stream.flush()
             os._exit(code)
         return code
     except (CliError, ValueError, FileNotFoundError, FileExistsError, OSError) as e:

@@ -80,6 +80,7 @@ def paired_gain(tokens_a, rounds_a, tokens_b, rounds_b) -> dict:
             "lo": math.expm1(log_ratio - q * se), "hi": math.expm1(log_ratio + q * se)}
 
 
-def detectable_gain(se_log: float) -> float:
-    """Smallest relative gain whose 95% interval excludes 0 at this SE: exp(1.96 SE) - 1."""
-    return math.expm1(Z95 * se_log)
+def detectable_gain(se_log: float, n: int | None = None) -> float:
+    """Smallest relative gain whose 95% interval (`paired_gain`'s, over n prompts) excludes 0 at
+    this SE: exp(q95(n) SE) - 1; n None: the normal quantile."""
+    return math.expm1(q95(n) * se_log)

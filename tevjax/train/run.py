@@ -447,10 +447,11 @@ def _check_export_dir(out: Path, run: Path) -> None:
         if (out / name).exists():
             raise RunError(f"{out} holds {what} ({name}); export into a new directory")
     config = out / "config.json"
-    if not config.exists() and (out / "model.safetensors").exists():
+    weights = [n for n in ("model.safetensors", "model.safetensors.index.json") if (out / n).exists()]
+    if not config.exists() and weights:
         # Not an earlier export (which has both files): weights of some other model, which the
-        # export would replace.
-        raise RunError(f"{out} holds a model.safetensors but no DFlash drafter's config.json; export into a new "
+        # export would replace (a sharded index it would delete).
+        raise RunError(f"{out} holds a {weights[0]} but no DFlash drafter's config.json; export into a new "
                        "or empty directory")
     if config.exists():
         try:
