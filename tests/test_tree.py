@@ -241,3 +241,13 @@ def test_concrete_tree_with_traced_logits_gets_the_tree_checks():
     bad = DraftTree.from_parents([0, 1, 4], [-1, 0, 0])
     with pytest.raises(TreeValidationError, match=r"exit_law: node 2: token 4 is outside the vocabulary \[0, 4\)"):
         jax.jit(lambda lg: exit_law(bad, lg, 1.0))(jnp.zeros((3, 4)))
+
+
+def test_ids_beyond_int32_are_refused_not_wrapped():
+    """jnp.asarray(x, int32) wrapped 2**32 + 1 to token 1, a valid id no later check could question."""
+    for tokens, parents, name in ((np.array([0, 2**32 + 1], np.int64), np.array([-1, 0]), "tokens"),
+                                  (np.array([0, 2**32 - 1], np.uint32), np.array([-1, 0]), "tokens"),
+                                  (np.array([0, 1]), np.array([-1, 2**32], np.int64), "parents")):
+        with pytest.raises(ValueError, match=f"from_parents: {name} must fit in int32"):
+            DraftTree.from_parents(tokens, parents)
+    np.testing.assert_array_equal(DraftTree.from_parents(np.array([0, 5], np.int64), np.array([-1, 0])).tokens, [0, 5])

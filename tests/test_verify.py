@@ -380,3 +380,43 @@ def test_one_temperature_rule_for_tiny_and_invalid_values():
     # Traced invalid values cannot raise: NaN and negative decode greedily, +inf samples uniformly.
     assert not bool(samples(jnp.float32(float("nan")))) and not bool(samples(jnp.float32(-1.0)))
     assert bool(samples(jnp.float32(float("inf"))))
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_huge_temperatures_with_masked_logits_never_emit_a_masked_token(method):
+    """Above ~8.5e37 (valid temperatures up to float32's max) 1 / temperature is subnormal and XLA
+    flushes it to 0; 0 * -inf = NaN then made the law NaN and every verifier emit the masked token
+    (token 3 here, in 2000 of 2000 draws). The law must be uniform over the unmasked tokens, as at 1e30."""
+    tree = DraftTree.from_parents(jnp.array([7, 1, 2, 0, 3]), jnp.array([-1, 0, 0, -1, 1]))
+    logits = jnp.asarray(np.array([[1., 2., 3., -np.inf, 0., 0.5]] * 5, np.float32))
+    ref = exit_law(tree, logits, 1e30)
+    keys = jax.random.split(jax.random.key(0), 2000)
+    traced = jax.jit(jax.vmap(lambda k, t: verify(k, tree, logits, t, method), in_axes=(0, None)))
+    for t in (1e38, 3.4e38, float("inf")):  # +inf: a traced invalid value, which samples uniformly
+        if np.isfinite(t):
+            np.testing.assert_allclose(np.asarray(exit_law(tree, logits, t).exit_prob), np.asarray(ref.exit_prob),
+                                       atol=1e-6)
+            assert int(verify(jax.random.key(1), tree, logits, t, method).bonus_token) != 3
+        out = traced(keys, jnp.float32(t))
+        assert not np.any(np.asarray(out.tokens) == 3)
+        # Exit at the root with probability 0.6 (binomial sd 0.011 over 2000 draws).
+        assert abs(float(np.mean(np.asarray(out.exit_node) == 0)) - 0.6) < 0.07
+
+
+def test_out_of_vocabulary_tokens_under_jit_have_probability_zero():
+    """Under jit no check reads the ids: the gathers clamped token V to V - 1 and wrapped -1 to V - 1,
+    so TEV and sequential accepted such a node at token V - 1's probability (0.4 here) and emitted the
+    id V, while predraw and greedy never accept it; and a child token -1 removed token V - 1 from the
+    residual at its parent."""
+    logits = jnp.asarray(np.log(np.array([[0.1, 0.2, 0.3, 0.4]] * 3, np.float32)))
+    keys = jax.random.split(jax.random.key(0), 4000)
+    for bad in (4, -1):
+        tree = jax.jit(DraftTree.from_parents)(jnp.array([0, bad, 1]), jnp.array([-1, 0, 0]))
+        law = jax.jit(lambda t: exit_law(t, logits, 1.0))(tree)
+        np.testing.assert_allclose(np.asarray(law.exit_prob), [0.8, 0.0, 0.2], atol=1e-6)
+        for method in METHODS:
+            out = jax.jit(jax.vmap(lambda k, t: verify(k, t, logits, 1.0, method), in_axes=(0, None)))(keys, tree)
+            assert not np.any(np.asarray(out.exit_node) == 1)
+            bonus_at_root = np.asarray(out.bonus_token)[np.asarray(out.exit_node) == 0]
+            # Residual at the root: p without token 1 (0.1, 0, 0.3, 0.4) / 0.8; token 3 has 0.5 (sd 0.009).
+            assert abs(float(np.mean(bonus_at_root == 3)) - 0.5) < 0.05

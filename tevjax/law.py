@@ -98,18 +98,23 @@ def is_greedy(temperature: Any) -> bool | None:
 def samples(temperature: jax.Array) -> jax.Array:
     """Run-time form of `not is_greedy` for a traced temperature. It cannot raise, so an invalid
     traced value falls on a documented side: NaN and negative temperatures decode greedily;
-    +inf samples uniformly over the vocabulary (1 / inf = 0)."""
+    +inf samples uniformly over the tokens with a finite logit (`sampling.inverse_temperature`)."""
     return temperature >= GREEDY_BELOW
 
 
 def _sample_stats(tree: DraftTree, logits: jax.Array, temperature: jax.Array) -> EdgeStats:
-    inv_t = 1.0 / jnp.where(temperature > 0, temperature, 1.0).astype(jnp.float32)
+    inv_t = sampling.inverse_temperature(temperature)
     # One fused pass pair over the raw [N, V] logits (no scaled or masked copy of them). Padding
     # rows may hold anything, NaN included: their normalisers are discarded here, on [N] values.
     log_norm = jnp.where(tree.valid, sampling.scaled_logsumexp(logits, inv_t), 0.0)
     parent = jnp.maximum(tree.parents, 0)
     edge_logit = logits[parent, tree.tokens].astype(jnp.float32) * inv_t
-    is_edge = tree.valid & (tree.parents >= 0)
+    # A token outside [0, V) has target probability 0. Under jit nothing checks the ids, and the
+    # gather above clamps (V -> V - 1) or wraps (-1 -> V - 1): without this mask TEV and the
+    # sequential verifier accepted such a node at the probability of another token and emitted an
+    # out-of-vocabulary id, while predraw and greedy (token == a draw in [0, V)) never accept it.
+    in_vocab = (tree.tokens >= 0) & (tree.tokens < logits.shape[-1])
+    is_edge = tree.valid & (tree.parents >= 0) & in_vocab
     edge_prob = jnp.where(is_edge, jnp.exp(edge_logit - log_norm[parent]), 0.0)
     return EdgeStats(logits, inv_t, edge_prob)
 

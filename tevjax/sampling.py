@@ -33,7 +33,21 @@ import numpy as np
 from tevjax.checks import is_int, is_real
 from tevjax.tree import concrete_temperature, valid_temperature
 
-__all__ = ["categorical", "check_truncation", "scaled_logsumexp", "truncate_logits", "truncates", "vocab_block"]
+__all__ = ["categorical", "check_truncation", "inverse_temperature", "scaled_logsumexp", "truncate_logits", "truncates",
+           "vocab_block"]
+
+# The smallest normal float32. Above a temperature of 1 / _MIN_SCALE (~8.5e37, still a valid one) 1 / temperature
+# is subnormal, which XLA flushes to 0 (and a traced +inf gives 0 outright); then a masked logit makes
+# 0 * -inf = NaN, the whole row's law turns NaN and the masked token is the one drawn. At this floor
+# -inf * scale stays -inf, and finite logits scale to ~0: uniform over the unmasked tokens.
+_MIN_SCALE = float(np.finfo(np.float32).tiny)
+
+
+def inverse_temperature(temperature) -> jax.Array:
+    """float32 1 / temperature for the sampling laws (1 where temperature <= 0 or NaN: callers take
+    the greedy path there), never below the smallest normal float32 (see `_MIN_SCALE`)."""
+    t = jnp.asarray(temperature, jnp.float32)
+    return jnp.maximum(1.0 / jnp.where(t > 0, t, 1.0), _MIN_SCALE)
 
 
 @functools.lru_cache(maxsize=None)
@@ -190,8 +204,7 @@ def truncate_logits(logits: jax.Array, temperature=1.0, *, top_k=0, top_p=1.0, m
             keys, jnp.ones_like(x), jnp.clip(k, 1, vocab).astype(jnp.float32)), keep), lambda: keep)
     elif 0 < top_k < vocab:
         keep = keys >= _largest_cut(keys, jnp.ones_like(x), jnp.float32(top_k))
-    t = jnp.asarray(temperature, jnp.float32)
-    inv_t = 1.0 / jnp.where(t > 0, t, 1.0)
+    inv_t = inverse_temperature(temperature)
     top = jnp.max(x, axis=-1, keepdims=True)
     scaled = (x - jnp.where(jnp.isfinite(top), top, 0.0)) * inv_t  # log p + log Z, <= 0
     def top_p_cut(p):

@@ -127,6 +127,13 @@ class DraftTree:
             dtype = value.dtype if hasattr(value, "dtype") else np.asarray(value).dtype  # a tracer has one
             if not np.issubdtype(dtype, np.integer) and not (np.size(value) == 0 and dtype == np.float64):
                 raise TypeError(f"DraftTree.from_parents: {name} must be integers, got dtype {dtype}")
+            # jnp.asarray(x, int32) wraps a wider id silently (2**32 + 1 -> 1): a valid-looking
+            # token or parent that no check after this point can tell from the real one.
+            if not isinstance(value, jax.core.Tracer) and np.size(value) and not np.can_cast(dtype, np.int32):
+                wide = np.asarray(value)
+                if wide.min() < np.iinfo(np.int32).min or wide.max() > np.iinfo(np.int32).max:
+                    raise ValueError(f"DraftTree.from_parents: {name} must fit in int32, got values in "
+                                     f"[{wide.min()}, {wide.max()}]")
         tokens = jnp.asarray(tokens, jnp.int32)
         parents = jnp.asarray(parents, jnp.int32)
         if tokens.ndim != 1 or parents.shape != tokens.shape:

@@ -86,7 +86,9 @@ def _residual_draw(key: jax.Array, tree: DraftTree, stats: EdgeStats, node: jax.
     """Bonus token ~ p_node with the node's drafted child tokens removed (p_node at a leaf)."""
     row = stats.scaled_row(node)
     vocab = row.shape[-1]
-    child_tokens = jnp.where(tree.children[node], tree.tokens, vocab)
+    # Ids >= V go to slot V and are dropped; a negative one would wrap (-1 -> V - 1) even with
+    # mode="drop" and remove a token the node never drafted, so it is sent to slot V as well.
+    child_tokens = jnp.where(tree.children[node] & (tree.tokens >= 0), tree.tokens, vocab)
     residual = row.at[child_tokens].set(-jnp.inf, mode="drop")
     # If rounding made rho(node) > 0 although the children hold every token of nonzero mass, the
     # residual is empty; such an exit has probability ~1e-7 and we fall back to p_node itself.
@@ -112,7 +114,7 @@ def _tev(key, tree, logits, temperature) -> VerifyOutput:
 
 
 def _predraw(key, tree, logits, temperature) -> VerifyOutput:
-    inv_t = 1.0 / jnp.where(temperature > 0, temperature, 1.0).astype(jnp.float32)
+    inv_t = sampling.inverse_temperature(temperature)
     # r_v ~ p_v at every node, independently. Padding rows may hold garbage: their draws are
     # in-range indices that no real node ever reads (a real node's parent is real).
     draws = sampling.categorical(key, logits, inv_t)
