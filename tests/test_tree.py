@@ -118,16 +118,17 @@ def test_check_tree_logits_names_the_problem(shape, dtype, message):
 
 def test_eager_calls_get_the_data_checks():
     """On concrete arrays, `verify` and `exit_law` check the data too: a token outside the
-    vocabulary (the gathers would clamp it to another token's probability), repeated sibling
-    tokens (the law would sum to more than 1) and NaN / +inf logits are errors naming the node.
-    Under jit the same calls trust their inputs (validate_tree is the check for untrusted ones)."""
+    vocabulary (the gathers would clamp it to another token's probability) and NaN / +inf logits
+    are errors naming the node. Under jit the same calls trust their inputs (validate_tree is the
+    check for untrusted ones). Repeated sibling tokens never reach them: from_parents makes the
+    later sibling padding (`test_a_repeated_sibling_token_is_padding_with_its_subtree`), and
+    validate_tree names them in the raw input."""
     from tevjax import exit_law, verify
 
     key = jax.random.key(0)
     ok = DraftTree.from_parents([7, 11, 12], [-1, 0, 0])
     for tree, logits, message in [
         (DraftTree.from_parents([7, 40], [-1, 0]), jnp.zeros((2, 32)), r"node 1: token 40 is outside the vocabulary"),
-        (DraftTree.from_parents([0, 5, 5], [-1, 0, 0]), jnp.zeros((3, 8)), "nodes 1 and 2 are siblings"),
         (ok, jnp.zeros((3, 16)).at[0, 11].set(jnp.inf), "logits row of node 0 contains \\+inf"),
         (ok, jnp.zeros((3, 16)).at[1, 2].set(jnp.nan), "logits row of node 1 contains NaN"),
     ]:
@@ -135,6 +136,8 @@ def test_eager_calls_get_the_data_checks():
                            ("exit_law", lambda: exit_law(tree, logits, 1.0))):
             with pytest.raises(TreeValidationError, match=f"{name}: {message}"):
                 call()
+    with pytest.raises(TreeValidationError, match="nodes 1 and 2 are siblings"):
+        validate_tree(np.array([0, 5, 5]), np.array([-1, 0, 0]), vocab_size=8)
     # Traced trees are not read (no host sync inside jit or vmap): the contract is the caller's.
     trees = jax.tree.map(lambda a, b: jnp.stack([a, b]), ok, DraftTree.from_parents([7, 40, 12], [-1, 0, 0]))
     jax.vmap(lambda t, lg: exit_law(t, lg, 1.0))(trees, jnp.zeros((2, 3, 16)))
@@ -251,3 +254,24 @@ def test_ids_beyond_int32_are_refused_not_wrapped():
         with pytest.raises(ValueError, match=f"from_parents: {name} must fit in int32"):
             DraftTree.from_parents(tokens, parents)
     np.testing.assert_array_equal(DraftTree.from_parents(np.array([0, 5], np.int64), np.array([-1, 0])).tokens, [0, 5])
+
+
+def test_a_repeated_sibling_token_is_padding_with_its_subtree():
+    """Under jit nothing checks that siblings are distinct, and two root children of token 1 gave
+    TEV and the sequential verifier P(first token = 1) = 1 against the target's 0.5 (token 1's
+    acceptance counted twice). from_parents now makes the later one padding, with its child, so
+    the exit law is that of the tree without them."""
+    from tevjax.law import exit_law
+
+    logits = jnp.log(jnp.array([[0.5, 0.3, 0.2, 1e-30]] * 5))
+    dup = jax.jit(DraftTree.from_parents)(jnp.array([0, 1, 2, 1, 0]), jnp.array([-1, 0, 0, 0, 3]))
+    np.testing.assert_array_equal(dup.valid, [True, True, True, False, False])
+    np.testing.assert_array_equal(dup.parents, [-1, 0, 0, -1, -1])
+    plain = DraftTree.from_parents(jnp.array([0, 1, 2]), jnp.array([-1, 0, 0]))
+    got, want = jax.jit(exit_law)(dup, logits, 1.0), exit_law(plain, logits[:3], 1.0)
+    np.testing.assert_allclose(got.exit_prob[:3], want.exit_prob, rtol=1e-6)
+    np.testing.assert_allclose(got.exit_prob[3:], 0.0)
+    assert float(got.coverage) == pytest.approx(float(want.coverage)) == pytest.approx(0.5)
+    # Repeats under different parents are not siblings: both stay.
+    cousins = DraftTree.from_parents(jnp.array([0, 1, 2, 1, 1]), jnp.array([-1, 0, 0, 1, 2]))
+    assert bool(cousins.valid.all())

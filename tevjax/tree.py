@@ -119,8 +119,11 @@ class DraftTree:
         ancestor-or-self mask in O(N^2 log N) work with no loop over nodes.
 
         Nodes that cannot reach the root (padding, children of padding, or a parent index that is
-        not earlier than the node) come out as padding. `validate_tree` reports such inputs as
-        errors before they reach jitted code.
+        not earlier than the node) come out as padding, and so does a node that repeats an earlier
+        sibling's token, with its subtree: the exit law and the verifiers assume distinct siblings
+        (two children of one token would double that token's acceptance), and under jit nothing
+        else would catch it. `validate_tree` reports all of these as errors before they reach
+        jitted code; the builder and `merge_chain` never make them.
         """
         for name, value in (("tokens", tokens), ("parents", parents)):
             # jnp.asarray(x, int32) would truncate a float id (5.7 -> 5) and read True as 1.
@@ -147,7 +150,10 @@ class DraftTree:
         idx = jnp.arange(n, dtype=jnp.int32)
         # Root and padding point at themselves; so does any node whose parent index is not
         # strictly earlier (that would not be a tree, and a self-loop cannot reach the root).
-        jump = jnp.where((parents >= 0) & (parents < idx), parents, idx)
+        linked = (parents >= 0) & (parents < idx)
+        repeat = jnp.any((idx[None, :] < idx[:, None]) & (parents[None, :] == parents[:, None])
+                         & (tokens[None, :] == tokens[:, None]) & linked[None, :], axis=1)
+        jump = jnp.where(linked & ~repeat, parents, idx)
         anc = (idx[:, None] == idx[None, :]) | (jump[:, None] == idx[None, :])
         for _ in range(max(1, math.ceil(math.log2(max(n - 1, 1))))):
             anc = anc | anc[jump]
