@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 from pathlib import Path
 
 import jax
 import numpy as np
 
-from tevjax.train.rollout import SHARDS, read_manifest
+from tevjax.train.rollout import SHARDS, is_shard_name, read_manifest
 
 __all__ = ["Batch", "TrainData"]
 
@@ -66,10 +65,9 @@ class TrainData:
         self.taps = tuple(self.manifest["rollout"]["taps"])
         self.hidden_size = int(self.manifest["target_config"]["hidden_size"])
         if shards is None:
-            # The plan's names only (`{split}-00000`, ...): a copy a user left beside a shard
-            # ("train-00001.bak", "train-00001 copy") would otherwise be read too, its records twice.
+            # The plan's names only: a copy beside a shard would otherwise be read, its records twice.
             shards = sorted(p for p in (self.dir / SHARDS).glob(f"{split}-*")
-                            if p.is_dir() and re.fullmatch(rf"{split}-\d+", p.name))
+                            if p.is_dir() and is_shard_name(p.name, split))
             if not shards:
                 raise FileNotFoundError(f"{self.dir}: no {split!r} shards yet (is `tevjax data` still running?)")
         else:

@@ -46,6 +46,7 @@ import dataclasses
 import functools
 import json
 import os
+import re
 import shutil
 import time
 from collections.abc import Iterator, Sequence
@@ -315,12 +316,23 @@ def select_prompts(tokenizer, cfg: RolloutConfig, *, exact: bool = True) -> tupl
 # ----------------------------------------------------------------------------------- shards
 
 
+def shard_name(split: str, k: int) -> str:
+    """The name of shard k of a split ("train-00003"); `is_shard_name` recognises them."""
+    return f"{split}-{k:05d}"
+
+
+def is_shard_name(name: str, split: str) -> bool:
+    """Whether `name` is one `shard_name` gives for `split`: a copy a user left beside a shard
+    ("train-00001.bak", "train-00001 copy") is not, and is not read."""
+    return re.fullmatch(rf"{re.escape(split)}-\d+", name) is not None
+
+
 def _shard_plan(cfg: RolloutConfig) -> list[tuple[str, str, int, int]]:
     """(shard name, split, first prompt index, end) in generation order: held-out first."""
     plan = []
     for split, n in (("heldout", cfg.heldout_records), ("train", cfg.num_prompts)):
         for k, start in enumerate(range(0, n, cfg.batch_size)):
-            plan.append((f"{split}-{k:05d}", split, start, min(n, start + cfg.batch_size)))
+            plan.append((shard_name(split, k), split, start, min(n, start + cfg.batch_size)))
     return plan
 
 

@@ -29,6 +29,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from tevjax.convert.dflash_ckpt import INDEX_FILE, SAFETENSORS_FILE
 from tevjax.models.dflash import DFlashConfig, DFlashDrafter, check_draft_vocab
 from tevjax.multihost import any_process, barrier, check_same, check_shared_dir, holds_files
 from tevjax.sharding import global_batch_array, make_mesh
@@ -447,7 +448,7 @@ def _check_export_dir(out: Path, run: Path) -> None:
         if (out / name).exists():
             raise RunError(f"{out} holds {what} ({name}); export into a new directory")
     config = out / "config.json"
-    weights = [n for n in ("model.safetensors", "model.safetensors.index.json") if (out / n).exists()]
+    weights = [n for n in (SAFETENSORS_FILE, INDEX_FILE) if (out / n).exists()]
     if not config.exists() and weights:
         # Not an earlier export (which has both files): weights of some other model, which the
         # export would replace (a sharded index it would delete).
