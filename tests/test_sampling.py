@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tevjax.sampling import (categorical, check_truncation, scaled_logsumexp, truncate_logits, truncates,
-                             vocab_block)
+from tevjax.sampling import (categorical, check_truncation, scaled_logsumexp, scaled_lse_parts, truncate_logits,
+                             truncates, vocab_block)
 from treegen import chi2_pvalue, softmax
 
 ALPHA = 1e-7
@@ -88,6 +88,32 @@ def test_scaled_logsumexp_matches_reference(vocab):
     x[4, 7] = np.nan  # a garbage (padding) row poisons only itself
     got = np.asarray(scaled_logsumexp(jnp.asarray(x), 1.0))
     assert np.isnan(got[4]) and np.isfinite(got[:4]).all()
+
+
+@pytest.mark.parametrize("vocab", [1000, 6144])
+def test_laws_are_shift_invariant_at_small_temperatures_and_huge_logits(vocab):
+    """softmax(s * x) = softmax(s * (x - c)). Scaling before shifting broke it: at logits near 30
+    and s = 1e4, s * x is 3e5, whose float32 spacing (0.03) rounded the law by several percent and
+    changed the draws, and logits beyond ~3.4e38 / s overflowed the normaliser to +inf."""
+    rng = np.random.default_rng(4)
+    shifted = (30 + rng.normal(size=(3, vocab)) * 2e-4).astype(np.float32)  # gaps that matter at s = 1e4
+    shifted[1, ::5] = -np.inf
+    small = shifted - np.float32(30.0)  # exact in float32 (Sterbenz): the same law, shifted by 30
+    m_ref = np.max(np.where(np.isfinite(small), small, -np.inf), axis=-1).astype(np.float64)
+    s_ref = np.log(np.sum(np.exp(1e4 * (small.astype(np.float64) - m_ref[:, None])), axis=-1))
+    for x in (small, shifted):
+        m, s = scaled_lse_parts(jnp.asarray(x), 1e4)
+        np.testing.assert_allclose(np.asarray(s), s_ref, rtol=1e-5)
+        np.testing.assert_array_equal(np.asarray(m), np.max(x, axis=-1))
+    keys = jax.random.split(jax.random.key(5), 64)
+    draw = jax.jit(jax.vmap(lambda k, x: categorical(k, x, 1e4), in_axes=(0, None)))
+    np.testing.assert_array_equal(np.asarray(draw(keys, jnp.asarray(small))),
+                                  np.asarray(draw(keys, jnp.asarray(shifted))))
+    huge = np.where(np.isfinite(small), np.float32(3e38), small)  # finite, and s * x overflows
+    huge[:, 0] = np.float32(3.2e38)
+    m, s = scaled_lse_parts(jnp.asarray(huge), 1e4)
+    assert np.isfinite(np.asarray(s)).all() and np.isfinite(np.asarray(m)).all()
+    np.testing.assert_array_equal(np.asarray(draw(keys, jnp.asarray(huge))), 0)  # the one largest logit
 
 
 # --- truncation (top-k, top-p, min-p) ------------------------------------------------------------

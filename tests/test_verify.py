@@ -403,6 +403,29 @@ def test_huge_temperatures_with_masked_logits_never_emit_a_masked_token(method):
         assert abs(float(np.mean(np.asarray(out.exit_node) == 0)) - 0.6) < 0.07
 
 
+@pytest.mark.parametrize("vocab", [6, 4096])
+def test_exit_law_and_verifiers_are_shift_invariant_at_small_temperatures_and_huge_logits(vocab):
+    """The law of softmax(x / t) ignores a constant added to x. Scaling before shifting did not: at
+    t = 1e-4 and logits near 30 the exit law was off by several percent, and logits of 1e34 at
+    t = 0.5 made it NaN (or put probability 1 on two siblings at once)."""
+    tree = DraftTree.from_parents(jnp.array([7, 1, 2, 0, 3]), jnp.array([-1, 0, 0, -1, 1]))
+    gaps = np.full((5, vocab), -np.inf, np.float32)
+    gaps[:, :6] = np.array([1., 2., 3., -np.inf, 0., 0.5], np.float32) * np.float32(1e-4)
+    near_30 = gaps + np.float32(30.0)  # rounds the gaps; near_30 - 30 is then exact (Sterbenz)
+    ref = np.asarray(exit_law(tree, jnp.asarray((near_30 - np.float32(30.0)) * np.float32(1e4)), 1.0).exit_prob)
+    np.testing.assert_allclose(ref.sum(), 1.0, atol=1e-6)
+    got = exit_law(tree, jnp.asarray(near_30), 1e-4).exit_prob
+    np.testing.assert_allclose(np.asarray(got), ref, atol=2e-6)
+    # All finite logits equal 1e34 (or 3e38) in float32: uniform over the 5 finite tokens.
+    for big in (1e34, 3e38, -3e38):
+        flat = np.where(np.isfinite(gaps), np.float32(big), gaps)
+        np.testing.assert_allclose(np.asarray(exit_law(tree, jnp.asarray(flat), 0.5).exit_prob),
+                                   [0.6, 0.2, 0.2, 0.0, 0.0], atol=1e-6)
+        for method in METHODS:
+            out = verify(jax.random.key(1), tree, jnp.asarray(flat), 0.5, method)
+            assert int(out.bonus_token) in (0, 1, 2, 4, 5), method
+
+
 def test_out_of_vocabulary_tokens_under_jit_have_probability_zero():
     """Under jit no check reads the ids: the gathers clamped token V to V - 1 and wrapped -1 to V - 1,
     so TEV and sequential accepted such a node at token V - 1's probability (0.4 here) and emitted the

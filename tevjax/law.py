@@ -72,8 +72,11 @@ class EdgeStats:
     edge_prob: jax.Array  # [N] float32 p_pa(u)(x_u) for real non-root u, else 0
 
     def scaled_row(self, node: jax.Array) -> jax.Array:
-        """[V] float32 logits / temperature of one real node."""
-        return self.logits[node].astype(jnp.float32) * self.inv_temperature
+        """[V] float32 (logits - their max) / temperature of one real node: its log-probabilities up
+        to a constant, shifted so that huge logits or small temperatures cannot overflow."""
+        row = self.logits[node].astype(jnp.float32)
+        top = jnp.max(row)
+        return (row - jnp.where(jnp.isfinite(top), top, 0.0)) * self.inv_temperature
 
 
 # One rule for every entry point (API, CLI, traced temperatures): a temperature below this is
@@ -106,9 +109,11 @@ def _sample_stats(tree: DraftTree, logits: jax.Array, temperature: jax.Array) ->
     inv_t = sampling.inverse_temperature(temperature)
     # One fused pass pair over the raw [N, V] logits (no scaled or masked copy of them). Padding
     # rows may hold anything, NaN included: their normalisers are discarded here, on [N] values.
-    log_norm = jnp.where(tree.valid, sampling.scaled_logsumexp(logits, inv_t), 0.0)
+    # log p = inv_t * (x - m) - s (`scaled_lse_parts`): no overflow, and no rounding of the law away.
+    row_max, log_norm = sampling.scaled_lse_parts(logits, inv_t)
+    log_norm = jnp.where(tree.valid, log_norm, 0.0)
     parent = jnp.maximum(tree.parents, 0)
-    edge_logit = logits[parent, tree.tokens].astype(jnp.float32) * inv_t
+    edge_logit = (logits[parent, tree.tokens].astype(jnp.float32) - row_max[parent]) * inv_t
     # A token outside [0, V) has target probability 0. Under jit nothing checks the ids, and the
     # gather above clamps (V -> V - 1) or wraps (-1 -> V - 1): without this mask TEV and the
     # sequential verifier accepted such a node at the probability of another token and emitted an

@@ -33,8 +33,8 @@ import numpy as np
 from tevjax.checks import is_int, is_real
 from tevjax.tree import concrete_temperature, valid_temperature
 
-__all__ = ["categorical", "check_truncation", "inverse_temperature", "scaled_logsumexp", "truncate_logits", "truncates",
-           "vocab_block"]
+__all__ = ["categorical", "check_truncation", "inverse_temperature", "scaled_logsumexp", "scaled_lse_parts",
+           "truncate_logits", "truncates", "vocab_block"]
 
 # The smallest normal float32. Above a temperature of 1 / _MIN_SCALE (~8.5e37, still a valid one) 1 / temperature
 # is subnormal, which XLA flushes to 0 (and a traced +inf gives 0 outright); then a masked logit makes
@@ -64,47 +64,76 @@ def vocab_block(vocab: int, lo: int = 64, hi: int = 2048) -> int | None:
     return None
 
 
-def _flat_scaled_logsumexp(logits: jax.Array, scale: jax.Array) -> jax.Array:
+def _row_max(logits: jax.Array) -> jax.Array:
+    # float32 max over the last axis, 0 where it is not finite (an all -inf padding row, NaN)
     m = jnp.max(logits, axis=-1).astype(jnp.float32)
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    total = jnp.sum(jnp.exp(scale * (logits.astype(jnp.float32) - m[..., None])), axis=-1)
-    return scale * m + jnp.log(total)
+    return jnp.where(jnp.isfinite(m), m, 0.0)
+
+
+def _flat_lse_parts(logits: jax.Array, scale: jax.Array) -> tuple[jax.Array, jax.Array]:
+    m = _row_max(logits)
+    return m, jnp.log(jnp.sum(jnp.exp(scale * (logits.astype(jnp.float32) - m[..., None])), axis=-1))
 
 
 def _blocks(logits: jax.Array, block: int) -> jax.Array:
     return logits.reshape(*logits.shape[:-1], logits.shape[-1] // block, block)
 
 
-def scaled_logsumexp(logits: jax.Array, scale: jax.Array | float = 1.0) -> jax.Array:
-    """log(sum(exp(scale * logits), axis=-1)) in float32 for scale > 0.
+def _block_weights(block_max: jax.Array, block_lse: jax.Array, m: jax.Array, scale: jax.Array) -> jax.Array:
+    # Each block's log-mass relative to the row's shift m: block_lse + scale * (block_max - m). An
+    # all -inf block stays -inf (its block_max is a stand-in 0 that may exceed m); NaN stays NaN.
+    return jnp.where(block_lse == -jnp.inf, -jnp.inf, block_lse + scale * (block_max - m[..., None]))
 
-    -inf entries contribute 0. A row that is entirely -inf (or holds NaN) yields a non-finite
-    result; callers mask such rows (padding) afterwards instead of sanitising the whole array.
+
+def scaled_lse_parts(logits: jax.Array, scale: jax.Array | float = 1.0) -> tuple[jax.Array, jax.Array]:
+    """(m, s) with log(sum(exp(scale * logits), axis=-1)) = scale * m + s, for scale > 0; float32.
+
+    m is the row's largest logit and s = log(sum(exp(scale * (logits - m)))), which lies in
+    [0, log V]. A log-probability is then scale * (x - m) - s: unlike scale * x - lse, it neither
+    overflows (finite logits beyond ~3.4e38 * temperature made lse +inf and the law NaN) nor loses
+    the law's detail to rounding (at a logit of 30 and temperature 1e-4, scale * x is 3e5, whose
+    float32 spacing of 0.03 shifted every probability by up to 3%).
+    -inf entries contribute 0. A row that is entirely -inf (or holds NaN) yields a non-finite s;
+    callers mask such rows (padding) afterwards instead of sanitising the whole array.
     """
     scale = jnp.asarray(scale, jnp.float32)
     block = vocab_block(logits.shape[-1])
     if block is None:
-        return _flat_scaled_logsumexp(logits, scale)
-    block_lse = _flat_scaled_logsumexp(_blocks(logits, block), scale)
-    return jax.nn.logsumexp(block_lse, axis=-1)
+        return _flat_lse_parts(logits, scale)
+    block_max, block_lse = _flat_lse_parts(_blocks(logits, block), scale)  # [..., V / b] each
+    # The row max from the block results, not another pass: blocks that are all -inf do not count.
+    m = _row_max(jnp.where(block_lse == -jnp.inf, -jnp.inf, block_max))
+    return m, jax.nn.logsumexp(_block_weights(block_max, block_lse, m, scale), axis=-1)
+
+
+def scaled_logsumexp(logits: jax.Array, scale: jax.Array | float = 1.0) -> jax.Array:
+    """log(sum(exp(scale * logits), axis=-1)) in float32 for scale > 0 (`scaled_lse_parts`, whose
+    split form the sampling laws use; this sum overflows for logits beyond ~3.4e38 / scale)."""
+    m, s = scaled_lse_parts(logits, scale)
+    return jnp.asarray(scale, jnp.float32) * m + s
 
 
 def categorical(key: jax.Array, logits: jax.Array, scale: jax.Array | float = 1.0) -> jax.Array:
     """One draw from softmax(scale * logits) over the last axis ([V] or [..., V]); int32.
 
-    Exact: the law is the softmax up to float32 rounding, like Gumbel-max. -inf entries have mass
-    0; every row must have a finite entry (rows without one return an arbitrary in-range index).
-    Leading axes are sampled independently.
+    Exact: the law is the softmax up to float32 rounding, like Gumbel-max; the logits are shifted
+    by their maximum before scaling, so huge logits or small temperatures neither overflow nor
+    round the Gumbel noise away. -inf entries have mass 0; every row must have a finite entry
+    (rows without one return an arbitrary in-range index). Leading axes are sampled independently.
     """
     scale = jnp.asarray(scale, jnp.float32)
     block = vocab_block(logits.shape[-1])
     if block is None:
-        return jax.random.categorical(key, scale * logits.astype(jnp.float32), axis=-1).astype(jnp.int32)
+        x = logits.astype(jnp.float32) - _row_max(logits)[..., None]
+        return jax.random.categorical(key, scale * x, axis=-1).astype(jnp.int32)
     x = _blocks(logits, block)  # [..., V / b, b]
     k_block, k_token = jax.random.split(key)
-    b = jax.random.categorical(k_block, _flat_scaled_logsumexp(x, scale), axis=-1)
-    row = jnp.take_along_axis(x, b[..., None, None], axis=-2)[..., 0, :]
-    t = jax.random.categorical(k_token, scale * row.astype(jnp.float32), axis=-1)
+    block_max, block_lse = _flat_lse_parts(x, scale)
+    m = _row_max(jnp.where(block_lse == -jnp.inf, -jnp.inf, block_max))
+    b = jax.random.categorical(k_block, _block_weights(block_max, block_lse, m, scale), axis=-1)
+    row = jnp.take_along_axis(x, b[..., None, None], axis=-2)[..., 0, :].astype(jnp.float32)
+    shift = jnp.take_along_axis(block_max, b[..., None], axis=-1)
+    t = jax.random.categorical(k_token, scale * (row - shift), axis=-1)
     return (b * block + t).astype(jnp.int32)
 
 
