@@ -196,6 +196,9 @@ def test_help_lists_the_commands_users_type(capsys):
     assert "SUPPRESS" not in out and "train-export" not in out  # reached as `train export`
     code, out, _ = _run(capsys, "train", "export", "--help")
     assert code == 0 and out.startswith("usage: tevjax train export ")
+    code, _, err = _run(capsys, "foo")
+    assert code == 2 and err.startswith("tevjax: error: argument {generate,chat,data,train,eval,demo}: invalid choice: "
+                                        "'foo' (choose from 'generate', 'chat', 'data', 'train', 'eval', 'demo')"), err
 
 
 def test_verifier_choices_follow_the_library(monkeypatch, capsys):

@@ -416,6 +416,18 @@ def _add_decoding_args(parser, *, max_new_tokens: int, seed_help: str, max_new_h
                         help="compute dtype (default: the checkpoint's; use float32 on CPU)")
 
 
+class _HiddenChoices(dict):
+    """A subcommand table whose `hidden` names parse but are not listed: argparse names the choices
+    in an invalid-choice error by iterating over this mapping."""
+
+    def __init__(self, table: dict, hidden: set[str]):
+        super().__init__(table)
+        self.hidden = hidden
+
+    def __iter__(self):
+        return (name for name in super().__iter__() if name not in self.hidden)
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse, but a usage error is one line (the usage text stays available through --help)."""
 
@@ -564,7 +576,7 @@ def build_parser() -> argparse.ArgumentParser:
     tr.set_defaults(func=cmd_train)
 
     ex = sub.add_parser("train-export", prog="tevjax train export")  # reached as `tevjax train export RUN DIR`
-    sub._choices_actions = [a for a in sub._choices_actions if a.dest != "train-export"]  # not listed
+    sub._choices_actions = [a for a in sub._choices_actions if a.dest != "train-export"]  # not listed in help
     ex.add_argument("run_dir", type=Path)
     ex.add_argument("drafter_dir", type=Path)
     ex.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
@@ -609,6 +621,7 @@ def build_parser() -> argparse.ArgumentParser:
                            f"{DEMO_DEFAULTS['repeats']})")
     demo.add_argument("--skip-models", action="store_true", help="only the synthetic exit-law part")
     demo.set_defaults(func=cmd_demo)
+    sub.choices = _HiddenChoices(sub.choices, {"train-export"})  # `tevjax foo` lists what users type
     return parser
 
 
