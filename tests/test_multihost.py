@@ -262,6 +262,28 @@ def test_bad_job_environment_is_refused_before_joining(monkeypatch, env, message
     assert message in str(e.value)
 
 
+def test_a_job_environment_without_a_coordinator_is_refused(monkeypatch):
+    """JAX_NUM_PROCESSES and JAX_PROCESS_ID of a multi-host job, with no coordinator to join and no
+    cluster to detect: each host ran the whole command alone, in silence. A job of one process, as
+    some launchers set it, still runs alone."""
+    from tevjax.multihost import initialize_distributed
+
+    for name in ("JAX_COORDINATOR_ADDRESS", "SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    for env, given in (({"JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "1"}, "JAX_NUM_PROCESSES=2, JAX_PROCESS_ID=1"),
+                       ({"JAX_PROCESS_ID": "3"}, "JAX_PROCESS_ID=3")):
+        monkeypatch.delenv("JAX_NUM_PROCESSES", raising=False)
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        with pytest.raises(ValueError) as e:
+            initialize_distributed()
+        assert str(e.value).startswith(f"{given} ask for a process of a multi-host job, but no coordinator is given: "
+                                       "set JAX_COORDINATOR_ADDRESS (or --coordinator)"), str(e.value)
+    monkeypatch.setenv("JAX_NUM_PROCESSES", "1")
+    monkeypatch.setenv("JAX_PROCESS_ID", "0")
+    assert initialize_distributed() is False
+
+
 # No hang when one host fails. The limit is well under jax.distributed's own: without
 # `abort_job`, the failing process waits 300 s in the shutdown barrier while the other waits in
 # a collective, then both abort with a coordination-service message that names no cause.
@@ -388,8 +410,8 @@ def test_join_arguments_come_from_flags_then_the_environment(monkeypatch):
                  "OMPI_COMM_WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
     assert multihost.initialize_distributed() is False and calls == []  # a single-host run joins nothing
-    for bad in (0, -1.0, float("nan")):
-        with pytest.raises(ValueError, match="join timeout of .* it must be positive"):
+    for bad in (0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="join timeout of .* it must be positive and finite"):
             multihost.initialize_distributed("localhost:1", 2, 0, timeout_s=bad)
     assert calls == []
     monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "env:1")
@@ -590,6 +612,54 @@ def test_check_same_names_the_process_that_differs():
     for log in logs:
         assert "refused: the prompts differs between the job's processes: process 1 against process 0" in log, log
         assert "refused: the weights differs between the job's processes: process 1 against process 0" in log, log
+
+
+ROWS = textwrap.dedent("""
+    import numpy as np, jax
+    from tevjax.multihost import initialize_distributed
+    from tevjax.sharding import host_array, make_mesh
+    from tevjax.train.run import _global_batch
+    from tevjax.train.step import TrainConfig
+
+    class Data:  # what a batch reads of TrainData: record i is the row [i, i, ...]
+        def order(self, seed, step, batch_size):
+            return np.random.default_rng([seed, step]).permutation(100)[:batch_size]
+
+        def batch(self, records, columns, seq_len):
+            r = np.asarray(records)
+            return {"tokens": np.repeat(r[:, None], seq_len, 1).astype(np.int32),
+                    "loss_mask": np.ones((len(r), seq_len), bool),
+                    "features": np.repeat(r[:, None, None], seq_len, 1).astype(np.float32),
+                    "length": r.astype(np.int32)}
+
+    assert initialize_distributed()
+    d = jax.devices()
+    cfg = TrainConfig(steps=3, batch_size=4, anchors=2, exit_anchors=1, seq_len=3)
+    want = Data().order(cfg.seed, 1, cfg.batch_size)
+    for name, mesh in (("data=2,model=2", make_mesh(2, 2)), ("model=4", make_mesh(1, 4)),
+                       ("interleaved", make_mesh(4, 1, [d[0], d[2], d[1], d[3]]))):
+        b = _global_batch(Data(), [0], cfg, 1, mesh)
+        for x in (b.length, b.tokens[:, 0], b.features[:, 0, 0]):
+            # the whole batch, in order, and each device's part of it where the sharding says
+            assert host_array(x).tolist() == want.tolist(), (name, host_array(x).tolist(), want.tolist())
+            for s in x.addressable_shards:
+                assert np.asarray(s.data).tolist() == want[s.index[0]].tolist(), (name, s.device, s.index)
+        print("rows ok:", name, flush=True)
+""")
+
+
+def test_each_host_reads_the_training_rows_its_devices_hold():
+    """Training's global batch on 2 processes of 2 devices each, on meshes whose `data` axis splits
+    the batch between them (2 x 2), does not split it (model=4 across both hosts: each reads the
+    whole batch), and alternates between them (4 x 1 over interleaved devices): every device holds
+    the rows of the batch its sharding says. Each host had fed rows [pid * B/2, (pid + 1) * B/2) as
+    its "own slice": on model=4 that made a replicated batch of B/2 rows that held other rows on
+    each host (trained on in silence), and on the interleaved mesh a batch of shuffled rows."""
+    logs = _launch([[sys.executable, "-c", ROWS]] * 2, _joined_envs(forced_devices_env(2)), "the rows job",
+                   timeout=FAIL_LIMIT_S)
+    for log in logs:
+        for name in ("data=2,model=2", "model=4", "interleaved"):
+            assert f"rows ok: {name}" in log, log
 
 
 def test_cli_flags_that_differ_between_hosts_are_refused(tiny_llama_dir):

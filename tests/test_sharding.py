@@ -217,6 +217,8 @@ def test_mesh_parsing_and_device_count_errors():
         parse_mesh("data=2,data=1")
     with pytest.raises(ValueError, match="expected entries like data=2,model=1"):
         parse_mesh(" , ")
+    with pytest.raises(ValueError, match="make_mesh: device .* is given twice"):  # not XLA's error at the first put
+        make_mesh(2, 1, one * 2)
     n = len(jax.devices())
     with pytest.raises(ValueError, match=f"needs {4 * n} devices, {n} are present"):
         make_mesh(4 * n, 1)

@@ -347,6 +347,23 @@ def test_step_trains_only_the_drafter(data_dir, target):
     assert not any("embed" in n or "lm_head" in n for n in names)
 
 
+def test_a_step_donates_a_copy_not_the_callers_drafter(target):
+    """The step donates the state it is given. On one device `device_put` placed the drafter's own
+    parameters into the initial state unchanged, so the first step deleted them: the caller's drafter
+    (and a second `init_state`) then raised "Array has been deleted"."""
+    drafter = _drafter(target)
+    before = jax.tree.map(np.array, nnx.state(drafter, nnx.Param))
+    trainer = Trainer(drafter, target, CFG, make_mesh(devices=jax.devices()[:1]))
+    b, t, f = CFG.batch_size, CFG.seq_len, len(TAPS) * target.cfg.hidden_size
+    rng = np.random.default_rng(0)
+    batch = Batch(tokens=jnp.asarray(rng.integers(3, 300, (b, t)), jnp.int32), loss_mask=jnp.ones((b, t), bool),
+                  features=jnp.asarray(rng.normal(size=(b, t, f)), jnp.float32), length=jnp.full((b,), t, jnp.int32))
+    state, _ = trainer.step(trainer.init_state(), batch)
+    jax.tree.map(np.testing.assert_array_equal, before, jax.tree.map(np.array, nnx.state(drafter, nnx.Param)))
+    jax.tree.map(np.testing.assert_array_equal, before, jax.tree.map(np.array, trainer.init_state().params))
+    assert int(state.step) == 1
+
+
 def test_distillation_teacher_is_the_targets_own_distribution(data_dir, target):
     """Soft labels come from the stored last-layer state with no target forward: row g-1 of anchor
     a holds the target's logits at a + g - 1 (the distribution of the token at a + g), here checked

@@ -236,8 +236,9 @@ def initialize_distributed(coordinator: str | None = None, num_processes: int | 
     seconds, as jax takes it) is taken for dead, and jax aborts the others. Shorter finds a killed
     host sooner; too short aborts a healthy job whose host stalls (swapping, a paused VM).
     """
-    if not timeout_s > 0:
-        raise ValueError(f"a join timeout of {timeout_s} s: it must be positive")
+    # Infinite would reach jax as int(inf), a raw OverflowError (and kill the timer thread first).
+    if not 0 < timeout_s < float("inf"):
+        raise ValueError(f"a join timeout of {timeout_s} s: it must be positive and finite")
     if not is_int(heartbeat_timeout_s) or heartbeat_timeout_s < 1:
         raise ValueError(f"a heartbeat timeout of {heartbeat_timeout_s!r} s: it must be a whole number of "
                          f"seconds, at least 1")
@@ -255,6 +256,9 @@ def initialize_distributed(coordinator: str | None = None, num_processes: int | 
 
     from_flags = coordinator is not None
     coordinator = coordinator or env.get("JAX_COORDINATOR_ADDRESS")
+    # The process count and id that only the environment gives (the CLI refuses such flags itself).
+    from_env = [name for name, given in (("JAX_NUM_PROCESSES", num_processes), ("JAX_PROCESS_ID", process_id))
+                if given is None and name in env]
     num_processes = num_processes if num_processes is not None else env_int("JAX_NUM_PROCESSES")
     process_id = process_id if process_id is not None else env_int("JAX_PROCESS_ID")
     log = log or (lambda _: None)
@@ -276,6 +280,12 @@ def initialize_distributed(coordinator: str | None = None, num_processes: int | 
         log(f"joining the job that JAX's cluster detection finds, {waits}")
         _join_within(timeout_s, "this process: the job that JAX's cluster detection finds",
                      heartbeat_timeout_seconds=int(heartbeat_timeout_s))
+    elif from_env and ((num_processes or 1) > 1 or (process_id or 0) != 0):
+        # A launcher that set these but not the coordinator: each host would run the whole job
+        # alone, every one of them writing the same run or data directory.
+        given = ", ".join(f"{name}={env[name]}" for name in from_env)
+        raise ValueError(f"{given} ask for a process of a multi-host job, but no coordinator is given: set "
+                         f"JAX_COORDINATOR_ADDRESS (or --coordinator), or unset {' and '.join(from_env)} to run alone")
     else:
         return False
     log(f"joined: process {jax.process_index()} of {jax.process_count()}, {jax.device_count()} devices in all")

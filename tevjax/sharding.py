@@ -22,8 +22,8 @@ over a mesh is the modern form of "pmapped across GPUs" (`pmap` is legacy and im
 jit + shard_map).
 
 Multi-host: join the job first (`tevjax.multihost.initialize_distributed`); the mesh then spans
-every process's devices and each process feeds its own slice of the global batch
-(`global_batch_array`).
+every process's devices and each process feeds the rows of the global batch that its devices hold
+(`process_rows`, `global_batch_array`).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ _TENSOR = ("expert", "model")
 __all__ = ["CACHE_AXES", "DRAFTER_AXES", "LINEAR_CACHE_AXES", "LOGICAL_RULES", "TARGET_AXES", "batch_sharding",
            "cache_shardings", "check_batch", "global_batch_array", "host_array", "linear_shardings",
            "logical_sharding", "logical_spec", "make_mesh", "mesh_axes", "param_shardings", "parse_mesh", "place",
-           "put", "replicated", "shard_model", "shardings_by_path", "traced_on"]
+           "process_rows", "put", "replicated", "shard_model", "shardings_by_path", "traced_on"]
 
 # Logical axis name -> mesh axis, or mesh axes split together (None: replicated). The one table
 # every sharded array reads. A mesh axis the mesh does not have is left out (a (data, model) mesh
@@ -437,6 +437,13 @@ def make_mesh(data: int | None = None, model: int = 1, devices=None, *, expert: 
         if size is not None and (not is_int(size) or size < 1):
             raise ValueError(f"make_mesh: {name} must be a positive int, got {size!r}")
     devices = list(jax.devices() if devices is None else devices)
+    # A device twice would hold two slices of an array at once: jax builds such a mesh, and the
+    # first array placed on it fails in XLA ("Number of processed shards does not match").
+    seen = set()
+    for d in devices:
+        if d in seen:
+            raise ValueError(f"make_mesh: device {d} is given twice")
+        seen.add(d)
     group = model * expert  # the devices that share one row of the batch
     named = f"model={model}" if expert == 1 else f"expert={expert} x model={model}"
     if data is None:
@@ -477,10 +484,41 @@ def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
     return NamedSharding(mesh, logical_spec("batch", *([None] * (ndim - 1))))
 
 
-def global_batch_array(mesh: Mesh, local: np.ndarray) -> jax.Array:
-    """A global array, batch-sharded over `data`, from this process's slice of the global batch
-    (the whole batch in a single-process run)."""
-    return jax.make_array_from_process_local_data(batch_sharding(mesh, local.ndim), local)
+def process_rows(mesh: Mesh, batch: int) -> np.ndarray:
+    """The rows of a global batch of `batch` rows, split over `data`, that this process's devices
+    hold, ascending: what this process reads for `global_batch_array`. Every row in a single
+    process. Not always `batch / processes` rows of its own: where the `data` axis is shorter than
+    the job (a `model` axis that spans hosts), processes that share a slice of the batch must each
+    read all of it, alike."""
+    check_batch(mesh, batch)
+    index = batch_sharding(mesh, 1).addressable_devices_indices_map((batch,))
+    return np.asarray(sorted({r for (rows,) in index.values() for r in range(*rows.indices(batch))}), np.int64)
+
+
+def global_batch_array(mesh: Mesh, local: np.ndarray, batch: int | None = None) -> jax.Array:
+    """A global array of `batch` rows (default: `local`'s, the whole batch of a single-process run),
+    batch-sharded over `data`, from this process's rows of it: `local` holds the rows that
+    `process_rows(mesh, batch)` names, in that order.
+
+    (jax.make_array_from_process_local_data would take a process's rows for a slice of the batch
+    of its own: where the `data` axis does not split the batch between the processes, it made a
+    smaller "replicated" batch that held other rows on each host, and trained on it in silence.)"""
+    local = np.asarray(local)
+    batch = len(local) if batch is None else batch
+    rows = process_rows(mesh, batch)
+    if len(local) != len(rows):
+        raise ValueError(f"process {jax.process_index()} holds {len(rows)} rows of the global batch of {batch} on "
+                         f"this mesh, and was given {len(local)}")
+    at = np.zeros(batch, np.int64)
+    at[rows] = np.arange(len(rows))
+
+    def part(index):
+        # A device's rows are a contiguous range of the batch, all among `rows`: so of `local` too.
+        need = range(*index[0].indices(batch))
+        start = int(at[need.start]) if need else 0
+        return local[(slice(start, start + len(need)), *index[1:])]
+
+    return jax.make_array_from_callback((batch, *local.shape[1:]), batch_sharding(mesh, local.ndim), part)
 
 
 def frozen(tree: Any) -> tuple:

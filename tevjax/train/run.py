@@ -32,7 +32,7 @@ from flax import nnx
 from tevjax.convert.dflash_ckpt import INDEX_FILE, SAFETENSORS_FILE
 from tevjax.models.dflash import DFlashConfig, DFlashDrafter, check_draft_vocab
 from tevjax.multihost import any_process, barrier, check_same, check_shared_dir, holds_files
-from tevjax.sharding import global_batch_array, make_mesh
+from tevjax.sharding import global_batch_array, make_mesh, process_rows
 from tevjax.storage import DISK_FULL, WriteError, check_space, failure, free_bytes, short_of_space, space_message
 from tevjax.train.dataset import Batch, TrainData
 from tevjax.train.rollout import settings_diff, write_json_atomic
@@ -186,6 +186,15 @@ def _restore(mgr, abstract: TrainState, run_dir: Path) -> tuple[TrainState, dict
     return out.state, out.meta
 
 
+def _global_batch(data: TrainData, columns: list[int], cfg: TrainConfig, step: int, mesh) -> Batch:
+    """Global batch `step`, of which this process reads only the rows its devices hold: a disjoint
+    slice each where the mesh's `data` axis splits the batch between the processes, the same rows
+    on each process that shares a slice (a `model` axis across hosts)."""
+    rows = data.order(cfg.seed, step, cfg.batch_size)[process_rows(mesh, cfg.batch_size)]
+    host = data.batch(rows, columns, cfg.seq_len)
+    return Batch(**{k: global_batch_array(mesh, v, cfg.batch_size) for k, v in host.items()})
+
+
 def _run_record(cfg: TrainConfig, dcfg: DFlashConfig, data_dir: Path, target: str, shards: list[str]) -> dict:
     return {"train": dataclasses.asdict(cfg), "drafter": dcfg.to_hf_config(),
             "drafter_dtype": {"dtype": dcfg.dtype, "param_dtype": dcfg.param_dtype},
@@ -267,9 +276,6 @@ def train(target, drafter: DFlashDrafter, data_dir: str | os.PathLike, run_dir: 
     # Before anything is written: a drafter, config or mesh the Trainer refuses leaves no run behind.
     trainer = Trainer(drafter, target, cfg, mesh)
     nproc, pid = jax.process_count(), jax.process_index()
-    local = cfg.batch_size // nproc
-    if local * nproc != cfg.batch_size:
-        raise RunError(f"batch size {cfg.batch_size} is not divisible by the {nproc} processes")
     # Multi-host: every process trains the same drafter on the same data with the same settings
     # (a host's own copy of DATA or of the initial drafter would otherwise differ in silence).
     check_same("the run's settings", record)
@@ -358,10 +364,7 @@ def train(target, drafter: DFlashDrafter, data_dir: str | os.PathLike, run_dir: 
     unwinding = None  # the error or interrupt on its way out of the loop, if any
     try:
         for step in range(start, last_step):
-            rows = data.order(cfg.seed, step, cfg.batch_size)[pid * local:(pid + 1) * local]
-            host = data.batch(rows, columns, cfg.seq_len)
-            batch = Batch(**{k: global_batch_array(mesh, v) for k, v in host.items()})
-            state, metrics = trainer.step(state, batch)
+            state, metrics = trainer.step(state, _global_batch(data, columns, cfg, step, mesh))
             blocks = blocks + metrics["blocks"]
             if bar is not None or (step + 1) % 10 == 0 or step + 1 == last_step:
                 m = {k: float(v) for k, v in jax.device_get(metrics).items()}

@@ -377,7 +377,10 @@ class Trainer:
         params, opt = self._init
         key = jax.random.key_data(seed_key(self.cfg.seed))  # jax.random.key(seed) below 2**32, one-to-one above
         state = TrainState(params=params, opt=opt, step=jnp.zeros((), jnp.int32), key=key)
-        return jax.device_put(state, self.state_shardings)
+        # Copies, never the drafter's own buffers (which device_put passes through where they are
+        # already placed so, as on one device): the first step donates the state, and would delete
+        # the caller's drafter's parameters and this Trainer's initial state with it.
+        return jax.device_put(state, self.state_shardings, may_alias=False)
 
     def abstract_state(self) -> TrainState:
         """Shapes, dtypes and shardings of the state: the restore target."""
