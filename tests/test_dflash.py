@@ -271,6 +271,15 @@ def test_for_target_defaults():
          "DFlashConfig.input_embedding_scale must be a finite number > 0, got nan"),
         (lambda c: c["dflash_config"].update(target_layer_ids=[True, 3]),
          "DFlashConfig.target_layer_ids must be a tuple of layer indices"),
+        # int() and float() read block size 16.5 as 16 and 5.9 target layers as 5, and failed on
+        # strings and lists with their own words, which named neither the file nor the field
+        (lambda c: c.update(block_size=16.5), "field 'block_size' must be an integer, got 16.5"),
+        (lambda c: c["dflash_config"].update(block_size="8"), "field 'dflash_config.block_size' must be an integer"),
+        (lambda c: c.update(num_target_layers=5.9), "field 'num_target_layers' must be an integer, got 5.9"),
+        (lambda c: c["dflash_config"].update(input_embedding_scale="x"),
+         "field 'dflash_config.input_embedding_scale' must be a number, got 'x'"),
+        (lambda c: c["dflash_config"].update(final_logit_softcapping=[1]),
+         r"field 'dflash_config.final_logit_softcapping' must be a number, got \[1\]"),
     ],
 )
 def test_bad_config_is_rejected_by_name(edit, message):

@@ -493,7 +493,7 @@ def write_gguf(path: Path, state: dict[str, np.ndarray], *, arch: str = "llama",
                types: dict[str, Q] | None = None, meta_overrides: dict | None = None,
                extra_tensors: dict[str, np.ndarray] | None = None, tokenizer: bool = True,
                pre: str = "smollm", omit: tuple[str, ...] = (), add_bos: bool | None = None,
-               spm: dict | None = None) -> Path:
+               spm: dict | None = None, eot: int | None = None) -> Path:
     """Writes `state` (HF layout and names) as llama.cpp would: renamed, q/k permuted (for its
     Llama rope; Qwen2/Qwen3 run its NEOX rope and keep HF's rows), quantized. A `head_dim` in
     `meta_overrides` is written as the attention key/value length (Qwen3's). `spm`: a
@@ -542,6 +542,8 @@ def write_gguf(path: Path, state: dict[str, np.ndarray], *, arch: str = "llama",
         w.add_bos_token_id(1)
         w.add_eos_token_id(2)
         w.add_unk_token_id(0)
+        if eot is not None:
+            w.add_eot_token_id(eot)
         if add_bos is not None:
             w.add_add_bos_token(add_bos)
     for hf, value in state.items():
@@ -1009,6 +1011,16 @@ def test_a_gguf_file_is_a_cli_target(qwen_file, tmp_path, monkeypatch, capsys):
     assert code == 2 and "--target" in err and "no such GGUF file" in err and len(err.strip().splitlines()) == 1
 
 
+def test_a_gguf_targets_end_of_turn_token_ends_generation(tmp_path, monkeypatch):
+    """llama.cpp stops on a file's end-of-turn token besides its eos (Gemma's <end_of_turn>); the
+    conversion wrote it to generation_config.json only, which nothing read, so decoding ran past it."""
+    from tevjax.loading import load_target
+
+    monkeypatch.setenv("TEVJAX_CACHE", str(tmp_path / "cache"))
+    path = write_gguf(tmp_path / "chat.gguf", tiny_state(), types={}, eot=1)
+    assert load_target(str(path)).eos_ids == (1, 2)
+
+
 def test_a_sentencepiece_gguf_is_a_cli_target(tmp_path, monkeypatch, capsys):
     """A Llama-2-style file (`tokenizer.ggml.model` "llama": SentencePiece BPE) converts and runs:
     `generate --prompt` tokenizes as llama.cpp does (BOS, then the pieces), and its greedy tokens
@@ -1210,6 +1222,41 @@ def test_truncated_file(tiny_file, tmp_path, keep):
     path = tmp_path / "cut.gguf"
     path.write_bytes(data[:n])
     with pytest.raises(GGUFError, match="cut.gguf"):
+        read_gguf(path)
+
+
+def patch_tensor_info(path: Path, name: str, *, dims: tuple[int, ...] | None = None, ggml_type: Q | None = None
+                      ) -> None:
+    """Rewrite a tensor's ggml dims or type in place (its GGUF tensor info: the name's u64 length and
+    bytes, u32 n_dims, u64 dims fastest first, u32 type, u64 offset), as a file whose header lies."""
+    import struct
+
+    data = bytearray(path.read_bytes())
+    key = name.encode()
+    at = data.index(struct.pack("<Q", len(key)) + key) + 8 + len(key)
+    n = struct.unpack_from("<I", data, at)[0]
+    if dims is not None:
+        assert len(dims) == n
+        struct.pack_into(f"<{n}Q", data, at + 4, *dims)
+    if ggml_type is not None:
+        struct.pack_into("<I", data, at + 4 + 8 * n, int(ggml_type))
+    path.write_bytes(bytes(data))
+
+
+def test_a_tensor_whose_header_lies_is_refused_by_name(tiny_file, tmp_path):
+    """F16 data marked F32 ran into the next tensor's bytes and was read as weights with no error; a
+    quantized tensor with a zero dimension failed inside the gguf package (a bare ValueError)."""
+    src, _ = tiny_file
+    path = tmp_path / "lie.gguf"
+    path.write_bytes(src.read_bytes())
+    patch_tensor_info(path, "blk.0.attn_output.weight", ggml_type=Q.F32)  # stored as F16 (TYPES)
+    with pytest.raises(GGUFError, match=r"lie\.gguf: tensor 'blk\.0\.attn_output\.weight' runs 8192 bytes into the "
+                                        r"data of tensor '[^']+'; its shape or type is wrong"):
+        read_gguf(path)
+    path.write_bytes(src.read_bytes())
+    patch_tensor_info(path, "blk.0.attn_v.weight", dims=(0, 32))  # Q8_0, ggml dims (64, 32)
+    with pytest.raises(GGUFError, match=r"lie\.gguf: tensor 'blk\.0\.attn_v\.weight' of shape \[0, 32\] \(ggml order\) "
+                                        r"cannot be read as Q8_0"):
         read_gguf(path)
 
 

@@ -491,6 +491,28 @@ def test_generic_metadata_defaults_and_refusals():
     assert cfg["model_type"] == "olmo3" and cfg["layer_types"] == (["sliding_attention"] * 3 + ["full_attention"]) * 2
 
 
+@pytest.mark.parametrize("change, match", [
+    # 0 heads (or KV heads) divided by zero: ZeroDivisionError, an internal error in the CLI
+    ({"qwen3.attention.head_count_kv": 0}, "metadata qwen3.attention.head_count_kv should be a positive integer, got 0"),
+    ({"qwen3.attention.head_count": 0}, "metadata qwen3.attention.head_count should be a positive integer, got 0"),
+    ({"qwen3.block_count": 0}, "metadata qwen3.block_count should be a positive integer, got 0"),
+    # a head size of the wrong type failed in `%` (TypeError), a negative one only as a partial rope
+    ({"qwen3.attention.key_length": "16"}, "metadata qwen3.attention.key_length should be an integer, got '16'"),
+    ({"qwen3.attention.key_length": -16, "qwen3.attention.value_length": -16},
+     "metadata qwen3.attention.key_length should be a positive integer, got -16"),
+    ({"qwen3.rope.dimension_count": 16.0}, "metadata qwen3.rope.dimension_count should be an integer, got 16.0"),
+    # converted, cached, and only refused when loading, naming the cache's config.json
+    ({"qwen3.rope.freq_base": float("nan")}, "metadata qwen3.rope.freq_base should be a finite number > 0, got nan"),
+    ({"qwen3.rope.freq_base": 0.0}, "metadata qwen3.rope.freq_base should be a finite number > 0, got 0.0"),
+    ({"qwen3.attention.layer_norm_rms_epsilon": -1e-6},
+     "metadata qwen3.attention.layer_norm_rms_epsilon should be a finite number >= 0, got -1e-06"),
+    ({"tokenizer.ggml.bos_token_id": "1"}, "metadata tokenizer.ggml.bos_token_id should be a token id, got '1'"),
+])
+def test_metadata_no_model_can_have_is_refused_by_name(change, match):
+    with pytest.raises(GGUFError, match="^" + re.escape("x.gguf: " + match)):
+        _config_from_metadata(Path("x.gguf"), {**_meta("qwen3", 2, 64, 4, 16), **change}, set(), None)
+
+
 def test_generation_config_stops_on_the_end_of_turn_token_too():
     """llama.cpp stops on a chat model's end-of-turn token besides its eos; named once where they are one."""
     cfg = {"bos_token_id": 1, "eos_token_id": 2}

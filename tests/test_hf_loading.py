@@ -913,3 +913,38 @@ def test_mxfp4_is_refused_outside_gpt_oss(saved, tmp_path):
     (path / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "mxfp4"}}))
     with pytest.raises(CheckpointError, match="quantization_config quant_method='mxfp4' is not supported"):
         load_hf_target(path)
+
+
+def test_float8_weights_are_refused_by_name(saved, tmp_path):
+    """An FP8 checkpoint (Qwen3-8B-FP8's layout: F8_E4M3 weights beside their scales) failed in numpy with
+    AttributeError (no float8 dtype) before its quantization_config was read: an internal error. Its
+    quantization is named first, and an F8 tensor without one is named with its dtype."""
+    path = _copy(saved, tmp_path)
+    tensors = {k: torch.from_numpy(v.copy()) for k, v in load_file(path / "model.safetensors").items()}
+    name = "model.layers.0.mlp.up_proj.weight"
+    tensors[name] = tensors[name].to(torch.float8_e4m3fn)
+    tensors[name + "_scale_inv"] = torch.ones(1)
+    from safetensors.torch import save_file as save_torch
+
+    save_torch(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "fp8"}}))
+    with pytest.raises(CheckpointError, match="quantization_config quant_method='fp8' is not supported"):
+        load_hf_target(path)
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=re.escape(f"{path / 'model.safetensors'}: tensor {name!r} is stored as "
+                                                        "F8_E4M3, which tevjax cannot read")):
+        load_hf_target(path)
+
+
+def test_generation_config_eos_ids_end_generation(saved, tmp_path):
+    """transformers' generate stops on generation_config.json's eos ids too (Gemma 2's <end_of_turn>, 107,
+    beside config.json's <eos>, 1); load_target read config.json's only. A broken file is named."""
+    from tevjax.loading import load_target
+
+    path = _copy(saved, tmp_path)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
+    assert load_target(str(path)).eos_ids == (2, 7)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": "7"}))
+    with pytest.raises(ValueError, match=re.escape(f"{path / 'generation_config.json'}: field 'eos_token_id' must be")):
+        load_target(str(path))

@@ -9,6 +9,7 @@ strings where transformers' conversion, which ignores `tokenizer.ggml.pre = smol
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -619,6 +620,32 @@ def test_sentencepiece_errors_name_the_field():
         build_tokenizer(spm_meta(**{"tokenizer.ggml.scores": [0.0, 1.0, 2.0]}))
     with pytest.raises(TokenizerConversionError, match="tokenizer.ggml.model='bert' is not supported"):
         build_tokenizer(spm_meta(**{"tokenizer.ggml.model": "bert"}))
+
+
+@pytest.mark.parametrize("meta, message", [
+    # each failed with another library's words (IndexError, tokenizers' bare Exception, AttributeError,
+    # int()'s ValueError), an internal error in the CLI
+    (spm_meta(**{"tokenizer.ggml.unknown_token_id": 5000}), "tokenizer.ggml.unknown_token_id=5000 is outside the "
+                                                             "vocabulary of 338"),
+    (spm_meta(**{"tokenizer.ggml.scores": ["a"] * 338}), "tokenizer.ggml.scores must be numbers, got 'a'"),
+    (dict(tiny_meta(), **{"tokenizer.ggml.merges": MERGES + ["zz qq"]}),
+     "tokenizer.ggml.merges[13] = 'zz qq' involves 'zz', which is not a token of tokenizer.ggml.tokens"),
+    (dict(tiny_meta(), **{"tokenizer.ggml.merges": MERGES + ["h ll"]}),  # "hll" is no token
+     "tokenizer.ggml.merges[13] = 'h ll' involves 'hll', which is not a token of tokenizer.ggml.tokens"),
+    (dict(tiny_meta(), **{"tokenizer.ggml.merges": [7]}), "tokenizer.ggml.merges[0] = 7 is not 'left right'"),
+    (dict(tiny_meta(), **{"tokenizer.ggml.eos_token_id": "2"}), "tokenizer.ggml.eos_token_id='2' should be a token id"),
+    (spm_meta(**{"tokenizer.ggml.bos_token_id": "1"}), "tokenizer.ggml.bos_token_id='1' should be a token id"),
+])
+def test_malformed_tokenizer_metadata_is_refused_by_name(meta, message):
+    with pytest.raises(TokenizerConversionError, match="^" + re.escape("x.gguf: " + message)):
+        tokenizer_files_from_gguf(meta, source="x.gguf")
+
+
+def test_a_per_layer_context_length_gives_the_tokenizer_its_length():
+    """A context length stored as a (uniform) per-layer array, as the model config accepts it: int() of
+    the list raised TypeError."""
+    files = tokenizer_files_from_gguf(dict(tiny_meta(), **{"llama.context_length": [128, 128]}))
+    assert files["tokenizer_config.json"]["model_max_length"] == 128
 
 
 def test_sentencepiece_gguf_matches_transformers_and_makes_a_tokenizer_dir(tmp_path):

@@ -28,7 +28,7 @@ from tevjax.convert.dflash_ckpt import load_dflash
 from tevjax.convert.embedded import default_cache_dir, is_embedded_gguf, prepare_gguf, prepare_smollm2
 from tevjax.convert.hf import CheckpointError, load_hf_target
 from tevjax.convert.tokenizer import load_tokenizer
-from tevjax.models.config import ModelConfig
+from tevjax.models.config import ModelConfig, read_config_json, token_ids
 from tevjax.models.dflash import DFlashConfig, DFlashDrafter
 from tevjax.models.transformer import Transformer
 from tevjax.multihost import check_same_files
@@ -150,11 +150,22 @@ def load_target(target: str = EMBEDDED, *, dtype: str | None = None, mesh=None) 
         tokenizer = load_tokenizer(hf_dir)
     else:
         notes.append(f"no tokenizer in {hf_dir}: prompts must be given as token ids")
-    eos = set(target_cfg.eos_token_ids)
+    eos = set(target_cfg.eos_token_ids) | set(generation_eos_ids(hf_dir))
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         eos.add(int(tokenizer.eos_token_id))
     return LoadedTarget(name=str(target), hf_dir=Path(hf_dir), target_cfg=target_cfg, target=model,
                         tokenizer=tokenizer, eos_ids=tuple(sorted(eos)), notes=notes)
+
+
+def generation_eos_ids(hf_dir: str | os.PathLike) -> tuple[int, ...]:
+    """The ids a directory's generation_config.json stops on (none without one): what transformers'
+    `generate` stops on besides config.json's, e.g. Gemma's <end_of_turn> beside its <eos>, and a
+    converted GGUF's end-of-turn token (`tokenizer.ggml.eot_token_id`), as llama.cpp stops on it."""
+    path = Path(hf_dir) / "generation_config.json"
+    if not path.is_file():
+        return ()
+    c, source = read_config_json(path, what="generation config")
+    return token_ids(c, "eos_token_id", source)
 
 
 def load_models(target: str = EMBEDDED, drafter: str | os.PathLike | None = None, *,

@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 import shutil
@@ -274,6 +275,13 @@ def _open_reader(path: Path):
         if end > size:
             raise GGUFError(f"{path} is truncated: tensor {t.name!r} needs bytes up to {end}, "
                             f"but the file has {size}")
+    # Each tensor's extent follows from its shape and type; one that runs into the next tensor's
+    # data has a shape or type that lies (F16 data marked F32), and would be read as garbage.
+    spans = sorted((int(t.data_offset), int(t.data_offset) + int(t.n_bytes), t.name) for t in reader.tensors)
+    for (_, end, name), (start, _, after) in zip(spans, spans[1:]):
+        if end > start:
+            raise GGUFError(f"{path}: tensor {name!r} runs {end - start} bytes into the data of tensor {after!r}; "
+                            "its shape or type is wrong, or the file is corrupt")
     return reader
 
 
@@ -334,6 +342,16 @@ def _uniform_int(path: Path, key: str, value: Any) -> int:
     return value
 
 
+def _size(path: Path, meta: Mapping[str, Any], key: str, default: int | None) -> int | None:
+    """The positive integer at metadata `key`, or `default` where the file has none."""
+    if key not in meta:
+        return default
+    value = _uniform_int(path, key, meta[key])
+    if value <= 0:
+        raise GGUFError(f"{path}: metadata {key} should be a positive integer, got {value}")
+    return value
+
+
 def _config_from_metadata(path: Path, meta: Mapping[str, Any], tensor_names: set[str],
                           embed_rows: int | None) -> dict[str, Any]:
     arch = meta.get("general.architecture")
@@ -348,8 +366,17 @@ def _config_from_metadata(path: Path, meta: Mapping[str, Any], tensor_names: set
             value = meta[full]
             if kind is int:
                 value = _uniform_int(path, full, value)
+                # 0 heads divided by zero below, and no other size can be 0 either; only a MoE's dense
+                # width, which its experts' own width replaces, goes unread
+                if value <= 0 and not (key == "feed_forward_length" and conv.experts
+                                       and conv.width_field != "intermediate_size"):
+                    raise GGUFError(f"{path}: metadata {full} should be a positive integer, got {value}")
             elif not isinstance(value, (int, float)) or isinstance(value, bool):
                 raise GGUFError(f"{path}: metadata {full} should be a number, got {value!r}")
+            elif not math.isfinite(value) or value < 0 or (key == "rope.freq_base" and value == 0):
+                # a NaN, negative or zero rope base, or a NaN or negative epsilon, gives NaN logits
+                raise GGUFError(f"{path}: metadata {full} should be a finite number "
+                                f"{'> 0' if key == 'rope.freq_base' else '>= 0'}, got {value!r}")
             value = kind(value)
         elif key == "feed_forward_length" and conv.experts and conv.width_field != "intermediate_size":
             continue  # its experts' width is its own key, and llama.cpp's converter writes this only when the
@@ -366,15 +393,16 @@ def _config_from_metadata(path: Path, meta: Mapping[str, Any], tensor_names: set
     if n_head % n_kv:
         raise GGUFError(f"{path}: head_count {n_head} is not a multiple of head_count_kv {n_kv}")
 
-    head_dim = meta.get(f"{arch}.attention.key_length", cfg["hidden_size"] // n_head)
-    value_dim = meta.get(f"{arch}.attention.value_length", head_dim)
+    head_dim, value_dim = (_size(path, meta, f"{arch}.attention.{key}", default)
+                           for key, default in (("key_length", cfg["hidden_size"] // n_head), ("value_length", None)))
+    value_dim = head_dim if value_dim is None else value_dim
     if value_dim != head_dim:
         raise GGUFError(f"{path}: attention.key_length {head_dim} != attention.value_length "
                         f"{value_dim}; {arch} needs equal key and value head sizes")
     if head_dim % 2:
         raise GGUFError(f"{path}: head size {head_dim} is odd, so rope pairs cannot be formed")
     cfg["head_dim"] = head_dim
-    rope_dims = meta.get(f"{arch}.rope.dimension_count", head_dim)
+    rope_dims = _size(path, meta, f"{arch}.rope.dimension_count", head_dim)
     if rope_dims != head_dim and not conv.hybrid:
         raise GGUFError(f"{path}: rope.dimension_count {rope_dims} != head size {head_dim}; "
                         f"partial rotary embeddings are not supported for {arch}")
@@ -403,7 +431,9 @@ def _config_from_metadata(path: Path, meta: Mapping[str, Any], tensor_names: set
     cfg.update(hidden_act="silu", rope_scaling=scaling, torch_dtype="float32", **dict(conv.extra_config))
     for key, field in _TOKEN_ID_TABLE:
         if key in meta:
-            cfg[field] = int(meta[key])
+            if isinstance(meta[key], bool) or not isinstance(meta[key], int):
+                raise GGUFError(f"{path}: metadata {key} should be a token id, got {meta[key]!r}")
+            cfg[field] = meta[key]
     return conv.family_config(path, meta, cfg) if conv.family_config else cfg
 
 
@@ -1093,10 +1123,14 @@ def _dequantize(path: Path, tensor) -> np.ndarray:
     if type_name not in SUPPORTED_TENSOR_TYPES:
         raise GGUFError(f"{path}: tensor {tensor.name!r} has ggml type {type_name}, which is not "
                         f"supported (supported: {', '.join(SUPPORTED_TENSOR_TYPES)})")
-    if type_name == "Q8_K":
-        values = _dequantize_q8_k(tensor.data)
-    else:
-        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    try:
+        if type_name == "Q8_K":
+            values = _dequantize_q8_k(tensor.data)
+        else:
+            values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    except ValueError as e:  # the gguf package's words (a reshape) for data that cannot hold the shape
+        raise GGUFError(f"{path}: tensor {tensor.name!r} of shape {tensor.shape.tolist()} (ggml order) cannot be "
+                        f"read as {type_name} ({e})") from None
     # numpy order of the logical shape: ggml lists dims fastest-first.
     shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
     if values.size != int(np.prod(shape)):

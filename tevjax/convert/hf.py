@@ -368,11 +368,16 @@ def _read_safetensors_file(path: str) -> dict[str, np.ndarray]:
             for name in f.keys():
                 try:
                     out[name] = f.get_tensor(name)
-                except (TypeError, ValueError):
+                except (TypeError, ValueError, AttributeError):  # numpy has no float8: AttributeError
                     # Older safetensors numpy backends cannot represent bf16; read that tensor
                     # through the flax backend, which yields an ml_dtypes-backed array.
-                    with safe_open(path, framework="flax") as g:
-                        out[name] = np.asarray(g.get_tensor(name))
+                    try:
+                        with safe_open(path, framework="flax") as g:
+                            out[name] = np.asarray(g.get_tensor(name))
+                    except (TypeError, ValueError, AttributeError):
+                        raise CheckpointError(
+                            f"{path}: tensor {name!r} is stored as {f.get_slice(name).get_dtype()}, which tevjax "
+                            "cannot read (its weights are float32, float16 or bfloat16)") from None
     except (SafetensorError, OSError) as e:
         raise CheckpointError(f"{path}: cannot read safetensors file ({e}); is it truncated or corrupt?") from e
     return out
@@ -524,10 +529,11 @@ def load_hf_target(path: str | os.PathLike, *, dtype: str | None = None, mesh=No
     path, config_path = checkpoint_config_path(path, "an HF checkpoint")
     overrides = {} if dtype is None else {"dtype": dtype, "param_dtype": dtype}
     cfg = ModelConfig.from_hf_config(config_path, **overrides)
+    quantization = _quantization(config_path)  # an unsupported one is named before its tensors are read
     state = read_safetensors_dir(path)
     if cfg.architecture in HYBRID:
         state = _text_model_tensors(state)
-    if _quantization(config_path) == "mxfp4":
+    if quantization == "mxfp4":
         state = _dequantize_mxfp4_experts(state)
     model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
     try:

@@ -181,8 +181,8 @@ def build_tokenizer(meta: Mapping[str, Any], *, source: str = "GGUF metadata"):
         i = meta.get(f"tokenizer.ggml.{which}_token_id")
         # A SentencePiece vocabulary that does not say gets BOS, as llama.cpp gives it.
         default = which == "bos" and (kind == "llama" or meta.get("tokenizer.ggml.pre") in _LLAMA3_GROUP)
-        wanted = meta.get(f"tokenizer.ggml.add_{which}_token", default) and i is not None and 0 <= int(i) < len(tokens)
-        return int(i) if wanted else None
+        is_id = isinstance(i, int) and not isinstance(i, bool) and 0 <= i < len(tokens)  # else refused by name
+        return i if meta.get(f"tokenizer.ggml.add_{which}_token", default) and is_id else None  # in the HF files
 
     bos, eos = added("bos"), added("eos")
     if bos is not None or eos is not None:
@@ -233,10 +233,15 @@ def _byte_level(meta: Mapping[str, Any], tokens: list[str], types: list[int], me
         vocab[tok] = i
     merges = []
     for k, m in enumerate(merges_raw):
-        parts = m.split(" ")
+        parts = m.split(" ") if isinstance(m, str) else []
         if len(parts) != 2:
             raise TokenizerConversionError(f"{source}: tokenizer.ggml.merges[{k}] = {m!r} is not "
                                            "'left right'")
+        # tokenizers refuses these with a bare Exception that names neither the file nor the merge
+        unknown = [t for t in (*parts, "".join(parts)) if t not in vocab]
+        if unknown:
+            raise TokenizerConversionError(f"{source}: tokenizer.ggml.merges[{k}] = {m!r} involves {unknown[0]!r}, "
+                                           "which is not a token of tokenizer.ggml.tokens")
         merges.append((parts[0], parts[1]))
 
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False,
@@ -273,6 +278,9 @@ def _sentencepiece(meta: Mapping[str, Any], tokens: list[str], scores, source: s
     drops the space the prefix added."""
     from tokenizers import Tokenizer, decoders, models, normalizers
 
+    bad = [x for x in scores if isinstance(x, bool) or not isinstance(x, (int, float))]
+    if bad:
+        raise TokenizerConversionError(f"{source}: tokenizer.ggml.scores must be numbers, got {bad[0]!r}")
     scores = [float(x) for x in scores]
     if len(scores) != len(tokens):
         raise TokenizerConversionError(f"{source}: tokenizer.ggml.scores has {len(scores)} entries for "
@@ -284,9 +292,9 @@ def _sentencepiece(meta: Mapping[str, Any], tokens: list[str], scores, source: s
         vocab[t] = i
     ranked = sorted(((-scores[i], vocab[t[:cut]], vocab[t[cut:]]), t[:cut], t[cut:])
                     for t, i in vocab.items() for cut in range(1, len(t)) if t[:cut] in vocab and t[cut:] in vocab)
-    unk = meta.get("tokenizer.ggml.unknown_token_id")
+    unk = _special_id(meta, "tokenizer.ggml.unknown_token_id", len(tokens), source)
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[(a, b) for _, a, b in ranked], byte_fallback=True,
-                               fuse_unk=True, unk_token=None if unk is None else tokens[int(unk)]))
+                               fuse_unk=True, unk_token=None if unk is None else tokens[unk]))
     # llama.cpp puts the space in front of each run of raw text (after every special token too),
     # and puts it there even when the text starts with a space: a normalizer does both (tokenizers'
     # Metaspace would skip the second).
@@ -298,6 +306,23 @@ def _sentencepiece(meta: Mapping[str, Any], tokens: list[str], scores, source: s
     return tok
 
 
+# The special tokens a GGUF file names by id: the tokenizer_config.json field, the `tokenizer.ggml.*` key.
+_SPECIAL_IDS = (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"), ("unk_token", "unknown_token_id"),
+                ("pad_token", "padding_token_id"))
+
+
+def _special_id(meta: Mapping[str, Any], key: str, n_tokens: int, source: str) -> int | None:
+    """The token id at metadata `key` (None where absent), refused by name unless an id of the vocabulary."""
+    idx = meta.get(key)
+    if idx is None:
+        return None
+    if isinstance(idx, bool) or not isinstance(idx, int):
+        raise TokenizerConversionError(f"{source}: {key}={idx!r} should be a token id")
+    if not 0 <= idx < n_tokens:
+        raise TokenizerConversionError(f"{source}: {key}={idx} is outside the vocabulary of {n_tokens}")
+    return idx
+
+
 def tokenizer_files_from_gguf(meta: Mapping[str, Any], *, source: str = "GGUF metadata"
                               ) -> dict[str, Any]:
     """`{"tokenizer.json": ..., "tokenizer_config.json": ...}` (JSON-ready objects) for an HF dir."""
@@ -307,18 +332,15 @@ def tokenizer_files_from_gguf(meta: Mapping[str, Any], *, source: str = "GGUF me
         "tokenizer_class": "PreTrainedTokenizerFast",
         "clean_up_tokenization_spaces": False,
     }
-    for name, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
-                      ("unk_token", "unknown_token_id"), ("pad_token", "padding_token_id")):
-        full = f"tokenizer.ggml.{key}"
-        if full in meta:
-            idx = int(meta[full])
-            if not 0 <= idx < len(tokens):
-                raise TokenizerConversionError(f"{source}: {full}={idx} is outside the "
-                                               f"vocabulary of {len(tokens)}")
+    for name, key in _SPECIAL_IDS:
+        idx = _special_id(meta, f"tokenizer.ggml.{key}", len(tokens), source)
+        if idx is not None:
             config[name] = tokens[idx]
     arch = meta.get("general.architecture")
-    if f"{arch}.context_length" in meta:
-        config["model_max_length"] = int(meta[f"{arch}.context_length"])
+    context = meta.get(f"{arch}.context_length")
+    context = context[0] if isinstance(context, list) and context else context  # a per-layer array (uniform)
+    if isinstance(context, int) and not isinstance(context, bool):
+        config["model_max_length"] = context
     if "tokenizer.chat_template" in meta:
         config["chat_template"] = meta["tokenizer.chat_template"]
     return {"tokenizer.json": json.loads(tok.to_str()), "tokenizer_config.json": config}

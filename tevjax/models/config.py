@@ -122,7 +122,7 @@ def config_field(c: Mapping[str, Any], key: str, kind: type, source: str, defaul
     return value
 
 
-def _token_ids(c: Mapping[str, Any], key: str, source: str) -> tuple[int, ...]:
+def token_ids(c: Mapping[str, Any], key: str, source: str) -> tuple[int, ...]:
     """An HF token-id field that may be null, one id or a list of ids."""
     value = c.get(key)
     items = value if isinstance(value, (list, tuple)) else ([] if value is None else [value])
@@ -740,7 +740,7 @@ class ModelConfig:
 
         heads = field("num_attention_heads", int, positive=True)
         hidden = field("hidden_size", int, positive=True)
-        bos = _token_ids(c, "bos_token_id", source)
+        bos = token_ids(c, "bos_token_id", source)
         if len(bos) > 1:
             raise ValueError(f"{source}: field 'bos_token_id' must be one token id, got {c['bos_token_id']!r}")
         hf_dtype = c.get("torch_dtype") or c.get("dtype")
@@ -770,7 +770,7 @@ class ModelConfig:
                                                                                    model_type == "gpt_oss"),
             qkv_bias=model_type == "qwen2" or (model_type == "qwen2_moe" and field("qkv_bias", bool, True)),
             max_position_embeddings=max_positions,
-            eos_token_ids=_token_ids(c, "eos_token_id", source),
+            eos_token_ids=token_ids(c, "eos_token_id", source),
             bos_token_id=bos[0] if bos else None,
             dtype=dtype,
             param_dtype=dtype,

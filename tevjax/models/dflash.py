@@ -50,7 +50,7 @@ from flax import nnx
 
 from tevjax.checks import is_int, is_real
 from tevjax.models.cache import KVCache, write_slots
-from tevjax.models.config import ModelConfig, RopeScaling, read_config_json, with_overrides
+from tevjax.models.config import ModelConfig, RopeScaling, config_field, read_config_json, with_overrides
 from tevjax.models.layers import NEG_INF, RMSNorm, Rope, SwiGLU, apply_rope, matmul_precision
 
 __all__ = [
@@ -342,7 +342,12 @@ class DFlashConfig:
         mask = drafting("mask_token_id", required=True)
         if not isinstance(mask, int) or isinstance(mask, bool):
             raise ValueError(f"{source}: dflash_config.mask_token_id must be an int, got {mask!r}")
-        softcap = drafting("final_logit_softcapping")
+
+        def number(key, kind, default):  # checked as config fields are: int() read block size 16.5 as 16
+            where = "dflash_config." if dcfg.get(key) is not None else ""
+            return config_field({key: drafting(key)}, key, kind, source, default, prefix=where)
+
+        softcap = number("final_logit_softcapping", float, None)
         fields = dict(
             hidden_size=base.hidden_size,
             intermediate_size=base.intermediate_size,
@@ -355,13 +360,13 @@ class DFlashConfig:
             rope_theta=base.rope_theta,
             rope_scaling=base.rope_scaling,
             max_position_embeddings=base.max_position_embeddings,
-            block_size=int(drafting("block_size", 16)),
+            block_size=number("block_size", int, 16),
             target_layer_ids=tuple(ids),
             mask_token_id=mask,
-            num_target_layers=None if c.get("num_target_layers") is None else int(c["num_target_layers"]),
-            input_embedding_scale=float(drafting("input_embedding_scale", 1.0)),
-            output_multiplier=float(drafting("output_multiplier", 1.0)),
-            final_logit_softcapping=None if softcap is None or float(softcap) <= 0 else float(softcap),
+            num_target_layers=config_field(c, "num_target_layers", int, source, None),
+            input_embedding_scale=number("input_embedding_scale", float, 1.0),
+            output_multiplier=number("output_multiplier", float, 1.0),
+            final_logit_softcapping=None if softcap is None or softcap <= 0 else softcap,
             draft_vocab_size=_optional_int(drafting("draft_vocab_size"), "dflash_config.draft_vocab_size", source),
             dtype=base.dtype,
             param_dtype=base.param_dtype,
