@@ -6,8 +6,9 @@ interval, and the relative gain of arm B over arm A with its 95% interval. Both 
 delta-method intervals with prompts as the units (`tevjax.stats`). Pairing removes the spread
 between prompts, which is most of tau's variance. The runs must cover the same prompts (the same
 set, count, token limit, temperature and seed, and, where both files keep it, the same digest of
-the prompt texts: counts pair by position), and every row must hold the per-prompt counts
-(`prompt_emitted`, `prompt_rounds`) that `tevjax eval` keeps since 2026-12-05.
+the prompt texts: counts pair by position; sampled arms also the same truncation), the files of one arm
+must share its decoding configuration (verifier, chains, fallback, truncation), and every row must hold
+the per-prompt counts (`prompt_emitted`, `prompt_rounds`) that `tevjax eval` keeps since 2026-12-05.
 
     python experiments/compare_evals.py \
         --a experiments/results/heldout256_alone_b8_b16_t0.json --label-a "drafter alone" \
@@ -31,6 +32,14 @@ from tevjax.stats import paired_gain, q95, tau_se  # noqa: E402
 
 # What two runs must share for their prompts, and so their per-prompt counts, to pair.
 SAME = ("prompts", "num_prompts", "max_new_tokens", "temperature", "seed")
+# A truncation makes another target law, as another temperature does (`truncation.py` never pairs its
+# settings), so sampled runs must share it too; greedy outputs do not depend on it. Checked wherever both
+# files hold it (files made before truncated sampling do not).
+TRUNCATION = ("top_k", "top_p", "min_p")
+# An arm is one decoding configuration, even when its budgets come from separate runs: a file decoded with
+# other chains, another verifier or fallback would be reported under the arm's one label. Checked where both
+# files hold the field (run-level values: a row's own `lookup` is the run's capped at its budget).
+ARM = ("verifier", "lookup", "corpus", "fallback_below", "fallback_rounds")
 # The digest of the prompt texts that `tevjax eval` writes (`tevjax.evaluate.prompts_digest`): counts pair
 # by position, and one --prompts spec can name other texts (an edited file, another directory). Checked
 # wherever both files hold it (older files do not).
@@ -41,9 +50,10 @@ class CompareError(ValueError):
     """A file or a pair of runs that cannot be compared; the message names which and why."""
 
 
-def load_arm(paths: list[str]) -> tuple[dict, dict[int, dict], tuple[str, str] | None]:
-    """(the runs' shared settings, {budget: row}, (a file, its prompt digest) or None) for one arm's files."""
-    settings, rows, digest = None, {}, None
+def load_arm(paths: list[str]) -> tuple[dict, dict[int, dict], tuple[str, str] | None, tuple[str, dict]]:
+    """(the runs' shared settings, {budget: row}, (a file, its prompt digest) or None, (the first file, its
+    run)) for one arm's files."""
+    settings, rows, digest, first = None, {}, None, None
     for path in paths:
         try:
             run = json.loads(Path(path).read_text())
@@ -59,6 +69,11 @@ def load_arm(paths: list[str]) -> tuple[dict, dict[int, dict], tuple[str, str] |
         if settings is not None and these != settings:
             raise CompareError(f"{path}: other prompts or settings than {paths[0]} ({_differences(settings, these)})")
         settings = these
+        if first is None:
+            first = (path, run)
+        else:
+            _check_shared(ARM, first, path, run, "one arm's files must be one decoding configuration")
+            _check_law(first, path, run)
         digest = _check_digest(digest, path, run)
         for row in run["budgets"]:
             if "prompt_emitted" not in row or "prompt_rounds" not in row:
@@ -67,7 +82,24 @@ def load_arm(paths: list[str]) -> tuple[dict, dict[int, dict], tuple[str, str] |
             if row["budget"] in rows:
                 raise CompareError(f"{path}: budget {row['budget']} is in two files of the same arm")
             rows[row["budget"]] = row
-    return settings, rows, digest
+    return settings, rows, digest, first
+
+
+def _check_shared(keys: tuple[str, ...], seen: tuple[str, dict], path: str, run: dict, why: str) -> None:
+    """Refuses `run` (from `path`) where it differs from `seen` (a file and its run) in one of `keys` that both hold."""
+    other, ref = seen
+    diff = [f"{k} {run[k]!r}" for k in keys if k in ref and k in run and ref[k] != run[k]]
+    if diff:
+        theirs = ", ".join(f"{k} {ref[k]!r}" for k in keys if k in ref and k in run and ref[k] != run[k])
+        raise CompareError(f"{path}: {', '.join(diff)}, {other}: {theirs}; {why}")
+
+
+def _check_law(seen: tuple[str, dict], path: str, run: dict) -> None:
+    """Refuses a sampled run whose truncation differs from `seen`'s (the same temperature, checked before)."""
+    from tevjax.law import is_greedy  # here: jax loads only where a second file is read
+
+    if not is_greedy(run["temperature"]):
+        _check_shared(TRUNCATION, seen, path, run, "sampled runs must sample one target law (truncation)")
 
 
 def _check_digest(seen: tuple[str, str] | None, path: str, run: dict) -> tuple[str, str] | None:
@@ -86,10 +118,11 @@ def _differences(a: dict, b: dict) -> str:
 
 def compare(arm_a: list[str], arm_b: list[str]) -> tuple[dict, list[dict]]:
     """(the shared settings, one result per budget both arms hold, in increasing budget)."""
-    settings_a, rows_a, digest_a = load_arm(arm_a)
-    settings_b, rows_b, digest_b = load_arm(arm_b)
+    settings_a, rows_a, digest_a, first_a = load_arm(arm_a)
+    settings_b, rows_b, digest_b, first_b = load_arm(arm_b)
     if settings_a != settings_b:
         raise CompareError(f"the arms ran on other prompts or settings ({_differences(settings_a, settings_b)})")
+    _check_law(first_a, *first_b)
     if digest_a is not None and digest_b is not None:
         _check_digest(digest_a, digest_b[0], {DIGEST: digest_b[1], "prompts": settings_b["prompts"]})
     budgets = sorted(set(rows_a) & set(rows_b))

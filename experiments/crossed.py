@@ -218,7 +218,7 @@ def main(argv=None) -> int:
               f"![tau, SR and verifier stage]({args.out.with_suffix('.png').name})", ""]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(lines) + "\n")
-    plot(results, stage, combos, args.temperatures, args.out.with_suffix(".png"))
+    plot(results, stage, combos, args.temperatures, args.out.with_suffix(".png"), len(prompts))
     raw = {"date": date, "command": command, "machine": machine, "versions": vers, "wall_minutes": minutes,
            "cpu_minutes": cpu_minutes, "drafters": dirs,
            "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
@@ -230,8 +230,11 @@ def main(argv=None) -> int:
     return 0
 
 
-def plot(results, stage, combos, temperatures, path: Path) -> None:
+def plot(results, stage, combos, temperatures, path: Path, n: int) -> None:
+    """tau (95% intervals over the `n` prompts), speedup and verifier stage per drafter + verifier."""
     import matplotlib
+
+    from tevjax.stats import q95
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -243,7 +246,8 @@ def plot(results, stage, combos, temperatures, path: Path) -> None:
         res, st = results[str(t)], stage[str(t)]
         cells = [res[f"{d} + {v}"] for d, v in combos]
         ax = axes[i, 0]
-        ax.bar(names, [c["tau"] for c in cells], yerr=[1.96 * np.nan_to_num(c["se"]) for c in cells], capsize=4)
+        ax.bar(names, [c["tau"] for c in cells], yerr=[q95(n) * np.nan_to_num(c["se"]) for c in cells],
+               capsize=4)  # t with n - 1 df, as the tables' intervals
         ax.set_ylabel("tau (95% interval)", fontsize=8)
         ax.set_title(f"tau, T={t:g}", fontsize=9)
         ax = axes[i, 1]

@@ -58,14 +58,20 @@ def load_points(results: Path, curve=CURVE) -> dict[int, list[tuple[str, int, fl
     settings = None
     for label, name, records in curve:
         d = json.loads((results / name).read_text(encoding="utf-8"))
-        now = (d["num_prompts"], d["max_new_tokens"], d["temperature"], d["seed"], d["verifier"])
+        # The prompt set and the budgets too: a file of other prompts (same count) was fitted with the rest,
+        # and one without a budget shifted the table's rows, which pair the budgets' points by position.
+        now = (d.get("prompts"), d["num_prompts"], d["max_new_tokens"], d["temperature"], d["seed"], d["verifier"],
+               sorted(int(b["budget"]) for b in d["budgets"]))
         if settings is None:
             settings = now
         elif now != settings:
-            raise ValueError(f"{name} was measured with (prompts, max tokens, T, seed, verifier) {now}, "
-                             f"the first file with {settings}: the points are not comparable")
+            raise ValueError(f"{name} was measured with (prompt set, prompts, max tokens, T, seed, verifier, budgets) "
+                             f"{now}, the first file with {settings}: the points are not comparable")
         if d.get("mismatches"):
             raise ValueError(f"{name}: {d['mismatches']} greedy outputs differ from AR's")
+        chains = [b["budget"] for b in d["budgets"] if b.get("lookup", 0) or b.get("corpus", 0)]
+        if chains:  # a point of this curve is the drafter alone (files made before the chains hold neither field)
+            raise ValueError(f"{name}: budgets {chains} decoded with lookup chains, not the drafter alone")
         n = d["num_prompts"]
         for b in d["budgets"]:
             points.setdefault(int(b["budget"]), []).append(

@@ -345,6 +345,11 @@ def parse_args(argv):
         if getattr(args, flag) is not None and getattr(args, flag) < 0:
             p.error(f"--{flag} must be >= 0, got {getattr(args, flag)}")
     args.budgets = sorted(set(args.budgets))
+    # Once each, in the order given: a repeated temperature decoded every prompt again into the same
+    # cells (its runs appended after the first pass's, so its checks read the first pass's runs and its tau
+    # pooled both), and a repeated dataset was decoded twice and counted twice in the pooled row.
+    args.temperatures = list(dict.fromkeys(args.temperatures))
+    args.datasets = list(dict.fromkeys(args.datasets))
     return args
 
 

@@ -72,6 +72,7 @@ def round_stats(rnd, temperature: float, budgets, heat_budget: int, ranks: int) 
     rank = sibling_ranks(parents, valid, rnd.draft_logprob[heat_budget])
     kind = exit_kind(parents, depth, valid, rnd.horizon)
     return {
+        "prompt": rnd.prompt,
         "coverage": coverage,
         "exit_mass": mass_by_depth_rank(depth, rank, w, valid, rnd.horizon, ranks - 1),
         "nodes": mass_by_depth_rank(depth, rank, np.ones_like(w), valid, rnd.horizon, ranks - 1),
@@ -79,16 +80,38 @@ def round_stats(rnd, temperature: float, budgets, heat_budget: int, ranks: int) 
     }
 
 
+def coverage_se(coverage, prompt) -> float:
+    """SE of the mean of per-round `coverage` over rounds, with prompts as the units: the rounds of one
+    prompt share its text (an easy answer gives every round high C_p), so they are not independent draws,
+    and std / sqrt(rounds) understated the SE. The mean over rounds is a ratio of per-prompt sums (C_p
+    summed over a prompt's rounds / its rounds), whose delta-method SE `tevjax.stats.tau_se` gives; nan
+    below 2 prompts, 0 where no round covers anything."""
+    from tevjax.stats import tau_se
+
+    coverage, prompt = np.asarray(coverage, np.float64), np.asarray(prompt)
+    ids = np.unique(prompt)
+    if len(ids) < 2:
+        return math.nan
+    sums = [float(coverage[prompt == i].sum()) for i in ids]
+    if sum(sums) <= 0:
+        return 0.0
+    return tau_se(sums, [int(np.sum(prompt == i)) for i in ids])[1]
+
+
 def aggregate(stats: list[dict], budgets) -> dict:
-    """Means over rounds (and SEs across rounds for C_p)."""
+    """Means over rounds (and, for C_p, SEs with prompts as the units: `coverage_se`)."""
     k = len(stats)
     cov = {b: np.array([s["coverage"][b] for s in stats]) for b in budgets}
+    prompt = [s["prompt"] for s in stats]
     heat = np.mean([s["exit_mass"] for s in stats], axis=0)
     nodes = np.mean([s["nodes"] for s in stats], axis=0)
     return {
         "rounds": k,
-        "coverage": {str(b): {"mean": float(c.mean()), "se": float(c.std(ddof=1) / math.sqrt(k)) if k > 1 else 0.0}
-                     for b, c in cov.items()},
+        "prompts": len(set(prompt)),
+        "coverage": {str(b): {"mean": float(c.mean()), "se": coverage_se(c, prompt)} for b, c in cov.items()},
+        # Per round, so that other statistics can be computed from the results file.
+        "round_prompt": prompt,
+        "round_coverage": {str(b): c.tolist() for b, c in cov.items()},
         "exit_mass": heat.tolist(),
         "nodes": nodes.tolist(),
         "by_depth": heat.sum(axis=1).tolist(),
@@ -253,7 +276,7 @@ def main(argv=None) -> int:
         "Exit mass = w(v) = P(v) rho(v), averaged over rounds (each round's w sums to 1). Sibling rank 0 = the "
         "drafter's most probable token among the node's siblings.",
         "",
-        "## Coverage against budget (mean 1 + C_p over rounds, +- SE across rounds)",
+        "## Coverage against budget (mean 1 + C_p over rounds, +- SE with prompts as the units)",
         "",
         "| drafter | T | rounds | " + " | ".join(f"budget {b}" for b in args.budgets) + " |",
         "|---|---:|---:|" + "---:|" * len(args.budgets),

@@ -43,7 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tevjax.stats import detectable_gain, paired_gain, tau_se
+from tevjax.stats import detectable_gain, paired_gain, q95, tau_se
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report import budget_axes, require_positive  # noqa: E402
@@ -250,12 +250,16 @@ def fmt_gain(s: dict) -> str:
     return f"{100 * s['gain']:+.1f}% [{100 * s['gain_lo']:+.1f}, {100 * s['gain_hi']:+.1f}] ({sep})"
 
 
-def plot(table: dict, arms, sets, temperatures, budgets, path: Path, title: str) -> None:
+def plot(table: dict, arms, sets, temperatures, budgets, path: Path, title: str, n: int) -> None:
+    """tau by budget per arm, with 95% intervals over the `n` prompts of a cell."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    # t with n - 1 df, as the paired intervals of the tables (`tevjax.stats`); 1.96 made these "95%" bars 8% too
+    # narrow at the default 16 prompts.
+    q = q95(n)
     nrow, ncol = len(temperatures), len(sets)
     fig, axes = plt.subplots(nrow, ncol, figsize=(4.2 * ncol, 3.4 * nrow + 0.6), squeeze=False, layout="constrained")
     for i, t in enumerate(temperatures):
@@ -264,7 +268,7 @@ def plot(table: dict, arms, sets, temperatures, budgets, path: Path, title: str)
             for k, arm in enumerate(arms):
                 cells = [table[arm][s][str(t)][str(b)] for b in budgets]
                 x = np.array(budgets, float) * (1 + 0.03 * (k - (len(arms) - 1) / 2))  # small dodge
-                ax.errorbar(x, [c["tau"] for c in cells], yerr=[1.96 * np.nan_to_num(c["se"]) for c in cells],
+                ax.errorbar(x, [c["tau"] for c in cells], yerr=[q * np.nan_to_num(c["se"]) for c in cells],
                             marker="o", capsize=3, label=arm)
             budget_axes(ax, budgets, "tau (95% interval)", f"{s}, T={t:g}", title_size=9)
     fig.suptitle(title, fontsize=10)
@@ -341,6 +345,9 @@ def check_common(p: argparse.ArgumentParser, args, quick_out: Path, results: Pat
     args.budgets = sorted(set(args.budgets))
     if any(not 0 <= t < math.inf for t in args.temperatures):
         p.error("--temperatures must be finite and >= 0")
+    # Once each, as the budgets: a repeated temperature was decoded again into the same cells, its tables
+    # printed twice and its cells counted twice in the summary's mean gain and interval counts.
+    args.temperatures = list(dict.fromkeys(args.temperatures))
     bad = [s for s in args.prompt_sets if s not in PROMPT_SETS]
     if bad:
         p.error(f"--prompt-sets {bad[0]!r}: choose from {', '.join(PROMPT_SETS)}")
@@ -532,7 +539,8 @@ def run_and_report(args, argv, specs: list[tuple[str, str, int]], *, title: str,
     lines += ["", f"![tau by budget per arm]({args.out.with_suffix('.png').name})", ""]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(lines) + "\n")
-    plot(table, labels, args.prompt_sets, args.temperatures, args.budgets, args.out.with_suffix(".png"), png_title)
+    plot(table, labels, args.prompt_sets, args.temperatures, args.budgets, args.out.with_suffix(".png"), png_title,
+         args.num_prompts)
     raw = {"date": date, "command": lines[3].split("`")[1], "machine": machine, "versions": vers,
            "wall_minutes": minutes, "cpu_minutes": cpu_minutes, "reused_cells": res["reused_cells"],
            "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},

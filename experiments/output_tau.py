@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from compare_evals import CompareError, load_arm  # noqa: E402
-from report import emit, save  # noqa: E402
+from report import emit, require_positive, save  # noqa: E402
 
 from tevjax.stats import paired_gain, q95, tau_se  # noqa: E402
 
@@ -35,7 +35,11 @@ def parse_args(argv=None):
     p.add_argument("--label-b", default="B")
     p.add_argument("--batch", type=int, default=16, help="rows of the AR pass (greedy outputs do not depend on it)")
     p.add_argument("--out", default=None, help="markdown file (and .json beside it)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    # Before the model loads: a step of 0 stopped the AR pass with a traceback, a negative one ran no
+    # batch and was reported as an AR pass that output 0 tokens.
+    require_positive(p, args, "batch")
+    return args
 
 
 def load(paths: list[str]) -> tuple[dict, dict[int, dict], str | None]:
@@ -44,7 +48,7 @@ def load(paths: list[str]) -> tuple[dict, dict[int, dict], str | None]:
     from tevjax.law import is_greedy
 
     try:
-        settings, rows, digest = load_arm(paths)
+        settings, rows, digest, _ = load_arm(paths)
     except CompareError as e:
         raise SystemExit(str(e)) from None
     if not is_greedy(settings["temperature"]):

@@ -58,6 +58,20 @@ def test_exit_mass_labels_match_drafters(tmp_path, capsys):
     assert args.label == ["a", "b"] and args.heat_budget == 64
 
 
+def test_exit_mass_coverage_se_takes_prompts_as_units():
+    """C_p's SE over rounds counts prompts, not rounds, as the independent units: two prompts whose
+    four rounds each cover 1 and 0 leave the mean 0.5 resting on two draws (SE 0.5, the delta method
+    over prompts), where std / sqrt(rounds) said 0.189; rounds that vary alike within each prompt
+    leave no spread between prompts (SE 0)."""
+    stats = [{"prompt": i // 4, "coverage": {8: 1.0 - i // 4}, "exit_mass": np.zeros((2, 2)),
+              "nodes": np.zeros((2, 2)), "kinds": [1.0, 0.0, 0.0, 0.0]} for i in range(8)]
+    agg = exit_mass.aggregate(stats, [8])
+    assert agg["coverage"]["8"] == pytest.approx({"mean": 0.5, "se": 0.5})
+    assert agg["prompts"] == 2 and agg["round_prompt"] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert exit_mass.coverage_se([1.0, 0.0, 1.0, 0.0], [0, 0, 1, 1]) == pytest.approx(0.0, abs=1e-12)
+    assert math.isnan(exit_mass.coverage_se([1.0, 0.0], [3, 3])) and exit_mass.coverage_se([0, 0], [0, 1]) == 0.0
+
+
 def test_quick_modes_write_to_tmp():
     assert str(fixed_tree_equivalence.parse_args(["--quick"]).out).startswith("/tmp/")
     assert str(exit_mass.parse_args(["--quick"]).out).startswith("/tmp/")
@@ -82,8 +96,14 @@ def test_training_experiments_check_their_options(tmp_path, capsys):
     # Data are needed only to train an arm, so evaluating exported arms parses without them.
     assert abl(["--data", str(tmp_path / "none")]).data == str(tmp_path / "none")
     assert "no DFlash checkpoint there" in error_of(abl, [*base, "--init", str(tmp_path)], capsys)
-    args = abl([*base, "--arms", "w", "w", "--budgets", "16", "4", "4"])
+    args = abl([*base, "--arms", "w", "w", "--budgets", "16", "4", "4", "--temperatures", "1", "0", "1"])
     assert args.arms == ["token", "w"] and args.budgets == [4, 16]  # the control always comes first
+    assert args.temperatures == [1.0, 0.0]  # a repeat was decoded again and counted twice in the summary
+    cell = {"gain": 0.05, "gain_lo": 0.04, "gain_hi": 0.06, "detectable": 0.02}
+    table = {"w": {"heldout": {"1.0": {"8": cell}, "0.0": {"8": {**cell, "gain": -0.05, "gain_lo": -0.06,
+                                                                   "gain_hi": -0.04}}}}}
+    assert "mean paired gain +0.0% over 2 cells; interval above 0 in 1, below 0 in 1" in \
+        exittrain_ablation.pooled_lines(table, args.arms, ["heldout"], args.temperatures, [8])[2]
     assert args.out == exittrain_ablation.RESULTS
     # Budget transfer: an exit-loss arm only; crossed: both drafters or neither.
     assert "choose an exit-loss arm" in error_of(budget_transfer.parse_args, [*base, "--arm", "token"], capsys)
@@ -203,6 +223,52 @@ def test_large_z_note_lists_only_passing_large_z_and_names_near_degenerate_trees
     assert fixed_tree_equivalence.large_z_note(rows[2:]) == []
 
 
+def test_end_to_end_decodes_each_temperature_and_dataset_once():
+    """A repeated temperature or dataset used to be decoded again into the same cells: the pooled row
+    counted the dataset twice and the checks of the second pass read the first pass's runs."""
+    import end_to_end
+
+    args = end_to_end.parse_args(["--temperatures", "1", "0", "1", "--datasets", "gsm", "mtbench", "gsm",
+                                  "--budgets", "16", "8", "16"])
+    assert args.temperatures == [1.0, 0.0] and args.datasets == ["gsm", "mtbench"] and args.budgets == [8, 16]
+    run = lambda n: end_to_end.Run(tokens=[1] * n, seconds=1.0, rounds=n, block_total=n, rss_mb=0.0)  # noqa: E731
+    runs = {(0.0, "gsm", "ar", 0): [[run(4)]], (0.0, "mtbench", "ar", 0): [[run(6)]]}
+    rows = end_to_end.summarize(runs, args.datasets, [("ar", 0)], [0.0], 1)
+    assert [(r["dataset"], r["tokens"]) for r in rows] == [("gsm", 4), ("mtbench", 6), ("all", 10)]
+
+
+def test_exittrain_and_crossed_plots_draw_t_intervals(tmp_path, monkeypatch):
+    """The plots' "tau (95% interval)" bars are q95(n) SE, as the tables' intervals (`tevjax.stats`), not
+    1.96 SE: at 16 prompts 2.131 SE."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.axes
+
+    from tevjax.stats import q95
+
+    drawn = []
+    for name in ("errorbar", "bar"):
+        real = getattr(matplotlib.axes.Axes, name)
+
+        def spy(self, *a, _real=real, **kw):
+            if kw.get("yerr") is not None:
+                drawn.append(np.asarray(kw["yerr"], float))
+            return _real(self, *a, **kw)
+
+        monkeypatch.setattr(matplotlib.axes.Axes, name, spy)
+    cell = {"tau": 2.0, "se": 0.1}
+    table = {"token": {"heldout": {"0.0": {"8": cell, "16": cell}}}}
+    exittrain_ablation.plot(table, ["token"], ["heldout"], [0.0], [8, 16], tmp_path / "a.png", "t", 16)
+    assert drawn[0] == pytest.approx([0.1 * 2.1314495] * 2) and q95(16) == pytest.approx(2.1314495)
+    drawn.clear()
+    combos = [("token-only", "predraw")]
+    results = {"1.0": {"token-only + predraw": {**cell, "sr": 0.5, "sr_range": [0.4, 0.6]}}}
+    stage = {"1.0": {"token-only": {"predraw": {"median": 2.0, "p10": 1.9, "p90": 2.1}}}}
+    crossed.plot(results, stage, combos, [1.0], tmp_path / "c.png", 48)
+    assert drawn[0] == pytest.approx([0.1 * q95(48)])
+
+
 def test_round_blocks_groups_by_round_index():
     rows = round_blocks.by_round([[1, 3, 2, 2], [2, 1], [4]], shown=2)
     assert [r["round"] for r in rows] == ["0", "1", ">=2"]
@@ -242,6 +308,27 @@ def test_data_curve_fit_and_extrapolation(tmp_path):
             "mismatches": 0, "budgets": [{"budget": 8, "tau": 1.8, "tau_prompt_sd": 0.1}]}))
     with pytest.raises(ValueError, match="not comparable"):
         data_curve.load_points(tmp_path, (("a", "a.json", 10), ("b", "b.json", 20)))
+
+
+def test_data_curve_refuses_other_prompt_sets_budgets_and_chains(tmp_path):
+    """Points must be the same prompts at the same budgets with the drafter alone: a 16-prompt MT-Bench file
+    was fitted with held-out ones, and a file without budget 4 shifted the table's rows (row i of every
+    budget is read as the same drafter)."""
+    def write(name, prompts="heldout", budgets=((4, 1.6), (8, 1.7)), **row):
+        (tmp_path / name).write_text(json.dumps({
+            "prompts": prompts, "num_prompts": 16, "max_new_tokens": 128, "temperature": 0.0, "seed": 0,
+            "verifier": "tev", "mismatches": 0,
+            "budgets": [{"budget": b, "tau": t, "tau_prompt_sd": 0.1, **row} for b, t in budgets]}))
+
+    write("a.json")
+    write("b.json", budgets=((4, 1.7), (8, 1.9)))
+    pts = data_curve.load_points(tmp_path, (("a", "a.json", 10), ("b", "b.json", 20)))
+    assert pts[8] == [("a", 10, 1.7, 0.025), ("b", 20, 1.9, 0.025)]
+    for name, kwargs in (("mt.json", {"prompts": "mtbench"}), ("b8.json", {"budgets": ((8, 1.8),)}),
+                         ("chains.json", {"lookup": 8, "corpus": 8})):
+        write(name, **kwargs)
+        with pytest.raises(ValueError, match="not comparable|not the drafter alone"):
+            data_curve.load_points(tmp_path, (("a", "a.json", 10), (name, name, 20)))
 
 
 def test_draft_temperature_options_and_scorer(tmp_path, capsys):

@@ -158,6 +158,35 @@ def test_compare_evals_refuses_other_prompt_texts_under_the_same_spec(tmp_path, 
     assert [r["budget"] for r in compare_evals.main(["--a", a, old, "--b", a])] == [8]
 
 
+def test_compare_evals_refuses_an_arm_of_mixed_configurations_and_other_sampling_laws(tmp_path, capsys):
+    """One arm's files must be one decoding configuration (a budget-16 file without the chains joined a
+    budget-8 file with them, and was reported under the arm's label), and sampled arms must share the
+    truncation (min-p 0.1 against no cut paired two target laws); greedy arms need not, and files that
+    lack a field (made before it existed) are not refused for it."""
+    import compare_evals
+
+    rows8, rows16 = [(8, [10, 12, 16], [6, 8, 8])], [(16, [10, 12, 16], [5, 8, 7])]
+    chains = dict(lookup=None, corpus=None, verifier="tev")
+    a = _eval_json(tmp_path / "a.json", rows8 + rows16, **chains)
+    b8 = _eval_json(tmp_path / "b8.json", rows8, **chains)
+    alone16 = _eval_json(tmp_path / "alone16.json", rows16, lookup=0, corpus=0, verifier="tev")
+    with pytest.raises(SystemExit) as e:
+        compare_evals.main(["--a", a, "--b", b8, alone16])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "alone16.json: lookup 0, corpus 0" in err and "lookup None, corpus None" in err
+    old16 = _eval_json(tmp_path / "old16.json", rows16)  # no lookup field: not refused for it
+    assert [r["budget"] for r in compare_evals.main(["--a", a, "--b", b8, old16])] == [8, 16]
+    cut = dict(temperature=1.0, top_k=0, top_p=1.0)
+    a1 = _eval_json(tmp_path / "a1.json", rows8, min_p=0.0, **cut)
+    b1 = _eval_json(tmp_path / "b1.json", rows8, min_p=0.1, **cut)
+    with pytest.raises(SystemExit) as e:
+        compare_evals.main(["--a", a1, "--b", b1])
+    assert e.value.code == 2 and "b1.json: min_p 0.1, " in capsys.readouterr().err
+    a0 = _eval_json(tmp_path / "a0.json", rows8, min_p=0.0, top_k=0)
+    b0 = _eval_json(tmp_path / "b0.json", rows8, min_p=0.1, top_k=0)  # greedy: the cut changes nothing
+    assert [r["budget"] for r in compare_evals.main(["--a", a0, "--b", b0])] == [8]
+
+
 def test_compare_evals_names_the_bad_file(tmp_path, capsys):
     import compare_evals
 
@@ -203,6 +232,10 @@ def test_output_tau_counts_each_prompts_output_against_its_rounds(tmp_path, monk
     monkeypatch.setattr(output_tau, "output_lengths", lambda settings, batch, digest: [9, 12, 14])
     with pytest.raises(SystemExit, match="the AR pass output 35 tokens, the run 36"):
         output_tau.main(["--a", a])
+    for batch in ("0", "-3"):  # refused before any model loads (0 raised in range(), -3 decoded nothing)
+        with pytest.raises(SystemExit) as e:
+            output_tau.main(["--a", a, "--batch", batch])
+        assert e.value.code == 2
     for change, message in (({"temperature": 1.0}, "temperature 1.0: only greedy outputs equal AR's"),
                             ({"mismatches": 2}, "budget 8 has 2 outputs unlike AR's")):
         run = json.loads(Path(a).read_text())
