@@ -47,6 +47,10 @@ def parse_args(argv):
     return args
 
 
+def png_title(quick: bool, steps: int) -> str:
+    return f"Budget transfer ({'tiny' if quick else 'SmolLM2'}, {steps} steps per arm)"
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
@@ -58,7 +62,7 @@ def main(argv=None) -> int:
                           f"{args.train_budgets}; `token` = the token-only arm of the same runs. In each table a row "
                           "is a training budget, a column an evaluation budget; the gain is against `token` on "
                           "the same prompts (the column where B = B_train is the in-budget case)."],
-                   png_title=f"Budget transfer ({'tiny' if args.quick else 'SmolLM2'}, {args.steps} steps per arm)")
+                   png_title=png_title(args.quick, args.steps))
     return 0
 
 

@@ -243,6 +243,13 @@ def summarise(counts: dict, baseline: dict | None) -> dict:
     return out
 
 
+def summarise_all(counts: dict, baseline: str) -> dict:
+    """table[arm][set][T][B] = `summarise` of every cell of counts[arm][set][T][B], paired with `baseline`'s."""
+    return {arm: {s: {t: {b: summarise(c, None if arm == baseline else counts[baseline][s][t][b])
+                          for b, c in by_b.items()} for t, by_b in by_t.items()} for s, by_t in by_s.items()}
+            for arm, by_s in counts.items()}
+
+
 def fmt_gain(s: dict) -> str:
     if "gain" not in s:
         return "-"
@@ -450,10 +457,7 @@ def evaluate_arms(setup: Setup, args, arms: dict[str, str], budgets, baseline: s
                         bar.update(1)
     if reused:
         print(f"reused {reused} evaluated cells from {cache}", flush=True)
-    table = {arm: {s: {t: {b: summarise(c, None if arm == baseline else counts[baseline][s][t][b])
-                           for b, c in by_b.items()} for t, by_b in by_t.items()} for s, by_t in by_s.items()}
-             for arm, by_s in counts.items()}
-    return {"counts": counts, "table": table, "reused_cells": reused}
+    return {"counts": counts, "table": summarise_all(counts, baseline), "reused_cells": reused}
 
 
 def header(title: str, argv, args, setup: Setup, minutes: float, cpu_minutes: float, date: str, machine: str,
@@ -573,6 +577,10 @@ def tau_tables(table, labels, sets, temperatures, budgets) -> list[str]:
     return lines
 
 
+def png_title(quick: bool, steps: int) -> str:
+    return f"ExitTrain ablation ({'tiny' if quick else 'SmolLM2'}, {steps} fine-tuning steps per arm)"
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
@@ -581,8 +589,7 @@ def main(argv=None) -> int:
                    script="exittrain_ablation.py",
                    notes=[f"- Exit-loss tree budget {args.exit_budget}. Arms: " + "; ".join(
                        f"`{a}` = {ARMS[a][1]}" for a in args.arms) + "."],
-                   png_title=f"ExitTrain ablation ({'tiny' if args.quick else 'SmolLM2'}, {args.steps} fine-tuning "
-                   "steps per arm)")
+                   png_title=png_title(args.quick, args.steps))
     return 0
 
 

@@ -33,13 +33,14 @@ from pathlib import Path
 
 import numpy as np
 
-from tevjax.stats import Z95, paired_gain
+from tevjax.stats import paired_gain
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from real_trees import machine_facts, versions  # noqa: E402
-from report import drafters_and_labels, emit, require_positive  # noqa: E402
+from report import QUANTILE, drafters_and_labels, emit, require_positive  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "heldout_screen.md"
+PAIRED = "Paired over records against {} (95% interval of the relative gain):"  # where the paired lines start
 
 
 def parse_args(argv):
@@ -77,6 +78,23 @@ def _sums(run: dict, kind: str, budget: int) -> tuple[list, list]:
 def _tau(run: dict, kind: str, budget: int) -> float:
     blocks, rounds = _sums(run, kind, budget)
     return sum(blocks) / max(sum(rounds), 1)
+
+
+def paired_lines(runs: dict, kinds, budgets) -> list[str]:
+    """Each drafter's paired gain over the first one's, per kind of tau and budget (none for one drafter)."""
+    labels = list(runs)
+    if len(labels) < 2:
+        return []
+    first = runs[labels[0]]
+    lines = ["", PAIRED.format(labels[0]), ""]
+    for label in labels[1:]:
+        for kind in kinds:
+            parts = []
+            for b in budgets:
+                g = paired_gain(*_sums(first, kind, b), *_sums(runs[label], kind, b))
+                parts.append(f"@{b} {g['gain']:+.1%} [{g['lo']:+.1%}, {g['hi']:+.1%}]")
+            lines.append(f"- {label}, tau_{kind}: " + "; ".join(parts) + ".")
+    return lines
 
 
 def main(argv=None) -> int:
@@ -136,19 +154,10 @@ def main(argv=None) -> int:
     for label, run in runs.items():
         lines.append(f"| {label} | " + " | ".join(f"{_tau(run, kind, b):.3f}" for kind in kinds for b in args.budgets)
                      + " | " + " | ".join(f"{a:.3f}" for a in run["acc"]) + " |")
-    labels = list(runs)
-    if len(labels) > 1:
-        lines += ["", f"Paired over records against {labels[0]} (95% interval of the relative gain):", ""]
-        for label in labels[1:]:
-            for kind in kinds:
-                parts = []
-                for b in args.budgets:
-                    g = paired_gain(*_sums(first, kind, b), *_sums(runs[label], kind, b))
-                    parts.append(f"@{b} {g['gain']:+.1%} [{g['lo']:+.1%}, {g['hi']:+.1%}]")
-                lines.append(f"- {label}, tau_{kind}: " + "; ".join(parts) + ".")
+    lines += paired_lines(runs, kinds, args.budgets)
     emit(lines, args.out)
     payload = {"date": date, "command": "python experiments/heldout_screen.py " + " ".join(argv),
-               "machine": machine_facts(), "versions": versions(), "z95": Z95,
+               "machine": machine_facts(), "versions": versions(), "quantile": QUANTILE,
                "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, "runs": runs}
     Path(args.out).with_suffix(".json").write_text(json.dumps(payload, indent=1))
     return 0

@@ -6,6 +6,10 @@ import json
 from pathlib import Path
 
 
+# What a results JSON records as the quantile of its paired 95% intervals (`tevjax.stats.paired_gain`).
+QUANTILE = "Student's t, n - 1 df (tevjax.stats.q95)"
+
+
 def emit(lines: list[str], out: str | Path | None) -> str:
     """Prints the report and, unless `out` is None, writes it (creating the folder)."""
     text = "\n".join(lines).rstrip("\n") + "\n"

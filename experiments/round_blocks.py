@@ -26,14 +26,15 @@ from pathlib import Path
 
 import numpy as np
 
-from tevjax.stats import Z95, paired_gain
+from tevjax.stats import paired_gain
 from tevjax.tree import valid_temperature
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from real_trees import load_prompt_ids, machine_facts, versions  # noqa: E402
-from report import drafters_and_labels, emit, require_positive  # noqa: E402
+from report import QUANTILE, drafters_and_labels, emit, require_positive  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "round_blocks.md"
+PAIRED = "Paired over prompts against {} (tau = block tokens / rounds, 95% interval):"  # where the paired lines start
 
 
 def by_round(blocks: list[list[int]], shown: int) -> list[dict]:
@@ -104,6 +105,23 @@ def parse_args(argv):
     return args
 
 
+def paired_lines(runs: dict) -> list[str]:
+    """Each drafter's paired gain in tau over the first one's, and its round-0 block (none for one drafter)."""
+    labels = list(runs)
+    if len(labels) < 2:
+        return []
+    a = runs[labels[0]]
+    lines = ["", PAIRED.format(labels[0]), ""]
+    for label in labels[1:]:
+        b = runs[label]
+        g = paired_gain(a["tokens"], a["rounds"], b["tokens"], b["rounds"])
+        r0a = np.mean([x[0] for x in a["blocks"]])
+        r0b = np.mean([x[0] for x in b["blocks"]])
+        lines.append(f"- {label}: tau {g['gain']:+.1%} [{g['lo']:+.1%}, {g['hi']:+.1%}]; round-0 block "
+                     f"{r0a:.2f} -> {r0b:.2f}.")
+    return lines
+
+
 def main(argv=None) -> int:
     started, date = time.perf_counter(), datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
     argv = sys.argv[1:] if argv is None else argv
@@ -159,20 +177,10 @@ def main(argv=None) -> int:
         tau = sum(run["tokens"]) / sum(run["rounds"])
         lines.append(f"| {label} | " + " | ".join(f"{r['mean']:.2f} +- {r['se']:.2f}" for r in run["rows"])
                      + f" | {tau:.3f} |")
-    labels = list(runs)
-    if len(labels) > 1:
-        a = runs[labels[0]]
-        lines += ["", f"Paired over prompts against {labels[0]} (tau = block tokens / rounds, 95% interval):", ""]
-        for label in labels[1:]:
-            b = runs[label]
-            g = paired_gain(a["tokens"], a["rounds"], b["tokens"], b["rounds"])
-            r0a = np.mean([x[0] for x in a["blocks"]])
-            r0b = np.mean([x[0] for x in b["blocks"]])
-            lines.append(f"- {label}: tau {g['gain']:+.1%} [{g['lo']:+.1%}, {g['hi']:+.1%}]; round-0 block "
-                         f"{r0a:.2f} -> {r0b:.2f}.")
+    lines += paired_lines(runs)
     emit(lines, args.out)
     payload = {"date": date, "command": "python experiments/round_blocks.py " + " ".join(argv),
-               "machine": machine_facts(), "versions": versions(), "z95": Z95,
+               "machine": machine_facts(), "versions": versions(), "quantile": QUANTILE,
                "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                "prompts": texts, "runs": runs}
     Path(args.out).with_suffix(".json").write_text(json.dumps(payload, indent=1))

@@ -25,6 +25,7 @@ import moe_dispatch  # noqa: E402
 import heldout_screen  # noqa: E402
 import hybrid_latency  # noqa: E402
 import kill_resume  # noqa: E402
+import rerender  # noqa: E402
 import round_blocks  # noqa: E402
 import round_stages  # noqa: E402
 import truncation  # noqa: E402
@@ -546,3 +547,56 @@ def test_kill_resume_checks_its_arguments_before_any_run(tmp_path, capsys):
     assert "--init starts the training runs from a drafter" in error_of(
         kill_resume.parse_args, ["--init", "--train-trials", "0"], capsys)
     assert "invalid choice: 3" in error_of(kill_resume.parse_args, ["--hosts", "3"], capsys)
+
+
+def _stale(lines: list[str]) -> list[str]:
+    """`lines` with every interval written as a normal-quantile report had it: other endpoints."""
+    return [line.replace(" [", " [~") for line in lines]
+
+
+def test_rerender_rebuilds_the_statistics_from_the_counts_and_keeps_the_rest(tmp_path):
+    """A report made before the switch to t intervals is rebuilt from its JSON's counts: the statistics
+    equal a fresh run's, the header, the training table and the notes after the statistics stay, one
+    line says so, the JSON records the new results, and a second pass changes nothing."""
+    rng = np.random.default_rng(0)
+
+    def counts(n):
+        rounds = rng.integers(20, 40, n)
+        return {"tokens": (rounds * rng.uniform(1.5, 2.5, n)).astype(int).tolist(), "rounds": rounds.tolist()}
+
+    cfg = {"prompt_sets": ["heldout"], "temperatures": [0.0], "budgets": [4, 8], "quick": True, "steps": 3,
+           "num_prompts": 6}
+    per_prompt = {arm: {"heldout": {"0.0": {str(b): counts(6) for b in (4, 8)}}} for arm in ("token", "w")}
+    table = exittrain_ablation.summarise_all(per_prompt, "token")
+    stats = exittrain_ablation.tau_tables(table, ["token", "w"], ["heldout"], [0.0], [4, 8])
+    stats += exittrain_ablation.pooled_lines(table, ["token", "w"], ["heldout"], [0.0], [4, 8])
+    stats += ["", "![tau by budget per arm](abl.png)"]
+    head = ["# ExitTrain ablation", "", "- Date: then.", "- Arms: token, w.", "", "## Training", "", "| arm |", ""]
+    (tmp_path / "abl.md").write_text("\n".join(head + _stale(stats) + ["", "A note."]) + "\n")
+    raw = {"command": "python experiments/exittrain_ablation.py --steps 3", "config": cfg,
+           "arms": {"token": {}, "w": {}}, "per_prompt": per_prompt, "results": {}}
+    (tmp_path / "abl.json").write_text(json.dumps(raw))
+    assert rerender.rerender(tmp_path / "abl.json", "2026-12-07")
+    got = (tmp_path / "abl.md").read_text().splitlines()
+    note = got[4]
+    assert note.startswith(rerender.NOTE) and "abl.json" in note and sum(x.startswith(rerender.NOTE) for x in got) == 1
+    assert got[:4] + got[5:] == head + stats + ["", "A note."]
+    assert json.loads((tmp_path / "abl.json").read_text())["results"] == json.loads(json.dumps(table))
+    assert (tmp_path / "abl.png").stat().st_size > 0
+    assert not rerender.rerender(tmp_path / "abl.json", "2026-12-08")  # nothing stale is left
+    assert (tmp_path / "abl.md").read_text().splitlines() == got
+
+    runs = {label: {"anchors": [10, 12, 9, 11], "tau_8": [21, 25, 17, 24 + k]} for k, label in enumerate(("v1", "v2"))}
+    paired = heldout_screen.paired_lines(runs, ("sim",), [8])
+    head = ["# Held-out screen", "", "- Date: then.", "- 4 records.", "", "| drafter |", "|---|"]
+    (tmp_path / "scr.md").write_text("\n".join(head + _stale(paired) + ["", "Why it ran."]) + "\n")
+    (tmp_path / "scr.json").write_text(json.dumps({"command": "python experiments/heldout_screen.py --x", "z95": 1.96,
+                                                   "config": {"budgets": [8]}, "runs": runs}))
+    assert rerender.rerender(tmp_path / "scr.json", "2026-12-07")
+    got = (tmp_path / "scr.md").read_text().splitlines()
+    assert got[4].startswith(rerender.NOTE) and got[:4] + got[5:] == head + paired + ["", "Why it ran."]
+    saved = json.loads((tmp_path / "scr.json").read_text())
+    assert "z95" not in saved and saved["quantile"].startswith("Student's t")
+    with pytest.raises(SystemExit, match="made by end_to_end.py"):
+        (tmp_path / "e2e.json").write_text(json.dumps({"command": "python experiments/end_to_end.py"}))
+        rerender.rerender(tmp_path / "e2e.json", "2026-12-07")
