@@ -1240,6 +1240,29 @@ def test_train_config_refuses_settings_the_losses_cannot_use():
         dataclasses.replace(CFG, **fine)
 
 
+def test_a_gamma_float32_reads_as_zero_is_refused():
+    """A gamma below float32's smallest normal number passed the > 0 check, became 0 in the step's
+    float32 division and made the first row's decay weight exp(-0 / 0) = NaN: the token loss read 0
+    and every gradient NaN. The smallest accepted gamma keeps the weights finite."""
+    from tevjax.train.objectives import ratio, token_loss_terms
+
+    for tiny in (1e-50, 1e-40):
+        with pytest.raises(ValueError, match=r"TrainConfig.gamma must be at least float32's smallest normal"):
+            dataclasses.replace(CFG, gamma=tiny)
+    gamma = dataclasses.replace(CFG, gamma=float(np.finfo(np.float32).tiny)).gamma
+    tokens, mask = jnp.arange(6)[None] % 5, jnp.ones((1, 6), bool)
+
+    def loss(logits):
+        terms = token_loss_terms(jax.nn.logsumexp(logits, -1), logits, tokens, mask, jnp.array([[1]]),
+                                 jnp.array([[True]]), gamma)
+        return ratio(terms)
+
+    value, grad = jax.value_and_grad(loss)(jnp.zeros((1, 1, 3, 5)))
+    # Only block position 1 counts (weight 1; the others exp(-huge) = 0): CE of a uniform row.
+    np.testing.assert_allclose(float(value), np.log(5), rtol=1e-6)
+    assert np.isfinite(np.asarray(grad)).all()
+
+
 def test_train_config_numbers_are_numbers_and_numpy_ints_are_ints():
     """float() read lr=True as 1.0 and warmup=False as 0.0, and a string failed with "could not
     convert string to float" without the field's name; NumPy ints were refused as counts."""

@@ -132,6 +132,11 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.warmup must be a fraction in [0, 1), got {self.warmup!r}")
         if self.gamma is not None and not self.gamma > 0:
             raise ValueError(f"TrainConfig.gamma must be > 0 or None, got {self.gamma!r}")
+        if self.gamma is not None and not np.float32(self.gamma) >= np.finfo(np.float32).tiny:
+            # The step divides by gamma in float32: a smaller one is 0 there (or flushed to 0), and the
+            # first row's weight exp(-0 / 0) is NaN: the loss reads 0 and every gradient NaN.
+            raise ValueError(f"TrainConfig.gamma must be at least float32's smallest normal number "
+                             f"({float(np.finfo(np.float32).tiny):.4g}), got {self.gamma!r}")
         try:
             check_truncation(self.exit_top_k, self.exit_top_p, self.exit_min_p)
         except (TypeError, ValueError) as e:
