@@ -191,3 +191,30 @@ def test_bad_call_inputs_name_the_tensor():
             model(**{**args, field: bad})
     with pytest.raises(ValueError, match=r"hidden_layers entry 2 is outside \[0, 2\)"):
         model(**args, hidden_layers=(2,))
+
+
+def test_a_run_longer_than_the_cache_and_misshapen_commits_are_refused_by_name():
+    """A run of more new tokens than the cache has slots cannot write them all: its last tokens'
+    queries attended without their own keys and gave wrong logits (the same call with room for
+    them differs), without an error. It is refused, as are tokens that are not [B, T] and a
+    commit whose src or dst_start does not fit the cache's rows (they failed with bare
+    unpacking and broadcasting errors)."""
+    model = nnx.merge(*_setup(6))
+    toks = jnp.asarray(np.random.default_rng(6).integers(0, CFG.vocab_size, (1, 10)), jnp.int32)
+    args = dict(tokens=toks, positions=jnp.arange(10, dtype=jnp.int32)[None], write_pos=jnp.zeros((1,), jnp.int32))
+    for block_mask in (None, causal_mask(10)[None]):
+        roomy = model(**args, cache=KVCache.init(CFG, 1, 16), block_mask=block_mask)
+        assert np.isfinite(np.asarray(roomy.logits)).all()
+        with pytest.raises(ValueError, match="10 new tokens do not fit a cache of 8 slots per row"):
+            model(**args, cache=KVCache.init(CFG, 1, 8), block_mask=block_mask)
+        with pytest.raises(ValueError, match="10 new tokens do not fit a cache of 8 slots"):
+            nnx.jit(lambda m, c: m(**args, cache=c, block_mask=block_mask))(model, KVCache.init(CFG, 1, 8))
+    model(**args, cache=KVCache.init(CFG, 1, 10), block_mask=None)  # exactly full is fine
+    with pytest.raises(ValueError, match=r"tokens has shape \(10,\), expected \(B, T\)"):
+        model(**{**args, "tokens": toks[0]}, cache=KVCache.init(CFG, 1, 16), block_mask=None)
+    cache = KVCache.init(CFG, 2, 8)
+    for src, dst in [(jnp.zeros((3,), jnp.int32), jnp.zeros((2,), jnp.int32)),
+                     (jnp.zeros((2, 3), jnp.int32), jnp.zeros((3,), jnp.int32)),
+                     (jnp.zeros((1, 3), jnp.int32), jnp.zeros((1,), jnp.int32))]:
+        with pytest.raises(ValueError, match=r"KVCache.move_slots: src has shape .* expected \(2, M\) and \(2,\)"):
+            cache.move_slots(src, dst)

@@ -161,9 +161,11 @@ class KVCache:
         destination ranges are safe. src: [B, path slots] int32 (the decoder passes an accepted
         path: N - 1 slots); dst_start: [B] int32.
         """
+        if src.ndim != 2 or src.shape[0] != self.batch or jnp.shape(dst_start) != (self.batch,):
+            raise ValueError(f"KVCache.move_slots: src has shape {tuple(src.shape)} and dst_start "
+                             f"{tuple(jnp.shape(dst_start))}, expected ({self.batch}, M) and ({self.batch},) for a "
+                             f"cache of {self.batch} rows")
         b, m = src.shape
-        if b != self.batch:
-            raise ValueError(f"KVCache.move_slots: src has {b} rows, cache has {self.batch}")
         take = jnp.clip(src, 0, self.capacity - 1)
         dst = dst_start[:, None] + jnp.arange(m)[None, :]
         # Skipped or out-of-range destinations get index S, which `mode="drop"` ignores.

@@ -443,6 +443,8 @@ class Transformer(nnx.Module):
         row; None: all) when some are padding; a tree pass records each node's inputs for
         `KVCache.advance`. A row whose run starts at slot 0 starts from an empty state."""
         cfg = self.cfg
+        if tokens.ndim != 2:
+            raise ValueError(f"Transformer: tokens has shape {tuple(tokens.shape)}, expected (B, T)")
         b, t = tokens.shape
         checks = {
             "positions": (positions.shape, (b, t)),
@@ -459,6 +461,11 @@ class Transformer(nnx.Module):
         for name, (got, want) in checks.items():
             if tuple(got) != tuple(want):
                 raise ValueError(f"Transformer: {name} has shape {tuple(got)}, expected {tuple(want)}")
+        if t > cache.capacity:
+            # The run's own slots write_pos + t cannot all exist: the K/V of its last tokens would be
+            # dropped and their queries would attend without them, giving wrong logits and no error.
+            raise ValueError(f"Transformer: {t} new tokens do not fit a cache of {cache.capacity} slots per row "
+                             f"(KVCache.init(..., capacity=...) must hold the prefix and every new token)")
         if not jnp.issubdtype(tokens.dtype, jnp.integer) or not jnp.issubdtype(positions.dtype, jnp.integer):
             raise ValueError(f"Transformer: tokens and positions must be integer arrays, got "
                              f"{tokens.dtype} and {positions.dtype}")
