@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tevjax.builder import (LOOKUP_SURVIVAL, NGRAM_CALIBRATION, build_ddtree, chain_log_reach, check_survival,
-                            context_chain, corpus_chain, merge_chain, ngram_table)
+from tevjax.builder import (LOOKUP_SURVIVAL, NGRAM_CALIBRATION, build_ddtree, build_ddtree_from_top, chain_log_reach,
+                            check_survival, context_chain, corpus_chain, merge_chain, ngram_table)
 from tevjax.tree import validate_tree
 
 # One compiled builder per (G, V, budget): budget is static.
@@ -276,6 +276,39 @@ def test_degenerate_inputs_give_root_only():
         build_ddtree(np.zeros((2, 2, 3), np.float32), 0, 4)
     with pytest.raises(ValueError, match="floating"):
         build_ddtree(np.zeros((2, 3), np.int32), 0, 4)
+
+
+def test_eager_build_refuses_what_is_not_a_log_probability():
+    """Raw logits (> 0), NaN or +inf let a child outscore its parent: the build came out root-only
+    (or lost its deeper nodes) with finite scores on padding slots, and no error. Eager calls on
+    concrete arrays name the entry; under jit, padding still scores -inf."""
+    lm = np.log(np.array([[0.5, 0.3, 0.2], [0.6, 0.3, 0.1]], np.float32))
+    for (d, v), value in (((0, 1), np.nan), ((1, 0), np.inf), ((0, 2), 0.5)):
+        bad = lm.copy()
+        bad[d, v] = value
+        with pytest.raises(ValueError, match=rf"log_marginals must be log-probabilities.*depth {d + 1}, token {v}"):
+            build_ddtree(bad, 0, 5)
+    raw = np.array([[1.0, 2.0, 0.5], [3.0, 0.1, 0.2]], np.float32)  # logits, not log_softmax
+    with pytest.raises(ValueError, match="log_softmax"):
+        build_ddtree(raw, 0, 5)
+    tree, scores = _build_jit(raw, 0, 5)
+    assert np.all(np.isneginf(np.asarray(scores)[~np.asarray(tree.valid)]))
+    build_ddtree(np.full((2, 3), -np.inf, np.float32), 0, 5)  # every token ruled out is well formed
+
+
+def test_build_from_top_gives_budget_plus_one_slots_whatever_the_shapes():
+    """`build_ddtree_from_top` with no depth (G = 0) returned a 1-slot tree instead of budget + 1,
+    and budget 0 failed inside NumPy; both are root-only trees of budget + 1 slots, like `build_ddtree`."""
+    for depth_cap, k, budget in ((0, 3, 3), (2, 0, 3), (2, 2, 0)):
+        tree, scores = build_ddtree_from_top(jnp.zeros((depth_cap, k)), jnp.zeros((depth_cap, k), jnp.int32), 4,
+                                             budget)
+        assert tree.num_nodes == budget + 1 and scores.shape == (budget + 1,)
+        assert np.asarray(tree.valid).tolist() == [True] + [False] * budget
+        assert np.asarray(scores).tolist() == [0.0] + [-np.inf] * budget
+    with pytest.raises(ValueError, match="budget must be a static int >= 0"):
+        build_ddtree_from_top(jnp.zeros((2, 2)), jnp.zeros((2, 2), jnp.int32), 0, -1)
+    with pytest.raises(ValueError, match=r"\[G, k\]"):
+        build_ddtree_from_top(jnp.zeros((2, 2)), jnp.zeros((2, 3), jnp.int32), 0, 4)
 
 
 def test_full_size_shapes_trace():

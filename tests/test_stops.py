@@ -99,6 +99,16 @@ def test_stop_string_errors_name_the_problem():
         cut_text("xab", b"ab")
 
 
+def test_a_stop_string_that_is_not_valid_unicode_is_refused_by_name():
+    """Half of a surrogate pair (a JSON "\\ud83d" cut from its partner) was accepted by DecodeConfig, then
+    failed building the byte automaton with a bare UnicodeEncodeError."""
+    for call in (lambda: DecodeConfig(stop=("ok", "a\ud83d")), lambda: stop_table(["ok", "a\ud83d"], [b"a"], 1),
+                 lambda: cut_text("a", ["ok", "a\ud83d"])):
+        with pytest.raises(ValueError, match=r"stop string 1 \('a\\ud83d'\) is not valid Unicode"):
+            call()
+    assert DecodeConfig(stop=("\U0001f600",)).stop == ("\U0001f600",)  # a whole pair is one character
+
+
 def test_a_table_holds_thirty_two_stop_strings_and_no_more():
     """The 32nd string is bit 31 of a row's int32 mask, its sign bit: a row watching only it (mask
     -2**31) stops on it, and a 33rd string is refused."""

@@ -77,8 +77,9 @@ def build_ddtree(
 
     Args:
       log_marginals: [G, V] float drafter log-probabilities for depths 1..G (row d-1 is depth d).
-        Entries must be <= 0 (log-probabilities, not raw logits) and NaN-free; -inf marks a token
-        the drafter rules out. Any float dtype; scores are accumulated in float32.
+        Entries must be <= 0 (log-probabilities, not raw logits) and NaN-free (a ValueError on
+        concrete arrays; under jit only shapes are read); -inf marks a token the drafter rules out.
+        Any float dtype; scores are accumulated in float32.
       root_token: [] int, the last committed token (the root's token).
       budget: static int >= 0, number of non-root nodes; the tree has N = budget + 1 slots.
 
@@ -106,15 +107,19 @@ def build_ddtree(
     root_token = jnp.asarray(root_token, jnp.int32)
     if root_token.ndim != 0:
         raise ValueError(f"root_token must be a scalar, got shape {root_token.shape}")
+    lm = _concrete(log_marginals)
+    if lm is not None and lm.size:
+        # Raw logits (> 0), NaN or +inf break the prefix closure the selection rests on (a child
+        # outscoring its parent): the tree came out root-only, or with positive padding scores.
+        lm = lm.astype(np.float32)
+        bad = np.isnan(lm) | (lm > 0)
+        if bad.any():
+            d, v = (int(x) for x in np.argwhere(bad)[0])
+            raise ValueError(f"log_marginals must be log-probabilities (<= 0, no NaN; -inf rules a token out), "
+                             f"got {lm[d, v]} at depth {d + 1}, token {v}: pass log_softmax of the drafter's logits")
     depth_cap, vocab = log_marginals.shape
-    n = budget + 1
-
     if budget == 0 or depth_cap == 0 or vocab == 0:
-        # Nothing can be drafted: a root-only tree with every other slot padding.
-        tokens_N = jnp.zeros(n, jnp.int32).at[0].set(root_token)
-        scores_N = jnp.full(n, -jnp.inf, jnp.float32).at[0].set(0.0)
-        return DraftTree.from_parents(tokens_N, jnp.full(n, -1, jnp.int32)), scores_N
-
+        return _root_only(root_token, budget + 1)
     k = min(budget, vocab)
     # float32 before top_k: exact for bf16/f16 (the cast is monotone and lossless), and XLA:CPU has
     # a fast top-k only for float32 (bf16 falls back to a full sort, ~100x slower at V = 151936).
@@ -129,11 +134,22 @@ def build_ddtree_from_top(top_vals: jax.Array, top_ids: jax.Array, root_token: j
 
     Only the top k of a depth can enter the tree (see the module docstring), so this is the whole
     builder after its first step; a caller whose vocabulary is split over devices computes the top
-    k per device and merges them (the decoder on a mesh) instead of gathering [G, V]. budget >= 1.
+    k per device and merges them (the decoder on a mesh) instead of gathering [G, V]. budget >= 0
+    (0, G = 0 or k = 0: a root-only tree of budget + 1 slots).
     """
+    if not is_int(budget) or budget < 0:
+        raise ValueError(f"build_ddtree_from_top: budget must be a static int >= 0, got {budget!r}")
+    budget = int(budget)
+    if np.ndim(top_vals) != 2 or np.shape(top_ids) != np.shape(top_vals):
+        raise ValueError(f"build_ddtree_from_top: top_vals and top_ids must both be [G, k] (vmap over rows), got "
+                         f"shapes {np.shape(top_vals)} and {np.shape(top_ids)}")
     root_token = jnp.asarray(root_token, jnp.int32)
-    k = top_vals.shape[-1]
+    depth_cap, k = np.shape(top_vals)
     n = budget + 1
+    if budget == 0 or depth_cap == 0 or k == 0:
+        # Nothing to draft, and the steps below need >= 1 candidate (budget 0 has none) and a beam
+        # entry per slot (G = 0 has none: the tree would have 1 slot, not budget + 1).
+        return _root_only(root_token, n)
     pair_row_P, pair_rank_P = _candidate_pairs(budget, k)
 
     def grow_one_depth(beam, row):
@@ -180,7 +196,17 @@ def build_ddtree_from_top(top_vals: jax.Array, top_ids: jax.Array, root_token: j
     parents_N = jnp.concatenate([jnp.full(1, -1, jnp.int32), parent])
     node_score = jnp.where(real, node_score, -jnp.inf)
     scores_N = jnp.concatenate([jnp.zeros(1, jnp.float32), node_score])
-    return DraftTree.from_parents(tokens_N, parents_N), scores_N
+    tree = DraftTree.from_parents(tokens_N, parents_N)
+    # A no-op for log-probabilities; under jit (no value checks) entries above 0 could leave a node
+    # whose parent was not chosen: from_parents pads it, and its score must say padding too.
+    return tree, jnp.where(tree.valid, scores_N, -jnp.inf)
+
+
+def _root_only(root_token: jax.Array, n: int) -> tuple[DraftTree, jax.Array]:
+    """Nothing can be drafted: a root-only tree of `n` slots, every other slot padding."""
+    tokens_N = jnp.zeros(n, jnp.int32).at[0].set(root_token)
+    scores_N = jnp.full(n, -jnp.inf, jnp.float32).at[0].set(0.0)
+    return DraftTree.from_parents(tokens_N, jnp.full(n, -1, jnp.int32)), scores_N
 
 
 # ------------------------------------------------------------------------------- context lookup

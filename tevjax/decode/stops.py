@@ -59,6 +59,11 @@ def check_stops(stops) -> tuple[str, ...]:
             raise TypeError(f"stop string {i} must be a str, got {s!r} ({type(s).__name__})")
         if not s:
             raise ValueError(f"stop string {i} is empty: it would match before the first token")
+        try:
+            s.encode()  # the automaton matches UTF-8 bytes; a lone surrogate has none
+        except UnicodeEncodeError as e:
+            raise ValueError(f"stop string {i} ({s!r}) is not valid Unicode: {e.reason} at position {e.start} (half of "
+                             "a surrogate pair?)") from None
     return stops
 
 
