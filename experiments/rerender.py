@@ -35,7 +35,7 @@ NOTE = "- Statistics rebuilt"  # the start of the line this script adds (replace
 TITLES = {"exittrain_ablation.py": exittrain_ablation.png_title, "budget_transfer.py": budget_transfer.png_title}
 
 
-def _ablation(raw: dict, lines: list[str], png: Path) -> tuple[int, int, list[str], callable]:
+def _ablation(raw: dict, lines: list[str], png: Path, script: str) -> tuple[int, int, list[str], callable]:
     """(where the rebuilt part starts and ends, its new lines, what writes the rest) for an ablation report."""
     cfg, counts = raw["config"], raw["per_prompt"]
     labels = list(raw["arms"])  # the baseline first, as run_and_report ordered them
@@ -48,7 +48,7 @@ def _ablation(raw: dict, lines: list[str], png: Path) -> tuple[int, int, list[st
                                                                                budgets)
     image = f"![tau by budget per arm]({png.name})"
     new += ["", image]
-    title = TITLES[raw["command"].split()[1].rsplit("/", 1)[-1]](cfg["quick"], cfg["steps"])
+    title = TITLES[script](cfg["quick"], cfg["steps"])
 
     def finish():
         plot(table, labels, sets, temperatures, budgets, png, title, cfg["num_prompts"])
@@ -74,14 +74,14 @@ def _paired(raw: dict, lines: list[str], heading: str, new: list[str]) -> tuple[
     return start, end, new, finish
 
 
-def _screen(raw: dict, lines: list[str], png: Path) -> tuple[int, int, list[str], callable]:
+def _screen(raw: dict, lines: list[str], png: Path, script: str) -> tuple[int, int, list[str], callable]:
     runs, cfg = raw["runs"], raw["config"]
     kinds = ("sim", "traj") if cfg.get("trajectory") else ("sim",)
     return _paired(raw, lines, heldout_screen.PAIRED.format(next(iter(runs))),
                    heldout_screen.paired_lines(runs, kinds, cfg["budgets"]))
 
 
-def _rounds(raw: dict, lines: list[str], png: Path) -> tuple[int, int, list[str], callable]:
+def _rounds(raw: dict, lines: list[str], png: Path, script: str) -> tuple[int, int, list[str], callable]:
     runs = raw["runs"]
     return _paired(raw, lines, round_blocks.PAIRED.format(next(iter(runs))), round_blocks.paired_lines(runs))
 
@@ -99,7 +99,7 @@ def rerender(json_path: Path, date: str) -> bool:
     md, png = json_path.with_suffix(".md"), json_path.with_suffix(".png")
     lines = md.read_text(encoding="utf-8").splitlines()
     try:
-        start, end, new, finish = KINDS[script](raw, lines, png)
+        start, end, new, finish = KINDS[script](raw, lines, png, script)
     except SystemExit as e:
         raise SystemExit(f"{md}: {e}; is it the report of {json_path}?") from None
     if lines[start:end] == new:

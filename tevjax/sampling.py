@@ -79,6 +79,13 @@ def _blocks(logits: jax.Array, block: int) -> jax.Array:
     return logits.reshape(*logits.shape[:-1], logits.shape[-1] // block, block)
 
 
+def _block_parts(blocks: jax.Array, scale: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(each block's max and shifted log-sum-exp [..., V / b], the row's max m [...]) of [..., V / b, b]
+    blocks. m comes from the block results, not another pass: blocks that are all -inf do not count."""
+    block_max, block_lse = _flat_lse_parts(blocks, scale)
+    return block_max, block_lse, _row_max(jnp.where(block_lse == -jnp.inf, -jnp.inf, block_max))
+
+
 def _block_weights(block_max: jax.Array, block_lse: jax.Array, m: jax.Array, scale: jax.Array) -> jax.Array:
     # Each block's log-mass relative to the row's shift m: block_lse + scale * (block_max - m). An
     # all -inf block stays -inf (its block_max is a stand-in 0 that may exceed m); NaN stays NaN.
@@ -100,9 +107,7 @@ def scaled_lse_parts(logits: jax.Array, scale: jax.Array | float = 1.0) -> tuple
     block = vocab_block(logits.shape[-1])
     if block is None:
         return _flat_lse_parts(logits, scale)
-    block_max, block_lse = _flat_lse_parts(_blocks(logits, block), scale)  # [..., V / b] each
-    # The row max from the block results, not another pass: blocks that are all -inf do not count.
-    m = _row_max(jnp.where(block_lse == -jnp.inf, -jnp.inf, block_max))
+    block_max, block_lse, m = _block_parts(_blocks(logits, block), scale)
     return m, jax.nn.logsumexp(_block_weights(block_max, block_lse, m, scale), axis=-1)
 
 
@@ -128,8 +133,7 @@ def categorical(key: jax.Array, logits: jax.Array, scale: jax.Array | float = 1.
         return jax.random.categorical(key, scale * x, axis=-1).astype(jnp.int32)
     x = _blocks(logits, block)  # [..., V / b, b]
     k_block, k_token = jax.random.split(key)
-    block_max, block_lse = _flat_lse_parts(x, scale)
-    m = _row_max(jnp.where(block_lse == -jnp.inf, -jnp.inf, block_max))
+    block_max, block_lse, m = _block_parts(x, scale)
     b = jax.random.categorical(k_block, _block_weights(block_max, block_lse, m, scale), axis=-1)
     row = jnp.take_along_axis(x, b[..., None, None], axis=-2)[..., 0, :].astype(jnp.float32)
     shift = jnp.take_along_axis(block_max, b[..., None], axis=-1)
