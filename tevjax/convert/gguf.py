@@ -360,17 +360,16 @@ def _config_from_metadata(path: Path, meta: Mapping[str, Any], tensor_names: set
                         f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
     conv = _arch_of(meta)
     cfg: dict[str, Any] = {"architectures": [conv.hf_class], "model_type": conv.model_type or arch}
+    # A MoE's dense width goes unread: its experts' own width replaces it.
+    dense_width_unread = conv.experts and conv.width_field != "intermediate_size"
     for key, field, kind, default in _LLAMA_CONFIG_TABLE:
         full = f"{arch}.{key}"
+        unread = key == "feed_forward_length" and dense_width_unread
         if full in meta:
             value = meta[full]
             if kind is int:
-                value = _uniform_int(path, full, value)
-                # 0 heads divided by zero below, and no other size can be 0 either; only a MoE's dense
-                # width, which its experts' own width replaces, goes unread
-                if value <= 0 and not (key == "feed_forward_length" and conv.experts
-                                       and conv.width_field != "intermediate_size"):
-                    raise GGUFError(f"{path}: metadata {full} should be a positive integer, got {value}")
+                # 0 heads divided by zero below, and no size that is read can be 0 either
+                value = _uniform_int(path, full, value) if unread else _size(path, meta, full, None)
             elif not isinstance(value, (int, float)) or isinstance(value, bool):
                 raise GGUFError(f"{path}: metadata {full} should be a number, got {value!r}")
             elif not math.isfinite(value) or value < 0 or (key == "rope.freq_base" and value == 0):
@@ -378,7 +377,7 @@ def _config_from_metadata(path: Path, meta: Mapping[str, Any], tensor_names: set
                 raise GGUFError(f"{path}: metadata {full} should be a finite number "
                                 f"{'> 0' if key == 'rope.freq_base' else '>= 0'}, got {value!r}")
             value = kind(value)
-        elif key == "feed_forward_length" and conv.experts and conv.width_field != "intermediate_size":
+        elif unread:
             continue  # its experts' width is its own key, and llama.cpp's converter writes this only when the
             # HF config has a dense width (Qwen3.5-MoE's has none)
         elif default is _REQUIRED:
